@@ -1,0 +1,20 @@
+"""moefx: fast Mixture-of-Experts LLM inference with torch.compile."""
+
+from moefx.compile import backend
+from moefx.config import CompilationConfig, OffloadConfig, PassConfig
+from moefx.optimize import optimize
+from moefx.reports import CompileReport, clear_compile_reports, compile_reports
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompilationConfig",
+    "CompileReport",
+    "OffloadConfig",
+    "PassConfig",
+    "__version__",
+    "backend",
+    "clear_compile_reports",
+    "compile_reports",
+    "optimize",
+]

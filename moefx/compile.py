@@ -1,0 +1,33 @@
+"""`moefx.backend(cfg)`: inductor with the moefx passes installed as its post-grad custom pass."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from moefx.config import CompilationConfig
+from moefx.passes import PassManager
+from moefx.signatures import ExecutionSignature, ModelSignature, Plan, resolve
+
+
+def backend(config: Any = None, plan: Plan | None = None) -> Callable[..., Any]:
+    """A `torch.compile` backend. Without a plan, one is resolved for an unknown model on this machine,
+    so only what the user's config asks for (and the machine supports) runs."""
+    cfg = CompilationConfig.from_any(config)
+    if plan is None:
+        es = ExecutionSignature.detect(mode=cfg.mode, max_batch_size=cfg.max_batch_size)
+        plan = resolve(ModelSignature.unknown(), es, cfg)
+    manager = PassManager(cfg, plan.enabled_passes(), plan)
+    patches: dict[str, Any] = {"post_grad_custom_post_pass": manager}
+    if cfg.mode == "capture" and plan.execution.device_type == "cuda":
+        patches["triton.cudagraphs"] = True
+
+    def moefx_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    moefx_backend.pass_manager = manager  # type: ignore[attr-defined]
+    moefx_backend.plan = plan  # type: ignore[attr-defined]
+    return moefx_backend

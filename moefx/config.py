@@ -1,0 +1,199 @@
+"""The one configuration object used by all three ways in: decorator, `torch.compile` backend and vLLM.
+
+Every key is declared once, as a dataclass field. Loading validates types and enum values and names
+the bad key, the valid choices and a close match, so a typo never silently turns an optimization off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
+MODES = ("eager", "compile", "capture")
+OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
+
+
+def _choices(*values: str) -> dict[str, Any]:
+    return {"choices": values}
+
+
+@dataclass
+class PassConfig:
+    """Pass toggles. `None` lets the plan decide; `True`/`False` is the user's word and wins."""
+
+    eliminate_noops: bool | None = None
+    fuse_act_quant: bool | None = None
+    fuse_norm_quant: bool | None = None
+    rewrite_sampler_syncs: bool | None = None
+    # Sub-toggle of rewrite_sampler_syncs: multinomial -> exponential race changes the random stream.
+    sampler_exponential_race: bool | None = None
+    last_token_logits: bool | None = None
+    # Write each graph before/after the moefx passes into this folder (also MOEFX_DUMP_GRAPHS).
+    dump_graph_dir: str | None = None
+
+
+@dataclass
+class OffloadConfig:
+    experts: str = field(default="gpu", metadata=_choices(*OFFLOAD_DEVICES))
+
+
+@dataclass
+class CompilationConfig:
+    pass_config: PassConfig = field(default_factory=PassConfig)
+    moe_backend: str = field(default="auto", metadata=_choices(*MOE_BACKENDS))
+    mode: str = field(default="compile", metadata=_choices(*MODES))
+    max_batch_size: int = 1
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    calibration: list[str] = field(default_factory=list)
+    rules: list[str] = field(default_factory=list)
+    # Prefill token budget override; None lets the plan decide (SPEC §6).
+    prefill_token_budget: int | None = None
+    # Turn "asked for but unsupported here" from a one-time warning into an error.
+    strict: bool = False
+    # Let torch.compile treat sequence lengths as dynamic from the first compile.
+    dynamic: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"config key 'max_batch_size' must be >= 1, got {self.max_batch_size}")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError(
+                f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
+            )
+
+    @classmethod
+    def from_any(cls, x: Any = None) -> CompilationConfig:
+        """Build from a dict, a JSON string, a .json/.yaml/.yml path, or return a CompilationConfig as is."""
+        if x is None:
+            return cls()
+        if isinstance(x, CompilationConfig):
+            return x
+        if isinstance(x, os.PathLike):
+            x = str(x)
+        if isinstance(x, str):
+            x = _load_text_or_path(x)
+        if not isinstance(x, dict):
+            raise ValueError(
+                f"config must be a dict, a JSON string, a .json/.yaml path or a CompilationConfig, "
+                f"got {type(x).__name__}"
+            )
+        return _build(cls, x, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, overrides: list[str]) -> CompilationConfig:
+        """Apply vLLM-style dotted overrides such as ``pass_config.fuse_act_quant=true``."""
+        data = self.to_dict()
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"override {item!r} must look like 'dotted.key=value'")
+            parts = key.strip().split(".")
+            node = data
+            for depth, part in enumerate(parts[:-1]):
+                if not isinstance(node.get(part), dict):
+                    prefix = ".".join(parts[: depth + 1])
+                    raise ValueError(f"override {item!r}: {prefix!r} is not a config section")
+                node = node[part]
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        return _build(CompilationConfig, data, "")
+
+    def compute_hash(self) -> str:
+        """Stable across processes; covers every field and the content of referenced rule/table files."""
+        payload = self.to_dict()
+        payload["_files"] = {p: _file_digest(p) for p in [*self.calibration, *self.rules]}
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _file_digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return "missing"
+
+
+def _load_text_or_path(text: str) -> Any:
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config JSON string is invalid: {exc}") from exc
+    path = Path(text)
+    if path.suffix.lower() not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"config path {text!r} must end in .json, .yaml or .yml (or pass a JSON object string)")
+    if not path.is_file():
+        raise ValueError(f"config file {text!r} does not exist")
+    content = path.read_text()
+    return json.loads(content) if path.suffix.lower() == ".json" else (yaml.safe_load(content) or {})
+
+
+def _did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise ValueError(
+                f"unknown config key {dotted!r}; valid keys: {sorted(fields)}{_did_you_mean(key, fields)}"
+            )
+        kwargs[key] = _coerce(hints[key], value, dotted, fields[key].metadata.get("choices"))
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        tp, origin = args[0], typing.get_origin(args[0])
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key!r} must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, key + ".")
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"config key {key!r} must be a list of strings, got {value!r}")
+        return list(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key {key!r} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config key {key!r} must be a string, got {value!r}")
+        if choices is not None and value not in choices:
+            raise ValueError(
+                f"config key {key!r} has invalid value {value!r}; valid choices: {list(choices)}"
+                f"{_did_you_mean(value, choices)}"
+            )
+        return value
+    raise TypeError(f"config key {key!r} has an unsupported declared type {tp!r}")

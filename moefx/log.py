@@ -1,0 +1,34 @@
+"""moefx logging: `MOEFX_LOG=debug|info|warning` sets the level; `warn_once` never repeats a message."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+_VALID_LEVELS = ("debug", "info", "warning", "error")
+_warned: set[str] = set()
+
+
+def get_logger(name: str = "moefx") -> logging.Logger:
+    logger = logging.getLogger(name)
+    root = logging.getLogger("moefx")
+    if not getattr(root, "_moefx_configured", False):
+        level = os.environ.get("MOEFX_LOG", "warning").lower()
+        if level not in _VALID_LEVELS:
+            raise ValueError(f"MOEFX_LOG={level!r} is invalid; valid values: {list(_VALID_LEVELS)}")
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[moefx %(levelname)s] %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level.upper())
+        root.propagate = False
+        root._moefx_configured = True  # type: ignore[attr-defined]
+    return logger
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
+    """Emit `message` as a Python warning the first time only (per process)."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    warnings.warn(message, category, stacklevel=3)

@@ -1,0 +1,1 @@
+"""torch.library custom ops that moefx passes and backends emit."""

@@ -1,0 +1,74 @@
+"""`moefx.optimize`: resolve the plan for a model, apply its rewrites, compile its forward."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from moefx.compile import backend
+from moefx.config import CompilationConfig
+from moefx.log import get_logger, warn_once
+from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+from moefx.transforms import ordered_transforms
+
+log = get_logger("moefx.optimize")
+
+
+def optimize(model: Any = None, *, config: Any = None) -> Any:
+    """Optimize an `nn.Module` instance, or decorate an `nn.Module` class (compiles on first call).
+
+    Usable as `optimize(model)`, `optimize(model, config=cfg)`, `@optimize` and `@optimize(config=cfg)`.
+    """
+    if model is None:
+        return functools.partial(optimize, config=config)
+    if isinstance(model, type):
+        if not issubclass(model, torch.nn.Module):
+            raise ValueError(f"moefx.optimize decorates nn.Module classes, got class {model.__name__}")
+        return _decorate_class(model, CompilationConfig.from_any(config))
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"moefx.optimize takes an nn.Module or an nn.Module class, got {type(model).__name__}")
+    return _optimize_instance(model, CompilationConfig.from_any(config))
+
+
+def _first_param(model: torch.nn.Module) -> torch.Tensor | None:
+    return next(iter(model.parameters()), None)
+
+
+def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.nn.Module:
+    if getattr(model, "moefx_plan", None) is not None:
+        warn_once(f"{type(model).__name__} was already optimized by moefx; returning it unchanged")
+        return model
+    param = _first_param(model)
+    device = param.device if param is not None else None
+    es = ExecutionSignature.detect(
+        device=device,
+        mode=cfg.mode,
+        max_batch_size=cfg.max_batch_size,
+        dtype=param.dtype if param is not None else None,
+    )
+    plan = resolve(ModelSignature.from_module(model), es, cfg)
+    for transform in ordered_transforms():
+        applied = transform.fn(model, plan, cfg)
+        plan.provenance.extend(f"{transform.name}: {line}" for line in applied)
+    if cfg.mode != "eager":
+        compiled = torch.compile(model.forward, backend=backend(cfg, plan), dynamic=cfg.dynamic)
+        model.forward = compiled
+    model.moefx_plan = plan
+    log.info("optimized %s\n%s", type(model).__name__, plan.explain())
+    return model
+
+
+def _decorate_class(cls: type, cfg: CompilationConfig) -> type:
+    original_forward = cls.forward
+
+    @functools.wraps(original_forward)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # First call on this instance: bind the original forward, optimize, then run the compiled one.
+        self.forward = original_forward.__get__(self)
+        _optimize_instance(self, cfg)
+        return self.forward(*args, **kwargs)
+
+    cls.forward = forward
+    return cls

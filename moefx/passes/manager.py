@@ -1,0 +1,72 @@
+"""The inductor post-grad hook that runs the enabled moefx passes in order.
+
+Its `uuid()` hashes the config, the enabled passes and their source files, so inductor's FX graph
+cache never serves a graph that was built with other passes or another version of a pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from moefx.config import CompilationConfig
+from moefx.log import get_logger
+from moefx.passes.base import PASS_REGISTRY, PassContext
+from moefx.reports import new_report
+
+log = get_logger("moefx.passes")
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, config: CompilationConfig, enabled: list[str], plan: object | None = None) -> None:
+        unknown = [n for n in enabled if n not in PASS_REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown pass(es) {unknown}; registered passes: {sorted(PASS_REGISTRY)}")
+        self.config = config
+        self.plan = plan
+        self.passes = sorted((PASS_REGISTRY[n]() for n in enabled), key=lambda p: (p.order, p.name))
+        dump = config.pass_config.dump_graph_dir or os.environ.get("MOEFX_DUMP_GRAPHS")
+        self.dump_dir = Path(dump) if dump else None
+
+    @property
+    def enabled(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        decisions = self.plan.decisions() if hasattr(self.plan, "decisions") else []
+        report = new_report(self.enabled, decisions)
+        report.nodes_before = len(graph.nodes)
+        self._dump(graph, report.graph_index, "before")
+        for p in self.passes:
+            ctx = PassContext(config=self.config, plan=self.plan)
+            n = p.run(graph, ctx)
+            report.matches[p.name] = n
+            if ctx.skipped:
+                report.skipped[p.name] = ctx.skipped
+                for reason in ctx.skipped:
+                    log.debug("%s left a candidate alone: %s", p.name, reason)
+            if n:
+                log.debug("%s made %d rewrite(s) in graph %d", p.name, n, report.graph_index)
+                graph.eliminate_dead_code()
+        graph.lint()
+        report.nodes_after = len(graph.nodes)
+        self._dump(graph, report.graph_index, "after")
+        log.info("%s", report.summary())
+
+    def _dump(self, graph: torch.fx.Graph, index: int, stage: str) -> None:
+        if self.dump_dir is None:
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        (self.dump_dir / f"graph{index:03d}_{stage}.txt").write_text(str(graph))
+
+    def uuid(self) -> str:
+        digest = hashlib.sha256(self.config.compute_hash().encode())
+        digest.update(Path(__file__).read_bytes())
+        for p in self.passes:
+            digest.update(p.name.encode())
+            digest.update(p.source_digest().encode())
+        return digest.hexdigest()
