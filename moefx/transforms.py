@@ -6,8 +6,10 @@ the decisions it applied, and they land in the plan's provenance so `explain()` 
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 TransformFn = Callable[[Any, Any, Any], list[str]]
 
@@ -21,6 +23,9 @@ class ModelTransform:
 
 MODEL_TRANSFORMS: dict[str, ModelTransform] = {}
 
+# Modules that register a transform when imported; `optimize` imports them on first use.
+TRANSFORM_MODULES: tuple[str, ...] = ()
+
 
 def register_model_transform(name: str, order: int) -> Callable[[TransformFn], TransformFn]:
     def deco(fn: TransformFn) -> TransformFn:
@@ -33,4 +38,6 @@ def register_model_transform(name: str, order: int) -> Callable[[TransformFn], T
 
 
 def ordered_transforms() -> list[ModelTransform]:
+    for module in TRANSFORM_MODULES:
+        importlib.import_module(module)
     return sorted(MODEL_TRANSFORMS.values(), key=lambda t: (t.order, t.name))

@@ -1,1 +1,6 @@
 """MoE expert backends behind one op, `moefx::moe_experts`, chosen per call by M."""
+
+from moefx.backends import legacy  # noqa: F401
+from moefx.backends.registry import BACKENDS, MoEBackend, register_backend
+
+__all__ = ["BACKENDS", "MoEBackend", "register_backend"]

@@ -42,6 +42,11 @@ class MoefxPass:
         raise NotImplementedError
 
     @classmethod
+    def unsupported_reason(cls, ms: object, es: object) -> str | None:
+        """None when the pass can run for this ModelSignature × ExecutionSignature, else why not."""
+        return None
+
+    @classmethod
     def source_digest(cls) -> str:
         files = [inspect.getsourcefile(cls), *cls.uuid_files]
         digest = hashlib.sha256()

@@ -1,0 +1,65 @@
+"""The MoE backend contract and registry. One backend per file; each registers itself by name.
+
+Shapes (transformers 5 layout): hidden [M, H], topk_ids [M, k] (int), topk_weights [M, k],
+w13 [E, 2I, H] (gate rows first, then up rows), w2 [E, H, I]. FP8 block-quant weights are
+float8_e4m3fn with `w13_scale` [E, ceil(2I/bn), ceil(H/bk)] and `w2_scale` [E, ceil(H/bn), ceil(I/bk)]
+(dequantized weight = fp8 value * scale, the `weight_scale_inv` checkpoint convention) and
+`block_shape` (bn, bk), usually (128, 128). Output: [M, H] in hidden's dtype,
+sum_j topk_weights[m, j] * down(silu(gate(x_m)) * up(x_m)) over expert topk_ids[m, j].
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+
+class MoEBackend:
+    name: ClassVar[str]
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def unsupported_reason(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> str | None:
+        """None when this backend can run these inputs, else a short reason (shown in the plan/log)."""
+        if hidden.device.type not in self.devices:
+            return f"{self.name} does not run on {hidden.device.type}"
+        return None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+BACKENDS: dict[str, MoEBackend] = {}
+
+
+def register_backend(cls: type[MoEBackend]) -> type[MoEBackend]:
+    if cls.name in BACKENDS:
+        raise ValueError(f"MoE backend {cls.name!r} is registered twice")
+    BACKENDS[cls.name] = cls()
+    return cls
+
+
+def dequant_block(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """fp8 [.., N, K] with per-(bn x bk)-block scales [.., ceil(N/bn), ceil(K/bk)] -> float32."""
+    bn, bk = block_shape
+    n, k = w.shape[-2], w.shape[-1]
+    s = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return w.to(torch.float32) * s.to(torch.float32)
