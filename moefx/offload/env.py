@@ -1,0 +1,173 @@
+"""The one declarative table of offload/MoE environment knobs (SPEC §5): the single place each default lives.
+
+`get_setting(name)` reads the environment every call (so tests and launchers can change it), maps a
+legacy alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
+for a bad value. Canonical and alias both set to different values is an error, never a silent choice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from moefx.config import MOE_BACKENDS, OFFLOAD_DEVICES
+from moefx.log import warn_once
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected one of {list(_TRUE + _FALSE)}")
+
+
+def _int_parser(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected an integer >= {minimum}") from None
+        if value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def _choice_parser(choices: tuple[str, ...], synonyms: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        low = raw.strip().lower()
+        low = (synonyms or {}).get(low, low)
+        if low not in choices:
+            raise ValueError(f"valid choices: {list(choices)}")
+        return low
+
+    return parse
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    """One knob: canonical name, parser, default (None = decided elsewhere, see `meaning`), aliases."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    meaning: str
+    aliases: tuple[str, ...] = field(default=())
+
+
+SETTINGS: tuple[EnvSetting, ...] = (
+    EnvSetting(
+        "MOEFX_OFFLOAD_EXPERTS",
+        _choice_parser(OFFLOAD_DEVICES, {"cuda": "gpu"}),
+        "gpu",
+        "where expert weights live: gpu | cpu | auto (the plan decides from model size and free GPU memory)",
+        ("VLLM_EXPERTS_LOAD_DEVICE",),
+    ),
+    EnvSetting(
+        "MOEFX_OFFLOAD_INT8",
+        _parse_bool,
+        None,
+        "INT8 activation path for CPU experts on/off; unset = from the weight format (on for int8 weights)",
+        ("XIAOTU_MOE_INT8", "XIAOTU_MOE_W4A8"),
+    ),
+    EnvSetting(
+        "MOEFX_OFFLOAD_INT8_ALIGN",
+        _parse_bool,
+        True,
+        "ALIGN tile implementation: pad token rows to the int8 GEMM's alignment so every M takes the int8 kernel",
+        ("XIAOTU_MOE_INT8_ALIGN",),
+    ),
+    EnvSetting(
+        "MOEFX_OFFLOAD_INT8_VNNI",
+        _parse_bool,
+        False,
+        "older VNNI tile implementation: one int8 GEMM per expert and projection instead of the ALIGN tiles",
+        ("XIAOTU_MOE_INT8_VNNI",),
+    ),
+    EnvSetting(
+        "MOEFX_OFFLOAD_INT8_VNNI_MIN_TOKENS",
+        _int_parser(1),
+        160,
+        "token rows (M) from which the INT8 activation path is used when MOEFX_OFFLOAD_INT8 is on",
+        ("XIAOTU_MOE_INT8_VNNI_MIN_TOKENS", "XIAOTU_MOE_I8_MIN_M"),
+    ),
+    EnvSetting(
+        "MOEFX_OFFLOAD_STAGE_TILE_E",
+        _int_parser(1),
+        96,
+        "experts per tile of the GPU prefill staging ring (two tiles, ping-pong)",
+        ("XIAOTU_GPF_STAGE_TILE_E",),
+    ),
+    EnvSetting(
+        "MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS",
+        _int_parser(0),
+        None,
+        "token rows from which experts are streamed to the GPU instead of computed on the CPU; "
+        "0 = never stream; unset = from the cost model",
+        ("VLLM_XIAOTU_GPU_PREFILL_MIN_TOKENS",),
+    ),
+    EnvSetting(
+        "MOEFX_MOE_BACKEND",
+        _choice_parser(MOE_BACKENDS),
+        "auto",
+        "force one MoE backend for every call (safety checks still apply)",
+    ),
+)
+
+_BY_NAME: dict[str, EnvSetting] = {s.name: s for s in SETTINGS}
+
+
+def _lookup(name: str) -> EnvSetting:
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown moefx env setting {name!r}; valid names: {sorted(_BY_NAME)}")
+    return _BY_NAME[name]
+
+
+def _parse(var: str, raw: str, setting: EnvSetting) -> Any:
+    try:
+        return setting.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {var}={raw!r} is invalid: {exc}") from None
+
+
+def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Resolved value of canonical setting `name` (env > alias > table default)."""
+    setting = _lookup(name)
+    env = os.environ if environ is None else environ
+    found: list[tuple[str, Any]] = []
+    if env.get(setting.name, "").strip():
+        found.append((setting.name, _parse(setting.name, env[setting.name], setting)))
+    for alias in setting.aliases:
+        if env.get(alias, "").strip():
+            found.append((alias, _parse(alias, env[alias], setting)))
+            warn_once(f"environment variable {alias} is a legacy alias; use {setting.name} (value kept)")
+    if not found:
+        return setting.default
+    values = {value for _, value in found}
+    if len(values) > 1:
+        pairs = ", ".join(f"{var}={env[var]!r}" for var, _ in found)
+        raise ValueError(f"conflicting values for {setting.name}: {pairs}; set only {setting.name}")
+    return found[0][1]
+
+
+def setting_source(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """Which variable set `name` ("env NAME"), or "default"; for explain() lines."""
+    setting = _lookup(name)
+    env = os.environ if environ is None else environ
+    for var in (setting.name, *setting.aliases):
+        if env.get(var, "").strip():
+            return f"env {var}"
+    return "default"
+
+
+def settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Every canonical env name -> its resolved value (SPEC §1 `moefx.offload.settings()`)."""
+    return {s.name: get_setting(s.name, environ) for s in SETTINGS}
