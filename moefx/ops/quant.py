@@ -1,0 +1,217 @@
+"""Quant schemes and the reference (eager PyTorch) math behind every moefx quant op.
+
+The reference is the contract the Triton kernels are tested against, so every rounding step is explicit:
+it rounds exactly where eager user code rounds (see each function). It is also the CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("fp8_group", "fp8_token", "int8_token", "int8_group")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+INT8_MAX = 127.0
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """The scalar arguments every `moefx::*quant*` op takes after its tensors, in this order."""
+
+    kind: str = "fp8_group"
+    group_size: int = 128
+    eps: float = 1e-10
+    min_scale: float = 0.0
+    qmax: float = 0.0
+    scale_ue8m0: bool = False
+    column_major_scales: bool = False
+    tma_aligned_scales: bool = False
+
+    def args(self) -> tuple:
+        return (
+            self.kind,
+            self.group_size,
+            self.eps,
+            self.min_scale,
+            self.qmax,
+            self.scale_ue8m0,
+            self.column_major_scales,
+            self.tma_aligned_scales,
+        )
+
+
+PRESETS: dict[str, QuantScheme] = {
+    "fp8_group128": QuantScheme("fp8_group", 128),
+    "fp8_group64": QuantScheme("fp8_group", 64),
+    "fp8_token": QuantScheme("fp8_token", 0),
+    "int8_token": QuantScheme("int8_token", 0),
+    "int8_group128": QuantScheme("int8_group", 128),
+}
+
+
+def check_scheme(
+    kind: str,
+    group_size: int,
+    eps: float,
+    min_scale: float,
+    qmax: float,
+    scale_ue8m0: bool,
+    column_major_scales: bool,
+    tma_aligned_scales: bool,
+) -> float:
+    """Validate the scheme arguments (ValueError naming the bad one); returns the effective qmax."""
+    if kind not in KINDS:
+        raise ValueError(f"quant kind={kind!r} is invalid; valid choices: {list(KINDS)}")
+    grouped = kind.endswith("_group")
+    if grouped and group_size <= 0:
+        raise ValueError(f"group_size={group_size} is invalid for kind={kind!r}; it must be a positive integer")
+    if not grouped and (column_major_scales or tma_aligned_scales):
+        raise ValueError(f"column_major_scales/tma_aligned_scales apply only to *_group kinds, not kind={kind!r}")
+    if eps < 0 or min_scale < 0:
+        raise ValueError(f"eps={eps} and min_scale={min_scale} must be >= 0")
+    if qmax < 0:
+        raise ValueError(f"qmax={qmax} must be >= 0 (0 selects the kind's default)")
+    if qmax == 0:
+        qmax = FP8_MAX if kind.startswith("fp8") else INT8_MAX
+    if kind.startswith("fp8") and qmax > FP8_MAX:
+        raise ValueError(f"qmax={qmax} exceeds the float8_e4m3fn range {FP8_MAX}")
+    if kind.startswith("int8") and qmax > INT8_MAX:
+        raise ValueError(f"qmax={qmax} exceeds the int8 range {INT8_MAX}")
+    return float(qmax)
+
+
+def num_groups(kind: str, group_size: int, h: int) -> int:
+    return -(-h // group_size) if kind.endswith("_group") else 1
+
+
+def out_dtype(kind: str) -> torch.dtype:
+    return FP8_DTYPE if kind.startswith("fp8") else torch.int8
+
+
+def empty_scales(
+    lead: tuple[int, ...], groups: int, device: torch.device, column_major: bool, tma_aligned: bool
+) -> torch.Tensor:
+    """fp32 scales [*lead, groups] in the requested memory layout.
+
+    column-major: the last two dims are stored transposed (vLLM's `.transpose(-2,-1).contiguous().transpose(-1,-2)`);
+    TMA-aligned (2-D only, DeepGEMM / SGLang layout): column-major with the row count padded to a multiple of 4,
+    i.e. shape [M, G], stride (1, ceil(M/4)*4).
+    """
+    shape = (*lead, groups)
+    if tma_aligned:
+        if len(lead) != 1:
+            raise ValueError(f"tma_aligned_scales needs a 2-D input, got leading shape {tuple(lead)}")
+        m = lead[0]
+        am = -(-m // 4) * 4
+        return torch.empty_strided((m, groups), (1, am), dtype=torch.float32, device=device)
+    if column_major:
+        if len(lead) < 1:
+            raise ValueError("column_major_scales needs an input with at least 2 dims")
+        t = torch.empty((*lead[:-1], groups, lead[-1]), dtype=torch.float32, device=device)
+        return t.transpose(-2, -1)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def ref_quant(
+    x: torch.Tensor,
+    kind: str,
+    group_size: int,
+    eps: float,
+    min_scale: float,
+    qmax: float,
+    scale_ue8m0: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference dynamic quant of `x` [..., H] -> (q [..., H], contiguous fp32 scales [..., G]).
+
+    Per group (or per token): amax = max|x| (exact, in fp32); amax = max(amax, eps);
+    scale = amax / qmax (IEEE fp32 division); UE8M0: scale = exp2(ceil(log2(scale)));
+    scale = max(scale, min_scale); y = x_fp32 / scale (IEEE division).
+    FP8: q = clamp(y, -qmax, qmax).to(float8_e4m3fn) (round to nearest even).
+    INT8: q = clamp(round(y), -qmax, qmax).to(int8), round = torch.round (half to even).
+    A partial last group (H % group_size != 0) behaves as zero-padded, like vLLM's QuantFP8.
+    """
+    h = x.shape[-1]
+    lead = x.shape[:-1]
+    gs = group_size if kind.endswith("_group") else h
+    g = -(-h // gs)
+    xf = x.float()
+    if g * gs != h:
+        xf = F.pad(xf, (0, g * gs - h))
+    xg = xf.reshape(*lead, g, gs)
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    if eps > 0:
+        amax = amax.clamp(min=eps)
+    scale = amax / qmax
+    if scale_ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if min_scale > 0:
+        scale = scale.clamp(min=min_scale)
+    y = xg / scale
+    if kind.startswith("fp8"):
+        q = y.clamp(-qmax, qmax).to(FP8_DTYPE)
+    else:
+        q = torch.round(y).clamp(-qmax, qmax).to(torch.int8)
+    q = q.reshape(*lead, g * gs)[..., :h]
+    return q, scale.reshape(*lead, g)
+
+
+def ref_silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :N]) * x[..., N:] in x's dtype, as eager computes it: silu in fp32 rounded to x.dtype,
+    then the product in fp32 rounded to x.dtype (vLLM SiluAndMul.forward_native, transformers' MLP)."""
+    n = x.shape[-1] // 2
+    return F.silu(x[..., :n]) * x[..., n:]
+
+
+def ref_silu_mul_split(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up with the same roundings as `ref_silu_mul`."""
+    return F.silu(gate) * up
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    """RMSNorm with the two weight conventions real code uses.
+
+    weight_in_fp32=False (transformers LlamaRMSNorm/Qwen3RMSNorm, vLLM RMSNorm.forward_native):
+      n = (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype); y = weight * n   (in the promoted dtype of weight, x)
+    weight_in_fp32=True (torch.nn.functional.rms_norm / aten._fused_rms_norm):
+      y = (x32 * rsqrt(mean(x32^2) + eps) * weight).to(x.dtype)         (one rounding)
+    """
+    x32 = x.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        y = x32 * r
+        if weight is not None:
+            y = y * weight
+        return y.to(x.dtype)
+    n = (x32 * r).to(x.dtype)
+    return n if weight is None else weight * n
+
+
+def ref_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    weight_in_fp32: bool,
+    fp32_residual_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), new_residual) with new_residual = (x + residual) rounded to x.dtype.
+
+    fp32_residual_sum=False (transformers decoder layers): the norm reads the rounded sum.
+    fp32_residual_sum=True (vLLM RMSNorm.forward_native with residual): the norm reads the fp32 sum
+    x32 + residual32 before rounding.
+    """
+    s32 = x.float() + residual.float()
+    new_res = s32.to(x.dtype)
+    src = s32 if fp32_residual_sum else new_res
+    x32 = src.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        y = x32 * r
+        if weight is not None:
+            y = y * weight
+        return y.to(x.dtype), new_res
+    n = (x32 * r).to(x.dtype)
+    return (n if weight is None else weight * n), new_res
