@@ -15,7 +15,11 @@ class MoePlan:
         return [f"moe backend = {self.backend}  [{self.source}]"]
 
 
-def moe_plan(ms: Any, es: Any, cfg: Any) -> MoePlan:
+def moe_plan(ms: Any, es: Any, cfg: Any, pins: dict | None = None) -> MoePlan:
+    """`pins` comes from the first matching signature rule: {"source": "rules.yaml#2", and either
+    "backend": name or "ranges": "gemv@1-16,grouped@17-"}. The user's config still wins over a pin."""
     if cfg.moe_backend != "auto":
         return MoePlan(cfg.moe_backend, "user config")
+    if pins:
+        return MoePlan(pins.get("backend") or pins["ranges"], pins["source"])
     return MoePlan()
