@@ -1,8 +1,9 @@
 """eliminate_noops: drop reshapes, slices, expands and casts that return their input unchanged.
 
-Such nodes appear between the ops a fusion looks for (a `view` to the same shape, a full-range
-slice, a cast to the dtype the tensor already has) and stop patterns from matching. Only nodes
-whose result is provably identical to the input (same shape, dtype, and full range) are removed.
+Inductor already removes the simplest no-ops; what survives into the post-grad graph are chains that
+are no-ops only together: `x.view(-1, 128).view(x.shape)` around a per-group computation, or an exact
+round-trip cast such as bf16 -> fp32 -> bf16. Such chains sit between the ops a fusion looks for and stop
+patterns from matching. Every rewrite here is exact: the value of each rewritten node is unchanged.
 """
 
 from __future__ import annotations
@@ -16,13 +17,19 @@ from moefx.passes.base import MoefxPass, PassContext, register_pass
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SAME_SHAPE_NOOPS = {aten.expand.default, aten.alias.default, aten.slice.Tensor}
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
-_SLICES = {aten.slice.Tensor}
+# Casting a value up to one of these dtypes and back down is exact (every source value is representable).
+_LOSSLESS_UP = {
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
 
 
 def _val(node: object) -> torch.Tensor | None:
-    val = getattr(node, "meta", {}).get("val") if isinstance(node, torch.fx.Node) else None
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
 
 
@@ -30,25 +37,54 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
-def _is_noop(node: torch.fx.Node) -> bool:
-    out, inp = _val(node), _val(node.args[0]) if node.args else None
-    if out is None or inp is None or out.dtype != inp.dtype or out.device != inp.device:
-        return False
-    if not _same_shape(out, inp):
-        return False
+def _plain_cast(node: torch.fx.Node) -> bool:
+    """A dtype-only cast: `convert_element_type`, or `_to_copy` with nothing but dtype/device/layout."""
+    if node.target is prims.convert_element_type.default:
+        return True
+    return node.target is aten._to_copy.default and not set(node.kwargs) - {"dtype", "device", "layout"}
+
+
+def _keeps_value(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    out, inp = _val(node), _val(source)
+    return (
+        out is not None
+        and inp is not None
+        and out.dtype == inp.dtype
+        and out.device == inp.device
+        and _same_shape(out, inp)
+    )
+
+
+def _touches_io(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    # A copy may be relied on for not aliasing a graph input or output: keep those.
+    return source.op == "placeholder" or any(u.op == "output" for u in node.users)
+
+
+def _replacement(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose value `node` equals, or None."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, torch.fx.Node):
+        return None
     if node.target in _RESHAPES:
-        return True
-    if node.target in _CASTS:
-        if node.target is aten._to_copy.default:
-            # A real copy may be relied on for not aliasing a graph input or output: keep those.
-            extra = set(node.kwargs) - {"dtype", "device", "layout"}
-            touches_io = node.args[0].op == "placeholder" or any(u.op == "output" for u in node.users)
-            return not extra and not touches_io and out.stride() == inp.stride()
-        return True
-    if node.target in _SLICES:
-        step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
-        return step == 1
-    return False
+        # Collapse reshape chains to their first input; the collapse itself happens in run().
+        while src.op == "call_function" and src.target in _RESHAPES:
+            src = src.args[0]
+        return src if _keeps_value(node, src) else None
+    if node.target in _SAME_SHAPE_NOOPS:
+        if node.target is aten.slice.Tensor:
+            step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+            if step != 1:
+                return None
+        return src if _keeps_value(node, src) else None
+    if node.target in _CASTS and _plain_cast(node) and not _touches_io(node, src):
+        if _keeps_value(node, src):
+            return src
+        inner = src.args[0] if src.op == "call_function" and src.target in _CASTS and _plain_cast(src) else None
+        mid, outer = _val(src), _val(node)
+        if isinstance(inner, torch.fx.Node) and mid is not None and outer is not None:
+            if mid.dtype in _LOSSLESS_UP.get(outer.dtype, ()) and _keeps_value(node, inner):
+                return inner
+    return None
 
 
 @register_pass
@@ -57,10 +93,26 @@ class EliminateNoops(MoefxPass):
     order = 0
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
-        removed = 0
+        rewrites = 0
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in (_RESHAPES | _CASTS | _SLICES) and _is_noop(node):
-                node.replace_all_uses_with(node.args[0])
+            if node.op != "call_function":
+                continue
+            target = _replacement(node)
+            if target is not None:
+                node.replace_all_uses_with(target)
                 graph.erase_node(node)
-                removed += 1
-        return removed
+                rewrites += 1
+            elif node.target in _RESHAPES and _is_chain(node):
+                # reshape(reshape(x, a), b) == reshape(x, b): skip the middle so patterns see one reshape.
+                root = node.args[0]
+                while root.op == "call_function" and root.target in _RESHAPES:
+                    root = root.args[0]
+                node.args = (root, *node.args[1:])
+                node.target = aten.reshape.default
+                rewrites += 1
+        return rewrites
+
+
+def _is_chain(node: torch.fx.Node) -> bool:
+    src = node.args[0]
+    return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in _RESHAPES

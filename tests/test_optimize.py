@@ -1,0 +1,98 @@
+import copy
+
+import pytest
+import torch
+
+import moefx
+from moefx.cli import main as cli_main
+from moefx.models import build_model, tiny_qwen3_moe_config
+
+NOOPS_ON = {"pass_config": {"eliminate_noops": True}}
+
+
+@pytest.mark.compile
+def test_optimized_generate_matches_eager_without_recompiling_every_step():
+    torch._dynamo.reset()
+    moefx.clear_compile_reports()
+    eager = build_model(tiny_qwen3_moe_config(), seed=1)
+    model = moefx.optimize(copy.deepcopy(eager), config=NOOPS_ON)
+    assert model.moefx_plan.pass_enabled("eliminate_noops")
+
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, eager(ids).logits
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-5
+
+    out = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, eager.generate(ids, max_new_tokens=10, do_sample=False))
+    # Prefill, first decode step, then one dynamic decode graph: not one graph per step.
+    first = len(moefx.compile_reports())
+    assert 1 <= first <= 4
+    for prompt_len in (11, 13):
+        ids = torch.randint(0, 256, (2, prompt_len))
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=6, do_sample=False),
+            eager.generate(ids, max_new_tokens=6, do_sample=False),
+        )
+    assert len(moefx.compile_reports()) <= first + 2
+
+
+@pytest.mark.compile
+def test_class_decorator_compiles_on_first_call():
+    torch._dynamo.reset()
+    moefx.clear_compile_reports()
+
+    @moefx.optimize(config=NOOPS_ON)
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(x.view(4, 4, 4).reshape(16, 4).reshape(4, 16)).relu()
+
+    block = Block()
+    assert not hasattr(block, "moefx_plan")
+    x = torch.randn(4, 16)
+    expected = block.proj(x).relu()
+    assert torch.allclose(block(x), expected, atol=1e-6)
+    assert block.moefx_plan.pass_enabled("eliminate_noops")
+    assert len(moefx.compile_reports()) == 1
+    block(torch.randn(4, 16))
+    assert len(moefx.compile_reports()) == 1
+
+
+def test_eager_mode_applies_plan_without_compiling():
+    moefx.clear_compile_reports()
+    model = torch.nn.Linear(4, 4)
+    original = model.forward
+    out = moefx.optimize(model, config={"mode": "eager"})
+    assert out is model and model.forward == original
+    assert "mode=eager" in model.moefx_plan.explain()
+    model(torch.randn(2, 4))
+    assert moefx.compile_reports() == []
+
+
+def test_optimize_rejects_what_it_cannot_optimize():
+    with pytest.raises(ValueError, match="nn.Module"):
+        moefx.optimize(object())
+    with pytest.raises(ValueError, match="nn.Module classes"):
+        moefx.optimize(int)
+    with pytest.raises(ValueError, match="unknown config key 'pass_confg'"):
+        moefx.optimize(torch.nn.Linear(2, 2), config={"pass_confg": {}})
+
+
+@pytest.mark.compile
+def test_demo_runs_and_matches(capsys):
+    torch._dynamo.reset()
+    assert cli_main(["demo", "--device", "cpu", "--prompt-len", "6", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "plan:" in out and "greedy tokens match eager: yes" in out and "decode tok/s" in out
+
+
+def test_cli_help_version_and_bad_config(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--version"])
+    assert exc.value.code == 0 and moefx.__version__ in capsys.readouterr().out
+    assert cli_main(["demo", "-cc.moe_backend=gemm"]) == 2
+    assert "valid choices" in capsys.readouterr().err
