@@ -1,0 +1,58 @@
+"""Small FX helpers shared by the sampler and LM-head passes: insert nodes with fake values, name sources.
+
+Inductor's later post-grad passes read `meta["val"]` (device, shape, dtype), so every node a moefx
+rewrite inserts gets a value computed under the graph's own fake mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map
+
+
+def meta_val(node: object) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _fake_mode(args: Any) -> Any:
+    found = []
+
+    def visit(x: Any) -> Any:
+        val = meta_val(x)
+        mode = getattr(val, "fake_mode", None)
+        if mode is not None:
+            found.append(mode)
+        return x
+
+    tree_map(visit, args)
+    return found[0] if found else None
+
+
+def call(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    """Insert `target(*args, **kwargs)` at the graph's current insert point, with its fake value."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    mode = _fake_mode((args, kwargs))
+    if mode is not None:
+
+        def to_val(x: Any) -> Any:
+            return meta_val(x) if isinstance(x, torch.fx.Node) else x
+
+        with mode:
+            node.meta["val"] = target(*tree_map(to_val, args), **tree_map(to_val, kwargs))
+    return node
+
+
+def source_of(node: torch.fx.Node) -> str:
+    """`file:line (code)` of the user code a node came from, or the node name when unknown."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            where = lines[i].replace("File ", "", 1)
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{where} ({code})" if code else where
+    return f"node {node.name}"
