@@ -1,6 +1,7 @@
 """MoE expert backends behind one op, `moefx::moe_experts`, chosen per call by M."""
 
 from moefx.backends import legacy  # noqa: F401
+from moefx.backends.op import available_backends, moe_experts
 from moefx.backends.registry import BACKENDS, MoEBackend, register_backend
 
-__all__ = ["BACKENDS", "MoEBackend", "register_backend"]
+__all__ = ["BACKENDS", "MoEBackend", "available_backends", "moe_experts", "register_backend"]

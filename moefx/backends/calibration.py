@@ -1,0 +1,344 @@
+"""MoE calibration tables: which backend is fastest for each M range, measured on one exact device and shape.
+
+A row is keyed exactly (device name, capability, multiprocessor count, E, N, K, top_k, dtype, quant block,
+mode) and carries its provenance (date, torch/triton versions, command). Tables are YAML files: the ones
+shipped in `moefx/backends/tables/`, the user's folder (`$XDG_CONFIG_HOME/moefx/calibration`, default
+`~/.config/moefx/calibration`) and any paths in the config's `calibration` list. Lookups never guess:
+a key with no row finds nothing, and the caller runs the plain path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import platform
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+PACKAGE_TABLES = Path(__file__).parent / "tables"
+MODES = ("eager", "capture")
+KEY_FIELDS = ("device", "capability", "multiprocessor_count", "E", "N", "K", "top_k", "dtype", "quant_block", "mode")
+ROW_FIELDS = ("key", "ranges", "provenance", "timings_us")
+
+
+def user_table_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "moefx" / "calibration"
+
+
+@functools.cache
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_identity(device: torch.device | str) -> tuple[str, tuple[int, int] | None, int | None]:
+    """(name, capability, multiprocessor count) the way calibration rows spell them; CPUs count threads."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return props.name, (props.major, props.minor), props.multi_processor_count
+    if dev.type == "cpu":
+        return f"cpu: {_cpu_name()}", None, torch.get_num_threads()
+    return dev.type, None, None
+
+
+@dataclass(frozen=True)
+class CalibrationKey:
+    device: str
+    capability: tuple[int, int] | None
+    multiprocessor_count: int | None
+    E: int
+    N: int
+    K: int
+    top_k: int
+    dtype: str
+    quant_block: tuple[int, int] | None
+    mode: str
+
+    def describe(self) -> str:
+        cap = "cap=none" if self.capability is None else f"cap={self.capability[0]}.{self.capability[1]}"
+        quant = "none" if self.quant_block is None else f"{self.quant_block[0]}x{self.quant_block[1]}"
+        return (
+            f"{self.device} {cap} sms={self.multiprocessor_count} E={self.E} N={self.N} K={self.K} "
+            f"top_k={self.top_k} {self.dtype} quant={quant} mode={self.mode}"
+        )
+
+    def to_yaml(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "capability": list(self.capability) if self.capability is not None else None,
+            "multiprocessor_count": self.multiprocessor_count,
+            "E": self.E,
+            "N": self.N,
+            "K": self.K,
+            "top_k": self.top_k,
+            "dtype": self.dtype,
+            "quant_block": list(self.quant_block) if self.quant_block is not None else None,
+            "mode": self.mode,
+        }
+
+    @classmethod
+    def from_yaml(cls, data: Any, where: str) -> CalibrationKey:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: 'key' must be a mapping with fields {list(KEY_FIELDS)}")
+        missing = [f for f in KEY_FIELDS if f not in data]
+        extra = [f for f in data if f not in KEY_FIELDS]
+        if missing or extra:
+            raise ValueError(
+                f"{where}: key fields missing {missing} / unknown {extra}; valid fields: {list(KEY_FIELDS)}"
+            )
+        if data["mode"] not in MODES:
+            raise ValueError(f"{where}: key mode {data['mode']!r} is invalid; valid choices: {list(MODES)}")
+        for name in ("E", "N", "K", "top_k"):
+            if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < 1:
+                raise ValueError(f"{where}: key field {name!r} must be a positive integer, got {data[name]!r}")
+        return cls(
+            device=str(data["device"]),
+            capability=_pair(data["capability"], "capability", where),
+            multiprocessor_count=data["multiprocessor_count"],
+            E=data["E"],
+            N=data["N"],
+            K=data["K"],
+            top_k=data["top_k"],
+            dtype=str(data["dtype"]),
+            quant_block=_pair(data["quant_block"], "quant_block", where),
+            mode=data["mode"],
+        )
+
+
+def _pair(value: Any, name: str, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(isinstance(v, int) for v in value):
+        raise ValueError(f"{where}: key field {name!r} must be null or a pair of integers, got {value!r}")
+    return (value[0], value[1])
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def key_for_tensors(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    block_shape: Sequence[int] | None,
+    mode: str,
+) -> CalibrationKey:
+    """The row key of one `moe_experts` call (N = 2I rows of w13, K = H)."""
+    name, cap, sms = device_identity(hidden.device)
+    return CalibrationKey(
+        device=name,
+        capability=cap,
+        multiprocessor_count=sms,
+        E=int(w13.shape[0]),
+        N=int(w13.shape[1]),
+        K=int(w13.shape[2]),
+        top_k=int(topk_ids.shape[-1]),
+        dtype=dtype_name(hidden.dtype),
+        quant_block=tuple(int(b) for b in block_shape) if block_shape is not None else None,  # type: ignore[arg-type]
+        mode=mode,
+    )
+
+
+@dataclass(frozen=True)
+class MRange:
+    """Backend `backend` for min_m <= M <= max_m (max_m None = no upper bound)."""
+
+    backend: str
+    min_m: int
+    max_m: int | None
+
+    def contains(self, m: int) -> bool:
+        return m >= self.min_m and (self.max_m is None or m <= self.max_m)
+
+    def text(self) -> str:
+        hi = "" if self.max_m is None else str(self.max_m)
+        return f"{self.backend}@{self.min_m}-{hi}"
+
+
+def validate_ranges(ranges: Sequence[MRange], where: str) -> tuple[MRange, ...]:
+    """Ranges must start at M=1, be contiguous and end unbounded, so every M has exactly one backend."""
+    if not ranges:
+        raise ValueError(f"{where}: 'ranges' is empty; it must cover M from 1 with no upper bound at the end")
+    expect = 1
+    for i, r in enumerate(ranges):
+        if r.min_m != expect:
+            raise ValueError(f"{where}: range {i} ({r.text()}) starts at M={r.min_m}, expected M={expect}")
+        last = i == len(ranges) - 1
+        if (r.max_m is None) != last:
+            raise ValueError(f"{where}: only the last range is unbounded; range {i} is {r.text()}")
+        if r.max_m is not None:
+            if r.max_m < r.min_m:
+                raise ValueError(f"{where}: range {i} ({r.text()}) ends before it starts")
+            expect = r.max_m + 1
+    return tuple(ranges)
+
+
+def parse_ranges(text: str, where: str) -> tuple[MRange, ...]:
+    """'gemv@1-16,grouped@17-' -> ranges (the compact form used in policy specs and rule pins)."""
+    out = []
+    for part in text.split(","):
+        backend, sep, span = part.strip().partition("@")
+        lo, dash, hi = span.partition("-")
+        if not sep or not dash or not backend or not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"{where}: range {part.strip()!r} must look like 'backend@MIN-MAX' or 'backend@MIN-'")
+        out.append(MRange(backend, int(lo), int(hi) if hi else None))
+    return validate_ranges(out, where)
+
+
+def ranges_text(ranges: Iterable[MRange]) -> str:
+    return ",".join(r.text() for r in ranges)
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    key: CalibrationKey
+    ranges: tuple[MRange, ...]
+    provenance: dict[str, Any]
+    source: str  # "file.yaml#3" (1-based row number)
+    timings_us: dict[str, dict[int, float]] = field(default_factory=dict, compare=False)
+
+    def to_yaml(self) -> dict[str, Any]:
+        return {
+            "key": self.key.to_yaml(),
+            "ranges": [{"backend": r.backend, "min_m": r.min_m, "max_m": r.max_m} for r in self.ranges],
+            "provenance": dict(self.provenance),
+            "timings_us": {b: {int(m): round(float(t), 2) for m, t in ts.items()} for b, ts in self.timings_us.items()},
+        }
+
+
+def _row_from_yaml(data: Any, where: str) -> CalibrationRow:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a row must be a mapping with fields {list(ROW_FIELDS)}")
+    extra = [f for f in data if f not in ROW_FIELDS]
+    if extra or "key" not in data or "ranges" not in data or "provenance" not in data:
+        raise ValueError(
+            f"{where}: row needs 'key', 'ranges', 'provenance' (optional 'timings_us'); unknown fields {extra}"
+        )
+    key = CalibrationKey.from_yaml(data["key"], where)
+    raw = data["ranges"]
+    fields = {"backend", "min_m", "max_m"}
+    if not isinstance(raw, list) or not all(isinstance(r, dict) and set(r) == fields for r in raw):
+        raise ValueError(f"{where}: 'ranges' must be a list of {{backend, min_m, max_m}} mappings")
+    ranges = validate_ranges([MRange(str(r["backend"]), r["min_m"], r["max_m"]) for r in raw], where)
+    prov = data["provenance"]
+    if not isinstance(prov, dict) or not prov.get("date"):
+        raise ValueError(f"{where}: 'provenance' must be a mapping with at least a 'date' (where the row came from)")
+    timings = {str(b): {int(m): float(t) for m, t in ts.items()} for b, ts in (data.get("timings_us") or {}).items()}
+    return CalibrationRow(key, ranges, prov, where, timings)
+
+
+def load_table(path: str | os.PathLike[str]) -> list[CalibrationRow]:
+    """Rows of one table file, validated; a malformed file is a ValueError naming the file and row."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"calibration table {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict) or not isinstance(data.get("rows", []), list):
+        raise ValueError(f"calibration table {str(p)!r} must be a mapping with a 'rows' list")
+    rows = [_row_from_yaml(r, f"{p.name}#{i + 1}") for i, r in enumerate(data.get("rows") or [])]
+    seen: dict[CalibrationKey, str] = {}
+    for row in rows:
+        if row.key in seen:
+            raise ValueError(f"calibration table {str(p)!r}: rows {seen[row.key]} and {row.source} have the same key")
+        seen[row.key] = row.source
+    return rows
+
+
+def table_paths(extra: Sequence[str] = ()) -> list[Path]:
+    """Lookup order: config paths, then the user's folder, then the tables shipped in the package."""
+    user = user_table_dir()
+    found = [Path(p) for p in extra]
+    for folder in (user, PACKAGE_TABLES):
+        if folder.is_dir():
+            found.extend(sorted(folder.glob("*.yaml")))
+    return found
+
+
+_generation = 0
+
+
+def invalidate() -> None:
+    """Forget cached lookups (after a table was written in this process)."""
+    global _generation
+    _generation += 1
+    _index.cache_clear()
+
+
+@functools.lru_cache(maxsize=64)
+def _index(paths: tuple[Path, ...], generation: int) -> dict[CalibrationKey, CalibrationRow]:
+    index: dict[CalibrationKey, CalibrationRow] = {}
+    for path in paths:
+        for row in load_table(path):
+            index.setdefault(row.key, row)
+    return index
+
+
+def find_row(key: CalibrationKey, extra: Sequence[str] = ()) -> CalibrationRow | None:
+    """The row with exactly this key (first in lookup order), or None."""
+    return _index(tuple(table_paths(extra)), _generation).get(key)
+
+
+def crossover_ranges(timings_us: dict[str, dict[int, float]]) -> tuple[MRange, ...]:
+    """Fastest backend per measured M, turned into contiguous ranges.
+
+    Between two measured M with different winners the boundary is where the two winners' latencies cross,
+    interpolated linearly in log M; the last winner covers every larger M.
+    """
+    ms = sorted({m for ts in timings_us.values() for m in ts})
+    if not ms:
+        raise ValueError("no timings to find crossovers from")
+    best = [min((ts[m], b) for b, ts in sorted(timings_us.items()) if m in ts)[1] for m in ms]
+    out: list[MRange] = []
+    lo = 1
+    for i in range(len(ms) - 1):
+        a, b = best[i], best[i + 1]
+        if a == b:
+            continue
+        m0, m1 = ms[i], ms[i + 1]
+        d0 = timings_us[a][m0] - timings_us[b].get(m0, math.inf)
+        d1 = timings_us[a].get(m1, math.inf) - timings_us[b][m1]
+        cut = m0
+        if math.isfinite(d0) and math.isfinite(d1) and d1 > d0:
+            frac = -d0 / (d1 - d0)
+            cut = int(math.floor(math.exp(math.log(m0) + frac * (math.log(m1) - math.log(m0)))))
+        cut = min(max(cut, m0), m1 - 1)
+        if cut >= lo:
+            out.append(MRange(a, lo, cut))
+            lo = cut + 1
+    out.append(MRange(best[-1], lo, None))
+    merged: list[MRange] = []
+    for r in out:
+        if merged and merged[-1].backend == r.backend:
+            merged[-1] = MRange(r.backend, merged[-1].min_m, r.max_m)
+        else:
+            merged.append(r)
+    return validate_ranges(merged, "crossovers")
+
+
+def write_row(path: str | os.PathLike[str], row: CalibrationRow) -> str:
+    """Add `row` to the table at `path` (replacing a row with the same key); returns the row's source id."""
+    p = Path(path)
+    rows = load_table(p) if p.is_file() else []
+    rows = [r for r in rows if r.key != row.key] + [row]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    header = "# moefx MoE calibration table, written by `moefx calibrate`. Rows are keyed exactly; see docs/MOE.md.\n"
+    body = yaml.safe_dump({"rows": [r.to_yaml() for r in rows]}, sort_keys=False, default_flow_style=None)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(header + body)
+    tmp.replace(p)
+    invalidate()
+    return f"{p.name}#{len(rows)}"

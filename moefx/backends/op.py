@@ -1,0 +1,202 @@
+"""`moefx::moe_experts`: one custom op that picks its backend per call from M (token rows of the call).
+
+The choice is made inside the op, at run time, from shapes only, so a compiled graph holds a single
+`moefx::moe_experts` node whatever M is (also a symbolic M) and a captured CUDA graph never switches
+backend on data. `backend` is "auto" (environment override, else the exact calibration row, else
+upstream), a backend name (forced; still subject to the backend's own support check) or a policy spec
+from a plan ("eager=gemv@1-16,grouped@17-;capture=..."). `upstream` names the plain path: "legacy"
+(the reference loop) for direct calls, "transformers" (transformers' own grouped_mm experts path) for
+HF experts modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moefx.backends.calibration import find_row, key_for_tensors
+from moefx.backends.policy import (
+    HOST_SYNCING_BACKENDS,
+    UPSTREAM,
+    MoePolicy,
+    env_override,
+    is_policy_spec,
+    parse_policy_spec,
+)
+from moefx.backends.registry import BACKENDS
+from moefx.log import get_logger, warn_once
+
+log = get_logger("moefx.backends")
+UPSTREAMS = ("legacy", "transformers")
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Registered backends that run on `device` (default: CUDA when present, else CPU)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return sorted(name for name, b in BACKENDS.items() if dev.type in b.devices)
+
+
+def _validate_backend_arg(backend: str, upstream: str) -> None:
+    if upstream not in UPSTREAMS:
+        raise ValueError(f"moe_experts upstream={upstream!r} is invalid; valid choices: {list(UPSTREAMS)}")
+    if backend in ("auto", UPSTREAM) or backend in BACKENDS:
+        return
+    if is_policy_spec(backend):
+        parse_policy_spec.__wrapped__(backend)  # uncached: this also runs while dynamo traces
+        return
+    raise ValueError(
+        f"moe_experts backend={backend!r} is invalid; valid choices: {['auto', UPSTREAM, *sorted(BACKENDS)]} "
+        f"or a policy spec like 'eager=gemv@1-16,grouped@17-;capture=grouped@1-'"
+    )
+
+
+def _requested(m: int, backend: str, key_args: tuple, capturing: bool) -> tuple[str, str]:
+    """(backend name or 'upstream', where the choice came from) for one call."""
+    mode = "capture" if capturing else "eager"
+    if backend != "auto":
+        if is_policy_spec(backend):
+            return parse_policy_spec(backend)[mode].backend_for(m), f"plan policy ({mode})"
+        return backend, "forced by the caller"
+    env = env_override()
+    if env.forced:
+        return env.forced, env.source
+    row = find_row(key_for_tensors(*key_args, mode))
+    if row is None:
+        return UPSTREAM, f"no calibration row ({mode})"
+    pol = MoePolicy(row.ranges, row.source).without(env.disabled, "legacy switch")
+    return pol.backend_for(m), row.source
+
+
+def select_backend(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    block_shape: Sequence[int] | None = None,
+    backend: str = "auto",
+    upstream: str = "legacy",
+    capturing: bool | None = None,
+) -> str:
+    """The backend one call runs: the policy's choice for M, or the plain path with a one-time warning why.
+
+    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run.
+    """
+    if capturing is None:
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    key_args = (hidden, topk_ids, w13, block_shape)
+    name, source = _requested(int(hidden.shape[0]), backend, key_args, capturing)
+    if name == UPSTREAM:
+        name = upstream
+    elif name not in BACKENDS:
+        warn_once(f"MoE backend {name!r} (from {source}) is not registered here; running {upstream}")
+        name = upstream
+    else:
+        bs = tuple(block_shape) if block_shape is not None else None
+        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs)
+        if reason:
+            warn_once(f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {upstream}")
+            name = upstream
+    if capturing and name in HOST_SYNCING_BACKENDS:
+        raise RuntimeError(
+            f"moefx::moe_experts: backend {name!r} syncs the host and cannot run inside CUDA-graph capture; "
+            f"calibrate a capture row (`moefx calibrate --modes capture`) or force a capture-safe backend"
+        )
+    return name
+
+
+def _transformers_upstream(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """transformers' default experts path (grouped_mm) on the op's layout: the plain path for HF models."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    class _Experts:
+        num_experts = w13.shape[0]
+        has_gate, has_bias, is_transposed = True, False, False
+        gate_up_proj, down_proj = w13, w2
+
+        @staticmethod
+        def _apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+    return grouped_mm_experts_forward(_Experts(), hidden, topk_ids, topk_weights)
+
+
+@torch.library.custom_op("moefx::moe_experts", mutates_args=())
+def _moe_experts_op(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
+    backend: str = "auto",
+    upstream: str = "legacy",
+) -> torch.Tensor:
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, w2.shape[1])
+    name = select_backend(hidden, topk_ids, w13, w2, w13_scale, block_shape, backend, upstream)
+    log.debug("moe_experts M=%d -> %s", hidden.shape[0], name)
+    if name == "transformers":
+        if w13_scale is not None:
+            name = "legacy"  # transformers' FP8 experts use their own module layout; the oracle is exact here
+        else:
+            return _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2)
+    bs = tuple(block_shape) if block_shape is not None else None
+    return BACKENDS[name](
+        hidden, topk_ids, topk_weights, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, block_shape=bs
+    )
+
+
+@_moe_experts_op.register_fake
+def _(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
+    backend: str = "auto",
+    upstream: str = "legacy",
+) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape[0], w2.shape[1])
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    backend: str = "auto",
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: Sequence[int] | None = None,
+    upstream: str = "legacy",
+) -> torch.Tensor:
+    """Routed experts: sum_j w[m, j] * down(silu(gate(x_m)) * up(x_m)) over experts topk_ids[m, j].
+
+    Shapes and the FP8 block convention are the `MoEBackend` contract (moefx/backends/registry.py).
+    """
+    _validate_backend_arg(backend, upstream)
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"moe_experts shapes: hidden [M, H], topk_ids/topk_weights [M, k], w13 [E, 2I, H], w2 [E, H, I]; got "
+            f"{tuple(hidden.shape)}, {tuple(topk_ids.shape)}/{tuple(topk_weights.shape)}, "
+            f"{tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
+    if (w13_scale is None) != (block_shape is None) or (w13_scale is None) != (w2_scale is None):
+        raise ValueError("moe_experts: FP8 weights need w13_scale, w2_scale and block_shape together")
+    bs = [int(b) for b in block_shape] if block_shape is not None else None
+    return torch.ops.moefx.moe_experts(
+        hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, backend, upstream
+    )

@@ -1,0 +1,243 @@
+"""MoE policy: exact calibration keys, thresholds at T and T±1, capture safety, overrides, pins, tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+import moefx.log
+from moefx.backends import BACKENDS
+from moefx.backends.calibration import (
+    CalibrationRow,
+    MRange,
+    crossover_ranges,
+    device_identity,
+    find_row,
+    invalidate,
+    key_for_tensors,
+    load_table,
+    parse_ranges,
+    write_row,
+)
+from moefx.backends.legacy import LegacyBackend
+from moefx.backends.op import select_backend
+from moefx.backends.policy import env_override, moe_plan, parse_policy_spec
+from moefx.config import CompilationConfig
+from moefx.signatures import ExecutionSignature, ModelSignature
+
+E, H, I, TOPK = 8, 64, 32, 2
+T = 16  # threshold used by the test tables
+
+
+@pytest.fixture(autouse=True)
+def isolated_tables(tmp_path, monkeypatch):
+    """Point the user table folder at an empty temp dir, clear MoE env knobs and one-time warnings."""
+    monkeypatch.setattr(moefx.log, "_warned", set())
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for var in ("MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
+        monkeypatch.delenv(var, raising=False)
+    invalidate()
+    yield
+    invalidate()
+
+
+def _tensors(m: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(m)
+    hidden = torch.randn(m, H, generator=g, dtype=dtype)
+    ids = torch.randint(0, E, (m, TOPK), generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=dtype)
+    w2 = torch.randn(E, H, I, generator=g, dtype=dtype)
+    return hidden, ids, w13, w2
+
+
+def _row(mode: str, ranges: str, **key_changes) -> CalibrationRow:
+    hidden, ids, w13, _ = _tensors(1)
+    key = key_for_tensors(hidden, ids, w13, None, mode)
+    key = type(key)(**{**key.__dict__, **key_changes})
+    return CalibrationRow(key, parse_ranges(ranges, "test"), {"date": "2026-11-29", "command": "test"}, "")
+
+
+def _user_table(tmp_path, *rows: CalibrationRow):
+    path = tmp_path / "xdg" / "moefx" / "calibration" / "cpu.yaml"
+    for row in rows:
+        write_row(path, row)
+    return path
+
+
+def _choose(m: int, backend: str = "auto", capturing: bool = False, upstream: str = "transformers") -> str:
+    hidden, ids, w13, w2 = _tensors(m)
+    return select_backend(hidden, ids, w13, w2, backend=backend, upstream=upstream, capturing=capturing)
+
+
+def _tiny_signatures(mode: str = "compile"):
+    ms = ModelSignature(num_experts=E, hidden_size=H, moe_intermediate_size=I, top_k=TOPK, dtype="float32")
+    es = ExecutionSignature.detect(device="cpu", mode=mode, dtype=torch.float32)
+    return ms, es
+
+
+def test_no_row_runs_upstream_and_plan_says_why():
+    assert _choose(1) == "transformers"
+    assert _choose(1, upstream="legacy") == "legacy"
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig())
+    assert not plan.applies
+    text = "\n".join(plan.explain_lines())
+    assert "moe eager M 1..inf = upstream  [no calibration row for eager]" in text
+    assert f"E={E} N={2 * I} K={H} top_k={TOPK} float32 quant=none" in text
+
+
+def test_threshold_and_neighbours(tmp_path):
+    _user_table(tmp_path, _row("eager", f"legacy@1-{T},upstream@{T + 1}-"))
+    assert [_choose(m) for m in (T - 1, T, T + 1)] == ["legacy", "legacy", "transformers"]
+    assert _choose(4096) == "transformers"
+
+
+def test_only_exact_key_matches(tmp_path):
+    _user_table(
+        tmp_path,
+        _row("eager", "legacy@1-"),
+        _row("capture", "legacy@1-", E=E + 1),
+        _row("capture", "legacy@1-", dtype="bfloat16"),
+        _row("capture", "legacy@1-", top_k=TOPK + 1),
+        _row("capture", "legacy@1-", multiprocessor_count=999),
+    )
+    assert _choose(3) == "legacy"
+    hidden, ids, w13, _ = _tensors(3)
+    assert find_row(key_for_tensors(hidden, ids, w13, None, "capture")) is None
+    assert find_row(key_for_tensors(hidden, ids, w13, (128, 128), "eager")) is None
+
+
+def test_plan_uses_row_and_names_it(tmp_path):
+    path = _user_table(tmp_path, _row("eager", f"legacy@1-{T},upstream@{T + 1}-"))
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig())
+    assert plan.applies
+    lines = plan.explain_lines()
+    assert f"moe eager M 1..{T} = legacy  [{path.name}#1]" in lines
+    assert f"moe eager M {T + 1}..inf = upstream  [{path.name}#1]" in lines
+    # legacy syncs the host: the capture policy never runs it.
+    assert plan.policy("capture").backend_for(1) == "upstream"
+    spec = parse_policy_spec(plan.spec())
+    assert spec["eager"].backend_for(T) == "legacy" and spec["eager"].backend_for(T + 1) == "upstream"
+
+
+def test_plan_tensor_parallel_key_divides_intermediate(tmp_path):
+    _user_table(tmp_path, _row("eager", "legacy@1-", N=I))  # 2I / tp=2
+    ms, _ = _tiny_signatures()
+    es = ExecutionSignature(device_type="cpu", dtype="float32", tp_size=2)
+    assert moe_plan(ms, es, CompilationConfig()).policy("eager").backend_for(1) == "legacy"
+    es1 = ExecutionSignature(device_type="cpu", dtype="float32", tp_size=1)
+    assert not moe_plan(ms, es1, CompilationConfig()).applies
+
+
+def test_capture_uses_capture_row_only(tmp_path):
+    _user_table(tmp_path, _row("eager", "upstream@1-"), _row("capture", f"upstream@1-{T},legacy@{T + 1}-"))
+    assert _choose(T + 1, capturing=False) == "transformers"
+    with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
+        _choose(T + 1, capturing=True)
+    assert _choose(T, capturing=True) == "transformers"
+
+
+def test_capture_never_runs_host_syncing_forced_backend():
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig(moe_backend="legacy"))
+    assert plan.policy("eager").backend_for(1) == "legacy"
+    assert plan.policy("capture").backend_for(1) == "upstream"
+    assert "sync the host" in plan.policy("capture").source
+    with pytest.raises(RuntimeError, match="syncs the host"):
+        _choose(1, backend="legacy", capturing=True)
+
+
+def test_env_override_and_validation(tmp_path, monkeypatch):
+    _user_table(tmp_path, _row("eager", "upstream@1-"))
+    monkeypatch.setenv("MOEFX_MOE_BACKEND", "legacy")
+    assert _choose(1) == "legacy"
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig())
+    assert plan.backend == "legacy" and plan.source == "env MOEFX_MOE_BACKEND"
+    # the user's config wins over the environment
+    assert moe_plan(*_tiny_signatures(), CompilationConfig(moe_backend="upstream")).backend == "upstream"
+    monkeypatch.setenv("MOEFX_MOE_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="MOEFX_MOE_BACKEND='fastest'.*valid choices"):
+        _choose(1)
+
+
+@pytest.mark.parametrize(
+    ("legacy", "enum", "error"),
+    [("1", "grouped", True), ("0", "gemv", True), ("1", "gemv", False), ("0", "grouped", False), ("maybe", None, True)],
+)
+def test_legacy_switch_conflicts(monkeypatch, legacy, enum, error):
+    monkeypatch.setenv("MOEFX_USE_GEMV", legacy)
+    if enum:
+        monkeypatch.setenv("MOEFX_MOE_BACKEND", enum)
+    if error:
+        with pytest.raises(ValueError, match="MOEFX_USE_GEMV"):
+            env_override()
+    else:
+        assert env_override().forced == enum
+
+
+def test_legacy_switch_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEFX_USE_GEMV", "1")
+    with pytest.warns(UserWarning, match="legacy switch"):
+        override = env_override()
+    assert (override.forced, override.source) == ("gemv", "env MOEFX_USE_GEMV")
+    monkeypatch.setenv("MOEFX_USE_GEMV", "0")
+    _user_table(tmp_path, _row("eager", f"gemv@1-{T},legacy@{T + 1}-"))
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig())
+    assert plan.policy("eager").backend_for(1) == "upstream"
+    assert plan.policy("eager").backend_for(T + 1) == "legacy"
+
+
+@pytest.fixture
+def cuda_only_backend():
+    class CudaOnly(LegacyBackend):
+        name = "test_cuda_only"
+        devices = ("cuda",)
+
+    BACKENDS[CudaOnly.name] = CudaOnly()
+    yield CudaOnly.name
+    del BACKENDS[CudaOnly.name]
+
+
+def test_forced_backend_obeys_unsupported_reason(cuda_only_backend):
+    with pytest.warns(UserWarning, match="test_cuda_only.*does not run on cpu; running legacy"):
+        assert _choose(2, backend=cuda_only_backend, upstream="legacy") == "legacy"
+    with pytest.warns(UserWarning, match="'nope'.*not registered"):
+        assert _choose(2, backend="eager=nope@1-;capture=nope@1-", upstream="legacy") == "legacy"
+
+
+def test_pins():
+    ms, es = _tiny_signatures()
+    plan = moe_plan(ms, es, CompilationConfig(), pins={"backend": "legacy", "source": "rules.yaml#2"})
+    assert plan.policy("eager").backend_for(100) == "legacy" and plan.source == "rules.yaml#2"
+    plan = moe_plan(ms, es, CompilationConfig(), pins={"ranges": f"legacy@1-{T},upstream@{T + 1}-", "mode": "eager"})
+    assert [plan.policy("eager").backend_for(m) for m in (T, T + 1)] == ["legacy", "upstream"]
+    assert plan.policy("capture").backend_for(1) == "upstream"
+    assert moe_plan(ms, es, CompilationConfig(moe_backend="upstream"), pins={"backend": "legacy"}).backend == "upstream"
+    with pytest.raises(ValueError, match="exactly one of"):
+        moe_plan(ms, es, CompilationConfig(), pins={"backend": "legacy", "ranges": "legacy@1-"})
+    with pytest.raises(ValueError, match="starts at M=4, expected M=3"):
+        moe_plan(ms, es, CompilationConfig(), pins={"ranges": "legacy@1-2,upstream@4-"})
+
+
+def test_table_validation_names_file_and_row(tmp_path):
+    good = _row("eager", "legacy@1-").to_yaml()
+    bad_ranges = dict(good, ranges=[{"backend": "legacy", "min_m": 1, "max_m": 4}])
+    bad_mode = dict(good, key=dict(good["key"], mode="graph"))
+    no_prov = {k: v for k, v in good.items() if k != "provenance"}
+    for i, rows in enumerate(([good, bad_ranges], [bad_mode], [no_prov], [good, good])):
+        path = tmp_path / f"t{i}.yaml"
+        path.write_text(yaml.safe_dump({"rows": rows}))
+        with pytest.raises(ValueError, match=rf"t{i}\.yaml"):
+            load_table(path)
+
+
+def test_crossovers_interpolate_in_log_m():
+    timings = {"gemv": {1: 10.0, 2: 12.0, 4: 16.0, 8: 40.0}, "grouped": {1: 30.0, 2: 30.0, 4: 30.0, 8: 30.0}}
+    ranges = crossover_ranges(timings)
+    assert ranges[0].backend == "gemv" and ranges[1] == MRange("grouped", ranges[0].max_m + 1, None)
+    assert 4 <= ranges[0].max_m <= 7
+    assert crossover_ranges({"a": {1: 1.0, 64: 1.0}, "b": {1: 2.0, 64: 2.0}}) == (MRange("a", 1, None),)
+
+
+def test_cpu_identity_is_stable():
+    assert device_identity("cpu") == device_identity(torch.device("cpu"))
+    assert device_identity("cpu")[0].startswith("cpu: ")
