@@ -41,6 +41,10 @@ moefx's own unfused forms (what `moefx.quantize` and model code may emit; the pa
   moefx::silu_mul(x) -> y;  moefx::rms_norm(x, weight?, norm_eps, weight_in_fp32) -> y;
   moefx::add_rms_norm(x, residual, weight?, norm_eps, weight_in_fp32, fp32_residual_sum) -> (y, new_residual);
   each followed by moefx::quant(y, *scheme) is exactly the fused op.
+
+Quantized GEMMs live in moefx/ops/block_gemm.py (moefx::fp8_block_gemm, moefx::int8_gemm); weight quantizers
+`quant_weight_fp8_block` / `quant_weight_int8_channel` (dense [N, K] and expert [E, N, K]) in moefx/ops/quant.py.
+Python helpers: `moefx.ops.QuantScheme(...).args()` and `moefx.ops.PRESETS`.
 """
 
 from __future__ import annotations

@@ -215,3 +215,25 @@ def ref_add_rms_norm(
         return y.to(x.dtype), new_res
     n = (x32 * r).to(x.dtype)
     return (n if weight is None else weight * n), new_res
+
+
+def quant_weight_fp8_block(
+    w: torch.Tensor, block_n: int = 128, block_k: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., N, K] -> (float8_e4m3fn [..., N, K], `weight_scale_inv` fp32 [..., ceil(N/bn), ceil(K/bk)]),
+    dequantized w = q * scale per block; works for dense [N, K] and expert [E, N, K] weights."""
+    *lead, n, k = w.shape
+    nb, kb = -(-n // block_n), -(-k // block_k)
+    wp = F.pad(w.float(), (0, kb * block_k - k, 0, nb * block_n - n))
+    blocks = wp.reshape(*lead, nb, block_n, kb, block_k)
+    scale = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.reshape(*lead, nb * block_n, kb * block_k)[..., :n, :k].contiguous()
+    return q, scale.reshape(*lead, nb, kb)
+
+
+def quant_weight_int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., N, K] -> (int8 [..., N, K], fp32 per-output-channel scale [..., N]); w ~= q * scale."""
+    scale = w.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+    q = torch.round(w.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.squeeze(-1)
