@@ -1,0 +1,90 @@
+"""gemv: small-M (decode) MoE that reads only the selected experts' weights, once, at full bandwidth.
+
+No sort: experts are indexed straight from topk_ids; gate and up rows are streamed together and
+SiLU-mul is applied before the down projection; the routing weight and the top-k sum are applied in
+registers (two Triton launches on CUDA, see kernels/gemv_kernels.py). Weights touched per call grow
+with M*k, so this backend is for M up to ~8; the policy picks it from measured crossovers.
+Contract (the dispatch op relies on it): on CUDA `__call__` launches only fixed-shape work, no host
+sync, CUDA-graph capturable. FP8 block-quant weights when `w13_scale` is given (block_shape scales);
+activations stay in fp32 (bandwidth is the same as w8a8 and the result is closer to the oracle).
+CPU: the same per-(token, slot) algorithm in PyTorch. `unsupported_reason` names the device, dtype or
+shape that rules an input out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefx.backends.kernels.common import cuda_fp8_problem, shape_problem, triton_available
+from moefx.backends.registry import MoEBackend, dequant_block, register_backend
+
+CPU_PAIR_CHUNK = 16
+
+
+def gemv_torch(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Per (token, slot) pair: gather the expert's rows, fused gate/up, SiLU-mul, down, weighted top-k sum."""
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    x = hidden.float().repeat_interleave(top_k, dim=0)
+    tw = topk_weights.reshape(-1).float()
+    fp8 = w13_scale is not None
+    pair_out = torch.empty(m * top_k, h, dtype=torch.float32, device=hidden.device)
+    for p0 in range(0, ids.numel(), CPU_PAIR_CHUNK):
+        e = ids[p0 : p0 + CPU_PAIR_CHUNK]
+        w_gu = dequant_block(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
+        w_d = dequant_block(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
+        gate, up = torch.bmm(w_gu, x[p0 : p0 + CPU_PAIR_CHUNK, :, None]).squeeze(-1).chunk(2, dim=-1)
+        act = F.silu(gate) * up * tw[p0 : p0 + CPU_PAIR_CHUNK, None]
+        pair_out[p0 : p0 + CPU_PAIR_CHUNK] = torch.bmm(w_d, act[:, :, None]).squeeze(-1)
+    return pair_out.view(m, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
+@register_backend
+class GemvBackend(MoEBackend):
+    name = "gemv"
+
+    def unsupported_reason(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> str | None:
+        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
+        if reason is None and hidden.is_cuda:
+            if not triton_available():
+                return "gemv needs Triton on CUDA"
+            reason = cuda_fp8_problem(hidden, w13_scale)
+        return reason
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        if hidden.is_cuda:
+            from moefx.backends.kernels.gemv_kernels import gemv_moe
+
+            return gemv_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+        return gemv_torch(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)

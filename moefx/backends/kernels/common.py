@@ -1,0 +1,94 @@
+"""Input checks and PyTorch helpers shared by the gemv / grouped / torch_grouped backends (no Triton import)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+FP8_MAX = 448.0
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def shape_problem(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    block_shape: tuple[int, int] | None,
+) -> str | None:
+    """Why these weights/activations don't follow the registry layout, or None."""
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        return f"expected hidden [M, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, " \
+               f"{tuple(w13.shape)}, {tuple(w2.shape)}"
+    e, two_i, h = w13.shape
+    if hidden.shape[1] != h or w2.shape != (e, h, two_i // 2) or two_i % 2:
+        return f"shape mismatch: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+    if hidden.dtype not in FLOAT_DTYPES:
+        return f"hidden dtype {hidden.dtype} not in bf16/fp16/fp32"
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        return "weights must be contiguous in their last dim"
+    if w13.device != hidden.device or w2.device != hidden.device:
+        return f"weights on {w13.device}/{w2.device}, hidden on {hidden.device}"
+    if w13_scale is None:
+        if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+            return f"weight dtype {w13.dtype}/{w2.dtype} differs from hidden {hidden.dtype} (and no FP8 scales)"
+        return None
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        return f"FP8 scales given but weights are {w13.dtype}/{w2.dtype}, not float8_e4m3fn"
+    if block_shape is None:
+        return "FP8 weights need block_shape"
+    bn, bk = block_shape
+    if bk < 16 or bk & (bk - 1) or bn % 16:
+        return f"FP8 block_shape {block_shape}: need bk a power of two >= 16 and bn a multiple of 16"
+    if h % bk or (two_i // 2) % bk or (two_i // 2) % bn or h % bn:
+        return f"FP8 needs H={h} and I={two_i // 2} to be multiples of block_shape {block_shape}"
+    return None
+
+
+def cuda_fp8_problem(hidden: torch.Tensor, w13_scale: torch.Tensor | None) -> str | None:
+    if w13_scale is not None and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) < (8, 9):
+        return "FP8 tensor-core dot needs compute capability >= 8.9"
+    return None
+
+
+def qdq_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 values after per-row, per-`group`-columns e4m3 quantize + dequantize (the w8a8 activation path)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // group, group)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).reshape(m, k)
+
+
+def max_padded_len(numel: int, num_experts: int, block_m: int) -> int:
+    """Worst case of the padded sorted length, so every buffer is sized without looking at the ids."""
+    return -(-(numel + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+def moe_align_torch(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch version of `align.moe_align` (same layout, pairs in ascending order inside each expert)."""
+    ids = topk_ids.reshape(-1).long()
+    numel = ids.numel()
+    dev = ids.device
+    max_padded = max_padded_len(numel, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(ids, stable=True)
+    sorted_e = ids[order]
+    rank = torch.arange(numel, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=dev)
+    sorted_ids[starts[sorted_e] + rank] = order.to(torch.int32)
+    block_start = torch.arange(max_padded // block_m, device=dev) * block_m
+    ends = torch.cumsum(padded, 0)
+    expert_ids = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    total = padded.sum()
+    expert_ids = torch.where(block_start < total, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, total.reshape(1).to(torch.int32)

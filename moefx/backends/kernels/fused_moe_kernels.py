@@ -1,0 +1,262 @@
+"""Triton grouped MoE GEMMs over the padded expert blocks from `align.moe_align`.
+
+GEMM 1 (gate_up, SiLU-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
+I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
+projection never reaches memory: it writes silu(gate) * up. GEMM 2 (down): same blocks over H, scales
+each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after.
+Program order: GROUP_M consecutive blocks (mostly one expert) sweep all N tiles together, so a
+weight tile is fetched from HBM once and reused from L2 by the expert's other blocks, and an
+activation tile is reused across N tiles.
+FP8 w8a8: activations are quantized per token and per group of SBK (= BLOCK_K) columns; GEMM 1
+quantizes its own output in the epilogue (BLOCK_N == SBK, so one tile row is one group) and
+writes fp8 + scales, so GEMM 2 reads half the bytes and needs no separate quant launch.
+All shapes are fixed by (M, k, E, BLOCK_M): no host sync, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moefx.backends.kernels.align import moe_align
+
+FP8_MAX = 448.0
+# Triton's interpreter multiplies bf16/fp16 dot operands wrongly (numpy has no bf16) and rounds fp32 -> e4m3
+# wrongly when rounding carries into the exponent (31.3 -> 16): under it, dots get fp32 operands and
+# values are put on the e4m3 grid before the cast.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _to_e4m3(x, EXACT: tl.constexpr):
+    if EXACT:
+        # round to nearest on the e4m3 grid (3 mantissa bits, min normal exponent -6) in fp32 first
+        e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), -6.0)
+        step = tl.exp2(e - 3.0)
+        x = tl.floor(x / step + 0.5) * step
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_xm, K: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
+    """One program per (row, group): fp8 e4m3 values and one fp32 scale per GROUP columns."""
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
+    x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + m * K + offs, _to_e4m3(q, EXACT), mask=mask)
+    tl.store(s_ptr + m * tl.cdiv(K, GROUP) + g, scale)
+
+
+@triton.jit
+def _gemm1_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr,
+    sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_pid_m,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    num_pid_n: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    tok = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + tok[:, None] * stride_am + offs_k[None, :]
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
+        if FP8:
+            a_s = tl.load(as_ptr + tok * (H // SBK) + k0 // SBK, mask=row_mask, other=0.0)
+            s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
+            g_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=0.0)
+            u_s = tl.load(s_base + ((I + offs_n) // SBN) * stride_sn, mask=n_mask, other=0.0)
+            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+            acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+        else:
+            if DOT_F32:
+                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    if FP8:
+        # BLOCK_N == SBK: this tile row is exactly one activation quant group of GEMM 2
+        scale = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-10) / FP8_MAX
+        q = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(out_ptrs, _to_e4m3(q, DOT_F32), mask=out_mask)
+        tl.store(os_ptr + pairs.to(tl.int64) * (I // SBK) + pid_n, scale, mask=row_mask)
+    else:
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemm2_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, tw_ptr,
+    sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_pid_m,
+    stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    H: tl.constexpr, I: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    num_pid_n: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * I + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = offs_k < I - k0
+        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8:
+            a_s = tl.load(as_ptr + rows * (I // SBK) + k0 // SBK, mask=row_mask, other=0.0)
+            w_s = tl.load(ws_ptr + e * stride_se + (offs_n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
+                          mask=n_mask, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            if DOT_F32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc)
+    acc = acc * tl.load(tw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-`group`-columns e4m3 quantization: (q [M, K] fp8, scales [M, ceil(K/group)] fp32)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
+    if m:
+        _quant_rows_kernel[(m, triton.cdiv(k, group))](x, q, s, x.stride(0), K=k, GROUP=group, EXACT=_INTERPRET)
+    return q, s
+
+
+def default_config(m: int, top_k: int, num_experts: int, fp8: bool, block_k: int | None = None) -> GemmConfig:
+    """Tiles by average rows per expert: small BLOCK_M while bandwidth-bound, Hopper-sized when FLOP-bound."""
+    rows_per_expert = m * top_k / num_experts
+    bk = block_k or 128
+    if rows_per_expert <= 16:
+        return GemmConfig(16, 128 if fp8 else 64, bk, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 48:
+        return GemmConfig(32, 128 if fp8 else 64, bk, group_m=4, num_warps=4, num_stages=4)
+    if rows_per_expert <= 128:
+        return GemmConfig(64, 128 if fp8 else 64, bk, group_m=8, num_warps=4, num_stages=3)
+    return GemmConfig(128, 128 if fp8 else 64, bk if fp8 else 64, group_m=8, num_warps=8, num_stages=3)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
+    config: GemmConfig | None = None,
+    config2: GemmConfig | None = None,
+) -> torch.Tensor:
+    """Align, GEMM 1 (+SiLU-mul, +fp8 quant), GEMM 2 (+routing weight), top-k sum. `config2` for GEMM 2."""
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    fp8 = w13_scale is not None
+    sbn, sbk = block_shape if fp8 else (1, 1)
+    cfg1 = config or default_config(m, top_k, num_experts, fp8, sbk if fp8 else None)
+    cfg2 = config2 or cfg1
+    if fp8:
+        cfg1 = GemmConfig(cfg1.block_m, sbk, sbk, cfg1.group_m, cfg1.num_warps, cfg1.num_stages)
+        cfg2 = GemmConfig(cfg1.block_m, min(cfg2.block_n, sbn), sbk, cfg2.group_m, cfg2.num_warps, cfg2.num_stages)
+    else:
+        cfg2 = GemmConfig(cfg1.block_m, cfg2.block_n, cfg2.block_k, cfg2.group_m, cfg2.num_warps, cfg2.num_stages)
+    num_pairs = m * top_k
+    sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
+    num_pid_m = expert_ids.numel()
+    dev = hidden.device
+    tw = topk_weights.reshape(-1).contiguous()
+    if fp8:
+        a, a_s = quant_rows_fp8(hidden, sbk)
+        inter_buf = torch.empty(num_pairs, inter, dtype=torch.float8_e4m3fn, device=dev)
+        inter_s = torch.empty(num_pairs, inter // sbk, dtype=torch.float32, device=dev)
+        s13, s2 = w13_scale, w2_scale
+        s13_strides, s2_strides = w13_scale.stride(), w2_scale.stride()
+    else:
+        a, a_s = hidden, hidden
+        inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=dev)
+        inter_s = inter_buf
+        s13 = s2 = hidden
+        s13_strides = s2_strides = (0, 0, 0)
+    grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
+    _gemm1_kernel[grid1](
+        a, a_s, w13, s13, inter_buf, inter_s,
+        sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
+        a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk,
+        BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
+        DOT_F32=_INTERPRET, num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
+    )
+    pair_out = torch.empty(num_pairs, h, dtype=hidden.dtype, device=dev)
+    grid2 = (num_pid_m * triton.cdiv(h, cfg2.block_n),)
+    _gemm2_kernel[grid2](
+        inter_buf, inter_s, w2, s2, pair_out, tw,
+        sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
+        w2.stride(0), w2.stride(1), *s2_strides,
+        H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk,
+        BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
+        DOT_F32=_INTERPRET, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+    )
+    return pair_out.view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

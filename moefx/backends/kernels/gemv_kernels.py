@@ -1,0 +1,141 @@
+"""Triton GEMV kernels for small-M MoE (decode): two launches, no sort, no host sync.
+
+Stage 1, grid (M*k pairs, I/BLOCK_N): each program reads BLOCK_N gate rows and the matching BLOCK_N
+up rows of its pair's expert (indexed straight from topk_ids) over all of H, 16-byte loads, and
+writes silu(gate) * up in fp32. Stage 2, grid (M, H/BLOCK_N): each program streams BLOCK_N rows of
+w2 for each of the token's k experts, scales the activation by the routing weight first, and so
+sums the top-k in registers; it writes the output row slice once, in hidden's dtype.
+Weights are streamed with evict_first (each byte is used once); work is split over output rows
+rather than K because (2I and H) / BLOCK_N already gives hundreds of programs at M = 1.
+FP8 (block-quant e4m3 weights, scales per (SBN x SBK) block): each weight tile lies inside one
+SBN row-block, so the scale multiplies the activation vector (K-wise), not every weight element.
+Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and closer to the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pair // TOP_K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if FP8:
+            s_base = ws_ptr + e * stride_se + ((k0 + offs_k) // SBK) * stride_sk
+            sg = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn, mask=k_mask, other=0.0)
+            su = tl.load(s_base + ((I + pid_n * BLOCK_N) // SBN) * stride_sn, mask=k_mask, other=0.0)
+            acc_g += g * (x * sg)[None, :]
+            acc_u += u * (x * su)[None, :]
+        else:
+            acc_g += g * x[None, :]
+            acc_u += u * x[None, :]
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    act_ptr, ids_ptr, tw_ptr, w_ptr, ws_ptr, out_ptr,
+    stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    NK: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for it in range(TOP_K * NK):
+        pair = m * TOP_K + it // NK
+        k0 = (it % NK) * BLOCK_K
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        k_mask = offs_k < I - k0
+        a = tl.load(act_ptr + pair * I + k0 + offs_k, mask=k_mask, other=0.0) * tl.load(tw_ptr + pair).to(tl.float32)
+        if FP8:
+            s_ptrs = ws_ptr + e * stride_se + ((pid_n * BLOCK_N) // SBN) * stride_sn
+            s_ptrs += ((k0 + offs_k) // SBK) * stride_sk
+            a = a * tl.load(s_ptrs, mask=k_mask, other=0.0)
+        w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + k0 + offs_k[None, :]
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _block_k(k: int, fp8: bool) -> int:
+    for bk in ((512, 256, 128) if fp8 else (256, 128)):
+        if k % bk == 0:
+            return bk
+    return min(triton.next_power_of_2(k), 128)
+
+
+def gemv_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
+    block_n: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Launch both stages. `block_n` = (stage-1 rows, stage-2 rows) per program overrides the defaults."""
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    inter = w2.shape[2]
+    fp8 = w13_scale is not None
+    sbn, sbk = block_shape if fp8 else (1, 1)
+    bn1, bn2 = block_n or (16, 8 if m < 4 else 16)
+    if fp8:
+        bn1, bn2 = min(bn1, sbn), min(bn2, sbn)
+    ids = topk_ids.contiguous()
+    tw = topk_weights.contiguous()
+    act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(m, h, dtype=hidden.dtype, device=hidden.device)
+    s13 = w13_scale if fp8 else act
+    s2 = w2_scale if fp8 else act
+    s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
+    s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
+    _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
+        hidden, ids, w13, s13, act,
+        hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=_block_k(h, fp8),
+        num_warps=4,
+    )
+    _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
+        act, ids, tw, w2, s2, out,
+        out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=_block_k(inter, fp8),
+        num_warps=4,
+    )
+    return out

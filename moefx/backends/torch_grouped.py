@@ -1,0 +1,82 @@
+"""torch_grouped: sort pairs by expert, then two `torch._grouped_mm` calls (CUTLASS on Hopper).
+
+For large M (FLOP-bound) where the CUTLASS grouped GEMM beats the Triton kernels. Offsets come from
+searchsorted on the sorted ids, so there is no host sync and no data-dependent shape: CUDA-graph
+capturable. CUDA: bf16 only, H and I multiples of 8 (16-byte aligned rows), no FP8 (block-128 scaling
+has no grouped_mm kernel here). CPU: torch's own grouped_mm (bf16/fp32). Needs torch >= 2.8.
+`unsupported_reason` names the device, dtype or shape that rules an input out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefx.backends.kernels.common import shape_problem
+from moefx.backends.registry import MoEBackend, register_backend
+
+
+def torch_grouped_moe(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    m, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order].to(torch.int32)
+    bounds = torch.arange(1, w13.shape[0] + 1, dtype=torch.int32, device=hidden.device)
+    offs = torch.searchsorted(sorted_e, bounds).to(torch.int32)
+    x = hidden[order // top_k]
+    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    pair_out = torch.empty_like(y).index_copy_(0, order, y)
+    return pair_out.view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+
+@register_backend
+class TorchGroupedBackend(MoEBackend):
+    name = "torch_grouped"
+
+    def unsupported_reason(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> str | None:
+        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
+        if reason:
+            return reason
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no _grouped_mm"
+        if w13_scale is not None:
+            return "torch_grouped has no FP8 block-quant path"
+        if hidden.is_cuda:
+            if hidden.dtype != torch.bfloat16:
+                return f"torch._grouped_mm on CUDA takes bf16, not {hidden.dtype}"
+            if torch.cuda.get_device_capability(hidden.device) < (8, 0):
+                return "torch._grouped_mm needs compute capability >= 8.0"
+            if hidden.shape[1] % 8 or w2.shape[2] % 8:
+                return f"torch._grouped_mm needs H={hidden.shape[1]} and I={w2.shape[2]} multiples of 8"
+        elif hidden.dtype == torch.float16:
+            return "torch._grouped_mm on CPU takes bf16/fp32"
+        return None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        if w13_scale is not None:
+            raise ValueError("torch_grouped has no FP8 path (w13_scale given); valid backends: grouped, gemv, legacy")
+        return torch_grouped_moe(hidden.contiguous(), topk_ids, topk_weights, w13, w2)
