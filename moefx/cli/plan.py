@@ -1,40 +1,84 @@
-"""`moefx plan MODEL`: print the plan moefx would apply to a model on this machine."""
+"""`moefx plan MODEL`: print the plan moefx would apply to a model, here or on another machine.
+
+MODEL is a built-in name (see `moefx.models.catalog`), a config.json or model folder, or a YAML file
+holding either a config / signature mapping or `model:` and `execution:` sections. `--device` takes
+cpu, cuda (this machine's GPU) or a GPU preset (h200, h100, ...) to plan for a machine you are not on.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from moefx.cli.common import add_config_arg, load_config
-from moefx.models import tiny_qwen3_moe_config
+from moefx.config import MODES
+from moefx.models.catalog import catalog_config, catalog_names
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
-
-BUILTIN = {"tiny-qwen3-moe": tiny_qwen3_moe_config}
+from moefx.signatures.execution import DEVICE_PRESETS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="explain the plan for a model", description=__doc__)
-    p.add_argument("model", help=f"built-in name ({', '.join(BUILTIN)}) or a config.json / model folder")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: this machine's)")
-    p.add_argument("--mode", default=None, choices=["eager", "compile", "capture"])
+    p = sub.add_parser("plan", help="explain the plan for a model", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help=f"built-in name ({', '.join(catalog_names())}), config.json, folder or YAML")
+    p.add_argument("--device", default=None, help=f"cpu, cuda or a preset: {', '.join(DEVICE_PRESETS)}")
+    p.add_argument("--mode", default=None, choices=list(MODES))
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_arg(p)
     p.set_defaults(func=run)
 
 
-def _model_signature(spec: str) -> ModelSignature:
-    if spec in BUILTIN:
-        return ModelSignature.from_config(BUILTIN[spec]())
+def _load_spec(spec: str) -> tuple[ModelSignature, dict[str, Any]]:
+    """(model signature, execution fields from a YAML `execution:` section)."""
     path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model {spec!r} is neither a built-in name {sorted(BUILTIN)} nor a config file")
-    return ModelSignature.from_config(json.loads(path.read_text()))
+    if not path.exists():
+        if spec.lower().endswith((".json", ".yaml", ".yml")):
+            raise ValueError(f"model {spec!r}: no such file")
+        return ModelSignature.from_config(catalog_config(spec)), {}
+    if path.suffix.lower() in (".yaml", ".yml"):
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{spec}: a YAML model signature must be a mapping")
+        if "model" in data or "execution" in data:
+            extra = sorted(set(data) - {"model", "execution"})
+            if extra:
+                raise ValueError(f"{spec}: unknown sections {extra}; valid sections: ['model', 'execution']")
+            return ModelSignature.from_config(data.get("model") or {}), dict(data.get("execution") or {})
+        return ModelSignature.from_config(data), {}
+    return ModelSignature.from_config(path), {}
+
+
+def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, Any], cfg: Any) -> ExecutionSignature:
+    flags = {
+        "mode": args.mode,
+        "tp_size": args.tp,
+        "ep_size": args.ep,
+        "max_batch_size": args.max_batch_size,
+        "dtype": args.dtype,
+    }
+    defaults = {"mode": cfg.mode, "max_batch_size": cfg.max_batch_size, "dtype": ms.dtype}
+    chosen = {**defaults, **fields, **{k: v for k, v in flags.items() if v is not None}}
+    if fields and args.device is None:
+        return ExecutionSignature.from_dict(chosen)
+    device = args.device
+    if device is not None and device.lower() in DEVICE_PRESETS:
+        return ExecutionSignature.preset(device, **chosen)
+    base = ExecutionSignature.detect(device=device)
+    return base.replace(**chosen)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
-    es = ExecutionSignature.detect(device=args.device, mode=args.mode or cfg.mode, max_batch_size=cfg.max_batch_size)
-    print(resolve(_model_signature(args.model), es, cfg).explain())
+    ms, fields = _load_spec(args.model)
+    es = _execution(args, ms, fields, cfg)
+    plan = resolve(ms, es, cfg)
+    print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else plan.explain())
     return 0

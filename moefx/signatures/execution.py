@@ -1,18 +1,66 @@
-"""ExecutionSignature: where and how the model runs. `detect()` reads the machine; fields can be set by hand."""
+"""ExecutionSignature: where and how the model runs. `detect()` reads this machine; every field can be set
+by hand (or from a device preset) to plan for another machine."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from moefx.config import MODES
+
+DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+# CPU ISA extensions the offload path cares about, as /proc/cpuinfo spells them.
+CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_vbmi", "amx_bf16", "amx_int8")
+# Published properties of common GPUs, for planning on a machine that does not have them.
+DEVICE_PRESETS: dict[str, dict[str, Any]] = {
+    "h200": {"device_name": "NVIDIA H200", "capability": (9, 0), "multiprocessor_count": 132},
+    "h100": {"device_name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "multiprocessor_count": 132},
+    "a100": {"device_name": "NVIDIA A100-SXM4-80GB", "capability": (8, 0), "multiprocessor_count": 108},
+    "l40s": {"device_name": "NVIDIA L40S", "capability": (8, 9), "multiprocessor_count": 142},
+    "rtx4090": {"device_name": "NVIDIA GeForce RTX 4090", "capability": (8, 9), "multiprocessor_count": 128},
+}
+
+
+def read_cpu_isa(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The CPU_ISA_FLAGS present in the first `flags` line of cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return ()
+    match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
+    present = set(match.group(1).split()) if match else set()
+    return tuple(flag for flag in CPU_ISA_FLAGS if flag in present)
+
+
+def count_numa_nodes(root: str | Path = "/sys/devices/system/node") -> int:
+    """Number of NUMA nodes (1 where the kernel exposes none)."""
+    try:
+        nodes = [p for p in Path(root).iterdir() if re.fullmatch(r"node\d+", p.name)]
+    except OSError:
+        return 1
+    return max(1, len(nodes))
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 @dataclass(frozen=True)
 class ExecutionSignature:
     device_type: str = "cpu"
     device_name: str | None = None
-    capability: tuple[int, int] | None = None
+    capability: tuple[int, ...] | None = None
     multiprocessor_count: int | None = None
     torch_version: str = torch.__version__
     triton_version: str | None = None
@@ -21,6 +69,28 @@ class ExecutionSignature:
     tp_size: int = 1
     ep_size: int = 1
     max_batch_size: int = 1
+    cpu_isa: tuple[str, ...] = ()
+    numa_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"ExecutionSignature device_type {self.device_type!r} is invalid; valid: {DEVICE_TYPES}")
+        if self.mode not in MODES:
+            raise ValueError(f"ExecutionSignature mode {self.mode!r} is invalid; valid choices: {list(MODES)}")
+        for name in ("tp_size", "ep_size", "max_batch_size", "numa_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ExecutionSignature {name} must be an integer >= 1, got {value!r}")
+        if self.capability is not None:
+            object.__setattr__(self, "capability", tuple(int(x) for x in self.capability))
+        unknown = set(self.cpu_isa) - set(CPU_ISA_FLAGS)
+        if unknown:
+            raise ValueError(f"ExecutionSignature cpu_isa has unknown flags {sorted(unknown)}; valid: {CPU_ISA_FLAGS}")
+        object.__setattr__(self, "cpu_isa", tuple(f for f in CPU_ISA_FLAGS if f in set(self.cpu_isa)))
+        if self.dtype is not None:
+            from moefx.signatures.model import normalize_dtype
+
+            object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 
     @classmethod
     def detect(
@@ -32,33 +102,65 @@ class ExecutionSignature:
         max_batch_size: int = 1,
         dtype: torch.dtype | str | None = None,
     ) -> ExecutionSignature:
+        """This machine's facts for `device` (default: CUDA when available, else CPU)."""
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu"
         )
         name = capability = sms = None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError("device 'cuda' was requested but no CUDA device is available")
+                raise ValueError(
+                    f"device 'cuda' was requested but no CUDA device is available; to plan for another machine "
+                    f"use ExecutionSignature.preset(name) with one of {sorted(DEVICE_PRESETS)}"
+                )
             props = torch.cuda.get_device_properties(dev)
             name, capability, sms = props.name, (props.major, props.minor), props.multi_processor_count
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
         return cls(
             device_type=dev.type,
             device_name=name,
             capability=capability,
             multiprocessor_count=sms,
-            triton_version=triton_version,
-            dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+            triton_version=_triton_version(),
+            dtype=dtype,  # type: ignore[arg-type]  # normalized in __post_init__
             mode=mode,
             tp_size=tp_size,
             ep_size=ep_size,
             max_batch_size=max_batch_size,
+            cpu_isa=read_cpu_isa(),
+            numa_nodes=count_numa_nodes(),
         )
 
+    @classmethod
+    def preset(cls, name: str, **fields: Any) -> ExecutionSignature:
+        """A CUDA signature for a named GPU (see DEVICE_PRESETS); host facts are this machine's."""
+        key = name.lower()
+        if key not in DEVICE_PRESETS:
+            raise ValueError(f"unknown device preset {name!r}; valid presets: {sorted(DEVICE_PRESETS)}")
+        base = dict(device_type="cuda", triton_version=_triton_version(), cpu_isa=read_cpu_isa(),
+                    numa_nodes=count_numa_nodes(), **DEVICE_PRESETS[key])
+        base.update(fields)
+        return cls(**base)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExecutionSignature:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown ExecutionSignature fields {unknown}; valid fields: {sorted(names)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ExecutionSignature:
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        """Stable short hash of every field."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        where = self.device_name or self.device_type
+        cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability and len(self.capability) == 2 else ""
+        return f"{where}{cap} mode={self.mode} tp={self.tp_size} ep={self.ep_size} max_batch={self.max_batch_size}"

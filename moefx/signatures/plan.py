@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ class PassDecision:
     supported: bool
     preferred: bool
     enabled: bool
-    source: str  # who decided: "user config", "provider qwen3_moe", "rule file.yaml#2", "default off", ...
+    source: str  # who decided: "user config", "env MOEFX_PASSES", "rule f.yaml#2", "provider qwen3_moe", "default off"
     reason: str = ""
 
 
@@ -28,6 +29,9 @@ class Plan:
     offload: Any = None  # moefx.offload.plan.OffloadPlan
     serving: dict[str, Any] = field(default_factory=dict)
     provenance: list[str] = field(default_factory=list)
+    profile_reason: str = ""
+    rule: str | None = None  # label of the first matching rule, if any
+    serving_sources: dict[str, str] = field(default_factory=dict)
 
     def pass_enabled(self, name: str) -> bool:
         decision = self.passes.get(name)
@@ -37,8 +41,9 @@ class Plan:
         return [name for name, d in self.passes.items() if d.enabled]
 
     def decisions(self) -> list[str]:
-        """One line per decision, `what = value  [source]`."""
-        lines = [f"profile = {self.profile}"]
+        """One line per decision, `what = value  [source] (why)`."""
+        lines = [f"profile = {self.profile}  [{self.profile_reason or 'no provider'}]"]
+        lines.append(f"rule = {self.rule or 'none'}  [{'first matching rule' if self.rule else 'no rule matched'}]")
         for name, d in self.passes.items():
             state = "on" if d.enabled else "off"
             why = f" ({d.reason})" if d.reason else ""
@@ -47,13 +52,40 @@ class Plan:
             if section is not None:
                 lines.extend(section.explain_lines())
         for key, value in self.serving.items():
-            lines.append(f"serving {key} = {value}")
+            lines.append(f"serving {key} = {value}  [{self.serving_sources.get(key, 'unknown source')}]")
         return lines
 
     def explain(self) -> str:
-        head = [
-            f"model: {self.model.model_type or 'unknown'} (family {self.model.family or 'unknown'})",
-            f"execution: {self.execution.device_type} {self.execution.device_name or ''} "
-            f"mode={self.execution.mode}".rstrip(),
-        ]
-        return "\n".join(head + ["  " + line for line in self.decisions()])
+        head = [f"model: {self.model.describe()} (family {self.model.family or 'unknown'})",
+                f"execution: {self.execution.describe()}"]
+        tail = [f"  applied: {line}" for line in self.provenance]
+        return "\n".join(head + ["  " + line for line in self.decisions()] + tail)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready view (the MoE and offload sections as their explain lines plus fields when dataclasses)."""
+
+        def section(obj: Any) -> Any:
+            if obj is None:
+                return None
+            out = {"lines": obj.explain_lines()}
+            if dataclasses.is_dataclass(obj):
+                out["fields"] = {k: v for k, v in dataclasses.asdict(obj).items() if _jsonable(v)}
+            return out
+
+        return {
+            "model": self.model.to_dict(),
+            "execution": self.execution.to_dict(),
+            "profile": self.profile,
+            "profile_reason": self.profile_reason,
+            "rule": self.rule,
+            "passes": {name: dataclasses.asdict(d) for name, d in self.passes.items()},
+            "moe": section(self.moe),
+            "offload": section(self.offload),
+            "serving": dict(self.serving),
+            "serving_sources": dict(self.serving_sources),
+            "provenance": list(self.provenance),
+        }
+
+
+def _jsonable(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list, tuple, dict))

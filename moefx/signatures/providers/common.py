@@ -1,0 +1,45 @@
+"""Preferred pass defaults shared by the MoE causal-LM providers (one place, so families agree)."""
+
+from __future__ import annotations
+
+from moefx.signatures.execution import ExecutionSignature
+from moefx.signatures.model import ModelSignature
+from moefx.signatures.registry import PlanFragment
+
+# Activation formats the fused quant kernels produce (SPEC §2), with dynamic (per-call) scales.
+FUSED_QUANT_ACT_DTYPES = ("float8_e4m3fn", "int8")
+
+
+def quant_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool, str]:
+    if ms.quant_act_dtype not in FUSED_QUANT_ACT_DTYPES:
+        return False, f"activations are not quantized to {list(FUSED_QUANT_ACT_DTYPES)} (quant={ms.quant_method})"
+    if ms.quant_act_scheme != "dynamic":
+        return False, f"activation scales are {ms.quant_act_scheme!r}, the fused kernels compute dynamic scales"
+    if es.device_type != "cuda":
+        return False, f"fused quant kernels are for CUDA, device is {es.device_type}"
+    return True, f"{ms.quant_method} {ms.quant_act_dtype} dynamic activations on CUDA"
+
+
+def causal_lm_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool, str]:
+    if not ms.is_causal_lm:
+        return False, f"architectures {list(ms.architectures)} name no *ForCausalLM head"
+    if es.device_type != "cuda":
+        return False, f"host syncs and LM-head waste matter on CUDA, device is {es.device_type}"
+    return True, "causal LM on CUDA"
+
+
+def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSignature) -> PlanFragment:
+    quant = quant_preference(ms, es)
+    causal = causal_lm_preference(ms, es)
+    return PlanFragment(
+        provider=provider,
+        preferred={
+            "eliminate_noops": (True, f"known MoE family {ms.family}"),
+            "fuse_act_quant": quant,
+            "fuse_norm_quant": quant,
+            "rewrite_sampler_syncs": causal,
+            "last_token_logits": causal,
+        },
+        moe_family=True,
+        causal_lm=ms.is_causal_lm,
+    )

@@ -1,0 +1,25 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): softmax top-k plus one gated shared expert."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from moefx.signatures.registry import MOE_REQUIRED, Provider, register_provider
+
+
+@register_provider
+class Qwen2Moe(Provider):
+    name = "qwen2_moe"
+    family = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+    requires = (*MOE_REQUIRED, "shared_expert_intermediate_size")
+
+    @classmethod
+    def implied(cls, get: Callable[[str], Any]) -> dict[str, Any]:
+        shared = get("shared_expert_intermediate_size")
+        return {
+            "routing": "softmax",
+            "num_shared_experts": (1 if shared else 0) if shared is not None else None,
+            "first_dense_layers": 0,
+        }

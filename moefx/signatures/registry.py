@@ -1,0 +1,126 @@
+"""Providers: one class per model family that turns a matching signature into a plan fragment.
+
+A provider declares exactly which `model_types` it knows and which signature fields it needs. It
+declines (returns None, with the reason recorded) when the model_type is not declared, a needed field
+is missing, the routing kind or quantization format is not one it knows. A new model_type of the same
+family therefore runs the plain path until someone adds it to `model_types`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from moefx.signatures.execution import ExecutionSignature
+    from moefx.signatures.model import ModelSignature
+
+# Fields every MoE provider needs before it may plan anything.
+MOE_REQUIRED = (
+    "model_type",
+    "dtype",
+    "hidden_size",
+    "num_layers",
+    "vocab_size",
+    "num_experts",
+    "top_k",
+    "moe_intermediate_size",
+    "routing",
+    "norm_topk_prob",
+)
+
+
+@dataclass
+class PlanFragment:
+    """What a provider contributes: preferred pass defaults (name -> (on, why)) and family facts."""
+
+    provider: str
+    preferred: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    moe_family: bool = True
+    causal_lm: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+class Provider:
+    name: ClassVar[str]
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    requires: ClassVar[tuple[str, ...]] = MOE_REQUIRED
+    routings: ClassVar[tuple[str, ...]] = ("softmax",)
+
+    @classmethod
+    def implied(cls, get: Callable[[str], Any]) -> dict[str, Any]:
+        """Facts the architecture fixes whatever the config says (`get` reads the raw config).
+        Only used for fields the config leaves unset."""
+        return {}
+
+    @classmethod
+    def decline_reason(cls, ms: ModelSignature, es: ExecutionSignature) -> str | None:
+        if ms.model_type not in cls.model_types:
+            return f"model_type {ms.model_type!r} is not one of {list(cls.model_types)}"
+        missing = [name for name in cls.requires if getattr(ms, name) is None]
+        if missing:
+            return f"missing signature fields {missing}"
+        if ms.routing not in cls.routings:
+            return f"routing {ms.routing!r} is not one of {list(cls.routings)}"
+        if ms.quant_method is not None and ms.quant_weight_dtype is None:
+            return f"quantization {ms.quant_method!r} is not a format moefx understands"
+        return None
+
+    @classmethod
+    def fragment(cls, ms: ModelSignature, es: ExecutionSignature) -> PlanFragment:
+        from moefx.signatures.providers.common import moe_causal_lm_fragment
+
+        return moe_causal_lm_fragment(cls.name, ms, es)
+
+    @classmethod
+    def plan(cls, ms: ModelSignature, es: ExecutionSignature) -> PlanFragment | None:
+        """The fragment for this signature, or None whenever the provider declines."""
+        return None if cls.decline_reason(ms, es) is not None else cls.fragment(ms, es)
+
+
+PROVIDERS: dict[str, type[Provider]] = {}
+
+
+def register_provider(cls: type[Provider]) -> type[Provider]:
+    """Class decorator: make `cls` match its declared model_types (each model_type has one provider)."""
+    for attr in ("name", "family", "model_types"):
+        if not getattr(cls, attr, None):
+            raise ValueError(f"provider {cls.__name__} must set {attr!r}")
+    if cls.name in PROVIDERS:
+        raise ValueError(f"provider {cls.name!r} is registered twice")
+    for other in PROVIDERS.values():
+        clash = set(cls.model_types) & set(other.model_types)
+        if clash:
+            raise ValueError(f"provider {cls.name!r} claims model_types {sorted(clash)} owned by {other.name!r}")
+    PROVIDERS[cls.name] = cls
+    return cls
+
+
+def load_builtin_providers() -> None:
+    importlib.import_module("moefx.signatures.providers")
+
+
+def provider_for(model_type: str | None) -> type[Provider] | None:
+    """The provider that declares `model_type`, if any."""
+    load_builtin_providers()
+    for provider in PROVIDERS.values():
+        if model_type in provider.model_types:
+            return provider
+    return None
+
+
+def match(ms: ModelSignature, es: ExecutionSignature) -> tuple[PlanFragment | None, str]:
+    """(fragment, why) from the provider that declares ms.model_type; (None, why not) otherwise."""
+    provider = provider_for(ms.model_type)
+    if provider is None:
+        return None, f"no provider declares model_type {ms.model_type!r}"
+    reason = provider.decline_reason(ms, es)
+    if reason is not None:
+        return None, f"provider {provider.name} declined: {reason}"
+    fragment = provider.plan(ms, es)
+    if fragment is None:
+        return None, f"provider {provider.name} declined"
+    return fragment, f"provider {provider.name} matched model_type {ms.model_type!r}"
