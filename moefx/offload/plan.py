@@ -1,21 +1,113 @@
-"""Offload plan: where expert weights live and how each M is computed."""
+"""Offload plan: where expert weights live and how each M is computed, every choice with its source."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from moefx.offload.env import get_setting, setting_source
+from moefx.offload.hw import host_info_from_signature
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
 class OffloadPlan:
     experts: str = "gpu"
     source: str = "default"
+    host: str = ""
+    host_source: str = ""
+    int8: bool = False
+    int8_source: str = "default: float weights"
+    int8_min_tokens: int = 160
+    int8_impl: str = "align"
+    # Streaming to the GPU from this many token rows (None = never); filled in by optimize() from the cost model.
+    switch_tokens: int | None = None
+    switch_source: str = "cost model, measured at optimize()"
+    tile_e: int = 96
+    tile_source: str = "default"
+    notes: list[str] = field(default_factory=list)
 
     def explain_lines(self) -> list[str]:
-        return [f"offload experts = {self.experts}  [{self.source}]"]
+        lines = [f"offload experts = {self.experts}  [{self.source}]"]
+        if self.experts != "cpu":
+            return lines + [f"offload note: {n}" for n in self.notes]
+        lines.append(f"offload host = {self.host}  [{self.host_source}]")
+        act = f"int8 activations from M >= {self.int8_min_tokens} ({self.int8_impl} tiles)" if self.int8 else "off"
+        lines.append(f"offload int8 = {act}  [{self.int8_source}]")
+        switch = "never (CPU for every M)" if self.switch_tokens is None else f"M >= {self.switch_tokens}"
+        lines.append(f"offload decode path = CPU experts for M below the switch point  [{self.host_source}]")
+        lines.append(f"offload prefill streaming to GPU = {switch}  [{self.switch_source}]")
+        lines.append(f"offload staging tile = {self.tile_e} experts x 2 slots  [{self.tile_source}]")
+        return lines + [f"offload note: {n}" for n in self.notes]
+
+
+def _estimate_bytes(ms: Any) -> tuple[int | None, int | None]:
+    """(expert bytes over all layers, per-token KV bytes) from the signature; None when a fact is missing."""
+    need = (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size, ms.num_layers)
+    width = _DTYPE_BYTES.get(ms.dtype or "", None)
+    if any(v is None for v in need) or width is None:
+        return None, None
+    moe_layers = ms.num_layers - (ms.first_dense_layers or 0)
+    experts = moe_layers * ms.num_experts * 3 * ms.hidden_size * ms.moe_intermediate_size * width
+    kv = None
+    if ms.num_kv_heads and ms.head_dim:
+        kv = 2 * ms.num_layers * ms.num_kv_heads * ms.head_dim * width
+    return experts, kv
+
+
+def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
+    if es.device_type != "cuda":
+        return "gpu", f"auto: runs on {es.device_type}, experts stay with the model"
+    experts, kv = _estimate_bytes(ms)
+    if experts is None:
+        return "gpu", "auto: model size unknown (signature lacks geometry or dtype), experts stay on the GPU"
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    reserve = (kv or 0) * cfg.max_batch_size * (cfg.prefill_token_budget or 4096)
+    if experts + reserve > 0.9 * free:
+        return "cpu", f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB > 90% of free GPU"
+    return "gpu", f"auto: experts {experts / 2**30:.1f} GiB fit in free GPU memory {free / 2**30:.1f} GiB"
 
 
 def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
+    """User config > env MOEFX_OFFLOAD_EXPERTS > default gpu; 'auto' decides from model size and free GPU memory."""
     if cfg.offload.experts != "gpu":
-        return OffloadPlan(cfg.offload.experts, "user config")
-    return OffloadPlan()
+        choice, source = cfg.offload.experts, "user config"
+    else:
+        choice, source = get_setting("MOEFX_OFFLOAD_EXPERTS"), setting_source("MOEFX_OFFLOAD_EXPERTS")
+    if choice == "auto":
+        choice, source = _auto_decision(ms, es, cfg)
+    plan = OffloadPlan(experts=choice, source=source)
+    if choice != "cpu":
+        return plan
+    host = host_info_from_signature(es)
+    plan.host, plan.host_source = host.describe(), host.source
+    int8 = get_setting("MOEFX_OFFLOAD_INT8")
+    if int8 is not None:
+        plan.int8, plan.int8_source = int8, setting_source("MOEFX_OFFLOAD_INT8")
+    elif ms.quant_weight_dtype == "int8":
+        plan.int8, plan.int8_source = True, "weight format int8"
+    plan.int8_min_tokens = get_setting("MOEFX_OFFLOAD_INT8_VNNI_MIN_TOKENS")
+    from moefx.offload.cpu_experts import int8_impl
+
+    plan.int8_impl = int8_impl(get_setting("MOEFX_OFFLOAD_INT8_ALIGN"), get_setting("MOEFX_OFFLOAD_INT8_VNNI"))
+    if plan.int8 and not host.has_int8_dot:
+        plan.notes.append("CPU lacks VNNI/AMX int8 dot products: the int8 path runs but without hardware int8 dots")
+    if not plan.int8 and (ms.dtype == "bfloat16") and not host.has_bf16_dot:
+        plan.notes.append("CPU lacks AVX512-BF16/AMX: bf16 expert GEMMs run in oneDNN's emulated bf16 (slower)")
+    plan.tile_e, plan.tile_source = get_setting("MOEFX_OFFLOAD_STAGE_TILE_E"), setting_source(
+        "MOEFX_OFFLOAD_STAGE_TILE_E"
+    )
+    pinned = get_setting("MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS")
+    if es.device_type != "cuda":
+        plan.switch_tokens, plan.switch_source = None, f"no GPU ({es.device_type}): nothing to stream to"
+    elif pinned is not None:
+        plan.switch_tokens = None if pinned == 0 else pinned
+        never = " (0 = never)" if pinned == 0 else ""
+        plan.switch_source = setting_source("MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS") + never
+    if es.mode == "capture":
+        plan.notes.append("mode=capture: offloaded expert calls are excluded from CUDA graphs (host compute), see "
+                          "docs/OFFLOAD.md")
+    return plan

@@ -1,0 +1,222 @@
+"""Cost model for the decode/prefill switch: CPU experts vs streaming experts to the GPU, per token count M.
+
+CPU time for M rows = max(touched experts x expert bytes / CPU expert bandwidth, expert FLOPs / CPU rate).
+Streaming time   = max(touched experts x expert bytes / H2D bandwidth, expert FLOPs / GPU rate).
+The switch point is the smallest M where streaming wins. The rates are measured once per machine and
+expert geometry, then cached as JSON under $XDG_CACHE_HOME/moefx (default ~/.cache/moefx).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moefx.log import get_logger
+from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe
+from moefx.offload.hw import HostInfo
+
+log = get_logger("moefx.offload.cost")
+
+MAX_SWITCH_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    expert_bytes: int
+
+    def flops(self, m: int) -> float:
+        return 2.0 * m * self.top_k * 3 * self.hidden * self.inter
+
+    def touched(self, m: int) -> float:
+        """Expected distinct experts hit by m tokens under uniform routing."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** m)
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    cpu_gbps: float  # bytes/s (GB/s) the CPU expert path streams weights at small M (DRAM-bound)
+    cpu_tflops: float  # expert GEMM rate of the CPU path at large M
+    h2d_gbps: float | None  # pinned host -> GPU copy; None without a GPU
+    gpu_tflops: float | None
+    decode_workers: int = 1  # expert worker threads per NUMA node that decode fastest (tuned with the rates)
+    source: str = "measured"
+
+
+def cpu_seconds(m: int, g: Geometry, r: MachineRates) -> float:
+    return max(g.touched(m) * g.expert_bytes / (r.cpu_gbps * 1e9), g.flops(m) / (r.cpu_tflops * 1e12))
+
+
+def stream_seconds(m: int, g: Geometry, r: MachineRates) -> float:
+    if r.h2d_gbps is None or r.gpu_tflops is None:
+        return float("inf")
+    return max(g.touched(m) * g.expert_bytes / (r.h2d_gbps * 1e9), g.flops(m) / (r.gpu_tflops * 1e12))
+
+
+def switch_point(g: Geometry, r: MachineRates) -> int | None:
+    """Smallest M from which streaming to the GPU is faster; None when it never is (up to 2^20 rows)."""
+    if stream_seconds(MAX_SWITCH_TOKENS, g, r) >= cpu_seconds(MAX_SWITCH_TOKENS, g, r):
+        return None
+    lo, hi = 1, MAX_SWITCH_TOKENS  # invariant: streaming wins at hi; find the first M where it does
+    if stream_seconds(lo, g, r) < cpu_seconds(lo, g, r):
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if stream_seconds(mid, g, r) < cpu_seconds(mid, g, r):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moefx"
+
+
+def cache_key(store: ExpertStore, dtype: torch.dtype, device: torch.device | None, host: HostInfo) -> str:
+    gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "none"
+    geom = f"{tuple(store.w13.shape[1:])}x{tuple(store.w2.shape[1:])}"
+    return "|".join(
+        [_cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}", f"threads={torch.get_num_threads()}",
+         gpu, f"torch={torch.__version__}", str(dtype), geom, "int8" if store.int8 else "float"]
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def cached_rates(key: str, path: Path | None = None) -> MachineRates | None:
+    path = path or cache_dir() / "offload_rates.json"
+    row = _read_cache(path).get(key)
+    if not row:
+        return None
+    row["source"] = f"cache {path}"
+    return MachineRates(**row)
+
+
+def store_rates(key: str, rates: MachineRates, path: Path | None = None) -> Path:
+    path = path or cache_dir() / "offload_rates.json"
+    data = _read_cache(path)
+    row = asdict(rates)
+    row.pop("source")
+    data[key] = row
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not write the offload rate cache %s: %s", path, exc)
+    return path
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def worker_candidates(host: HostInfo) -> list[int]:
+    per_node = max(1, min(len(c) for c in host.numa_cpus))
+    return [w for w in (1, 2, 4, 8, 16) if w <= per_node]
+
+
+def measure_cpu(store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: int) -> tuple[float, float, int]:
+    """(GB/s at decode-like M=1 over random experts, TFLOP/s at M=256, best workers per node), on the layer's weights.
+
+    Each worker count in `worker_candidates` is tried for decode; the large-M rate uses one worker per node.
+    """
+    e, h = store.num_experts, store.w13.shape[2]
+    inter = store.w2.shape[2]
+    gen = torch.Generator().manual_seed(0)
+    k = min(top_k, e)
+    x1 = torch.randn(1, h, generator=gen).to(dtype)
+    w1 = torch.full((1, k), 1.0 / k)
+    best = (0.0, 1)
+    for workers in worker_candidates(host):
+        pool = ExpertPool(host, workers)
+
+        def decode(pool: ExpertPool = pool) -> None:
+            ids = torch.randperm(e, generator=gen)[:k].view(1, k)
+            cpu_moe(store, x1, ids, w1, pool, CpuMath())
+
+        gbps = k * store.expert_bytes / _median_seconds(decode, 9) / 1e9
+        pool.shutdown()
+        best = max(best, (gbps, workers))
+    m = 256
+    xm = torch.randn(m, h, generator=gen).to(dtype)
+    ids_m = torch.randint(0, min(e, 4), (m, k), generator=gen)
+    wm = torch.full((m, k), 1.0 / k)
+    pool = ExpertPool(host, 1)
+    secs = _median_seconds(lambda: cpu_moe(store, xm, ids_m, wm, pool, CpuMath()), 3)
+    pool.shutdown()
+    return best[0], 2.0 * m * k * 3 * h * inter / secs / 1e12, best[1]
+
+
+def measure_gpu(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(pinned H2D GB/s on a 256 MiB buffer, dense matmul TFLOP/s at 4096^3)."""
+    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src, non_blocking=True)
+    start.record()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    h2d = 4 * src.nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    a = torch.randn(4096, 4096, device=device, dtype=dtype)
+    a @ a
+    start.record()
+    for _ in range(4):
+        a @ a
+    end.record()
+    end.synchronize()
+    tflops = 4 * 2 * 4096**3 / (start.elapsed_time(end) / 1e3) / 1e12
+    return h2d, tflops
+
+
+def machine_rates(
+    store: ExpertStore, dtype: torch.dtype, device: torch.device | None, host: HostInfo, top_k: int
+) -> MachineRates:
+    """Cached rates for this machine and expert geometry, measuring (a few seconds) on first use."""
+    key = cache_key(store, dtype, device, host)
+    cached = cached_rates(key)
+    if cached is not None:
+        return cached
+    cpu_gbps, cpu_tflops, workers = measure_cpu(store, dtype, host, top_k)
+    h2d = gpu_tflops = None
+    if device is not None and device.type == "cuda":
+        h2d, gpu_tflops = measure_gpu(device, dtype)
+    rates = MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers)
+    path = store_rates(key, rates)
+    return MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers, f"measured, cached in {path}")

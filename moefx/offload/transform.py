@@ -1,0 +1,239 @@
+"""The `offload` model transform: expert weights to host memory, the experts' forward swapped for ours.
+
+Routing, attention, norms and everything else stay where they are; only `experts(hidden, top_k_index,
+top_k_weights)` (the transformers 5 experts contract) runs here: on the CPU below the switch point, streamed
+through the GPU staging ring from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moefx.log import get_logger
+from moefx.offload.cost import Geometry, machine_rates, switch_point
+from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe
+from moefx.offload.hw import host_info
+from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
+from moefx.offload.placement import to_host
+from moefx.offload.staging import StagingRing
+from moefx.transforms import register_model_transform
+
+log = get_logger("moefx.offload")
+
+DECODE_POOL_MAX_TOKENS = 32  # up to this many rows the tuned multi-worker pool runs; above, one worker per node
+KV_RESERVE_TOKENS = 4096  # per sequence, when the config gives no prefill_token_budget
+
+
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Modules that hold transformers-5 style stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    found = []
+    for name, mod in model.named_modules():
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
+            found.append((name, mod))
+    return found
+
+
+def unsupported_reason(mod: torch.nn.Module) -> str | None:
+    """None when the module matches the layout and math our expert path computes; else why it is left alone."""
+    if getattr(mod, "has_bias", False):
+        return "experts have biases"
+    if getattr(mod, "is_transposed", False) or not getattr(mod, "is_concatenated", True):
+        return "experts weights are transposed or interleaved"
+    if not getattr(mod, "has_gate", True):
+        return "experts have no gate projection"
+    act = getattr(mod, "act_fn", None)
+    if not _is_silu(act):
+        return f"activation {type(act).__name__} is not SiLU"
+    e, two_i, h = mod.gate_up_proj.shape
+    if tuple(mod.down_proj.shape) != (e, h, two_i // 2) or two_i % 2:
+        return f"shapes {tuple(mod.gate_up_proj.shape)} / {tuple(mod.down_proj.shape)} are not [E,2I,H] / [E,H,I]"
+    return None
+
+
+def _is_silu(act: Any) -> bool:
+    """transformers' SiLUActivation or torch's SiLU, checked on a probe so a look-alike name cannot pass."""
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        return False
+    probe = torch.linspace(-6, 6, 25)
+    return bool(torch.allclose(act(probe), torch.nn.functional.silu(probe)))
+
+
+def pick_tile_backend() -> str:
+    """MoE backend that computes streamed tiles on the GPU: MOEFX_MOE_BACKEND if it names a GPU backend, else
+    `grouped` when registered, else `legacy`."""
+    from moefx.backends import BACKENDS
+    from moefx.offload.env import get_setting
+
+    forced = get_setting("MOEFX_MOE_BACKEND")
+    if forced in BACKENDS and forced != "cpu":
+        return forced
+    return "grouped" if "grouped" in BACKENDS else "legacy"
+
+
+class OffloadRuntime:
+    """State shared by every offloaded layer of one model: CPU pools, the GPU staging ring, the switch point."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, math_int8: bool, min_tokens: int, impl: str) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.host = host_info()
+        self.int8_activations = math_int8
+        self.min_tokens = min_tokens
+        self.impl = impl
+        self.decode_pool = ExpertPool(self.host, 1)
+        self.large_pool = self.decode_pool
+        self.ring: StagingRing | None = None
+        self.switch_tokens: int | None = None
+        self.tile_backend = pick_tile_backend()
+
+    def math(self, m: int) -> CpuMath:
+        return CpuMath(self.int8_activations and m >= self.min_tokens, self.impl)
+
+    def set_decode_workers(self, workers: int) -> None:
+        if workers != self.decode_pool.workers_per_node:
+            self.decode_pool = ExpertPool(self.host, workers)
+
+    def tile_compute(self, x, ids, weights, w13, w2) -> torch.Tensor:
+        from moefx.backends import BACKENDS
+
+        return BACKENDS[self.tile_backend](x, ids, weights, w13, w2)
+
+
+class OffloadedExperts:
+    """The replacement forward of one experts module."""
+
+    def __init__(self, store: ExpertStore, runtime: OffloadRuntime) -> None:
+        self.store = store
+        self.rt = runtime
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        rt = self.rt
+        m = hidden_states.shape[0]
+        if rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens:
+            return rt.ring.run(self.store, hidden_states, top_k_index, top_k_weights, rt.tile_compute)
+        pool = rt.decode_pool if m <= DECODE_POOL_MAX_TOKENS else rt.large_pool
+        if hidden_states.device.type == "cpu":
+            return cpu_moe(self.store, hidden_states, top_k_index, top_k_weights, pool, rt.math(m))
+        x, ids, w = (_pinned_copy(t) for t in (hidden_states, top_k_index, top_k_weights))
+        torch.cuda.current_stream(hidden_states.device).synchronize()
+        y = cpu_moe(self.store, x, ids, w, pool, rt.math(m))
+        y_pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+        y_pinned.copy_(y)
+        return y_pinned.to(hidden_states.device, non_blocking=True)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _model_device_dtype(model: torch.nn.Module, skip: set[int]) -> tuple[torch.device, torch.dtype]:
+    for p in model.parameters():
+        if id(p) not in skip:
+            return p.device, p.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def _kv_reserve(model: torch.nn.Module, cfg: Any, width: int) -> int:
+    """Bytes the KV pool reserves first: max_batch_size sequences of prefill_token_budget (or 4096) tokens."""
+    conf = getattr(model, "config", None)
+    layers = getattr(conf, "num_hidden_layers", None)
+    kv_heads = getattr(conf, "num_key_value_heads", None)
+    head_dim = getattr(conf, "head_dim", None)
+    if head_dim is None and getattr(conf, "num_attention_heads", None):
+        head_dim = conf.hidden_size // conf.num_attention_heads
+    if not (layers and kv_heads and head_dim):
+        return 0
+    tokens = cfg.max_batch_size * (cfg.prefill_token_budget or KV_RESERVE_TOKENS)
+    return tokens * kv_bytes_per_token(layers, kv_heads, head_dim, width)
+
+
+def _expert_bytes(mod: torch.nn.Module, int8: bool) -> int:
+    _, two_i, h = mod.gate_up_proj.shape
+    if int8:
+        return 3 * (two_i // 2) * h + 4 * (two_i + h)
+    return 3 * (two_i // 2) * h * mod.gate_up_proj.element_size()
+
+
+@register_model_transform("offload", order=10)
+def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
+    """Move experts to host memory and swap their forward, when the plan says experts = cpu."""
+    op = plan.offload
+    if op is None or op.experts != "cpu":
+        return []
+    found = experts_modules(model)
+    skip_ids = {id(p) for _, m in found for p in (m.gate_up_proj, m.down_proj)}
+    device, dtype = _model_device_dtype(model, skip_ids)
+    applied: list[str] = []
+    usable = []
+    for name, mod in found:
+        reason = unsupported_reason(mod)
+        if reason:
+            applied.append(f"left {name} on its device: {reason}")
+        else:
+            usable.append((name, mod))
+    if not usable:
+        op.notes.append("no transformers-style experts module found; nothing offloaded")
+        return applied + ["no experts offloaded"]
+    cuda = device.type == "cuda"
+    may_stream = cuda and (op.switch_source.startswith("cost model") or op.switch_tokens is not None)
+    budget = None
+    if may_stream:
+        # Check the fixed GPU memory priority before touching the model: KV pool first, then the staging ring.
+        num_experts = usable[0][1].gate_up_proj.shape[0]
+        expert_bytes = _expert_bytes(usable[0][1], op.int8)
+        staging = 2 * min(op.tile_e, num_experts) * expert_bytes
+        free, _ = torch.cuda.mem_get_info(device)
+        kv = _kv_reserve(model, cfg, dtype.itemsize)
+        budget = plan_gpu_memory(free, kv, staging, tile_e=op.tile_e, expert_bytes=expert_bytes)
+    rt = OffloadRuntime(device, dtype, op.int8, op.int8_min_tokens, op.int8_impl)
+    holding = ""
+    for _, mod in usable:
+        store, holding = _offload_module(mod, op.int8, rt.host, pin=cuda)
+        mod.moefx_offload = OffloadedExperts(store, rt)
+        mod.forward = torch.compiler.disable(mod.moefx_offload.__call__)
+    first = usable[0][1].moefx_offload.store
+    top_k = _top_k(model, first)
+    geom = Geometry(first.num_experts, top_k, first.w13.shape[2], first.w2.shape[2], first.expert_bytes)
+    rates = machine_rates(first, dtype, device, rt.host, top_k)
+    rt.set_decode_workers(rates.decode_workers)
+    if cuda and op.switch_source.startswith("cost model"):
+        op.switch_tokens = switch_point(geom, rates)
+        op.switch_source = (
+            f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
+            f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
+        )
+    rt.switch_tokens = op.switch_tokens if cuda else None
+    if budget is not None and rt.switch_tokens is not None:
+        rt.ring = StagingRing(first, op.tile_e, device)
+        op.notes.append(budget.explain_line())
+        op.notes.append(f"streamed tiles computed by MoE backend {rt.tile_backend!r}")
+    op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
+    applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
+    return applied
+
+
+def _top_k(model: torch.nn.Module, store: ExpertStore) -> int:
+    conf = getattr(model, "config", None)
+    k = getattr(conf, "num_experts_per_tok", None) if conf is not None else None
+    return int(k) if k else min(8, store.num_experts)
+
+
+def _offload_module(mod: torch.nn.Module, int8: bool, host: Any, pin: bool) -> tuple[ExpertStore, str]:
+    w13, w2 = mod.gate_up_proj.detach(), mod.down_proj.detach()
+    del mod.gate_up_proj
+    del mod.down_proj
+    store = ExpertStore.from_weights(w13, w2, int8=int8)  # quantized where the weights are (fast on a GPU)
+    del w13, w2
+    held = []
+    tensors = {}
+    for field in ("w13", "w2", "w13_scale", "w2_scale"):
+        t = getattr(store, field)
+        if t is not None:
+            tensors[field], how = to_host(t, host, pin)
+            held.append(how)
+    return ExpertStore(**tensors), held[0]
