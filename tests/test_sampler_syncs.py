@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 from torch._inductor.decomposition import select_decomp_table
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from moefx.config import CompilationConfig
 from moefx.passes import PassContext

@@ -1,7 +1,10 @@
 """Post-grad FX passes. Importing this package registers every pass by its toggle name."""
 
-from moefx.passes import eliminate_noops  # noqa: F401
-from moefx.passes import rewrite_sampler_syncs  # noqa: F401
+from moefx.passes import (
+    eliminate_noops,  # noqa: F401
+    last_token_logits,  # noqa: F401
+    rewrite_sampler_syncs,  # noqa: F401
+)
 from moefx.passes.base import PASS_REGISTRY, MoefxPass, PassContext, register_pass
 from moefx.passes.manager import PassManager
 
