@@ -24,7 +24,7 @@ class ModelTransform:
 MODEL_TRANSFORMS: dict[str, ModelTransform] = {}
 
 # Modules that register a transform when imported; `optimize` imports them on first use.
-TRANSFORM_MODULES: tuple[str, ...] = ("moefx.offload.transform",)
+TRANSFORM_MODULES: tuple[str, ...] = ("moefx.offload.transform", "moefx.integrations.transformers")
 
 
 def register_model_transform(name: str, order: int) -> Callable[[TransformFn], TransformFn]:

@@ -1,0 +1,106 @@
+"""transformers integration: `"moefx"` in transformers' ExpertsInterface, and the `optimize` transform using it.
+
+With `from_pretrained(..., experts_implementation="moefx")` or `model.set_experts_implementation("moefx")`,
+every experts module decorated with transformers' `use_experts_implementation` runs `moefx::moe_experts`
+(backend chosen per call by M). What the op cannot take — biases, interleaved gate/up rows, a custom gate,
+an activation other than SiLU, experts without a gate — runs transformers' default experts path (grouped_mm)
+with a one-time warning naming the reason; transposed weights are passed as views, and a backend that needs
+contiguous rows says so and the op runs that default path. `upstream` ranges of the policy also run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moefx.backends.op import moe_experts
+from moefx.log import warn_once
+from moefx.transforms import register_model_transform
+
+NAME = "moefx"
+_SILU_TYPES: tuple[type, ...] = (nn.SiLU,)
+
+
+def _default_gate() -> Any:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate
+
+
+def _is_silu(act: Any) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, (*_SILU_TYPES, SiLUActivation))
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """An experts module whose forward transformers dispatches through its experts interface."""
+    return hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "down_proj")
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why this experts module cannot run `moefx::moe_experts`, or None."""
+    if hasattr(module, "gate_up_proj_scale_inv") or hasattr(module, "down_proj_scale_inv"):
+        return "transformers' FP8 experts modules (their own interface)"
+    if not module.has_gate:
+        return "experts without a gate projection"
+    if getattr(module, "has_bias", False):
+        return "expert biases"
+    if not module.is_concatenated:
+        return "interleaved gate/up rows"
+    if getattr(type(module), "_apply_gate", None) is not _default_gate():
+        return f"a custom gate ({type(module).__name__}._apply_gate)"
+    if not _is_silu(getattr(module, "act_fn", None)):
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the op computes SiLU)"
+    return None
+
+
+def moefx_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers experts forward `(self, hidden_states, top_k_index, top_k_weights)` through the moefx op."""
+    reason = unsupported_reason(self)
+    if reason is not None:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        warn_once(f"moefx experts: {type(self).__name__} uses {reason}; running transformers' grouped_mm experts")
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    w13, w2 = self.gate_up_proj, self.down_proj
+    if self.is_transposed:
+        w13, w2 = w13.transpose(-2, -1), w2.transpose(-2, -1)
+    backend = getattr(self, "moefx_backend", "auto")
+    return moe_experts(hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers")
+
+
+def register() -> None:
+    """Make `experts_implementation="moefx"` valid in transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if ALL_EXPERTS_FUNCTIONS.get(NAME) is not moefx_experts_forward:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, moefx_experts_forward)
+
+
+@register_model_transform("moe_experts", order=20)
+def use_moefx_experts(model: nn.Module, plan: Any, cfg: Any) -> list[str]:
+    """Set `experts_implementation="moefx"` where the plan's MoE section names a moefx backend for some M."""
+    moe = getattr(plan, "moe", None)
+    if moe is None or not moe.applies:
+        return []
+    # Experts the offload transform already took over (host-resident, own forward) stay with it.
+    experts = [m for m in model.modules() if is_experts_module(m) and not hasattr(m, "moefx_offload")]
+    if not experts or not hasattr(model, "set_experts_implementation"):
+        return ["experts left as they are: no transformers experts-interface modules in this model"]
+    reasons = {r for r in (unsupported_reason(m) for m in experts) if r}
+    if reasons:
+        return [f"experts left to transformers: the moefx op does not take {sorted(reasons)}"]
+    register()
+    spec = moe.spec()
+    for module in experts:
+        module.moefx_backend = spec
+    model.set_experts_implementation(NAME)
+    return [f"experts_implementation = {NAME} on {len(experts)} experts modules, policy {spec}"]
+
+
+register()

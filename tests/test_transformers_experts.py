@@ -1,0 +1,177 @@
+"""transformers' experts interface: "moefx" gives eager's logits on five MoE families and odd layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    MixtralConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+)
+from transformers.activations import ACT2FN
+from transformers.integrations.moe import use_experts_implementation
+
+import moefx
+import moefx.log
+from moefx.backends import available_backends
+from moefx.backends.calibration import invalidate
+from moefx.integrations.transformers import is_experts_module, unsupported_reason
+from moefx.models import tiny_qwen3_moe_config
+
+SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+CONFIGS = {
+    "qwen3_moe": lambda: tiny_qwen3_moe_config(),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **SMALL, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **SMALL, intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "olmoe": lambda: OlmoeConfig(**SMALL, intermediate_size=32, num_key_value_heads=4, num_experts=8,
+                                 num_experts_per_tok=2),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **SMALL, intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(tmp_path, monkeypatch):
+    monkeypatch.setattr(moefx.log, "_warned", set())
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for var in ("MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
+        monkeypatch.delenv(var, raising=False)
+    invalidate()
+    yield
+    invalidate()
+
+
+def _model(family: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval()
+    with torch.no_grad():  # expert weights large enough that a wrong experts path moves the logits
+        for module in model.modules():
+            if is_experts_module(module):
+                module.gate_up_proj.normal_(std=0.2)
+                module.down_proj.normal_(std=0.2)
+    return model
+
+
+def _logits(model: nn.Module, seed: int = 1) -> torch.Tensor:
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_moefx_experts_equal_eager(family):
+    model = _model(family)
+    model.set_experts_implementation("eager")
+    ref = _logits(model)
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    assert experts and all(unsupported_reason(m) is None for m in experts)
+    model.set_experts_implementation("moefx")
+    assert model.config._experts_implementation == "moefx"
+    assert _rel(_logits(model), ref) <= 1e-5  # no calibration row: upstream (transformers grouped_mm) via the op
+    for backend in available_backends("cpu"):
+        for m in experts:
+            m.moefx_backend = backend
+        assert _rel(_logits(model), ref) <= 1e-5, backend
+    for m in experts:  # sanity: the experts really matter for these logits
+        m.moefx_backend = "auto"
+        m.down_proj.data.zero_()
+    assert _rel(_logits(model), ref) > 1e-2
+
+
+def test_from_pretrained_with_moefx(tmp_path):
+    model = _model("qwen3_moe")
+    model.set_experts_implementation("eager")
+    ref = _logits(model)
+    model.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="moefx", dtype=torch.float32)
+    assert loaded.config._experts_implementation == "moefx"
+    assert _rel(_logits(loaded.eval()), ref) <= 1e-5
+
+
+def test_optimize_sets_moefx_only_where_the_plan_says_so():
+    model = _model("olmoe")
+    model.set_experts_implementation("eager")
+    ref = _logits(model)
+    upstream = moefx.optimize(_model("olmoe"), config={"mode": "eager"})  # no calibration row on this CPU
+    assert upstream.config._experts_implementation != "moefx"
+    assert not any(line.startswith("moe_experts:") for line in upstream.moefx_plan.provenance)
+    forced = moefx.optimize(_model("olmoe"), config={"mode": "eager", "moe_backend": "legacy"})
+    assert forced.config._experts_implementation == "moefx"
+    assert any("experts_implementation = moefx" in line for line in forced.moefx_plan.provenance)
+    experts = [m for m in forced.modules() if is_experts_module(m)]
+    assert all(m.moefx_backend.startswith("eager=legacy@1-") for m in experts)
+    assert _rel(_logits(forced), ref) <= 1e-5
+
+
+E, H, I, TOPK = 4, 16, 8, 2
+
+
+class _Layout(nn.Module):
+    """Experts in transformers' decorated form with a chosen layout, with a plain-loop eager forward."""
+
+    def __init__(self, config, transposed: bool, bias: bool):
+        super().__init__()
+        self.num_experts = E
+        gu, dn = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
+        self.gate_up_proj = nn.Parameter(torch.randn(*gu) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(*dn) * 0.3)
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * I) * 0.3)
+            self.down_proj_bias = nn.Parameter(torch.randn(E, H) * 0.3)
+        self.act_fn = ACT2FN["silu"]
+        self._t, self._b = transposed, bias
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, j])
+                wg, wd = self.gate_up_proj[e], self.down_proj[e]
+                wg, wd = (wg.T, wd.T) if self._t else (wg, wd)
+                gu = wg @ hidden_states[t] + (self.gate_up_proj_bias[e] if self._b else 0)
+                g, u = gu.chunk(2)
+                y = wd @ (self.act_fn(g) * u) + (self.down_proj_bias[e] if self._b else 0)
+                out[t] += top_k_weights[t, j] * y
+        return out
+
+
+def _layout_module(transposed: bool, bias: bool) -> nn.Module:
+    cls = type(f"Experts_t{int(transposed)}_b{int(bias)}", (_Layout,), {})
+    cls = use_experts_implementation(cls, is_transposed=transposed, has_bias=bias)
+    torch.manual_seed(3)
+    return cls(PretrainedConfig(), transposed=transposed, bias=bias)
+
+
+@pytest.mark.parametrize(("transposed", "bias"), [(True, False), (False, True), (True, True)])
+def test_layouts_equal_eager(transposed, bias):
+    module = _layout_module(transposed, bias)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(11, H, generator=g)
+    w, ids = torch.softmax(torch.randn(11, E, generator=g), -1).topk(TOPK, dim=-1)
+    module.config._experts_implementation = "eager"
+    ref = module(x, ids, w)
+    module.config._experts_implementation = "moefx"
+    for backend in ("auto", "legacy", *available_backends("cpu")):
+        module.moefx_backend = backend
+        assert _rel(module(x, ids, w), ref) <= 1e-5, backend
+    if bias:
+        assert unsupported_reason(module) == "expert biases"
+    else:
+        assert unsupported_reason(module) is None  # transposed weights go to the op as views
