@@ -53,7 +53,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     @triton.jit
     def _to_fp8(v):
-        sub = ((v * 512.0 + _RNE_MAGIC) - _RNE_MAGIC) * (1.0 / 512.0)
+        sub = ((tl.abs(v) * 512.0 + _RNE_MAGIC) - _RNE_MAGIC) * (1.0 / 512.0)
+        sign = v.to(tl.int32, bitcast=True) & (-2147483648)
+        sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # keeps -0.0 like torch
         return tl.where(tl.abs(v) < 0.015625, sub, _rne_bits(v, 20)).to(tl.float8e4nv)
 
 else:
