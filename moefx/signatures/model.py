@@ -60,6 +60,7 @@ class ModelSignature:
     head_dim: int | None = None
     vocab_size: int | None = None
     tie_word_embeddings: bool | None = None
+    hidden_act: str | None = None  # the experts' gate activation
     attention: str | None = None  # "mha" | "gqa" | "mla"
     kv_lora_rank: int | None = None
     # MoE geometry and routing
@@ -107,11 +108,7 @@ class ModelSignature:
         if config is None:
             return cls()
         outer, vllm = _unwrap(config)
-        facts = _facts_from_config(outer, vllm)
-        if isinstance(outer, dict):
-            names = {f.name for f in dataclasses.fields(cls)}
-            facts.update({k: v for k, v in outer.items() if k in names and v is not None})
-        return cls(**_complete(facts))
+        return cls(**_complete(_facts_from_config(outer, vllm)))
 
     @classmethod
     def from_module(cls, module: Any) -> ModelSignature:
@@ -246,6 +243,7 @@ def _facts_from_config(outer: Any, vllm: Any) -> dict[str, Any]:
         "head_dim": get("head_dim"),
         "vocab_size": get("vocab_size"),
         "tie_word_embeddings": get("tie_word_embeddings"),
+        "hidden_act": get("hidden_act"),
         "kv_lora_rank": get("kv_lora_rank"),
         "num_experts": _first(get, "num_experts", "num_local_experts", "n_routed_experts"),
         "top_k": get("num_experts_per_tok"),
@@ -264,6 +262,11 @@ def _facts_from_config(outer: Any, vllm: Any) -> dict[str, Any]:
     if mlp_only:
         # Dense layers scattered through the stack: no provider plans for that layout yet.
         facts["moe_layer_step"] = None
+    if isinstance(outer, dict):
+        # Mappings may also state signature facts by field name (a saved or hand-written signature).
+        for f in dataclasses.fields(ModelSignature):
+            if facts.get(f.name) is None and get(f.name) is not None:
+                facts[f.name] = get(f.name)
     from moefx.signatures.registry import provider_for
 
     provider = provider_for(facts["model_type"])

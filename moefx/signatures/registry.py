@@ -27,6 +27,7 @@ MOE_REQUIRED = (
     "num_experts",
     "top_k",
     "moe_intermediate_size",
+    "hidden_act",
     "routing",
     "norm_topk_prob",
 )
@@ -49,6 +50,8 @@ class Provider:
     model_types: ClassVar[tuple[str, ...]]
     requires: ClassVar[tuple[str, ...]] = MOE_REQUIRED
     routings: ClassVar[tuple[str, ...]] = ("softmax",)
+    # Expert activations the MoE backends implement (silu(gate) * up).
+    activations: ClassVar[tuple[str, ...]] = ("silu",)
 
     @classmethod
     def implied(cls, get: Callable[[str], Any]) -> dict[str, Any]:
@@ -65,6 +68,8 @@ class Provider:
             return f"missing signature fields {missing}"
         if ms.routing not in cls.routings:
             return f"routing {ms.routing!r} is not one of {list(cls.routings)}"
+        if ms.hidden_act not in cls.activations:
+            return f"expert activation {ms.hidden_act!r} is not one of {list(cls.activations)}"
         if ms.quant_method is not None and ms.quant_weight_dtype is None:
             return f"quantization {ms.quant_method!r} is not a format moefx understands"
         return None

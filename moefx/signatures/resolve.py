@@ -109,6 +109,9 @@ def resolve(
         warn_once(f"pass {name} is set by {PASSES_ENV} or a rule but no pass of that name is registered; ignored")
 
     pins = {**rule.moe, "source": rule.label} if rule is not None and rule.moe else None
+    if pins is None and fragment is None:
+        # Fail closed: an unmatched model keeps its own experts code unless the user forces a backend.
+        pins = {"backend": "upstream", "source": f"profile unknown ({why})"}
     plan.moe = moe_plan(ms, es, cfg, pins=pins)
     plan.offload = offload_plan(ms, es, cfg)
     plan.serving, plan.serving_sources = serving_hints(ms, es, cfg, fragment)

@@ -1,0 +1,226 @@
+"""resolve(): precedence user > env > rule > provider > off, fail-closed unknowns, env warnings, serving hints."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+
+import moefx.log
+import moefx.passes
+from moefx.models.catalog import catalog_config
+from moefx.passes.base import MoefxPass
+from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+from moefx.signatures.env import pass_overrides
+from moefx.signatures.rules import parse_rule
+from moefx.signatures.serving import capture_sizes
+
+
+class _Plain(MoefxPass):
+    name = "eliminate_noops"
+    order = 0
+
+
+class _CudaOnly(MoefxPass):
+    name = "fuse_act_quant"
+    order = 10
+
+    @classmethod
+    def unsupported_reason(cls, ms: object, es: object) -> str | None:
+        return None if getattr(es, "device_type", None) == "cuda" else "needs CUDA"
+
+
+class _Logits(MoefxPass):
+    name = "last_token_logits"
+    order = 20
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stub passes with known support, no env leaking in, and fresh warn-once memory."""
+    monkeypatch.setattr(moefx.passes, "PASS_REGISTRY", {p.name: p for p in (_Plain, _CudaOnly, _Logits)})
+    monkeypatch.setattr(moefx.log, "_warned", set())
+    for var in ("MOEFX_PASSES", "MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
+        monkeypatch.delenv(var, raising=False)
+
+
+DS = ModelSignature.from_config(catalog_config("deepseek-v3"))  # fp8 dynamic activations
+QWEN = ModelSignature.from_config(catalog_config("qwen3-30b-a3b"))  # unquantized
+H200 = ExecutionSignature.preset("h200", dtype="bfloat16")
+CPU = ExecutionSignature(device_type="cpu", dtype="bfloat16")
+
+
+def _recorded(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(w.message) for w in caught]
+
+
+def test_provider_preferences_follow_model_and_device() -> None:
+    plan = resolve(DS, H200)
+    assert plan.profile == "deepseek_v3"
+    assert plan.enabled_passes() == ["eliminate_noops", "fuse_act_quant", "last_token_logits"]
+    assert plan.passes["fuse_act_quant"].source == "provider deepseek_v3"
+    qwen = resolve(QWEN, H200)
+    assert not qwen.pass_enabled("fuse_act_quant") and "not quantized" in qwen.passes["fuse_act_quant"].reason
+    cpu = resolve(DS, CPU)
+    assert cpu.enabled_passes() == ["eliminate_noops"]
+    assert cpu.passes["last_token_logits"].preferred is False
+
+
+def test_unknown_profile_runs_upstream_with_nothing_enabled() -> None:
+    ms = ModelSignature(model_type="llama", dtype="bfloat16", hidden_size=4096)
+    plan = resolve(ms, H200)
+    assert plan.profile == "unknown" and plan.enabled_passes() == []
+    assert all(d.source == "default off" for d in plan.passes.values())
+    for policy in plan.moe.policies.values():
+        assert {r.backend for r in policy.ranges} == {"upstream"} and "profile unknown" in policy.source
+    assert plan.serving["prefill_token_budget"] is None and plan.serving["vocab_parallel_lm_head"] is False
+
+
+def test_user_config_beats_everything_and_user_backend_beats_unknown() -> None:
+    plan = resolve(DS, H200, {"pass_config": {"fuse_act_quant": False}, "moe_backend": "legacy"})
+    assert not plan.pass_enabled("fuse_act_quant") and plan.passes["fuse_act_quant"].source == "user config"
+    unknown = resolve(ModelSignature(model_type="llama"), H200, {"moe_backend": "gemv"})
+    assert unknown.moe.policies["eager"].backend_for(4) == "gemv"
+
+
+def test_explicit_request_for_unsupported_warns_once_and_stays_off() -> None:
+    cfg = {"pass_config": {"fuse_act_quant": True}}
+    plan, messages = _recorded(lambda: resolve(DS, CPU, cfg))
+    decision = plan.passes["fuse_act_quant"]
+    assert (decision.enabled, decision.supported, decision.source) == (False, False, "user config")
+    assert "needs CUDA" in decision.reason
+    assert len([m for m in messages if "fuse_act_quant" in m and "unsupported" in m]) == 1
+    _, again = _recorded(lambda: resolve(DS, CPU, cfg))
+    assert not [m for m in again if "fuse_act_quant" in m]
+    with pytest.raises(ValueError, match="fuse_act_quant.*strict"):
+        resolve(DS, CPU, {**cfg, "strict": True})
+
+
+def test_supported_but_not_preferred_runs_when_asked() -> None:
+    plan = resolve(QWEN, H200, {"pass_config": {"fuse_act_quant": True}})
+    assert plan.pass_enabled("fuse_act_quant") and plan.passes["fuse_act_quant"].preferred is False
+
+
+def test_env_sits_between_config_and_plan_and_always_warns_on_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEFX_PASSES", "last_token_logits=off, eliminate_noops=on")
+    plan, messages = _recorded(lambda: resolve(DS, H200))
+    assert not plan.pass_enabled("last_token_logits")
+    assert plan.passes["last_token_logits"].source == "env MOEFX_PASSES"
+    assert any(re.search(r"MOEFX_PASSES turns pass last_token_logits off", m) for m in messages)
+    # eliminate_noops=on agrees with the plan: recorded as the source, but no warning (nothing changed).
+    assert plan.passes["eliminate_noops"].source == "env MOEFX_PASSES"
+    assert not any("eliminate_noops" in m for m in messages)
+    # The user config still wins, and the conflict is reported.
+    plan, messages = _recorded(lambda: resolve(DS, H200, {"pass_config": {"last_token_logits": True}}))
+    assert plan.pass_enabled("last_token_logits") and plan.passes["last_token_logits"].source == "user config"
+    assert any("config wins" in m for m in messages)
+
+
+def test_env_turning_on_an_unmatched_model_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEFX_PASSES", "last_token_logits=on")
+    plan, messages = _recorded(lambda: resolve(ModelSignature(model_type="llama"), H200))
+    assert plan.pass_enabled("last_token_logits")
+    assert any("turns pass last_token_logits on" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [("nosuch=on", "NAME=on"), ("fuse_act_quant=maybe", "invalid"), ("fuse_act_quant", "NAME=on"),
+     ("last_token_logits=on,last_token_logits=off", "twice")],
+)
+def test_env_values_are_validated(value: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pass_overrides({"MOEFX_PASSES": value})
+
+
+def test_rule_overrides_provider_but_not_env_or_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    rule = parse_rule({"match": {"family": "deepseek"}, "passes": {"fuse_act_quant": False}}, "r.yaml", 0)
+    plan = resolve(DS, H200, rules=[rule])
+    assert not plan.pass_enabled("fuse_act_quant") and plan.passes["fuse_act_quant"].source == "rule r.yaml#0"
+    assert plan.rule == "rule r.yaml#0"
+    monkeypatch.setenv("MOEFX_PASSES", "fuse_act_quant=on")
+    with pytest.warns(UserWarning, match="plan says off \\[rule r.yaml#0\\]"):
+        plan = resolve(DS, H200, rules=[rule])
+    assert plan.passes["fuse_act_quant"].source == "env MOEFX_PASSES"
+
+
+def test_rule_requesting_unsupported_pass_warns() -> None:
+    rule = parse_rule({"match": {"family": "deepseek"}, "passes": {"fuse_act_quant": True}}, "r.yaml", 3)
+    plan, messages = _recorded(lambda: resolve(DS, CPU, rules=[rule]))
+    assert not plan.pass_enabled("fuse_act_quant")
+    assert any("requested by rule r.yaml#3" in m for m in messages)
+
+
+def test_explain_names_the_source_of_every_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEFX_PASSES", "last_token_logits=off")
+    rule = parse_rule({"match": {"family": "deepseek"}, "moe": {"backend": "gemv"}}, "r.yaml", 0)
+    with pytest.warns(UserWarning, match="turns pass last_token_logits off"):
+        plan = resolve(DS, H200.replace(mode="capture", max_batch_size=40, tp_size=2),
+                       {"pass_config": {"eliminate_noops": True}}, rules=[rule])
+    lines = plan.decisions()
+    assert all(re.search(r"\[[^\]]+\]", line) for line in lines), lines
+    text = plan.explain()
+    for source in ("user config", "env MOEFX_PASSES", "provider deepseek_v3", "rule r.yaml#0",
+                   "mode capture, max_batch_size 40", "MoE family at max_batch_size 40", "tp_size 2"):
+        assert source in text, source
+
+
+def test_no_stale_plan_after_execution_changes() -> None:
+    a = resolve(DS, H200)
+    b = resolve(DS, H200.replace(device_type="cpu", device_name=None, capability=None, multiprocessor_count=None))
+    assert a.execution != b.execution and a.execution.key() != b.execution.key()
+    assert a.pass_enabled("fuse_act_quant") and not b.pass_enabled("fuse_act_quant")
+
+
+@pytest.mark.parametrize(
+    "mbs, expected_tail",
+    [(1, [1]), (16, list(range(1, 17))), (17, [*range(1, 17), 17]), (24, [*range(1, 17), 24]),
+     (31, [*range(1, 17), 24, 31]), (32, [*range(1, 17), 24, 32]), (33, [*range(1, 17), 24, 32, 33])],
+)
+def test_capture_sizes_boundaries(mbs: int, expected_tail: list[int]) -> None:
+    sizes = capture_sizes(mbs)
+    assert sizes == expected_tail
+    assert max(sizes) == mbs and sizes == sorted(set(sizes))
+    plan = resolve(QWEN, H200.replace(mode="capture", max_batch_size=mbs))
+    assert plan.serving["capture_sizes"] == sizes
+
+
+def test_capture_sizes_only_in_capture_mode_on_cuda() -> None:
+    assert resolve(QWEN, H200.replace(mode="compile", max_batch_size=64)).serving["capture_sizes"] == []
+    assert resolve(QWEN, CPU.replace(mode="capture", max_batch_size=64)).serving["capture_sizes"] == []
+    with pytest.raises(ValueError):
+        capture_sizes(0)
+
+
+@pytest.mark.parametrize("mbs, budget", [(31, None), (32, 4096), (256, 4096)])
+def test_prefill_budget_boundary(mbs: int, budget: int | None) -> None:
+    plan = resolve(QWEN, H200.replace(max_batch_size=mbs))
+    assert plan.serving["prefill_token_budget"] == budget
+
+
+def test_prefill_budget_user_override_and_unknown_model() -> None:
+    plan = resolve(QWEN, H200.replace(max_batch_size=8), {"prefill_token_budget": 2048})
+    assert plan.serving["prefill_token_budget"] == 2048 and plan.serving_sources["prefill_token_budget"] == "user config"
+    unknown = resolve(ModelSignature(model_type="llama"), H200.replace(max_batch_size=64))
+    assert unknown.serving["prefill_token_budget"] is None
+
+
+def test_vocab_parallel_lm_head_needs_tp_cuda_and_a_known_causal_lm() -> None:
+    assert resolve(QWEN, H200.replace(tp_size=2)).serving["vocab_parallel_lm_head"] is True
+    assert resolve(QWEN, H200).serving["vocab_parallel_lm_head"] is False
+    assert resolve(QWEN, CPU.replace(tp_size=2)).serving["vocab_parallel_lm_head"] is False
+
+
+def test_registered_passes_are_handled_generically(monkeypatch: pytest.MonkeyPatch) -> None:
+    class _Later(MoefxPass):
+        name = "fuse_norm_quant"
+        order = 5
+
+    monkeypatch.setitem(moefx.passes.PASS_REGISTRY, "fuse_norm_quant", _Later)
+    plan = resolve(DS, H200)
+    assert list(plan.passes) == ["eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "last_token_logits"]
+    assert plan.pass_enabled("fuse_norm_quant")
