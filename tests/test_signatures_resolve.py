@@ -204,7 +204,8 @@ def test_prefill_budget_boundary(mbs: int, budget: int | None) -> None:
 
 def test_prefill_budget_user_override_and_unknown_model() -> None:
     plan = resolve(QWEN, H200.replace(max_batch_size=8), {"prefill_token_budget": 2048})
-    assert plan.serving["prefill_token_budget"] == 2048 and plan.serving_sources["prefill_token_budget"] == "user config"
+    assert plan.serving["prefill_token_budget"] == 2048
+    assert plan.serving_sources["prefill_token_budget"] == "user config"
     unknown = resolve(ModelSignature(model_type="llama"), H200.replace(max_batch_size=64))
     assert unknown.serving["prefill_token_budget"] is None
 
