@@ -57,11 +57,11 @@ class Condition:
         if actual is None:
             return False
         if self.op == "eq":
-            if isinstance(actual, tuple) and not isinstance(self.value, (list, tuple)):
+            if isinstance(actual, tuple) and not isinstance(self.value, tuple):
                 return self.value in actual
-            return actual == (tuple(self.value) if isinstance(self.value, list) else self.value)
+            return actual == self.value
         if self.op == "in":
-            return any(actual == (tuple(v) if isinstance(v, list) else v) for v in self.value)
+            return actual in self.value
         if self.op == "regex":
             return re.search(self.value, str(actual)) is not None
         if isinstance(actual, bool) or not isinstance(actual, (int, float)):
@@ -109,10 +109,15 @@ def _side(key: str, where: str) -> tuple[str, str]:
     return sides[0], key
 
 
+def _frozen(value: Any) -> Any:
+    """YAML lists -> tuples, so `capability: [9, 0]` compares equal to the signature's (9, 0)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
 def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
     side, name = _side(key, where)
     if not isinstance(spec, dict):
-        return [Condition(side, name, "eq", spec)]
+        return [Condition(side, name, "eq", _frozen(spec))]
     if not spec:
         raise ValueError(f"{where}: match key {key!r} has an empty condition; operators: {list(_OPERATORS)}")
     out = []
@@ -129,7 +134,7 @@ def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
             except re.error as exc:
                 raise ValueError(f"{where}: match key {key!r}: bad regex {value!r}: {exc}") from exc
             value = str(value)
-        out.append(Condition(side, name, op, value))
+        out.append(Condition(side, name, op, _frozen(value)))
     return out
 
 
