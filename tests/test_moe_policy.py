@@ -18,6 +18,7 @@ from moefx.backends.calibration import (
     key_for_tensors,
     load_table,
     parse_ranges,
+    user_table_dir,
     write_row,
 )
 from moefx.backends.legacy import LegacyBackend
@@ -241,3 +242,53 @@ def test_crossovers_interpolate_in_log_m():
 def test_cpu_identity_is_stable():
     assert device_identity("cpu") == device_identity(torch.device("cpu"))
     assert device_identity("cpu")[0].startswith("cpu: ")
+
+
+def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
+    from moefx.cli import main
+
+    out = user_table_dir() / "cpu.yaml"
+    argv = ["calibrate", "--experts", str(E), "--hidden", str(H), "--intermediate", str(I), "--topk", str(TOPK),
+            "--quick", "--backends", "legacy,upstream", "--output", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "eager row cpu.yaml#1" in printed and "best" in printed
+    (row,) = load_table(out)
+    hidden, ids, w13, w2 = _tensors(1)
+    assert row.key == key_for_tensors(hidden, ids, w13, None, "eager")
+    assert set(row.timings_us) == {"legacy", "upstream"} and set(row.timings_us["legacy"]) == {1, 2, 4, 8, 16}
+    assert row.provenance["torch"] == str(torch.__version__) and row.provenance["date"]
+    assert list(out.parent.glob("cpu-*.png"))
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig())
+    assert plan.applies == any(r.backend != "upstream" for r in row.ranges)
+    assert f"[{row.source}]" in "\n".join(plan.explain_lines())
+    for m in (1, 3, 16, 17, 1000):
+        (want,) = [r.backend for r in row.ranges if r.contains(m)]
+        assert _choose(m) == {"upstream": "transformers"}.get(want, want)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--modes", "capture"], "needs a CUDA device"),
+        (["--model", "qwen3-30b-a3b"], "either --model or"),
+        (["--backends", "warp"], "not available"),
+    ],
+)
+def test_calibrate_bad_arguments(extra, message, capsys):
+    from moefx.cli import main
+
+    argv = ["calibrate", "--experts", "4", "--hidden", "16", "--intermediate", "8", "--topk", "2", "--quick", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_model_shapes_per_gpu():
+    import argparse
+
+    from moefx.cli.calibrate import _shape
+
+    ns = argparse.Namespace(model="deepseek-v3", tp=8, experts=None, hidden=None, intermediate=None, topk=None)
+    assert _shape(ns) == ("deepseek-v3-tp8", 256, 7168, 256, 8)
+    ns.model, ns.tp = "mixtral-8x7b", 1
+    assert _shape(ns) == ("mixtral-8x7b", 8, 4096, 14336, 2)

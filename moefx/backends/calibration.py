@@ -47,11 +47,16 @@ def device_identity(device: torch.device | str) -> tuple[str, tuple[int, int] | 
     """(name, capability, multiprocessor count) the way calibration rows spell them; CPUs count threads."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        return props.name, (props.major, props.minor), props.multi_processor_count
+        return _cuda_identity(dev.index if dev.index is not None else torch.cuda.current_device())
     if dev.type == "cpu":
         return f"cpu: {_cpu_name()}", None, torch.get_num_threads()
     return dev.type, None, None
+
+
+@functools.cache
+def _cuda_identity(index: int) -> tuple[str, tuple[int, int] | None, int | None]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, (props.major, props.minor), props.multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -279,17 +284,20 @@ def invalidate() -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _index(paths: tuple[Path, ...], generation: int) -> dict[CalibrationKey, CalibrationRow]:
+def _index(extra: tuple[str, ...], generation: int) -> dict[CalibrationKey, CalibrationRow]:
     index: dict[CalibrationKey, CalibrationRow] = {}
-    for path in paths:
+    for path in table_paths(extra):
         for row in load_table(path):
             index.setdefault(row.key, row)
     return index
 
 
 def find_row(key: CalibrationKey, extra: Sequence[str] = ()) -> CalibrationRow | None:
-    """The row with exactly this key (first in lookup order), or None."""
-    return _index(tuple(table_paths(extra)), _generation).get(key)
+    """The row with exactly this key (first in lookup order), or None.
+
+    Folders are listed once per process (and again after `invalidate()`), so per-call lookups stay cheap.
+    """
+    return _index(tuple(extra), _generation).get(key)
 
 
 def crossover_ranges(timings_us: dict[str, dict[int, float]]) -> tuple[MRange, ...]:

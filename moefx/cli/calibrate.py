@@ -1,0 +1,364 @@
+"""`moefx calibrate`: time every MoE backend over a log grid of M, find the crossovers, write the table row.
+
+Each contender is first checked against the legacy oracle; the ones that pass are timed through the
+`moefx::moe_experts` op (eager: CUDA events, capture: CUDA-graph replay; CPU: wall clock), on fresh routing
+for every timed call. `upstream` (transformers' grouped_mm path, what HF models run without moefx) is a
+contender too, so a row never sends an M range to a backend slower than the default. The row goes to the
+user's table folder (or --output) with its provenance; a latency-vs-M PNG is drawn next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moefx.backends import available_backends, moe_experts
+from moefx.backends.calibration import (
+    CalibrationRow,
+    crossover_ranges,
+    device_identity,
+    dtype_name,
+    key_for_tensors,
+    user_table_dir,
+    write_row,
+)
+from moefx.cli.common import format_table, progress
+
+FULL_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+QUICK_GRID = (1, 2, 4, 8, 16)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTS = ("none", "fp8-block128")
+UPSTREAM = "upstream"
+ROUTING_SETS = 4  # distinct random routings rotated through the timed calls
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure MoE backend crossovers on this device", description=__doc__)
+    src = p.add_argument_group("shape (either --model or all of --experts/--hidden/--intermediate/--topk)")
+    src.add_argument("--model", help="catalog name (e.g. qwen3-30b-a3b) or a config.json / model folder")
+    src.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-GPU experts get intermediate/tp")
+    src.add_argument("--experts", type=int)
+    src.add_argument("--hidden", type=int)
+    src.add_argument("--intermediate", type=int, help="per-expert intermediate size I (w13 has 2I rows)")
+    src.add_argument("--topk", type=int)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--quant", default="none", choices=QUANTS, help="expert weight format")
+    p.add_argument("--modes", default=None, help="comma list of eager,capture (default: both on CUDA, eager on CPU)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
+    p.add_argument("--backends", default=None, help="comma list of contenders (default: every available + upstream)")
+    p.add_argument("--max-m", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=None, help="timed calls per point (default 20 on CUDA, 5 on CPU)")
+    p.add_argument("--quick", action="store_true", help="small grid (M up to 16) and few reps: a smoke run")
+    p.add_argument("--output", default=None, help="table YAML to write (default: user table folder)")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the table); 'none' skips it")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
+    """(label, E, H, I per device, top_k) from --model or the explicit sizes."""
+    explicit = [args.experts, args.hidden, args.intermediate, args.topk]
+    if args.model and any(v is not None for v in explicit):
+        raise ValueError("give either --model or --experts/--hidden/--intermediate/--topk, not both")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.model:
+        label, (e, h, i, k) = args.model, _model_shape(args.model)
+    elif all(v is not None for v in explicit):
+        if min(explicit) < 1:
+            raise ValueError(f"--experts/--hidden/--intermediate/--topk must be >= 1, got {explicit}")
+        label, (e, h, i, k) = f"E{args.experts}-H{args.hidden}-I{args.intermediate}-k{args.topk}", explicit
+    else:
+        raise ValueError("give --model NAME|config or all of --experts, --hidden, --intermediate, --topk")
+    if i % args.tp:
+        raise ValueError(f"intermediate size {i} is not divisible by --tp {args.tp}")
+    if k > e:
+        raise ValueError(f"top_k {k} exceeds the number of experts {e}")
+    return (f"{label}-tp{args.tp}" if args.tp > 1 else label), e, h, i // args.tp, k
+
+
+def _model_shape(spec: str) -> tuple[int, int, int, int]:
+    from moefx.models.catalog import catalog_config, catalog_names
+    from moefx.signatures import ModelSignature
+
+    if spec in catalog_names():
+        config: Any = catalog_config(spec)
+    else:
+        path = Path(spec)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"--model {spec!r} is neither a catalog name {catalog_names()} nor a config file")
+        config = json.loads(path.read_text())
+    ms = ModelSignature.from_config(config)
+    values = (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size, ms.top_k)
+    if not all(values):
+        raise ValueError(f"--model {spec!r}: not an MoE config (experts, hidden, moe intermediate, top_k = {values})")
+    return values  # type: ignore[return-value]
+
+
+class Problem:
+    """Random expert weights of one shape and fresh routings for every M."""
+
+    def __init__(self, e: int, h: int, i: int, k: int, dtype: torch.dtype, quant: str, device: torch.device, seed: int):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.e, self.h, self.k, self.dtype, self.device = e, h, k, dtype, device
+        w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+        w2 = torch.randn(e, h, i, generator=g) / i**0.5
+        self.block = (128, 128) if quant == "fp8-block128" else None
+        if self.block:
+            (self.w13, self.s13), (self.w2, self.s2) = _fp8_blocks(w13, self.block), _fp8_blocks(w2, self.block)
+            self.w13, self.s13, self.w2, self.s2 = (t.to(device) for t in (self.w13, self.s13, self.w2, self.s2))
+        else:
+            self.w13, self.w2 = w13.to(device, dtype), w2.to(device, dtype)
+            self.s13 = self.s2 = None
+        self.gen = g
+
+    def inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = torch.randn(m, self.h, generator=self.gen).to(self.device, self.dtype)
+        scores = torch.rand(m, self.e, generator=self.gen)
+        weights, ids = torch.softmax(scores, -1).topk(self.k, dim=-1)
+        return hidden, ids.to(self.device), (weights / weights.sum(-1, keepdim=True)).to(self.device, self.dtype)
+
+    def call(self, name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        backend = UPSTREAM if name == UPSTREAM else name
+        quant = {"w13_scale": self.s13, "w2_scale": self.s2, "block_shape": self.block} if self.block else {}
+
+        def fn(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return moe_experts(hidden, ids, weights, self.w13, self.w2, backend, upstream="transformers", **quant)
+
+        return fn
+
+
+def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-128 FP8 with per-block scales (dequantized = fp8 * scale)."""
+    e, n, k = w.shape
+    bn, bk = block
+    pn, pk = -n % bn, -k % bk
+    padded = torch.nn.functional.pad(w, (0, pk, 0, pn))
+    blocks = padded.reshape(e, (n + pn) // bn, bn, (k + pk) // bk, bk)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, :, None, :, None]).reshape(e, n + pn, k + pk)[:, :n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
+
+
+def _check(problem: Problem, names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Contenders whose output matches the legacy oracle on fresh inputs; the rest with the reason."""
+    bound = {torch.float32: 1e-4}.get(problem.dtype, 3e-2) if problem.block is None else 6e-2
+    ok, rejected = [], {}
+    for m in (1, 37):
+        hidden, ids, weights = problem.inputs(m)
+        ref = problem.call("legacy")(hidden, ids, weights).float()
+        for name in names:
+            if name in rejected:
+                continue
+            try:
+                out = problem.call(name)(hidden, ids, weights).float()
+                rel = ((out - ref).norm() / ref.norm()).item()
+            except Exception as exc:  # a contender that crashes is reported, not timed
+                rejected[name] = f"failed: {type(exc).__name__}: {exc}"
+                continue
+            if not rel <= bound:
+                rejected[name] = f"rel err {rel:.2e} > {bound:.0e} vs legacy at M={m}"
+    ok = [n for n in names if n not in rejected]
+    return ok, rejected
+
+
+def _time_cpu(fn: Callable, sets: list[tuple], reps: int) -> float:
+    fn(*sets[0])
+    times = []
+    for r in range(reps):
+        start = time.perf_counter()
+        fn(*sets[r % len(sets)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _time_cuda_eager(fn: Callable, sets: list[tuple], reps: int) -> float:
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = sets[r % len(sets)]
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> float:
+    static = [t.clone() for t in sets[0]]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*static)  # warm-up (JIT, autotune) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*static)
+    times = []
+    for r in range(reps + 2):
+        for dst, src in zip(static, sets[r % len(sets)]):
+            dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if r >= 2:
+            times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def sweep(
+    problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], reps: int
+) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
+    """Median µs per (contender, M) in one mode; contenders that cannot run in this mode are reported."""
+    timer = _time_cpu if problem.device.type == "cpu" else (_time_cuda_eager if mode == "eager" else _time_cuda_capture)
+    timings: dict[str, dict[int, float]] = {}
+    skipped: dict[str, str] = {}
+    for idx, name in enumerate(names):
+        fn = problem.call(name)
+        with progress(f"[{mode} {idx + 1}/{len(names)}] {name}: {len(grid)} M values"):
+            for m in grid:
+                sets = [problem.inputs(m) for _ in range(ROUTING_SETS)]
+                try:
+                    timings.setdefault(name, {})[m] = timer(fn, sets, reps)
+                except Exception as exc:  # e.g. a host-syncing path inside capture
+                    skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                    timings.pop(name, None)
+                    break
+    return timings, skipped
+
+
+def _plot(path: Path, title: str, results: dict[str, dict[str, dict[int, float]]], ranges: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
+    for ax, (mode, timings) in zip(axes[0], results.items()):
+        for name, ts in sorted(timings.items()):
+            ms = sorted(ts)
+            ax.plot(ms, [ts[m] for m in ms], marker="o", markersize=3, label=name)
+        for r in ranges[mode][:-1]:
+            ax.axvline(r.max_m + 0.5, color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (token rows per call)")
+        ax.set_ylabel("latency, µs (median)")
+        ax.set_title(f"{mode}: " + ", ".join(r.text() for r in ranges[mode]), fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "-" for c in text).strip("-").lower()
+
+
+def run(args: argparse.Namespace) -> int:
+    label, e, h, i, k = _shape(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available; use --device cpu")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    modes = [m.strip() for m in (args.modes or ("eager,capture" if device.type == "cuda" else "eager")).split(",")]
+    bad = [m for m in modes if m not in ("eager", "capture")]
+    if bad or not modes:
+        raise ValueError(f"--modes {args.modes!r}: invalid {bad}; valid choices: ['eager', 'capture']")
+    if "capture" in modes and device.type != "cuda":
+        raise ValueError("--modes capture needs a CUDA device (CUDA-graph capture); use --modes eager on CPU")
+    if args.max_m < 1:
+        raise ValueError(f"--max-m must be >= 1, got {args.max_m}")
+    grid = tuple(m for m in (QUICK_GRID if args.quick else FULL_GRID) if m <= args.max_m) or (1,)
+    reps = args.reps or (3 if args.quick else (20 if device.type == "cuda" else 5))
+    names = [*available_backends(device), UPSTREAM]
+    if args.backends:
+        wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+        unknown = [b for b in wanted if b not in names]
+        if unknown:
+            raise ValueError(f"--backends: {unknown} not available on {device.type}; valid choices: {names}")
+        names = wanted
+
+    problem = Problem(e, h, i, k, dtype, args.quant, device, args.seed)
+    hidden, ids, _ = problem.inputs(1)
+    print(f"calibrating {label}: E={e} H={h} I={i} top_k={k} {dtype_name(dtype)} quant={args.quant} "
+          f"on {device_identity(device)[0]}; modes {modes}; M grid {grid[0]}..{grid[-1]} ({len(grid)} points)")
+    with progress("checking every contender against the legacy oracle"):
+        names, rejected = _check(problem, names)
+    for name, why in rejected.items():
+        print(f"  excluded {name}: {why}", file=sys.stderr)
+    if not names:
+        raise ValueError("no contender matched the legacy oracle; nothing to calibrate")
+
+    output = Path(args.output) if args.output else user_table_dir() / f"{_slug(device_identity(device)[0])}.yaml"
+    provenance = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device_identity(device)[0],
+        "torch": str(torch.__version__),
+        "triton": _triton_version(),
+        "moefx": _moefx_version(),
+        "command": "moefx " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]),
+        "shape": label,
+        "grid": f"{grid[0]}..{grid[-1]} ({len(grid)} points), {reps} reps, median",
+    }
+    results, all_ranges, sources = {}, {}, {}
+    for mode in modes:
+        timings, skipped = sweep(problem, names, mode, grid, reps)
+        for name, why in skipped.items():
+            print(f"  {mode}: {name} not timed: {why}", file=sys.stderr)
+        if not timings:
+            raise ValueError(f"no contender could be timed in mode {mode}")
+        ranges = crossover_ranges(timings)
+        key = key_for_tensors(hidden, ids, problem.w13, problem.block, mode)
+        row = CalibrationRow(key, ranges, dict(provenance, skipped=skipped or None), "", timings)
+        sources[mode] = write_row(output, row)
+        results[mode], all_ranges[mode] = timings, ranges
+    if (args.plot or "").lower() != "none":
+        png = Path(args.plot) if args.plot else output.with_name(f"{output.stem}-{_slug(label)}-{args.quant}.png")
+        title = f"{label} {dtype_name(dtype)} quant={args.quant} on {device_identity(device)[0]}"
+        _plot(png, title, results, all_ranges)
+        print(f"plot: {png}")
+    for mode in modes:
+        timings = results[mode]
+        cols = sorted(timings)
+        rows = [[m, *(f"{timings[c][m]:.1f}" if m in timings[c] else "-" for c in cols),
+                 min(cols, key=lambda c: timings[c].get(m, float("inf")))] for m in grid]
+        print(f"\n{mode} (µs, median of {reps}):")
+        print(format_table(["M", *cols, "best"], rows))
+        print(f"{mode} row {sources[mode]} in {output}: " + ", ".join(r.text() for r in all_ranges[mode]))
+    return 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except ImportError:
+        return None
+
+
+def _moefx_version() -> str:
+    from moefx import __version__
+
+    return __version__
