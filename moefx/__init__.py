@@ -3,6 +3,7 @@
 from moefx.compile import backend
 from moefx.config import CompilationConfig, OffloadConfig, PassConfig
 from moefx.optimize import optimize
+from moefx.quantize import quantize
 from moefx.reports import CompileReport, clear_compile_reports, compile_reports
 
 __version__ = "0.1.0"
@@ -17,4 +18,5 @@ __all__ = [
     "clear_compile_reports",
     "compile_reports",
     "optimize",
+    "quantize",
 ]
