@@ -24,7 +24,11 @@ class ModelTransform:
 MODEL_TRANSFORMS: dict[str, ModelTransform] = {}
 
 # Modules that register a transform when imported; `optimize` imports them on first use.
-TRANSFORM_MODULES: tuple[str, ...] = ("moefx.offload.transform", "moefx.integrations.transformers")
+TRANSFORM_MODULES: tuple[str, ...] = (
+    "moefx.offload.transform",
+    "moefx.integrations.transformers",
+    "moefx.sampling.transform",
+)
 
 
 def register_model_transform(name: str, order: int) -> Callable[[TransformFn], TransformFn]:

@@ -1,0 +1,68 @@
+"""A sync-free, static-shape sampler: temperature, top-k, top-p and min-p, then the exponential race.
+
+Everything runs on the device with shapes known at trace time, so it compiles into the decode graph
+and can be captured in a CUDA graph. Filtering works on the top-k candidates only (k values instead of
+the whole vocabulary); with `top_k=0` the candidates are the whole vocabulary, sorted.
+
+Semantics (HF's warpers, written over the sorted candidates): a token is kept when it is among the
+`top_k` largest logits; when the probability mass strictly before it (largest first) is below
+`top_p`; and when its probability is at least `min_p` times the largest. The most likely token is
+always kept. Ties at the top-k boundary keep the candidates `torch.topk` returned.
+The draw is `argmax(p / q)` with `q ~ Exp(1)`: exactly a draw from the categorical `p`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """`temperature=0` means greedy. `top_k=0`, `top_p=1`, `min_p=0` switch that filter off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"sampling 'temperature' must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"sampling 'top_k' must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling 'top_p' must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"sampling 'min_p' must be in [0, 1) (0 = off), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def candidate_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, token ids) over the sorted candidates, filtered tokens at probability 0. Shapes [B, k]."""
+    scores = logits.float() / params.temperature
+    k = params.top_k if 0 < params.top_k < scores.shape[-1] else scores.shape[-1]
+    values, ids = torch.topk(scores, k, dim=-1, sorted=True)
+    probs = torch.softmax(values, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_p < 1:
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep &= mass_before < params.top_p
+    if params.min_p > 0:
+        keep &= probs >= params.min_p * probs[..., :1]
+    keep[..., 0] = True
+    return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)), ids
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids [B] for logits [B, V], with no host sync."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    probs, ids = candidate_probs(logits, params)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    choice = torch.argmax(probs / noise, dim=-1, keepdim=True)
+    return torch.gather(ids, -1, choice).squeeze(-1)

@@ -1,0 +1,79 @@
+"""The deferred stop check gives exactly the stock generate() outputs, with EOS at different steps per row."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moefx.models import build_model, tiny_qwen3_moe_config
+from moefx.sampling.stop import deferred_stop_instances, enable_deferred_stop
+
+
+@pytest.fixture(scope="module")
+def models():
+    stock = build_model(tiny_qwen3_moe_config(), seed=3)
+    deferred = copy.deepcopy(stock)
+    assert enable_deferred_stop(deferred, devices=("cpu",)) is None
+    return stock, deferred
+
+
+def _eos_at_different_steps(stock, ids, sampling):
+    """An EOS id that row 0 emits early and row 1 emits later or never (from a stock run, same seed)."""
+    torch.manual_seed(11)
+    out = stock.generate(ids, max_new_tokens=12, do_sample=sampling, pad_token_id=0, top_k=20)[:, ids.shape[1] :]
+    for step in range(1, 6):
+        tok = int(out[0, step])
+        if tok not in out[0, :step].tolist() and tok not in out[1, : step + 1].tolist():
+            return tok
+    pytest.skip("no token separates the rows for this seed")
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_outputs_identical_to_stock_loop(models, sampling):
+    stock, deferred = models
+    ids = torch.randint(1, 256, (3, 5), generator=torch.Generator().manual_seed(7))
+    eos = _eos_at_different_steps(stock, ids, sampling)
+    kwargs = dict(max_new_tokens=12, do_sample=sampling, eos_token_id=eos, pad_token_id=0, top_k=20)
+    before = deferred_stop_instances()
+    for extra in ({}, {"return_dict_in_generate": True, "output_scores": True}):
+        torch.manual_seed(11)
+        ref = stock.generate(ids, **kwargs, **extra)
+        torch.manual_seed(11)
+        got = deferred.generate(ids, **kwargs, **extra)
+        if extra:
+            assert torch.equal(got.sequences, ref.sequences)
+            assert len(got.scores) == len(ref.scores)
+            assert all(torch.equal(a, b) for a, b in zip(got.scores, ref.scores))
+        else:
+            assert torch.equal(got, ref)
+            assert (got == eos).any()  # the EOS path was exercised
+    assert deferred_stop_instances() == before + 2  # the deferred check really ran
+
+
+def test_max_length_without_eos_and_stock_model_untouched(models):
+    stock, deferred = models
+    ids = torch.randint(1, 256, (2, 4), generator=torch.Generator().manual_seed(1))
+    ref = stock.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    before = deferred_stop_instances()
+    assert torch.equal(stock.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0), ref)
+    assert deferred_stop_instances() == before  # a model without moefx keeps the stock check
+    assert torch.equal(deferred.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0), ref)
+    assert deferred_stop_instances() == before + 1
+
+
+def test_transform_turns_it_on_for_cuda_only(models):
+    from types import SimpleNamespace
+
+    from moefx.sampling.transform import sampling_transform
+
+    stock, _ = models
+    model = copy.deepcopy(stock)
+    cpu_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cpu"))
+    assert "off" in sampling_transform(model, cpu_plan, None)[0]
+    assert getattr(model, "_moefx_deferred_stop", None) is None
+    cuda_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cuda"))
+    assert "on" in sampling_transform(model, cuda_plan, None)[0]
+    assert model._moefx_deferred_stop == ("cuda",)
+    assert "no transformers generate" in sampling_transform(torch.nn.Linear(2, 2), cuda_plan, None)[0]
