@@ -1,9 +1,12 @@
-"""Cost model for the decode/prefill switch: CPU experts vs streaming experts to the GPU, per token count M.
+"""Cost model for offloaded experts: which routed experts the CPU computes and which are streamed to the GPU.
 
-CPU time for M rows = max(touched experts x expert bytes / CPU expert bandwidth, expert FLOPs / CPU rate).
-Streaming time   = max(touched experts x expert bytes / H2D bandwidth, expert FLOPs / GPU rate).
-The switch point is the smallest M where streaming wins. The rates are measured once per machine and
-expert geometry, then cached as JSON under $XDG_CACHE_HOME/moefx (default ~/.cache/moefx).
+Per expert with t routed rows:  CPU cost = max(expert bytes / CPU expert bandwidth, t x row FLOPs / CPU rate),
+GPU cost = max(expert bytes / H2D bandwidth, t x row FLOPs / GPU rate). Both sides run at once: the GPU side's
+copies are in flight while the host computes its share, so a call costs the larger of the two sides (the CPU side
+also pays for moving the activations down and the result up). `split_experts` gives the GPU the experts whose
+CPU cost is highest until that stops shortening the call; the switch point is the smallest M (uniform routing)
+from which every expert streams. Rates are measured once per machine and expert geometry and cached as JSON
+under $XDG_CACHE_HOME/moefx (default ~/.cache/moefx).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ class Geometry:
     hidden: int
     inter: int
     expert_bytes: int
+    act_bytes: int = 2  # bytes per activation element moved between host and GPU
 
-    def flops(self, m: int) -> float:
-        return 2.0 * m * self.top_k * 3 * self.hidden * self.inter
+    @property
+    def row_flops(self) -> float:
+        return 2.0 * 3 * self.hidden * self.inter
 
     def touched(self, m: int) -> float:
         """Expected distinct experts hit by m tokens under uniform routing."""
@@ -44,34 +49,77 @@ class Geometry:
 
 @dataclass(frozen=True)
 class MachineRates:
-    cpu_gbps: float  # bytes/s (GB/s) the CPU expert path streams weights at small M (DRAM-bound)
+    cpu_gbps: float  # GB/s the CPU expert path streams weights at small M (DRAM-bound)
     cpu_tflops: float  # expert GEMM rate of the CPU path at large M
     h2d_gbps: float | None  # pinned host -> GPU copy; None without a GPU
     gpu_tflops: float | None
     decode_workers: int = 1  # expert worker threads per NUMA node that decode fastest (tuned with the rates)
     source: str = "measured"
 
+    @property
+    def has_gpu(self) -> bool:
+        return self.h2d_gbps is not None and self.gpu_tflops is not None
+
+
+def cpu_cost(rows: float, g: Geometry, r: MachineRates) -> float:
+    return max(g.expert_bytes / (r.cpu_gbps * 1e9), rows * g.row_flops / (r.cpu_tflops * 1e12))
+
+
+def gpu_cost(rows: float, g: Geometry, r: MachineRates) -> float:
+    return max(g.expert_bytes / (r.h2d_gbps * 1e9), rows * g.row_flops / (r.gpu_tflops * 1e12))
+
+
+def split_experts(rows: list[float], m: int, g: Geometry, r: MachineRates) -> tuple[list[bool], float]:
+    """(on_gpu flag per hit expert, modelled seconds) for experts with these routed row counts in an M-row call."""
+    n = len(rows)
+    if not r.has_gpu or n == 0:
+        return [False] * n, sum(cpu_cost(t, g, r) for t in rows) if n else 0.0
+    c = [cpu_cost(t, g, r) for t in rows]
+    gg = [gpu_cost(t, g, r) for t in rows]
+    on_gpu = [False] * n
+    cpu_t = 2 * m * g.hidden * g.act_bytes / (r.h2d_gbps * 1e9) + sum(c)
+    gpu_t = 0.0
+    for i in sorted(range(n), key=lambda i: (-c[i], i)):
+        if max(cpu_t - c[i], gpu_t + gg[i]) >= max(cpu_t, gpu_t):
+            break
+        on_gpu[i] = True
+        cpu_t -= c[i]
+        gpu_t += gg[i]
+    hybrid = max(cpu_t, gpu_t)
+    all_gpu = sum(gg)
+    if not all(on_gpu) and all_gpu <= hybrid:
+        return [True] * n, all_gpu
+    return on_gpu, hybrid
+
+
+def _uniform_rows(m: int, g: Geometry) -> list[float]:
+    touched = max(1, round(g.touched(m)))
+    return [m * g.top_k / touched] * touched
+
 
 def cpu_seconds(m: int, g: Geometry, r: MachineRates) -> float:
-    return max(g.touched(m) * g.expert_bytes / (r.cpu_gbps * 1e9), g.flops(m) / (r.cpu_tflops * 1e12))
+    """Modelled time with every expert on the CPU (uniform routing)."""
+    return sum(cpu_cost(t, g, r) for t in _uniform_rows(m, g))
 
 
-def stream_seconds(m: int, g: Geometry, r: MachineRates) -> float:
-    if r.h2d_gbps is None or r.gpu_tflops is None:
-        return float("inf")
-    return max(g.touched(m) * g.expert_bytes / (r.h2d_gbps * 1e9), g.flops(m) / (r.gpu_tflops * 1e12))
+def modelled_seconds(m: int, g: Geometry, r: MachineRates) -> tuple[float, float]:
+    """(modelled seconds, share of experts on the GPU) for an M-row call under uniform routing."""
+    flags, secs = split_experts(_uniform_rows(m, g), m, g, r)
+    return secs, sum(flags) / len(flags)
 
 
 def switch_point(g: Geometry, r: MachineRates) -> int | None:
-    """Smallest M from which streaming to the GPU is faster; None when it never is (up to 2^20 rows)."""
-    if stream_seconds(MAX_SWITCH_TOKENS, g, r) >= cpu_seconds(MAX_SWITCH_TOKENS, g, r):
+    """Smallest M from which every expert is streamed to the GPU; None when that never happens (up to 2^20)."""
+    if not r.has_gpu or modelled_seconds(MAX_SWITCH_TOKENS, g, r)[1] < 1.0:
         return None
-    lo, hi = 1, MAX_SWITCH_TOKENS  # invariant: streaming wins at hi; find the first M where it does
-    if stream_seconds(lo, g, r) < cpu_seconds(lo, g, r):
-        return lo
-    while hi - lo > 1:
+    if modelled_seconds(1, g, r)[1] == 1.0:
+        return 1
+    lo, hi = 1, 2
+    while modelled_seconds(hi, g, r)[1] < 1.0:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # share is 1 at hi, below 1 at lo
         mid = (lo + hi) // 2
-        if stream_seconds(mid, g, r) < cpu_seconds(mid, g, r):
+        if modelled_seconds(mid, g, r)[1] == 1.0:
             hi = mid
         else:
             lo = mid

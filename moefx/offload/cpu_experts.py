@@ -221,16 +221,23 @@ def cpu_moe(
     topk_weights: torch.Tensor,
     pool: ExpertPool | None = None,
     math: CpuMath = CpuMath(),
+    routed: tuple[torch.Tensor, list[int], list[int]] | None = None,
+    experts: set[int] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Expert sum for CPU tensors hidden [M, H], topk_ids/topk_weights [M, k]; output [M, H] in hidden's dtype."""
+    """Expert sum for CPU tensors hidden [M, H], topk_ids/topk_weights [M, k]; [M, H] in out_dtype (hidden's).
+
+    `routed` reuses a `route()` result; `experts` limits the sum to those experts (a partial sum, for splitting
+    one call between the CPU and the GPU).
+    """
     k = topk_ids.shape[1]
-    order, hit, counts = route(topk_ids, store.num_experts)
+    order, hit, counts = routed if routed is not None else route(topk_ids, store.num_experts)
     tokens = order // k
     weights = topk_weights.reshape(-1)[order].float()
     starts = [0]
     for c in counts[:-1]:
         starts.append(starts[-1] + c)
-    items = list(zip(hit, starts, counts, strict=True))
+    items = [it for it in zip(hit, starts, counts, strict=True) if experts is None or it[0] in experts]
 
     def one(item: tuple[int, int, int]) -> tuple[int, int, torch.Tensor]:
         e, start, count = item
@@ -241,7 +248,7 @@ def cpu_moe(
     out = torch.zeros(hidden.shape[0], store.w2.shape[1], dtype=torch.float32)
     for start, count, y in (pool or _default_pool()).map(one, items, store.num_experts):
         out.index_add_(0, tokens[start : start + count], y)
-    return out.to(hidden.dtype)
+    return out.to(out_dtype or hidden.dtype)
 
 
 def _default_pool() -> ExpertPool:

@@ -24,6 +24,7 @@ class OffloadPlan:
     # Streaming to the GPU from this many token rows (None = never); filled in by optimize() from the cost model.
     switch_tokens: int | None = None
     switch_source: str = "cost model, measured at optimize()"
+    decode_path: str = "CPU experts below the switch point"
     tile_e: int = 96
     tile_source: str = "default"
     notes: list[str] = field(default_factory=list)
@@ -36,7 +37,7 @@ class OffloadPlan:
         act = f"int8 activations from M >= {self.int8_min_tokens} ({self.int8_impl} tiles)" if self.int8 else "off"
         lines.append(f"offload int8 = {act}  [{self.int8_source}]")
         switch = "never (CPU for every M)" if self.switch_tokens is None else f"M >= {self.switch_tokens}"
-        lines.append(f"offload decode path = CPU experts for M below the switch point  [{self.host_source}]")
+        lines.append(f"offload decode path = {self.decode_path}  [{self.switch_source.split(':')[0]}]")
         lines.append(f"offload prefill streaming to GPU = {switch}  [{self.switch_source}]")
         lines.append(f"offload staging tile = {self.tile_e} experts x 2 slots  [{self.tile_source}]")
         return lines + [f"offload note: {n}" for n in self.notes]

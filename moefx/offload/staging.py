@@ -80,6 +80,72 @@ class StagingRing:
         w2 = w[1][:n].to(dtype) * w[3][:n, :, None].to(dtype)
         return w13, w2
 
+    def start(
+        self,
+        store: ExpertStore,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        routed: tuple[torch.Tensor, list[int], list[int]] | None = None,
+        experts: list[int] | None = None,
+    ) -> dict | None:
+        """Plan the tiles and issue the first two tiles' copies (asynchronous on CUDA); `finish` computes.
+
+        `routed` is `route()` of the host copy of topk_ids when the caller has it (else this syncs once to learn
+        which experts to copy); `experts` restricts the call to a subset of the hit experts (the rest is the
+        caller's, e.g. computed on the CPU meanwhile). Only experts with routed tokens are ever copied.
+        """
+        order_host, hit, counts = routed if routed is not None else route(topk_ids.to("cpu"), store.num_experts)
+        spans = {}
+        pair = 0
+        for e, c in zip(hit, counts, strict=True):
+            spans[e] = (pair, c)
+            pair += c
+        chosen = hit if experts is None else sorted(experts)
+        job = {"hidden": hidden, "tiles": [], "base": self.turn}
+        if not chosen:
+            return job
+        sel = torch.cat([torch.arange(spans[e][0], spans[e][0] + spans[e][1]) for e in chosen])
+        tiles = plan_tiles(chosen, [spans[e][1] for e in chosen], self.tile_e)
+        local = torch.zeros(store.num_experts, dtype=torch.long)
+        for tile_experts, _, _ in tiles:
+            local[tile_experts] = torch.arange(len(tile_experts))
+        k = topk_ids.shape[1]
+        order = order_host[sel].to(hidden.device, non_blocking=True)
+        job.update(
+            tiles=tiles,
+            tokens=order // k,
+            local_ids=local.to(hidden.device, non_blocking=True)[topk_ids.reshape(-1)[order]],
+            weights=topk_weights.reshape(-1)[order],
+            store=store,
+        )
+        for t in range(min(2, len(tiles))):
+            self._issue(store, (job["base"] + t) % 2, tiles[t][0])
+        self.turn = job["base"] + len(tiles)
+        return job
+
+    def finish(self, job: dict, compute: TileCompute) -> torch.Tensor:
+        """Compute every tile as it lands (waiting on its copy event); fp32 [M, H] partial expert sum."""
+        hidden, tiles, base = job["hidden"], job["tiles"], job["base"]
+        h = self.slots[0][1].shape[1]
+        out = torch.zeros(hidden.shape[0], h, dtype=torch.float32, device=hidden.device)
+        store = job.get("store")
+        for t, (experts, lo, hi) in enumerate(tiles):
+            slot = (base + t) % 2
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+            w13, w2 = self._weights(store, slot, len(experts), hidden.dtype)
+            tok = job["tokens"][lo:hi]
+            y = compute(hidden[tok], job["local_ids"][lo:hi, None], job["weights"][lo:hi, None], w13, w2)
+            out.index_add_(0, tok, y.float())
+            if self.cuda:
+                self.free[slot].record(torch.cuda.current_stream(self.device))
+            if t + 2 < len(tiles):
+                self._issue(store, slot, tiles[t + 2][0])
+        self.stats["calls"] += 1
+        self.stats["tiles"] += len(tiles)
+        return out
+
     def run(
         self,
         store: ExpertStore,
@@ -88,37 +154,5 @@ class StagingRing:
         topk_weights: torch.Tensor,
         compute: TileCompute,
     ) -> torch.Tensor:
-        """Expert sum for hidden [M, H] on this ring's device; only experts with routed tokens are copied."""
-        k = topk_ids.shape[1]
-        order_host, hit, counts = route(topk_ids.to("cpu"), store.num_experts)  # the one sync: what to copy
-        out = torch.zeros(hidden.shape[0], store.w2.shape[1], dtype=torch.float32, device=hidden.device)
-        if not hit:
-            return out.to(hidden.dtype)
-        tiles = plan_tiles(hit, counts, self.tile_e)
-        local = torch.zeros(store.num_experts, dtype=torch.long)
-        for experts, _, _ in tiles:
-            local[experts] = torch.arange(len(experts))
-        order = order_host.to(hidden.device)
-        flat_ids = topk_ids.reshape(-1)[order]
-        local_ids = local.to(hidden.device)[flat_ids]
-        tokens = order // k
-        weights = topk_weights.reshape(-1)[order]
-        base = self.turn
-        for t in range(min(2, len(tiles))):
-            self._issue(store, (base + t) % 2, tiles[t][0])
-        for t, (experts, lo, hi) in enumerate(tiles):
-            slot = (base + t) % 2
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-            w13, w2 = self._weights(store, slot, len(experts), hidden.dtype)
-            tok = tokens[lo:hi]
-            y = compute(hidden[tok], local_ids[lo:hi, None], weights[lo:hi, None], w13, w2)
-            out.index_add_(0, tok, y.float())
-            if self.cuda:
-                self.free[slot].record(torch.cuda.current_stream(self.device))
-            if t + 2 < len(tiles):
-                self._issue(store, slot, tiles[t + 2][0])
-        self.turn = base + len(tiles)
-        self.stats["calls"] += 1
-        self.stats["tiles"] += len(tiles)
-        return out.to(hidden.dtype)
+        """Expert sum for hidden [M, H] on this ring's device, every routed expert streamed."""
+        return self.finish(self.start(store, hidden, topk_ids, topk_weights), compute).to(hidden.dtype)

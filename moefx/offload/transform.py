@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from moefx.log import get_logger
-from moefx.offload.cost import Geometry, machine_rates, switch_point
-from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe
+from moefx.offload.cost import Geometry, MachineRates, machine_rates, modelled_seconds, split_experts, switch_point
+from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe, route
 from moefx.offload.hw import host_info
 from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
@@ -87,6 +87,8 @@ class OffloadRuntime:
         self.large_pool = self.decode_pool
         self.ring: StagingRing | None = None
         self.switch_tokens: int | None = None
+        self.rates: MachineRates | None = None
+        self.geom: Geometry | None = None
         self.tile_backend = pick_tile_backend()
 
     def math(self, m: int) -> CpuMath:
@@ -115,14 +117,31 @@ class OffloadedExperts:
         if rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens:
             return rt.ring.run(self.store, hidden_states, top_k_index, top_k_weights, rt.tile_compute)
         pool = rt.decode_pool if m <= DECODE_POOL_MAX_TOKENS else rt.large_pool
-        if hidden_states.device.type == "cpu":
-            return cpu_moe(self.store, hidden_states, top_k_index, top_k_weights, pool, rt.math(m))
-        x, ids, w = (_pinned_copy(t) for t in (hidden_states, top_k_index, top_k_weights))
-        torch.cuda.current_stream(hidden_states.device).synchronize()
-        y = cpu_moe(self.store, x, ids, w, pool, rt.math(m))
-        y_pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
-        y_pinned.copy_(y)
-        return y_pinned.to(hidden_states.device, non_blocking=True)
+        device = hidden_states.device
+        if device.type == "cpu":
+            x, ids, w = hidden_states, top_k_index, top_k_weights
+        else:
+            x, ids, w = (_pinned_copy(t) for t in (hidden_states, top_k_index, top_k_weights))
+            torch.cuda.current_stream(device).synchronize()
+        if rt.ring is None or rt.rates is None:
+            return _to_device(cpu_moe(self.store, x, ids, w, pool, rt.math(m)), device)
+        routed = route(ids, self.store.num_experts)
+        on_gpu, _ = split_experts([float(c) for c in routed[2]], m, rt.geom, rt.rates)
+        gpu_experts = [e for e, g in zip(routed[1], on_gpu, strict=True) if g]
+        job = rt.ring.start(self.store, hidden_states, top_k_index, top_k_weights, routed, gpu_experts)
+        # The host computes its share while the GPU's share is still being copied over PCIe.
+        cpu_part = set(routed[1]) - set(gpu_experts)
+        out = _to_device(cpu_moe(self.store, x, ids, w, pool, rt.math(m), routed, cpu_part, torch.float32), device)
+        out += rt.ring.finish(job, rt.tile_compute)
+        return out.to(hidden_states.dtype)
+
+
+def _to_device(y: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return y
+    y_pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+    y_pinned.copy_(y)
+    return y_pinned.to(device, non_blocking=True)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -201,15 +220,21 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     geom = Geometry(first.num_experts, top_k, first.w13.shape[2], first.w2.shape[2], first.expert_bytes)
     rates = machine_rates(first, dtype, device, rt.host, top_k)
     rt.set_decode_workers(rates.decode_workers)
-    if cuda and op.switch_source.startswith("cost model"):
+    rt.geom = geom
+    cost_model = cuda and op.switch_source.startswith("cost model")
+    if cost_model:
         op.switch_tokens = switch_point(geom, rates)
         op.switch_source = (
             f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
             f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
         )
+        shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
+        op.decode_path = f"CPU and GPU streaming at once, split per call by the cost model (GPU share {shares})"
     rt.switch_tokens = op.switch_tokens if cuda else None
-    if budget is not None and rt.switch_tokens is not None:
+    if budget is not None and (cost_model or rt.switch_tokens is not None):
         rt.ring = StagingRing(first, op.tile_e, device)
+        if cost_model:
+            rt.rates = rates
         op.notes.append(budget.explain_line())
         op.notes.append(f"streamed tiles computed by MoE backend {rt.tile_backend!r}")
     op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")

@@ -1,0 +1,113 @@
+"""Cost model switch point moves the right way with each bandwidth; the per-machine cache; GPU memory priority."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from moefx.offload.cost import (
+    Geometry,
+    MachineRates,
+    cached_rates,
+    cpu_cost,
+    cpu_seconds,
+    machine_rates,
+    modelled_seconds,
+    split_experts,
+    store_rates,
+    switch_point,
+)
+from moefx.offload.cpu_experts import ExpertStore
+from moefx.offload.hw import host_info
+from moefx.offload.memory import PRIORITY, plan_gpu_memory
+
+QWEN3 = Geometry(num_experts=128, top_k=8, hidden=2048, inter=768, expert_bytes=9_437_184)
+H200 = MachineRates(cpu_gbps=45.0, cpu_tflops=3.0, h2d_gbps=55.0, gpu_tflops=600.0)
+
+
+def test_switch_point_is_where_everything_streams():
+    m = switch_point(QWEN3, H200)
+    assert m is not None and m > 1
+    assert modelled_seconds(m, QWEN3, H200)[1] == 1.0 and modelled_seconds(m - 1, QWEN3, H200)[1] < 1.0
+    # Below it the call is split, never slower than all-CPU in the model.
+    for tokens in (1, 8, 512):
+        secs, share = modelled_seconds(tokens, QWEN3, H200)
+        assert 0 < share < 1 and secs < cpu_seconds(tokens, QWEN3, H200)
+
+
+def _scaled(field, factor):
+    return dataclasses.replace(H200, **{field: getattr(H200, field) * factor})
+
+
+@pytest.mark.parametrize(
+    "field,factor,direction",
+    [
+        ("h2d_gbps", 2.0, "down"),  # faster PCIe -> everything streams from fewer tokens
+        ("h2d_gbps", 0.5, "up"),
+        ("cpu_tflops", 2.0, "up"),  # faster CPU GEMMs -> the CPU keeps a share for longer
+        ("cpu_tflops", 0.5, "down"),
+    ],
+)
+def test_switch_point_moves_the_right_way(field, factor, direction):
+    base = switch_point(QWEN3, H200)
+    moved = switch_point(QWEN3, _scaled(field, factor))
+    assert moved is not None and base is not None
+    assert (moved < base) if direction == "down" else (moved > base)
+
+
+@pytest.mark.parametrize(
+    "field,factor,direction",
+    [("cpu_gbps", 2.0, "down"), ("cpu_gbps", 0.5, "up"), ("h2d_gbps", 2.0, "up"), ("h2d_gbps", 0.5, "down")],
+)
+def test_decode_share_moves_the_right_way(field, factor, direction):
+    """At decode sizes the DRAM vs PCIe balance sets how many routed experts the GPU takes."""
+    for tokens in (1, 4, 64):
+        base = modelled_seconds(tokens, QWEN3, H200)[1]
+        moved = modelled_seconds(tokens, QWEN3, _scaled(field, factor))[1]
+        assert (moved < base) if direction == "down" else (moved > base)
+    # Faster host memory never makes streaming everything start earlier.
+    assert switch_point(QWEN3, _scaled("cpu_gbps", 2.0)) >= switch_point(QWEN3, H200)
+
+
+def test_split_prefers_streaming_the_heaviest_experts():
+    rows = [1.0, 900.0, 2.0, 600.0]
+    flags, secs = split_experts(rows, 128, QWEN3, H200)
+    assert flags[1] and flags[3] and not (flags[0] and flags[2])
+    assert secs <= sum(cpu_cost(t, QWEN3, H200) for t in rows)
+
+
+def test_no_gpu_never_streams():
+    assert switch_point(QWEN3, dataclasses.replace(H200, h2d_gbps=None, gpu_tflops=None)) is None
+
+
+def test_rate_cache_roundtrip(tmp_path):
+    path = tmp_path / "rates.json"
+    store_rates("machine-a", H200, path)
+    got = cached_rates("machine-a", path)
+    assert dataclasses.replace(got, source=H200.source) == H200 and "cache" in got.source
+    assert cached_rates("machine-b", path) is None
+
+
+def test_machine_rates_measures_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    store = ExpertStore(torch.randn(8, 64, 64, generator=g), torch.randn(8, 64, 32, generator=g))
+    first = machine_rates(store, torch.float32, None, host_info(), 2)
+    assert first.source.startswith("measured") and first.cpu_gbps > 0 and first.cpu_tflops > 0
+    assert first.h2d_gbps is None and first.decode_workers >= 1
+    again = machine_rates(store, torch.float32, None, host_info(), 2)
+    assert again.source.startswith("cache") and again.cpu_gbps == first.cpu_gbps
+
+
+def test_memory_priority_order_and_errors():
+    gib = 1 << 30
+    b = plan_gpu_memory(free=10 * gib, kv_pool=4 * gib, staging=2 * gib, draft=3 * gib)
+    assert PRIORITY == ("kv_pool", "prefill_staging", "speculative_draft", "activation_workspace")
+    assert (b.kv_pool, b.prefill_staging, b.speculative_draft, b.activation_workspace) == (
+        4 * gib, 2 * gib, 3 * gib, 1 * gib)
+    # The draft never pushes staging out: it gets nothing when it does not fit after the ring.
+    assert plan_gpu_memory(free=10 * gib, kv_pool=4 * gib, staging=5 * gib, draft=3 * gib).speculative_draft == 0
+    with pytest.raises(ValueError, match="MOEFX_OFFLOAD_STAGE_TILE_E.*at most 2 experts"):
+        plan_gpu_memory(free=10 * gib, kv_pool=6 * gib, staging=6 * gib, tile_e=96, expert_bytes=gib)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        plan_gpu_memory(free=gib, kv_pool=2 * gib, staging=0)
