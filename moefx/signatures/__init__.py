@@ -1,5 +1,6 @@
 """ModelSignature × ExecutionSignature → Plan. What no provider matched runs the plain path."""
 
+from moefx.signatures import providers  # noqa: F401  (registers the built-in providers)
 from moefx.signatures.execution import ExecutionSignature
 from moefx.signatures.model import ModelSignature
 from moefx.signatures.plan import PassDecision, Plan
