@@ -31,6 +31,8 @@ from moefx.backends.calibration import (
     user_table_dir,
     write_row,
 )
+from moefx.backends.policy import HOST_SYNCING_BACKENDS
+from moefx.backends.registry import BACKENDS
 from moefx.cli.common import format_table, progress
 
 FULL_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -109,24 +111,27 @@ class Problem:
     """Random expert weights of one shape and fresh routings for every M."""
 
     def __init__(self, e: int, h: int, i: int, k: int, dtype: torch.dtype, quant: str, device: torch.device, seed: int):
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.gen = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: big shapes stay fast
         self.e, self.h, self.k, self.dtype, self.device = e, h, k, dtype, device
-        w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
-        w2 = torch.randn(e, h, i, generator=g) / i**0.5
         self.block = (128, 128) if quant == "fp8-block128" else None
+        self.s13 = self.s2 = None
+        self.w13 = self._weight((e, 2 * i, h))
+        self.w2 = self._weight((e, h, i))
         if self.block:
-            (self.w13, self.s13), (self.w2, self.s2) = _fp8_blocks(w13, self.block), _fp8_blocks(w2, self.block)
-            self.w13, self.s13, self.w2, self.s2 = (t.to(device) for t in (self.w13, self.s13, self.w2, self.s2))
+            self.w13, self.s13 = _fp8_blocks(self.w13, self.block)
+            self.w2, self.s2 = _fp8_blocks(self.w2, self.block)
         else:
-            self.w13, self.w2 = w13.to(device, dtype), w2.to(device, dtype)
-            self.s13 = self.s2 = None
-        self.gen = g
+            self.w13, self.w2 = self.w13.to(dtype), self.w2.to(dtype)
+
+    def _weight(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        w = torch.randn(shape, generator=self.gen, device=self.device)
+        return w.mul_(shape[-1] ** -0.5)
 
     def inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = torch.randn(m, self.h, generator=self.gen).to(self.device, self.dtype)
-        scores = torch.rand(m, self.e, generator=self.gen)
+        hidden = torch.randn(m, self.h, generator=self.gen, device=self.device).to(self.dtype)
+        scores = torch.rand(m, self.e, generator=self.gen, device=self.device)
         weights, ids = torch.softmax(scores, -1).topk(self.k, dim=-1)
-        return hidden, ids.to(self.device), (weights / weights.sum(-1, keepdim=True)).to(self.device, self.dtype)
+        return hidden, ids, (weights / weights.sum(-1, keepdim=True)).to(self.dtype)
 
     def call(self, name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         backend = UPSTREAM if name == UPSTREAM else name
@@ -153,7 +158,13 @@ def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
 def _check(problem: Problem, names: list[str]) -> tuple[list[str], dict[str, str]]:
     """Contenders whose output matches the legacy oracle on fresh inputs; the rest with the reason."""
     bound = {torch.float32: 1e-4}.get(problem.dtype, 3e-2) if problem.block is None else 6e-2
-    ok, rejected = [], {}
+    rejected: dict[str, str] = {}
+    hidden, _, _ = problem.inputs(1)
+    for name in names:
+        if name != UPSTREAM:  # a backend that would fall back must not be timed under its own name
+            reason = BACKENDS[name].unsupported_reason(hidden, problem.w13, problem.w2, problem.s13, problem.block)
+            if reason:
+                rejected[name] = f"unsupported: {reason}"
     for m in (1, 37):
         hidden, ids, weights = problem.inputs(m)
         ref = problem.call("legacy")(hidden, ids, weights).float()
@@ -168,8 +179,7 @@ def _check(problem: Problem, names: list[str]) -> tuple[list[str], dict[str, str
                 continue
             if not rel <= bound:
                 rejected[name] = f"rel err {rel:.2e} > {bound:.0e} vs legacy at M={m}"
-    ok = [n for n in names if n not in rejected]
-    return ok, rejected
+    return [n for n in names if n not in rejected], rejected
 
 
 def _time_cpu(fn: Callable, sets: list[tuple], reps: int) -> float:
@@ -230,6 +240,9 @@ def sweep(
     timer = _time_cpu if problem.device.type == "cpu" else (_time_cuda_eager if mode == "eager" else _time_cuda_capture)
     timings: dict[str, dict[int, float]] = {}
     skipped: dict[str, str] = {}
+    if mode == "capture":
+        skipped = {n: "syncs the host: never run inside capture" for n in names if n in HOST_SYNCING_BACKENDS}
+        names = [n for n in names if n not in skipped]
     for idx, name in enumerate(names):
         fn = problem.call(name)
         with progress(f"[{mode} {idx + 1}/{len(names)}] {name}: {len(grid)} M values"):
