@@ -95,6 +95,7 @@ def test_each_key_field_changes_the_signature_and_plan(field: str) -> None:
     assert changed != base and hash(changed) != hash(base) and changed.key() != base.key()
     plan_base, plan_changed = resolve(base, H200), resolve(changed, H200)
     assert plan_changed.model == changed and plan_base.model == base
+    assert plan_changed.fingerprint() != plan_base.fingerprint()
     # Fields the provider cannot plan for make the profile fall back; the rest keep it but change the key.
     if field in ("model_type", "routing", "hidden_act", "quant_method"):
         assert plan_changed.profile == "unknown", field

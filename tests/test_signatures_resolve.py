@@ -174,6 +174,8 @@ def test_no_stale_plan_after_execution_changes() -> None:
     b = resolve(DS, H200.replace(device_type="cpu", device_name=None, capability=None, multiprocessor_count=None))
     assert a.execution != b.execution and a.execution.key() != b.execution.key()
     assert a.pass_enabled("fuse_act_quant") and not b.pass_enabled("fuse_act_quant")
+    assert a.fingerprint() == resolve(DS, H200).fingerprint() != b.fingerprint()
+    assert resolve(DS, H200.replace(tp_size=2)).fingerprint() != a.fingerprint()
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ so the model runs the plain path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -142,14 +143,9 @@ class ModelSignature:
         return " ".join(parts)
 
 
+@functools.cache
 def _hints() -> dict[str, Any]:
-    global _HINTS
-    if _HINTS is None:
-        _HINTS = typing.get_type_hints(ModelSignature)
-    return _HINTS
-
-
-_HINTS: dict[str, Any] | None = None
+    return typing.get_type_hints(ModelSignature)
 
 
 def _type_ok(tp: Any, value: Any) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +62,12 @@ class Plan:
                 f"execution: {self.execution.describe()}"]
         tail = [f"  applied: {line}" for line in self.provenance]
         return "\n".join(head + ["  " + line for line in self.decisions()] + tail)
+
+    def fingerprint(self) -> str:
+        """Stable short hash of both signatures and every decision: a cache key that can never serve a
+        graph built under a different plan."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready view (the MoE and offload sections as their explain lines plus fields when dataclasses)."""
