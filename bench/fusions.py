@@ -3,7 +3,8 @@ group-128 (vLLM QuantFP8 native form) and INT8 per-token (torch.round form).
 
 Columns, all measured in this run with CUDA-graph replay (launch overhead excluded, medians of 7 replays, rotating
 input copies so small problems do not sit in L2): eager PyTorch (the user's code), torch.compile default,
-torch.compile with the moefx passes (`moefx.backend`), the moefx fused op called directly, and the bytes floor
+torch.compile with the moefx passes (`moefx.backend`) -- both compiled once per case with M dynamic --, the moefx
+fused op called directly, and the bytes floor
 (bytes read + written / device-to-device copy bandwidth measured here). Before timing, every Triton kernel is
 checked against the eager reference on this GPU (FP8 codes: < 0.1% elements off by one last bit, scales 1e-6).
 Also measured: the FP8 block-scaled GEMM (Triton) against `torch._scaled_mm` blockwise where this torch has it.
@@ -166,13 +167,15 @@ def check_kernels(device: str) -> list[dict]:
             "silu_mul_quant": (ops.silu_mul_quant(x, *a), ref(quant.ref_silu_mul(x))),
             "silu_mul_quant_split": (ops.silu_mul_quant_split(g, u, *a), ref(quant.ref_silu_mul_split(g, u))),
         }
-        for wf in (False, True):
-            variants[f"rms_norm_quant(w_fp32={wf})"] = (ops.rms_norm_quant(g, w, NORM_EPS, wf, *a),
-                                                        ref(quant.ref_rms_norm(g, w, NORM_EPS, wf)))
-            for fs in (False, True):
-                y, nr = quant.ref_add_rms_norm(g, r, w, NORM_EPS, wf, fs)
-                variants[f"add_rms_norm_quant(w_fp32={wf},fp32_sum={fs})"] = (
-                    ops.add_rms_norm_quant(g, r, w, NORM_EPS, wf, fs, *a), (*ref(y), nr))
+        # every norm variant with the first scheme; the other schemes with the transformers form only
+        combos = [(False, False), (False, True), (True, False), (True, True)] if sc is schemes[0] else [(False, False)]
+        for wf, fs in combos:
+            if not fs:
+                variants[f"rms_norm_quant(w_fp32={wf})"] = (ops.rms_norm_quant(g, w, NORM_EPS, wf, *a),
+                                                            ref(quant.ref_rms_norm(g, w, NORM_EPS, wf)))
+            y, nr = quant.ref_add_rms_norm(g, r, w, NORM_EPS, wf, fs)
+            variants[f"add_rms_norm_quant(w_fp32={wf},fp32_sum={fs})"] = (
+                ops.add_rms_norm_quant(g, r, w, NORM_EPS, wf, fs, *a), (*ref(y), nr))
         for name, (out, rf) in variants.items():
             c = compare(out, rf)
             rows.append({"kernel": name, "scheme": f"{sc.kind}/{sc.group_size}", **c, "ok": exact_enough(c)})
@@ -244,46 +247,57 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / (us * 1e-6)
 
 
-def compile_with(fn: Callable, backend) -> Callable:
-    torch._dynamo.reset()
-    return torch.compile(fn, backend=backend, dynamic=False) if backend else torch.compile(fn, dynamic=False)
+def compile_dynamic_m(fn: Callable, backend, example: tuple) -> Callable:
+    """One compile per case, the token dim M dynamic (as serving stacks compile), reused for every M."""
+    for t in example:
+        if t.dim() == 2:
+            torch._dynamo.mark_dynamic(t, 0)
+    compiled = torch.compile(fn, backend=backend) if backend else torch.compile(fn)
+    compiled(*example)
+    return compiled
 
 
 def moefx_backend():
     return moefx.backend({"pass_config": {"fuse_act_quant": True, "fuse_norm_quant": True}})
 
 
-def run_case(case: str, m: int, width: int, device: str, quick: bool) -> dict:
+def run_case(case: str, shapes: list[tuple[int, int]], device: str, quick: bool) -> list[dict]:
     eager, fused, kind = CASES[case]
-    one = make_args(kind, m, width, device, 1)[0]
-    per_set = sum(t.numel() * t.element_size() for t in one)
-    copies = 1 if quick else max(1, min(16, math.ceil(150e6 / per_set)))
-    arg_sets = make_args(kind, m, width, device, copies)
     timer = time_gpu if device == "cuda" else time_cpu
-    calls = 5 if quick else (10 if m >= 4096 else 40)
-    ref = eager(*arg_sets[0])
-    row = {"case": case, "M": m, "width": width, "bytes": floor_bytes(case, m, width)}
-    row["eager_us"] = timer(eager, arg_sets, calls)
-    row["fused_op_us"] = timer(fused, arg_sets, calls)
-    row["fused_op_check"] = compare(fused(*arg_sets[0]), ref)
-    if quick:
-        return row
-    compiled = compile_with(eager, None)
-    row["compile_us"] = timer(compiled, arg_sets, calls)
-    row["compile_check"] = compare(compiled(*arg_sets[0]), ref)
-    moefx.clear_compile_reports()
-    try:
-        with_pass = compile_with(eager, moefx_backend())
-        out = with_pass(*arg_sets[0])
-        matches = {k: v for rep in moefx.compile_reports() for k, v in rep.matches.items() if v}
-        skipped = [s for rep in moefx.compile_reports() for v in rep.skipped.values() for s in v]
-        row["moefx_matches"], row["moefx_skipped"] = matches, skipped[:3]
-        if matches:
-            row["moefx_us"] = timer(with_pass, arg_sets, calls)
-            row["moefx_check"] = compare(out, ref)
-    except Exception as e:  # report, keep measuring the other columns
-        row["moefx_error"] = f"{type(e).__name__}: {e}"[:300]
-    return row
+    compiled = with_pass = None
+    info: dict = {}
+    rows = []
+    for m, width in shapes:
+        one = make_args(kind, m, width, device, 1)[0]
+        per_set = sum(t.numel() * t.element_size() for t in one)
+        copies = 1 if quick else max(1, min(16, math.ceil(150e6 / per_set)))
+        arg_sets = make_args(kind, m, width, device, copies)
+        calls = 5 if quick else (10 if m >= 4096 else 40)
+        ref = eager(*arg_sets[0])
+        row = {"case": case, "M": m, "width": width, "bytes": floor_bytes(case, m, width)}
+        row["eager_us"] = timer(eager, arg_sets, calls)
+        row["fused_op_us"] = timer(fused, arg_sets, calls)
+        row["fused_op_check"] = compare(fused(*arg_sets[0]), ref)
+        if not quick:
+            if compiled is None:
+                torch._dynamo.reset()
+                compiled = compile_dynamic_m(eager, None, make_args(kind, m, width, device, 1)[0])
+                moefx.clear_compile_reports()
+                try:
+                    with_pass = compile_dynamic_m(eager, moefx_backend(), make_args(kind, m, width, device, 1)[0])
+                    reps = moefx.compile_reports()
+                    info["moefx_matches"] = {k: v for rep in reps for k, v in rep.matches.items() if v}
+                    info["moefx_skipped"] = [x for rep in reps for v in rep.skipped.values() for x in v][:3]
+                except Exception as e:  # report it and keep measuring the other columns
+                    info["moefx_error"] = f"{type(e).__name__}: {e}"[:300]
+            row.update(info)
+            row["compile_us"] = timer(compiled, arg_sets, calls)
+            row["compile_check"] = compare(compiled(*arg_sets[0]), ref)
+            if with_pass is not None and info.get("moefx_matches"):
+                row["moefx_us"] = timer(with_pass, arg_sets, calls)
+                row["moefx_check"] = compare(with_pass(*arg_sets[0]), ref)
+        rows.append(row)
+    return rows
 
 
 # --- FP8 block GEMM: Triton vs torch._scaled_mm blockwise ------------------------------------------------------
@@ -330,10 +344,14 @@ def main() -> None:
     global BW
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, no compile columns")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                    help="cpu: the same table on the host CPU (M = 16 and 512), where inductor may already fuse")
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        device = "cpu"
     t0 = time.time()
-    checks = check_kernels(device) if not args.quick or device == "cpu" else []
+    checks = check_kernels(device)
     bad = [c for c in checks if not c["ok"]]
     print(f"kernel checks on {device}: {len(checks) - len(bad)}/{len(checks)} within bounds", flush=True)
     for c in bad:
@@ -344,12 +362,13 @@ def main() -> None:
     shapes = {"silu": [(16, 12288), (512, 12288), (8192, 12288)], "norm": [(16, 4096), (512, 4096), (8192, 4096)]}
     if args.quick:
         shapes = {"silu": [(4, 512)], "norm": [(4, 256)]}
+    elif device == "cpu":
+        shapes = {k: v[:2] for k, v in shapes.items()}
     rows = []
     for case, (_, _, kind) in CASES.items():
-        for m, width in shapes[kind]:
-            rows.append(run_case(case, m, width, device, args.quick))
-            r = rows[-1]
-            print(f"  {case} M={m}: eager {fmt(r['eager_us'])} compile {fmt(r.get('compile_us'))} "
+        for r in run_case(case, shapes[kind], device, args.quick):
+            rows.append(r)
+            print(f"  {case} M={r['M']}: eager {fmt(r['eager_us'])} compile {fmt(r.get('compile_us'))} "
                   f"moefx {fmt(r.get('moefx_us'))} op {fmt(r['fused_op_us'])} µs", flush=True)
     for r in rows:
         r["floor_us"] = r["bytes"] / BW * 1e6

@@ -19,7 +19,6 @@ from triton.language.extra import libdevice
 MODE_PLAIN, MODE_SILU, MODE_NORM, MODE_ADD_NORM = 0, 1, 2, 3
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (v + magic) - magic rounds |v| < 2**22 half-to-even, like torch.round
 
 # Triton's interpreter has no libdevice; there numpy's IEEE functions stand in (same results up to ulps in exp).
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -40,6 +39,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     def _pow2_ceil(x):
         return tl.math.exp2(tl.math.ceil(tl.math.log2(x)))
 
+    @triton.jit
+    def _rint(x):  # 1.5 * 2**23: (x + c) - c rounds |x| < 2**22 half to even in fp32 arithmetic
+        return (x + 12582912.0) - 12582912.0
+
     # The interpreter's bf16/fp8 downcasts round ties away and drop carries: round exactly in fp32 first.
     @triton.jit
     def _rne_bits(v, DROP: tl.constexpr):
@@ -53,7 +56,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     @triton.jit
     def _to_fp8(v):
-        sub = ((tl.abs(v) * 512.0 + _RNE_MAGIC) - _RNE_MAGIC) * (1.0 / 512.0)
+        sub = _rint(tl.abs(v) * 512.0) * (1.0 / 512.0)
         sign = v.to(tl.int32, bitcast=True) & (-2147483648)
         sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # keeps -0.0 like torch
         return tl.where(tl.abs(v) < 0.015625, sub, _rne_bits(v, 20)).to(tl.float8e4nv)
@@ -75,6 +78,10 @@ else:
     @triton.jit
     def _pow2_ceil(x):
         return libdevice.exp2(libdevice.ceil(libdevice.log2(x)))
+
+    @triton.jit
+    def _rint(x):
+        return libdevice.rint(x)
 
     @triton.jit
     def _rne_bf16(v):
@@ -150,7 +157,7 @@ def _quant_kernel(
     if IS_FP8:
         qv = _to_fp8(v)
     else:
-        qv = ((v + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
+        qv = _rint(v).to(tl.int8)
     qv = tl.reshape(qv, (BLOCK_M, BLOCK_H))
     tl.store(Q + rows64[:, None] * H + cols[None, :], qv, mask=mask)
     groups = pid_h * NG + tl.arange(0, NG)
