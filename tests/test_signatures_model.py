@@ -223,3 +223,15 @@ def test_from_module_reads_per_expert_module_lists() -> None:
     block.experts = torch.nn.ModuleList(Expert() for _ in range(4))
     ms = ModelSignature.from_module(block)
     assert (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size) == (4, 16, 24)
+
+
+def test_glm4_moe_provider_matches_transformers_config_and_fails_closed() -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("glm4_moe", dtype="bfloat16", architectures=["Glm4MoeForCausalLM"])
+    ms = ModelSignature.from_config(cfg)
+    assert (ms.family, ms.routing, ms.num_shared_experts, ms.first_dense_layers) == ("glm4_moe", "sigmoid_bias", 1, 1)
+    assert resolve(ms, H200).profile == "glm4_moe"
+    data = cfg.to_dict()
+    del data["topk_group"]
+    assert resolve(ModelSignature.from_config(data), H200).profile == "unknown"
