@@ -88,23 +88,25 @@ def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
 
 
 def ceilings() -> dict[str, float]:
-    n = 1 << 30
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), reps=10)
-    bw = 2 * n / (us * 1e-6)
+    """Matmul first (it also brings the clocks up), then a 1 GiB device copy; best of the trials' medians."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_us = time_graph(lambda: a @ b, reps=5)
-    res = {"copy_Bps": bw, "bf16_flops": 2 * 8192**3 / (mm_us * 1e-6)}
+    mm_us = min(time_graph(lambda: a @ b, reps=10) for _ in range(3))
+    res = {"bf16_flops": 2 * 8192**3 / (mm_us * 1e-6)}
     try:
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         one = torch.ones((), device="cuda")
-        f8_us = time_graph(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=5)
+        f8_us = time_graph(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=10)
         res["fp8_flops"] = 2 * 8192**3 / (f8_us * 1e-6)
     except (RuntimeError, TypeError) as exc:
         print(f"fp8 matmul ceiling not measured ({exc}); using 2x bf16", flush=True)
         res["fp8_flops"] = 2 * res["bf16_flops"]
+    n = 1 << 30
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    # an SM copy kernel (torch.mul), as our kernels stream: a graph memcpy node uses the copy engines instead
+    us = min(time_graph(lambda: torch.mul(src, 1.0, out=dst), reps=20) for _ in range(3))
+    res["copy_Bps"] = 2 * n / (us * 1e-6)
     return res
 
 
@@ -253,19 +255,17 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, bs: tuple[int, int]
     from moefx.backends.kernels.gemv_kernels import gemv_moe
 
     out = []
-    grouped_cfgs = {
-        16: [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4), GemmConfig(16, 64, 256, 1, 4, 3)],
-        256: [GemmConfig(32, 64, 128, 4, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(32, 128, 128, 4, 4, 3)],
-        1024: [GemmConfig(64, 64, 128, 8, 4, 3), GemmConfig(64, 128, 64, 8, 4, 4), GemmConfig(32, 64, 128, 8, 4, 4)],
-        4096: [GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(64, 128, 64, 8, 4, 4),
-               GemmConfig(128, 64, 64, 8, 4, 4)],
+    grouped_cfgs = {  # run 1 swept M=16/256/1024/4096 (bench/NOTES-moe.md); these are the open questions left
+        64: [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4)],
+        4096: [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 128, 32, 8, 8, 4), GemmConfig(64, 128, 64, 8, 8, 4),
+               GemmConfig(64, 128, 64, 8, 4, 3)],
     }
     for dt, wt in weights.items():
         for m, cfgs in grouped_cfgs.items():
             sets = input_sets(m, h, e, k, "cuda", gen, 4)
             for cfg in cfgs:
-                if dt == "fp8" and m in (16, 256) and cfg.block_n != 128:
-                    continue
+                if dt == "fp8" and cfg.block_n != 128:
+                    continue  # FP8 tiles are set by the quant block: only BLOCK_M / warps / stages differ
                 try:
                     us = time_graph(lambda cfg=cfg, sets=sets, wt=wt: [
                         fused_moe(x, i, w, wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"),
@@ -274,9 +274,9 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, bs: tuple[int, int]
                     us = f"{type(exc).__name__}"
                 out.append(dict(kind="grouped", dtype=dt, M=m, config=str(cfg), us=us))
                 print("sweep", out[-1], flush=True)
-        for m in (1, 4, 8):
+        for m in (1, 4):
             sets = input_sets(m, h, e, k, "cuda", gen, 4)
-            for bn in ((16, 8), (16, 16), (32, 16), (8, 8), (16, 4)):
+            for bn in ((16, 4), (8, 4), (16, 2), (16, 8), (32, 8)):
                 us = time_graph(lambda bn=bn, sets=sets, wt=wt: [
                     gemv_moe(x, i, w, wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"),
                              wt["kw"].get("block_shape"), block_n=bn) for x, i, w in sets]) / 4

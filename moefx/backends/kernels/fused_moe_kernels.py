@@ -24,7 +24,7 @@ import triton.language as tl
 
 from moefx.backends.kernels.align import moe_align
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 # Triton's interpreter multiplies bf16/fp16 dot operands wrongly (numpy has no bf16) and rounds fp32 -> e4m3
 # wrongly when rounding carries into the exponent (31.3 -> 16): under it, dots get fp32 operands and
 # values are put on the e4m3 grid before the cast.
@@ -186,16 +186,17 @@ def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def default_config(m: int, top_k: int, num_experts: int, fp8: bool, block_k: int | None = None) -> GemmConfig:
-    """Tiles by average rows per expert: small BLOCK_M while bandwidth-bound, Hopper-sized when FLOP-bound."""
+    """Tiles by average rows per expert (picked from the H200 sweep in bench/NOTES-moe.md): small BLOCK_M
+    while bandwidth-bound, larger tiles as the FLOPs grow. For FP8 block_n/block_k are set by the quant block."""
     rows_per_expert = m * top_k / num_experts
     bk = block_k or 128
-    if rows_per_expert <= 16:
-        return GemmConfig(16, 128 if fp8 else 64, bk, group_m=1, num_warps=4, num_stages=4)
-    if rows_per_expert <= 48:
-        return GemmConfig(32, 128 if fp8 else 64, bk, group_m=4, num_warps=4, num_stages=4)
-    if rows_per_expert <= 128:
-        return GemmConfig(64, 128 if fp8 else 64, bk, group_m=8, num_warps=4, num_stages=3)
-    return GemmConfig(128, 128 if fp8 else 64, bk if fp8 else 64, group_m=8, num_warps=8, num_stages=3)
+    if rows_per_expert <= 8:
+        return GemmConfig(16, 64, bk, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 32:
+        return GemmConfig(32, 128, bk, group_m=4, num_warps=4, num_stages=3)
+    if rows_per_expert <= 128 or fp8:
+        return GemmConfig(64, 128, block_k or 64, group_m=8, num_warps=4, num_stages=4)
+    return GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
 
 
 def fused_moe(

@@ -115,7 +115,7 @@ def gemv_moe(
     inter = w2.shape[2]
     fp8 = w13_scale is not None
     sbn, sbk = block_shape if fp8 else (1, 1)
-    bn1, bn2 = block_n or (16, 8 if m < 4 else 16)
+    bn1, bn2 = block_n or (16, 4 if m == 1 else 8)
     if fp8:
         bn1, bn2 = min(bn1, sbn), min(bn2, sbn)
     ids = topk_ids.contiguous()
