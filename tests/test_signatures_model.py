@@ -20,6 +20,7 @@ H200 = ExecutionSignature.preset("h200", mode="capture", max_batch_size=64, dtyp
 # name -> (profile, family, routing, E, top_k, expert width, hidden, shared experts, dense-first layers, quant)
 PUBLISHED = {
     "deepseek-v3": ("deepseek_v3", "deepseek", "sigmoid_bias_group_topk", 256, 8, 2048, 7168, 1, 3, "fp8"),
+    "deepseek-v2": ("deepseek_v2", "deepseek", "softmax_group_topk", 160, 6, 1536, 5120, 2, 1, None),
     "qwen3-30b-a3b": ("qwen3_moe", "qwen3_moe", "softmax", 128, 8, 768, 2048, 0, 0, None),
     "qwen3-235b-a22b": ("qwen3_moe", "qwen3_moe", "softmax", 128, 8, 1536, 4096, 0, 0, None),
     "mixtral-8x7b": ("mixtral", "mixtral", "softmax", 8, 2, 14336, 4096, 0, 0, None),
