@@ -239,6 +239,39 @@ class Producer:
 # ----------------------------------------------------------------------------------------- pass machinery
 
 
+class _Captured(Exception):
+    pass
+
+
+def post_grad_graph(fn: Callable[..., Any], args: list[Any], dynamic_rows: bool = False) -> torch.fx.Graph:
+    """The post-grad graph inductor would hand to moefx's passes for `fn(*args)` (dynamo + AOT + inductor's
+    own post-grad passes), captured and returned before code generation. For tests and for looking at what
+    a pass sees. `dynamic_rows` makes dim 0 of every input with 2+ dims symbolic (the token count of a
+    serving graph; hidden sizes stay static as they are in models)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    box: dict[str, torch.fx.Graph] = {}
+
+    def grab(graph: torch.fx.Graph) -> None:
+        box["graph"] = graph
+        raise _Captured
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": grab})
+
+    torch._dynamo.reset()
+    if dynamic_rows:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 2:
+                torch._dynamo.mark_dynamic(a, 0)
+    try:
+        torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)(*args)
+    except Exception:
+        if "graph" not in box:
+            raise
+    return box["graph"]
+
+
 def _functionalize_inplace(gm: torch.fx.GraphModule) -> None:
     """Turn in-place aten ops on intermediates (`add_`, as composite kernels such as rms_norm's emit them
     under make_fx) into their functional overloads, the form functionalized post-grad graphs hold."""
@@ -299,6 +332,21 @@ def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> to
     return item
 
 
+def dedupe_casts(graph: torch.fx.Graph) -> None:
+    """Merge repeated identical dtype casts of one tensor (`y.float()` written twice is not CSE'd in
+    inference graphs), so the quant forms see one cast as their search functions do. Casts are pure."""
+    seen: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
+    cast = torch.ops.prims.convert_element_type.default
+    for node in list(graph.find_nodes(op="call_function", target=cast)):
+        if node.kwargs or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        key = (node.args[0], node.args[1])
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)
+
+
 def quant_users(node: torch.fx.Node) -> tuple[list[torch.fx.Node], str | None]:
     """The `moefx::quant` nodes reading `node`, or the reason they cannot all be fused with it."""
     users = list(node.users)
@@ -337,6 +385,7 @@ class QuantFusionPass(MoefxPass):
     # ------------------------------------------------------------------------------------------- running
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         quant_stage, producer_stage = self.stages()
+        dedupe_casts(graph)
         before = set(graph.nodes)
         cls = type(self)
         cls._ctx = ctx
@@ -411,6 +460,10 @@ class QuantFusionPass(MoefxPass):
             y = match.kwargs["y"]
             if not isinstance(y, torch.fx.Node) or not cls._is_producer(y, producer_stage):
                 return False  # not after a producer this pass fuses: not a candidate
+            others = sorted({str(u.target) for u in y.users if u not in match.nodes and u.target is not QUANT})
+            if others:
+                cls._skip(match, f"{form.name} after {y.name} left alone: {y.name} also feeds {', '.join(others)}")
+                return False
             yv = _val(y)
             if not isinstance(yv, torch.Tensor) or yv.dtype not in FLOAT_DTYPES:
                 cls._skip(match, f"{form.name}: input dtype {getattr(yv, 'dtype', None)} is not fp32/bf16/fp16")
@@ -453,8 +506,11 @@ class QuantFusionPass(MoefxPass):
                 return False
             if cls._predicate_mode:
                 return True
-            _, why = quant_users(match.output_nodes()[0])
-            return why is None  # no quant consumer: not a candidate, nothing to report
+            y = match.output_nodes()[0]
+            _, why = quant_users(y)
+            if why is not None and any(u.target is QUANT for u in y.users):
+                cls._skip(match, f"{prod.name} ({y.name}) left alone: {why}")
+            return why is None  # without a quant consumer it is not a candidate: nothing to report
 
         return check
 
