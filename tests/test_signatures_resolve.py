@@ -132,9 +132,12 @@ def test_env_turning_on_an_unmatched_model_warns(monkeypatch: pytest.MonkeyPatch
     [("nosuch=on", "NAME=on"), ("fuse_act_quant=maybe", "invalid"), ("fuse_act_quant", "NAME=on"),
      ("last_token_logits=on,last_token_logits=off", "twice")],
 )
-def test_env_values_are_validated(value: str, match: str) -> None:
+def test_env_values_are_validated(value: str, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=match):
         pass_overrides({"MOEFX_PASSES": value})
+    monkeypatch.setenv("MOEFX_PASSES", value)
+    with pytest.raises(ValueError, match="MOEFX_PASSES"):
+        resolve(QWEN, H200)
 
 
 def test_rule_overrides_provider_but_not_env_or_config(monkeypatch: pytest.MonkeyPatch) -> None:

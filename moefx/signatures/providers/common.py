@@ -20,25 +20,24 @@ def quant_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool, 
     return True, f"{ms.quant_method} {ms.quant_act_dtype} dynamic activations on CUDA"
 
 
-def causal_lm_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool, str]:
+def causal_lm_preference(ms: ModelSignature, es: ExecutionSignature, gain: str) -> tuple[bool, str]:
     if not ms.is_causal_lm:
         return False, f"architectures {list(ms.architectures)} name no *ForCausalLM head"
     if es.device_type != "cuda":
-        return False, f"host syncs and LM-head waste matter on CUDA, device is {es.device_type}"
-    return True, "causal LM on CUDA"
+        return False, f"{gain} pays off on CUDA, device is {es.device_type}"
+    return True, f"causal LM on CUDA: {gain}"
 
 
 def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSignature) -> PlanFragment:
     quant = quant_preference(ms, es)
-    causal = causal_lm_preference(ms, es)
     return PlanFragment(
         provider=provider,
         preferred={
             "eliminate_noops": (True, f"known MoE family {ms.family}"),
             "fuse_act_quant": quant,
             "fuse_norm_quant": quant,
-            "rewrite_sampler_syncs": causal,
-            "last_token_logits": causal,
+            "rewrite_sampler_syncs": causal_lm_preference(ms, es, "removing sampler host syncs"),
+            "last_token_logits": causal_lm_preference(ms, es, "skipping LM-head rows nobody reads"),
         },
         moe_family=True,
         causal_lm=ms.is_causal_lm,
