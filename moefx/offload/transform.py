@@ -73,6 +73,34 @@ def pick_tile_backend() -> str:
     return "grouped" if "grouped" in BACKENDS else "legacy"
 
 
+def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(backend, note): the picked tile backend if it matches `legacy` on a small slice of this layer, else legacy."""
+    from moefx.backends import BACKENDS
+
+    name = pick_tile_backend()
+    if name == "legacy":
+        return name, "legacy (oracle)"
+    n = min(4, store.num_experts)
+    w13 = store.w13[:n].to(device)
+    w2 = store.w2[:n].to(device)
+    if store.int8:
+        w13 = w13.to(dtype) * store.w13_scale[:n, :, None].to(device, dtype)
+        w2 = w2.to(dtype) * store.w2_scale[:n, :, None].to(device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, w13.shape[2], generator=gen).to(device, dtype)
+    ids = torch.randint(0, n, (16, 1), generator=gen).to(device)
+    wts = torch.rand(16, 1, generator=gen).to(device)
+    try:
+        ref = BACKENDS["legacy"](x, ids, wts, w13, w2).float()
+        out = BACKENDS[name](x, ids, wts, w13, w2).float()
+        err = ((out - ref).norm() / ref.norm()).item()
+    except Exception as exc:  # a backend that cannot run these tiles is not used for them
+        return "legacy", f"legacy ({name} failed on a tile check: {type(exc).__name__}: {exc})"
+    if not err <= 2e-2:
+        return "legacy", f"legacy ({name} off by {err:.2e} on a tile check)"
+    return name, f"{name} (checked against legacy on this layer: {err:.1e})"
+
+
 class OffloadRuntime:
     """State shared by every offloaded layer of one model: CPU pools, the GPU staging ring, the switch point."""
 
@@ -89,7 +117,7 @@ class OffloadRuntime:
         self.switch_tokens: int | None = None
         self.rates: MachineRates | None = None
         self.geom: Geometry | None = None
-        self.tile_backend = pick_tile_backend()
+        self.tile_backend = "legacy"
 
     def math(self, m: int) -> CpuMath:
         return CpuMath(self.int8_activations and m >= self.min_tokens, self.impl)
@@ -235,8 +263,9 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
         rt.ring = StagingRing(first, op.tile_e, device)
         if cost_model:
             rt.rates = rates
+        rt.tile_backend, how = validated_tile_backend(first, device, dtype)
         op.notes.append(budget.explain_line())
-        op.notes.append(f"streamed tiles computed by MoE backend {rt.tile_backend!r}")
+        op.notes.append(f"streamed tiles computed by MoE backend {how}")
     op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
     applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
     return applied

@@ -1,0 +1,352 @@
+"""Expert offload benchmark: a Qwen3-30B-A3B-geometry model with its experts in host memory.
+
+Order: measure the floors' bandwidths (host memory copy with all threads, pinned H2D), run the same-run peer
+(accelerate `dispatch_model` with the experts on the CPU, 8 layers), build the moefx model (as many of the 48
+layers as host memory holds, at least 8; random bf16 weights), offload it with `moefx.optimize`, check one
+offloaded layer against the `legacy` backend on the GPU (CPU/hybrid path and full streaming), then time
+decode (B=1, B=4; also B=1 on the first 8 layers, for the ratio to the peer) and prefill (512, 2048, 8192).
+
+Floors: decode tok/s = B / (layers x experts touched per step x expert bytes / host memory bandwidth);
+prefill tok/s = tokens / (layers x all expert bytes / H2D bandwidth). Prints a table last; JSON to $OUT.
+
+    python bench/offload.py            # on the GPU host (~3-4 minutes)
+    python bench/offload.py --quick    # CPU smoke run: tiny model, no peer, no claims
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moefx
+from moefx.backends import BACKENDS
+from moefx.models import qwen3_moe_config, tiny_qwen3_moe_config
+from moefx.offload.transform import OffloadedExperts
+
+TARGETS = {"decode_vs_floor": 0.60, "prefill8192_vs_floor": 0.70, "vs_accelerate": 50.0}
+BF16_BOUND = 2e-2  # ||offloaded - legacy on GPU|| / ||legacy||, bf16 weights and activations
+
+
+def log(msg: str) -> None:
+    print(f"[offload bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def host_copy_gbps(nbytes: int) -> float:
+    """All-thread host memcpy, read + write bytes counted (as in PERF-NOTES)."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
+
+
+def h2d_gbps(nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return 5 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def build(config, device: str) -> torch.nn.Module:
+    """Random bf16 weights, built on `device` (the experts are moved off by the offload under test)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():  # weight init scaled by fan-in, so activations stay O(1) through many layers
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5 if "embed" not in name else 1.0)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: int) -> float:
+    """(steps - 1) decode tokens per sequence over the time from the first to the last step, times B."""
+    gen = torch.Generator(device="cpu").manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=gen).to(device)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1:].argmax(-1)
+    stamps = []
+    for _ in range(steps):
+        out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1:].argmax(-1)
+        sync(device)
+        stamps.append(time.perf_counter())
+    return batch * (steps - 1) / (stamps[-1] - stamps[0])
+
+
+@torch.no_grad()
+def prefill_tps(model, tokens: int, reps: int, device: str, vocab: int) -> float:
+    gen = torch.Generator(device="cpu").manual_seed(tokens)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return tokens / sorted(times)[len(times) // 2]
+
+
+def accelerate_peer(num_layers: int, steps: int) -> dict:
+    """accelerate dispatch_model: experts kept on the CPU, moved to the GPU by its hooks at every forward."""
+    from accelerate import dispatch_model
+
+    config = qwen3_moe_config(num_layers)
+    model = build(config, "cuda")
+    device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.experts.to("cpu")
+        for child, _ in layer.named_children():
+            if child != "mlp":
+                device_map[f"model.layers.{i}.{child}"] = 0
+        device_map[f"model.layers.{i}.mlp.gate"] = 0
+        device_map[f"model.layers.{i}.mlp.experts"] = "cpu"
+    torch.cuda.empty_cache()
+    model = dispatch_model(model, device_map=device_map, main_device=0)
+    tps = decode_tps(model, 1, 4, steps, "cuda", config.vocab_size)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"layers": num_layers, "decode_b1_tok_s": tps}
+
+
+def offloaded(model) -> list[OffloadedExperts]:
+    return [m.moefx_offload for m in model.modules() if isinstance(getattr(m, "moefx_offload", None), OffloadedExperts)]
+
+
+@torch.no_grad()
+def check_layer(expert: OffloadedExperts, device: str, ms: tuple[int, ...]) -> dict:
+    """One offloaded layer vs `legacy` on the same device with the weights copied there; every path it takes."""
+    store, rt = expert.store, expert.rt
+    w13, w2 = store.w13.to(device), store.w2.to(device)
+    e, h = store.num_experts, store.w13.shape[2]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    errors = {}
+    for m in ms:
+        x = torch.randn(m, h, generator=gen).to(device=device, dtype=torch.bfloat16)
+        w, ids = torch.softmax(torch.randn(m, e, generator=gen), -1).topk(8, dim=-1)
+        ids, w = ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+        ref = BACKENDS["legacy"](x, ids, w, w13, w2).float()
+        paths = {"as planned": rt.switch_tokens}
+        if rt.ring is not None:
+            paths["all streamed"] = 1
+        for label, switch in paths.items():
+            saved, rt.switch_tokens = rt.switch_tokens, switch
+            try:
+                out = expert(x, ids, w).float()
+                err = ((out - ref).norm() / ref.norm()).item() if torch.isfinite(out).all() else float("inf")
+            except Exception as exc:  # report which path broke instead of ending the run
+                log(f"ERROR M={m} {label}: {exc!r}\n{traceback.format_exc()}")
+                err = float("inf")
+            finally:
+                rt.switch_tokens = saved
+            errors[f"M={m} {label}"] = err
+    del w13, w2
+    return errors
+
+
+def targets_met(rows: list[dict], vs_accelerate: float | None) -> dict[str, str]:
+    """The issue's targets, each with the measured value and met / NOT met."""
+    def verdict(value: float | None, target: float, unit: str) -> str:
+        if value is None:
+            return "not measured"
+        shown = f"{value:.0%}" if unit == "%" else f"{value:.0f}x"
+        return f"{shown} (target {target:.0%}) {'met' if value >= target else 'NOT met'}" if unit == "%" else (
+            f"{shown} (target {target:.0f}x) {'met' if value >= target else 'NOT met'}")
+
+    by = {r["what"]: r for r in rows}
+    out = {}
+    for what in ("decode B=1", "decode B=4"):
+        out[what] = verdict(by.get(what, {}).get("vs_floor"), TARGETS["decode_vs_floor"], "%")
+    out["prefill 8192"] = verdict(by.get("prefill 8192", {}).get("vs_floor"), TARGETS["prefill8192_vs_floor"], "%")
+    out["vs accelerate"] = verdict(vs_accelerate, TARGETS["vs_accelerate"], "x")
+    return out
+
+
+def layers_that_fit(per_layer: int, device: str) -> int:
+    avail = _mem_available()
+    fit = int(0.55 * avail // per_layer) if avail else 8
+    if device == "cuda":  # the model is built on the GPU first, then its experts leave
+        fit = min(fit, int(0.7 * torch.cuda.mem_get_info()[0] // per_layer))
+    return max(8, min(48, fit))
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run with a tiny model (no peer, no claims)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the moefx model (default: what fits)")
+    ap.add_argument("--skip-peer", action="store_true", help="do not run accelerate")
+    args = ap.parse_args()
+    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    if not args.quick and device != "cuda":
+        log("ERROR: no CUDA device; the offload benchmark needs a GPU host (use --quick for a CPU smoke run)")
+        return 2
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d"), "cpu_threads": torch.get_num_threads(), "errors": []}
+    quick = args.quick
+    config = tiny_qwen3_moe_config(num_hidden_layers=args.layers or 2) if quick else None
+    if not quick:
+        per_layer = 128 * 3 * 2048 * 768 * 2
+        layers = args.layers or layers_that_fit(per_layer, device)
+        config = qwen3_moe_config(layers)
+    e, k, h, inter = config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size
+    expert_bytes = 3 * h * inter * 2
+    layers = config.num_hidden_layers
+    result.update(layers=layers, expert_bytes=expert_bytes)
+
+    log("measuring host memory and H2D bandwidth")
+    result["host_copy_gbps"] = host_copy_gbps((64 << 20) if quick else (2 << 30))
+    result["h2d_gbps"] = h2d_gbps(1 << 30) if device == "cuda" else None
+
+    if device == "cuda" and not args.skip_peer:
+        log("peer: accelerate dispatch_model, experts on the CPU, 8 layers")
+        try:
+            result["accelerate"] = accelerate_peer(8, 3)
+        except Exception as exc:  # the peer must not take the run down; say why it is missing
+            result["errors"].append(f"accelerate peer failed: {exc!r}")
+            log(f"ERROR accelerate peer: {exc!r}\n{traceback.format_exc()}")
+
+    log(f"building the moefx model: {layers} layers, experts {layers * e * expert_bytes / 2**30:.1f} GiB")
+    model = build(config, device) if not quick else build(config, "cpu")
+    t0 = time.perf_counter()
+    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
+    result["offload_seconds"] = time.perf_counter() - t0
+    sync(device)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        result["gpu_allocated_gib_after_offload"] = torch.cuda.memory_allocated() / 2**30
+    plan_lines = [line for line in model.moefx_plan.explain().splitlines() if "offload" in line]
+    result["plan"] = plan_lines
+    print("\n".join(plan_lines), flush=True)
+    experts = offloaded(model)
+    if len(experts) != layers:
+        log(f"ERROR: {len(experts)} of {layers} experts modules were offloaded")
+        return 1
+
+    log("correctness: one offloaded layer vs legacy on " + device)
+    errs = check_layer(experts[0], device, (1, 4, 37) if quick else (1, 4, 4096))
+    result["check_relerr"] = errs
+    bad = {k_: v for k_, v in errs.items() if not v <= BF16_BOUND}
+    rt = experts[0].rt
+    if bad and rt.ring is not None and rt.tile_backend != "legacy":
+        log(f"tile backend {rt.tile_backend!r} out of bounds {bad}; retrying with 'legacy'")
+        result["errors"].append(f"tile backend {rt.tile_backend} out of bounds: {bad}")
+        rt.tile_backend = "legacy"
+        errs = check_layer(experts[0], device, (1, 4, 4096))
+        result["check_relerr"] = errs
+        bad = {k_: v for k_, v in errs.items() if not v <= BF16_BOUND}
+    result["tile_backend"] = rt.tile_backend
+    if bad:
+        log(f"ERROR: offloaded layer out of bounds ({BF16_BOUND}): {bad}")
+        print(json.dumps(result, indent=1))
+        return 1
+
+    vocab = config.vocab_size
+    steps = 6 if quick else 16
+    rows = []
+    for batch in (1, 4):
+        log(f"decode B={batch}")
+        tps = decode_tps(model, batch, 16, steps, device, vocab)
+        touched = e * (1 - (1 - k / e) ** batch)
+        floor = batch / (layers * touched * expert_bytes / (result["host_copy_gbps"] * 1e9))
+        rows.append({"what": f"decode B={batch}", "tok_s": tps, "floor_tok_s": floor})
+    if not quick and layers > 8:
+        log("decode B=1 on the first 8 layers (same size as the peer)")
+        full = model.model.layers
+        model.model.layers = full[:8]
+        model.config.num_hidden_layers = 8
+        try:
+            tps = decode_tps(model, 1, 16, steps, device, vocab)
+        finally:
+            model.model.layers = full
+            model.config.num_hidden_layers = layers
+        floor = 1 / (8 * k * expert_bytes / (result["host_copy_gbps"] * 1e9))
+        rows.append({"what": "decode B=1, 8 layers", "tok_s": tps, "floor_tok_s": floor})
+    for tokens in (16, 32, 64) if quick else (512, 2048, 8192):
+        log(f"prefill {tokens} tokens")
+        tps = prefill_tps(model, tokens, 1 if quick else 3, device, vocab)
+        floor = None
+        if result["h2d_gbps"]:
+            floor = tokens / (layers * e * expert_bytes / (result["h2d_gbps"] * 1e9))
+        rows.append({"what": f"prefill {tokens}", "tok_s": tps, "floor_tok_s": floor})
+    for r in rows:
+        r["vs_floor"] = r["tok_s"] / r["floor_tok_s"] if r["floor_tok_s"] else None
+    peer = result.get("accelerate")
+    if peer:
+        ours = next((r for r in rows if r["what"] == "decode B=1, 8 layers"), rows[0])
+        result["vs_accelerate_8_layers"] = ours["tok_s"] / peer["decode_b1_tok_s"]
+    result["rows"] = rows
+    if rt.ring is not None:
+        result["ring_stats"] = dict(rt.ring.stats)
+    print()
+    geometry = "tiny Qwen3-MoE (smoke run, no claims)" if quick else "Qwen3-30B-A3B geometry"
+    print(f"## Offload — {result['device']}, torch {result['torch']}, {result['date']}, {layers} layers "
+          f"{geometry}, bf16; host copy {result['host_copy_gbps']:.1f} GB/s, "
+          f"H2D {result['h2d_gbps'] or 0:.1f} GB/s; command `python bench/offload.py{' --quick' if quick else ''}`")
+    print("| what | tok/s | floor tok/s | vs floor |")
+    print("|---|---|---|---|")
+    for r in rows:
+        floor = f"{r['floor_tok_s']:.1f}" if r["floor_tok_s"] else "n/a (no GPU)"
+        ratio = f"{r['vs_floor']:.0%}" if r["vs_floor"] else "n/a"
+        print(f"| {r['what']} | {r['tok_s']:.2f} | {floor} | {ratio} |")
+    if peer:
+        print(f"| accelerate dispatch_model, 8 layers, decode B=1 | {peer['decode_b1_tok_s']:.3f} | | "
+              f"moefx {result['vs_accelerate_8_layers']:.0f}x |")
+    if not quick:
+        verdicts = targets_met(rows, result.get("vs_accelerate_8_layers"))
+        result["targets"] = verdicts
+        print("targets: " + "; ".join(f"{k_} {v}" for k_, v in verdicts.items()))
+    if result["errors"]:
+        print("errors:", *result["errors"], sep="\n  ")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "offload.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
