@@ -236,3 +236,14 @@ def test_glm4_moe_provider_matches_transformers_config_and_fails_closed() -> Non
     data = cfg.to_dict()
     del data["topk_group"]
     assert resolve(ModelSignature.from_config(data), H200).profile == "unknown"
+
+
+def test_from_module_prefers_weights_over_a_contradicting_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moefx.log
+
+    monkeypatch.setattr(moefx.log, "_warned", set())
+    model = build_model(tiny_qwen3_moe_config())
+    model.config.num_experts = 16  # config edited after the weights were built
+    with pytest.warns(UserWarning, match="num_experts=16 but the weights say 8"):
+        ms = ModelSignature.from_module(model)
+    assert ms.num_experts == 8

@@ -113,17 +113,20 @@ class ModelSignature:
 
     @classmethod
     def from_module(cls, module: Any) -> ModelSignature:
-        """From `module.config` when present; facts it lacks (and the dtype, which weights decide) are
-        read from the module's parameters. Without a config, only weight geometry is known."""
+        """From `module.config` when present, with the weights' facts (expert geometry, compute dtype)
+        taking precedence: they are what will run. Without a config, only weight geometry is known."""
+        from moefx.log import warn_once
         from moefx.signatures.weights import infer_from_module
 
         config = getattr(module, "config", None)
         base = cls.from_config(config) if config is not None else cls()
-        inferred = infer_from_module(module)
         facts = {k: v for k, v in dataclasses.asdict(base).items() if v is not None and v != ()}
-        for key, value in inferred.items():
-            if key == "dtype" or facts.get(key) is None:
-                facts[key] = value
+        for key, value in infer_from_module(module).items():
+            stated = facts.get(key)
+            if stated is not None and stated != value and key != "dtype":
+                warn_once(f"{type(module).__name__}: config says {key}={stated!r} but the weights say {value!r}; "
+                          f"the signature uses the weights")
+            facts[key] = value
         return cls(**_complete(facts))
 
     def to_dict(self) -> dict[str, Any]:
