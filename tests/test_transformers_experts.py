@@ -175,3 +175,33 @@ def test_layouts_equal_eager(transposed, bias):
         assert unsupported_reason(module) == "expert biases"
     else:
         assert unsupported_reason(module) is None  # transposed weights go to the op as views
+
+
+def test_fp8_experts_module_runs_the_op_with_block_scales():
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+
+    from moefx.backends import BACKENDS
+    from moefx.backends.registry import dequant_block
+
+    config = PretrainedConfig(hidden_size=64, num_experts=4, moe_intermediate_size=32, hidden_act="silu")
+    cls = use_experts_implementation(type("FP8E", (FP8Experts,), {}), experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    module = cls(config=config, block_size=(32, 32))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        pairs = ((module.gate_up_proj, module.gate_up_proj_scale_inv), (module.down_proj, module.down_proj_scale_inv))
+        for w, s in pairs:
+            w.copy_((torch.randn(w.shape, generator=g) * 100).clamp(-440, 440).to(torch.float8_e4m3fn))
+            s.copy_(torch.rand(s.shape, generator=g) * 1e-3 + 1e-3)
+    assert unsupported_reason(module) is None
+    x = torch.randn(9, 64, generator=g)
+    w, ids = torch.softmax(torch.randn(9, 4, generator=g), -1).topk(2, dim=-1)
+    w13 = dequant_block(module.gate_up_proj, module.gate_up_proj_scale_inv, (32, 32))
+    w2 = dequant_block(module.down_proj, module.down_proj_scale_inv, (32, 32))
+    ref = BACKENDS["legacy"](x, ids, w, w13, w2)
+    module.config._experts_implementation = "moefx"
+    assert _rel(module(x, ids, w), ref) <= 1e-5  # no row: the legacy oracle on the block scales
+    for backend in available_backends("cpu"):
+        module.moefx_backend = backend
+        assert _rel(module(x, ids, w), ref) <= 6e-2, backend  # w8a8 backends also round the activations
+    module.limit = 7.0
+    assert unsupported_reason(module) == "a clamped SwiGLU gate"

@@ -86,19 +86,21 @@ def select_backend(
     """
     if capturing is None:
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    # transformers' FP8 experts path lives on its module (and needs its hub kernels): FP8 runs the oracle.
+    plain = "legacy" if upstream == "transformers" and w13_scale is not None else upstream
     key_args = (hidden, topk_ids, w13, block_shape)
     name, source = _requested(int(hidden.shape[0]), backend, key_args, capturing)
     if name == UPSTREAM:
-        name = upstream
+        name = plain
     elif name not in BACKENDS:
-        warn_once(f"MoE backend {name!r} (from {source}) is not registered here; running {upstream}")
-        name = upstream
+        warn_once(f"MoE backend {name!r} (from {source}) is not registered here; running {plain}")
+        name = plain
     else:
         bs = tuple(block_shape) if block_shape is not None else None
         reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs)
         if reason:
-            warn_once(f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {upstream}")
-            name = upstream
+            warn_once(f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}")
+            name = plain
     if capturing and name in HOST_SYNCING_BACKENDS:
         raise RuntimeError(
             f"moefx::moe_experts: backend {name!r} syncs the host and cannot run inside CUDA-graph capture; "
@@ -144,10 +146,7 @@ def _moe_experts_op(
     name = select_backend(hidden, topk_ids, w13, w2, w13_scale, block_shape, backend, upstream)
     log.debug("moe_experts M=%d -> %s", hidden.shape[0], name)
     if name == "transformers":
-        if w13_scale is not None:
-            name = "legacy"  # transformers' FP8 experts use their own module layout; the oracle is exact here
-        else:
-            return _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2)
+        return _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2)
     bs = tuple(block_shape) if block_shape is not None else None
     return BACKENDS[name](
         hidden, topk_ids, topk_weights, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, block_shape=bs

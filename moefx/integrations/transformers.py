@@ -40,21 +40,44 @@ def is_experts_module(module: nn.Module) -> bool:
     return hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(module, "down_proj")
 
 
+def is_fp8_module(module: nn.Module) -> bool:
+    return hasattr(module, "down_proj_scale_inv")
+
+
+def _fp8_reason(module: nn.Module) -> str | None:
+    """What in a transformers FP8 experts module the op's block-FP8 contract does not cover, or None."""
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return "static FP8 activation scales"
+    if module.gate_up_proj.dtype != torch.float8_e4m3fn or module.down_proj.dtype != torch.float8_e4m3fn:
+        return f"expert weights of dtype {module.gate_up_proj.dtype} (the op takes float8_e4m3fn blocks)"
+    if module.gate_up_proj_scale_inv.dtype != torch.float32 or module.down_proj_scale_inv.dtype != torch.float32:
+        return f"weight scales of dtype {module.gate_up_proj_scale_inv.dtype} (the op takes float32)"
+    block = getattr(module, "block_size", None)
+    if not block or len(block) != 2:
+        return "per-tensor FP8 weight scales (the op takes 2-D blocks)"
+    if getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None:
+        return "a clamped SwiGLU gate"
+    bn, bk = int(block[0]), int(block[1])
+    for w, sc in ((module.gate_up_proj, module.gate_up_proj_scale_inv), (module.down_proj, module.down_proj_scale_inv)):
+        want = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
+        if tuple(sc.shape) != want:
+            return f"weight scales of shape {tuple(sc.shape)} for blocks {bn}x{bk} (expected {want})"
+    return None
+
+
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why this experts module cannot run `moefx::moe_experts`, or None."""
-    if hasattr(module, "gate_up_proj_scale_inv") or hasattr(module, "down_proj_scale_inv"):
-        return "transformers' FP8 experts modules (their own interface)"
     if not module.has_gate:
         return "experts without a gate projection"
     if getattr(module, "has_bias", False):
         return "expert biases"
     if not module.is_concatenated:
         return "interleaved gate/up rows"
-    if getattr(type(module), "_apply_gate", None) is not _default_gate():
+    if not is_fp8_module(module) and getattr(type(module), "_apply_gate", None) is not _default_gate():
         return f"a custom gate ({type(module).__name__}._apply_gate)"
     if not _is_silu(getattr(module, "act_fn", None)):
         return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the op computes SiLU)"
-    return None
+    return _fp8_reason(module) if is_fp8_module(module) else None
 
 
 def moefx_experts_forward(
@@ -74,12 +97,34 @@ def moefx_experts_forward(
     return moe_experts(hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers")
 
 
+def moefx_fp8_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The same for transformers' FP8 experts modules (block-FP8 weights with float32 `*_scale_inv`).
+
+    Their default path needs transformers' hub kernels; the op's plain path here is the legacy oracle.
+    """
+    reason = unsupported_reason(self)
+    if reason is not None:
+        warn_once(f"moefx experts: {type(self).__name__} uses {reason}; running transformers' own FP8 experts")
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    backend = getattr(self, "moefx_backend", "auto")
+    return moe_experts(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, backend=backend,
+        w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv,
+        block_shape=tuple(int(b) for b in self.block_size), upstream="transformers",
+    )
+
+
 def register() -> None:
-    """Make `experts_implementation="moefx"` valid in transformers (idempotent)."""
+    """Make `experts_implementation="moefx"` valid in transformers, bf16/fp16 and FP8 experts (idempotent)."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    if ALL_EXPERTS_FUNCTIONS.get(NAME) is not moefx_experts_forward:
-        ALL_EXPERTS_FUNCTIONS.register(NAME, moefx_experts_forward)
+    pairs = ((ALL_EXPERTS_FUNCTIONS, moefx_experts_forward), (ALL_FP8_EXPERTS_FUNCTIONS, moefx_fp8_experts_forward))
+    for interface, fn in pairs:
+        if interface.get(NAME) is not fn:
+            interface.register(NAME, fn)
 
 
 @register_model_transform("moe_experts", order=20)
