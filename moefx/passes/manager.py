@@ -1,7 +1,7 @@
 """The inductor post-grad hook that runs the enabled moefx passes in order.
 
-Its `uuid()` hashes the config, the enabled passes and their source files, so inductor's FX graph
-cache never serves a graph that was built with other passes or another version of a pass.
+Its `uuid()` hashes the config, the plan, the enabled passes and their source files, so inductor's FX
+graph cache never serves a graph that was built with other passes, another plan or another version of a pass.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class PassManager(CustomGraphPass):
     def uuid(self) -> str:
         digest = hashlib.sha256(self.config.compute_hash().encode())
         digest.update(Path(__file__).read_bytes())
+        # Passes may read the plan (e.g. the model's quant scheme): a different plan is a different graph.
+        if hasattr(self.plan, "fingerprint"):
+            digest.update(self.plan.fingerprint().encode())
         for p in self.passes:
             digest.update(p.name.encode())
             digest.update(p.source_digest().encode())
