@@ -30,3 +30,25 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.cache/moefx/triton}
 echo "== pytest (inductor cache: $TORCHINDUCTOR_CACHE_DIR)"
 # shellcheck disable=SC2086
 python -m pytest -q -ra --durations=15 --timeout=900 ${PYTEST_ARGS:-} tests
+
+# vLLM integration: vLLM 0.33 pins torch 2.14, so it lives in its own venv, cached between runs and created
+# when missing (about 8 GB). These tests also run moefx's FX-level pass tests on torch 2.14.
+if [ "${MOEFX_SKIP_VLLM:-0}" = "1" ]; then
+    echo "== vLLM stage skipped (MOEFX_SKIP_VLLM=1): vLLM integration NOT tested"
+    exit 0
+fi
+VLLM_VENV=${MOEFX_VLLM_VENV:-$HOME/.cache/moefx/venv-vllm}
+if ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    echo "== creating $VLLM_VENV with vllm==0.33.0 (first run only; large download)"
+    python3 -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/python" -m pip install -q "vllm==0.33.0"
+fi
+"$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
+"$VLLM_VENV/bin/python" -m pip install -q pytest pytest-timeout
+"$VLLM_VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+echo "== pytest in the vLLM venv"
+# shellcheck disable=SC2086
+MOEFX_REQUIRE_VLLM=1 TORCHINDUCTOR_CACHE_DIR="$TORCHINDUCTOR_CACHE_DIR-vllm" "$VLLM_VENV/bin/python" -m pytest -q -ra \
+    --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_VLLM_TESTS:-tests/test_vllm_integration.py tests/test_config.py \
+    tests/test_eliminate_noops.py tests/test_pass_manager.py tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py \
+    tests/test_last_token_logits.py}
