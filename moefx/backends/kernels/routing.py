@@ -1,0 +1,91 @@
+"""Fused MoE routing in one Triton kernel: scores, (group) top-k, renormalize, scale; one row per program."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KIND_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
+
+
+@triton.jit
+def _fused_topk_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, scaling,
+    E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    x = tl.load(logits_ptr + row * stride_t + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    if KIND == 2:
+        scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+        choice = scores
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, choice, float("-inf"))
+        if N_GROUP > 1:
+            gsize: tl.constexpr = BLOCK_E // N_GROUP
+            grouped = tl.reshape(choice, (N_GROUP, gsize))
+            first = tl.max(grouped, axis=1)
+            first_at = tl.argmax(grouped, axis=1, tie_break_left=True)
+            in_group = tl.arange(0, gsize)[None, :]
+            second = tl.max(tl.where(in_group == first_at[:, None], float("-inf"), grouped), axis=1)
+            group_score = first + second
+            keep = tl.zeros((N_GROUP,), dtype=tl.int1)
+            g_cols = tl.arange(0, N_GROUP)
+            for _ in tl.static_range(TOPK_GROUP):
+                g = tl.argmax(tl.where(keep, float("-inf"), group_score), axis=0, tie_break_left=True)
+                keep = keep | (g_cols == g)
+            keep_cols = tl.reshape(tl.broadcast_to(keep[:, None], (N_GROUP, gsize)), (BLOCK_E,))
+            choice = tl.where(keep_cols, choice, float("-inf"))
+    elif KIND == 0:
+        ex = tl.exp(x - tl.max(x, axis=0))
+        scores = ex / tl.sum(ex, axis=0)
+        choice = tl.where(valid, scores, float("-inf"))
+    else:
+        scores = x
+        choice = x
+    k_offs = tl.arange(0, TOP_K)
+    top_w = tl.zeros((TOP_K,), dtype=tl.float32)
+    top_i = tl.zeros((TOP_K,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        i = tl.argmax(choice, axis=0, tie_break_left=True)
+        w = tl.sum(tl.where(cols == i, scores, 0.0), axis=0)
+        top_w = tl.where(k_offs == j, w, top_w)
+        top_i = tl.where(k_offs == j, i, top_i)
+        choice = tl.where(cols == i, float("-inf"), choice)
+    if KIND == 1:
+        ex = tl.exp(top_w - tl.max(top_w, axis=0))
+        top_w = ex / tl.sum(ex, axis=0)
+    elif RENORM:
+        denom = tl.sum(top_w, axis=0)
+        if KIND == 2:
+            denom += 1e-20
+        top_w = top_w / denom
+    tl.store(w_ptr + row * TOP_K + k_offs, top_w * scaling)
+    tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64))
+
+
+def fused_topk_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    kind: str,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = router_logits.shape
+    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t:
+        _fused_topk_kernel[(t,)](
+            router_logits, correction_bias if correction_bias is not None else w, w, ids,
+            router_logits.stride(0), float(routed_scaling_factor),
+            E=e, TOP_K=top_k, KIND=KIND_CODES[kind], RENORM=renormalize, HAS_BIAS=correction_bias is not None,
+            N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e),
+        )
+    return w, ids

@@ -1,0 +1,61 @@
+"""Shared inputs for the MoE backend tests: tiny shapes, fresh random data, the FP8 block quantizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+E, H, I, K = 4, 64, 32, 2
+BS = (16, 16)
+
+
+def kernel_device() -> str:
+    """Where the Triton launchers run in this test session: the GPU, else the interpreter on the CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    return "cpu"
+
+
+def quant_block(w: torch.Tensor, bs: tuple[int, int] = BS) -> tuple[torch.Tensor, torch.Tensor]:
+    bn, bk = bs
+    e, n, k = w.shape
+    blocks = w.float().reshape(e, n // bn, bn, k // bk, bk)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-8) / 448.0
+    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(e, n, k)
+    return q, scale.contiguous()
+
+
+def make_inputs(m: int, dtype: torch.dtype, case: str = "random", device: str = "cpu", fp8: bool = False) -> dict:
+    """case: random | zero_experts (only experts 0..K-1+1 get tokens) | one_expert (all tokens on expert 1)."""
+    x = torch.randn(m, H, device=device).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype)
+    n_used = {"random": E, "zero_experts": K + 1, "one_expert": E}[case]
+    ids = torch.stack([torch.randperm(n_used, device=device)[:K] for _ in range(m)])
+    if case == "one_expert":
+        ids[:, 0] = 1
+        ids[:, 1] = torch.where(ids[:, 1] == 1, 2, ids[:, 1])
+    tw = torch.rand(m, K, device=device)
+    tw = tw / tw.sum(-1, keepdim=True)
+    kw: dict = {}
+    if fp8:
+        w13, s13 = quant_block(w13)
+        w2, s2 = quant_block(w2)
+        kw = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
+    return dict(hidden=x, topk_ids=ids, topk_weights=tw, w13=w13, w2=w2, kw=kw)
+
+
+def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def legacy_ref(inp: dict) -> torch.Tensor:
+    from moefx.backends import BACKENDS
+
+    return BACKENDS["legacy"](inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
