@@ -129,3 +129,24 @@ def test_compiled_graph_keeps_one_node_for_every_m():
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum(t in (op, op.default) for t in targets) == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_capture_uses_capture_policy_and_replays_correctly():
+    spec = "eager=legacy@1-;capture=grouped@1-"
+    args = [t.cuda() for t in _inputs(6, seed=400, dtype=torch.bfloat16)]
+    moe_experts(*args, backend=spec)  # warm-up (Triton JIT) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(*args, backend=spec)
+    for seed in (401, 402):
+        for dst, src in zip(args, _inputs(6, seed=seed, dtype=torch.bfloat16)):
+            dst.copy_(src)
+        graph.replay()
+        ref = BACKENDS["legacy"](*[a.float() if a.is_floating_point() else a for a in args])
+        assert _rel(out, ref) < 3e-2
+    with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            moe_experts(*args, backend="legacy")

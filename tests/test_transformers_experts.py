@@ -205,3 +205,30 @@ def test_fp8_experts_module_runs_the_op_with_block_scales():
         assert _rel(module(x, ids, w), ref) <= 6e-2, backend  # w8a8 backends also round the activations
     module.limit = 7.0
     assert unsupported_reason(module) == "a clamped SwiGLU gate"
+
+
+def test_optimize_leaves_unsupported_layouts_and_strict_raises():
+    from moefx.config import CompilationConfig
+    from moefx.integrations.transformers import use_moefx_experts
+    from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = PretrainedConfig()
+            self.experts = _layout_module(transposed=False, bias=True)
+
+        def set_experts_implementation(self, name):  # what a PreTrainedModel offers
+            self.experts.config._experts_implementation = name
+
+    cfg = CompilationConfig(moe_backend="legacy", mode="eager")
+    plan = resolve(ModelSignature(), ExecutionSignature(device_type="cpu"), cfg)
+    holder = Holder()
+    with pytest.warns(UserWarning, match="expert biases"):
+        assert use_moefx_experts(holder, plan, cfg) == [
+            "experts left to transformers: the moefx op does not take ['expert biases']"
+        ]
+    assert not hasattr(holder.experts, "moefx_backend")
+    strict = CompilationConfig(moe_backend="legacy", mode="eager", strict=True)
+    with pytest.raises(ValueError, match="strict=true.*expert biases"):
+        use_moefx_experts(holder, plan, strict)

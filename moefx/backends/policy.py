@@ -32,8 +32,9 @@ from moefx.backends.calibration import (
 from moefx.log import warn_once
 
 UPSTREAM = "upstream"
-# Backends that read device data on the host (torch.unique/.tolist), so they cannot run inside capture.
-HOST_SYNCING_BACKENDS = frozenset({"legacy"})
+# Backends that wait on the host inside a call (legacy: torch.unique/.tolist; cpu: copies the activations to
+# host memory and computes there), so they cannot run inside CUDA-graph capture.
+HOST_SYNCING_BACKENDS = frozenset({"legacy", "cpu"})
 # Legacy boolean switches, each the old spelling of forcing one backend; they must agree with the enum.
 LEGACY_SWITCHES: dict[str, str] = {"MOEFX_USE_GEMV": "gemv"}
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")

@@ -139,7 +139,11 @@ def use_moefx_experts(model: nn.Module, plan: Any, cfg: Any) -> list[str]:
         return ["experts left as they are: no transformers experts-interface modules in this model"]
     reasons = {r for r in (unsupported_reason(m) for m in experts) if r}
     if reasons:
-        return [f"experts left to transformers: the moefx op does not take {sorted(reasons)}"]
+        message = f"experts left to transformers: the moefx op does not take {sorted(reasons)}"
+        if getattr(cfg, "strict", False) and getattr(cfg, "moe_backend", "auto") not in ("auto", "upstream"):
+            raise ValueError(f"config moe_backend={cfg.moe_backend!r} with strict=true: {message}")
+        warn_once(f"moefx.optimize: {message}")
+        return [message]
     register()
     spec = moe.spec()
     for module in experts:
