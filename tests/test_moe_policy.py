@@ -237,6 +237,9 @@ def test_crossovers_interpolate_in_log_m():
     assert ranges[0].backend == "gemv" and ranges[1] == MRange("grouped", ranges[0].max_m + 1, None)
     assert 4 <= ranges[0].max_m <= 7
     assert crossover_ranges({"a": {1: 1.0, 64: 1.0}, "b": {1: 2.0, 64: 2.0}}) == (MRange("a", 1, None),)
+    noisy = {"a": {1: 10.0, 2: 10.1, 4: 10.0, 8: 10.2}, "b": {1: 12.0, 2: 10.0, 4: 10.2, 8: 9.95}}
+    assert crossover_ranges(noisy) == (MRange("a", 1, None),)  # within 3%: no slivers
+    assert crossover_ranges(noisy, tolerance=0.0)[1].backend == "b"
 
 
 def test_cpu_identity_is_stable():

@@ -300,16 +300,23 @@ def find_row(key: CalibrationKey, extra: Sequence[str] = ()) -> CalibrationRow |
     return _index(tuple(extra), _generation).get(key)
 
 
-def crossover_ranges(timings_us: dict[str, dict[int, float]]) -> tuple[MRange, ...]:
+def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float = 0.03) -> tuple[MRange, ...]:
     """Fastest backend per measured M, turned into contiguous ranges.
 
-    Between two measured M with different winners the boundary is where the two winners' latencies cross,
-    interpolated linearly in log M; the last winner covers every larger M.
+    The previous M's winner is kept while it stays within `tolerance` of the fastest, so timing noise
+    between near-equal backends does not split the M axis into slivers. Between two measured M with
+    different winners the boundary is where their latencies cross, interpolated linearly in log M; the
+    last winner covers every larger M.
     """
     ms = sorted({m for ts in timings_us.values() for m in ts})
     if not ms:
         raise ValueError("no timings to find crossovers from")
-    best = [min((ts[m], b) for b, ts in sorted(timings_us.items()) if m in ts)[1] for m in ms]
+    best: list[str] = []
+    for m in ms:
+        fastest_t, fastest = min((ts[m], b) for b, ts in sorted(timings_us.items()) if m in ts)
+        prev = best[-1] if best else None
+        keep = prev is not None and m in timings_us[prev] and timings_us[prev][m] <= fastest_t * (1 + tolerance)
+        best.append(prev if keep else fastest)  # type: ignore[arg-type]
     out: list[MRange] = []
     lo = 1
     for i in range(len(ms) - 1):

@@ -109,23 +109,27 @@ def select_backend(
     return name
 
 
+class _UpstreamExperts:
+    """The attributes transformers' experts forwards read, over the op's [E, 2I, H] / [E, H, I] weights."""
+
+    has_gate, has_bias, is_transposed = True, False, False
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        self.num_experts, self.gate_up_proj, self.down_proj = w13.shape[0], w13, w2
+
+    @staticmethod
+    def _apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 def _transformers_upstream(
     hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """transformers' default experts path (grouped_mm) on the op's layout: the plain path for HF models."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    class _Experts:
-        num_experts = w13.shape[0]
-        has_gate, has_bias, is_transposed = True, False, False
-        gate_up_proj, down_proj = w13, w2
-
-        @staticmethod
-        def _apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate) * up
-
-    return grouped_mm_experts_forward(_Experts(), hidden, topk_ids, topk_weights)
+    return grouped_mm_experts_forward(_UpstreamExperts(w13, w2), hidden, topk_ids, topk_weights)
 
 
 @torch.library.custom_op("moefx::moe_experts", mutates_args=())
