@@ -332,6 +332,13 @@ def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> to
     return item
 
 
+def runtime_scalars(match: pm.Match, names: dict[str, float]) -> str | None:
+    """Constants the fused op needs at compile time but the graph computes at run time (e.g. an eps that
+    `torch.compile(dynamic=True)` turned into a graph input)."""
+    dynamic = [k for k in names if not isinstance(match.kwargs.get(k), (int, float))]
+    return f"{', '.join(dynamic)} is a runtime value, not a constant" if dynamic else None
+
+
 def dedupe_casts(graph: torch.fx.Graph) -> None:
     """Merge repeated identical dtype casts of one tensor (`y.float()` written twice is not CSE'd in
     inference graphs), so the quant forms see one cast as their search functions do. Casts are pure."""
@@ -468,6 +475,10 @@ class QuantFusionPass(MoefxPass):
             if not isinstance(yv, torch.Tensor) or yv.dtype not in FLOAT_DTYPES:
                 cls._skip(match, f"{form.name}: input dtype {getattr(yv, 'dtype', None)} is not fp32/bf16/fp16")
                 return False
+            reason = runtime_scalars(match, form.scalars)
+            if reason is not None:
+                cls._skip(match, f"{form.name} after {y.name} left alone: {reason}")
+                return False
             scheme = form.scheme({k: match.kwargs[k] for k in form.scalars})
             if isinstance(scheme, str):
                 cls._skip(match, f"{form.name} after {y.name} left alone: {scheme}")
@@ -500,7 +511,7 @@ class QuantFusionPass(MoefxPass):
     @classmethod
     def _producer_check(cls, prod: Producer) -> Callable[[pm.Match], bool]:
         def check(match: pm.Match) -> bool:
-            reason = cls.producer_reason(prod, match)
+            reason = runtime_scalars(match, prod.scalars) or cls.producer_reason(prod, match)
             if reason is not None:
                 cls._skip(match, f"{prod.name} left alone: {reason}")
                 return False
