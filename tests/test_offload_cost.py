@@ -111,3 +111,40 @@ def test_memory_priority_order_and_errors():
         plan_gpu_memory(free=10 * gib, kv_pool=6 * gib, staging=6 * gib, tile_e=96, expert_bytes=gib)
     with pytest.raises(ValueError, match="max_batch_size"):
         plan_gpu_memory(free=gib, kv_pool=2 * gib, staging=0)
+
+
+def _gpu_plan(monkeypatch, tmp_path, **env):
+    from moefx.config import CompilationConfig
+    from moefx.offload.plan import offload_plan
+    from moefx.signatures import ExecutionSignature, ModelSignature
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    ms = ModelSignature(model_type="qwen3_moe", dtype="bfloat16", hidden_size=2048, moe_intermediate_size=768,
+                        num_experts=128, top_k=8, num_layers=48)
+    es = ExecutionSignature(device_type="cuda", device_name="NVIDIA H200", mode="eager")
+    return offload_plan(ms, es, CompilationConfig.from_any({"offload": {"experts": "cpu"}})), ms, es
+
+
+def test_plan_reads_switch_point_from_cache(monkeypatch, tmp_path):
+    from moefx.offload.cost import key_for
+
+    plan, ms, es = _gpu_plan(monkeypatch, tmp_path)
+    assert not plan.switch_known and "decided at optimize()" in "\n".join(plan.explain_lines())
+    store_rates(key_for("NVIDIA H200", "bfloat16", (1536, 2048), (2048, 768), False, host_info()), H200,
+                tmp_path / "moefx" / "offload_rates.json")
+    plan, _, _ = _gpu_plan(monkeypatch, tmp_path)
+    lines = "\n".join(plan.explain_lines())
+    assert plan.switch_tokens == switch_point(QWEN3, H200)
+    assert f"offload prefill streaming to GPU = M >= {plan.switch_tokens}  [cost model: cache" in lines
+    assert "split per call by the cost model" in lines
+
+
+def test_plan_env_pins_switch_point(monkeypatch, tmp_path):
+    plan, _, _ = _gpu_plan(monkeypatch, tmp_path, VLLM_XIAOTU_GPU_PREFILL_MIN_TOKENS="512")
+    assert plan.switch_pinned and plan.switch_tokens == 512
+    assert "= M >= 512  [env VLLM_XIAOTU_GPU_PREFILL_MIN_TOKENS]" in "\n".join(plan.explain_lines())
+    monkeypatch.delenv("VLLM_XIAOTU_GPU_PREFILL_MIN_TOKENS")
+    plan, _, _ = _gpu_plan(monkeypatch, tmp_path, MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS="0")
+    assert plan.switch_tokens is None and "never (CPU for every M)" in "\n".join(plan.explain_lines())

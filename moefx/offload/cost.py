@@ -132,11 +132,17 @@ def cache_dir() -> Path:
 
 
 def cache_key(store: ExpertStore, dtype: torch.dtype, device: torch.device | None, host: HostInfo) -> str:
-    gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else "none"
-    geom = f"{tuple(store.w13.shape[1:])}x{tuple(store.w2.shape[1:])}"
+    gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None
+    return key_for(gpu, dtype, tuple(store.w13.shape[1:]), tuple(store.w2.shape[1:]), store.int8, host)
+
+
+def key_for(gpu: str | None, dtype: torch.dtype | str, w13: tuple, w2: tuple, int8: bool, host: HostInfo) -> str:
+    """Cache key: this host's CPU and threads, the GPU, torch, dtype and one expert's shapes."""
+    dtype_s = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     return "|".join(
         [_cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}", f"threads={torch.get_num_threads()}",
-         gpu, f"torch={torch.__version__}", str(dtype), geom, "int8" if store.int8 else "float"]
+         gpu or "none", f"torch={torch.__version__}", dtype_s, f"{tuple(w13)}x{tuple(w2)}",
+         "int8" if int8 else "float"]
     )
 
 

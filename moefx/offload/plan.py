@@ -24,7 +24,9 @@ class OffloadPlan:
     # Streaming to the GPU from this many token rows (None = never); filled in by optimize() from the cost model.
     switch_tokens: int | None = None
     switch_source: str = "cost model, measured at optimize()"
-    decode_path: str = "CPU experts below the switch point"
+    switch_known: bool = False  # False until pinned by env, decided by "no GPU", or computed from measured rates
+    switch_pinned: bool = False
+    decode_path: str = "CPU experts (below the switch point)"
     tile_e: int = 96
     tile_source: str = "default"
     notes: list[str] = field(default_factory=list)
@@ -37,6 +39,8 @@ class OffloadPlan:
         act = f"int8 activations from M >= {self.int8_min_tokens} ({self.int8_impl} tiles)" if self.int8 else "off"
         lines.append(f"offload int8 = {act}  [{self.int8_source}]")
         switch = "never (CPU for every M)" if self.switch_tokens is None else f"M >= {self.switch_tokens}"
+        if not self.switch_known:
+            switch = "decided at optimize() from this machine's measured rates"
         lines.append(f"offload decode path = {self.decode_path}  [{self.switch_source.split(':')[0]}]")
         lines.append(f"offload prefill streaming to GPU = {switch}  [{self.switch_source}]")
         lines.append(f"offload staging tile = {self.tile_e} experts x 2 slots  [{self.tile_source}]")
@@ -65,11 +69,28 @@ def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
         return "gpu", "auto: model size unknown (signature lacks geometry or dtype), experts stay on the GPU"
     import torch
 
+    if not torch.cuda.is_available():
+        return "gpu", "auto: free GPU memory unknown on this machine (planning for another one); experts stay on GPU"
     free, _ = torch.cuda.mem_get_info()
     reserve = (kv or 0) * cfg.max_batch_size * (cfg.prefill_token_budget or 4096)
     if experts + reserve > 0.9 * free:
         return "cpu", f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB > 90% of free GPU"
     return "gpu", f"auto: experts {experts / 2**30:.1f} GiB fit in free GPU memory {free / 2**30:.1f} GiB"
+
+
+def _from_cache(plan: OffloadPlan, ms: Any, es: Any, host: Any) -> None:
+    """Switch point from this machine's cached rates when optimize() measured them before (no measuring here)."""
+    from moefx.offload.cost import Geometry, cached_rates, key_for, switch_point
+
+    h, i = ms.hidden_size, ms.moe_intermediate_size
+    width = 1 if plan.int8 else _DTYPE_BYTES.get(ms.dtype, 2)
+    rates = cached_rates(key_for(es.device_name, ms.dtype, (2 * i, h), (h, i), plan.int8, host))
+    if rates is None:
+        return
+    expert_bytes = 3 * h * i * width + (4 * (2 * i + h) if plan.int8 else 0)
+    plan.switch_tokens = switch_point(Geometry(ms.num_experts, ms.top_k, h, i, expert_bytes), rates)
+    plan.switch_source = f"cost model: {rates.source}"
+    plan.switch_known = True
 
 
 def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
@@ -104,10 +125,16 @@ def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
     pinned = get_setting("MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS")
     if es.device_type != "cuda":
         plan.switch_tokens, plan.switch_source = None, f"no GPU ({es.device_type}): nothing to stream to"
+        plan.switch_known = True
     elif pinned is not None:
         plan.switch_tokens = None if pinned == 0 else pinned
+        plan.switch_known = plan.switch_pinned = True
         never = " (0 = never)" if pinned == 0 else ""
         plan.switch_source = setting_source("MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS") + never
+    else:
+        plan.decode_path = "CPU and GPU streaming at once, split per call by the cost model"
+        if ms.hidden_size and ms.moe_intermediate_size and ms.num_experts and ms.top_k and ms.dtype:
+            _from_cache(plan, ms, es, host)
     if es.mode == "capture":
         plan.notes.append("mode=capture: offloaded expert calls are excluded from CUDA graphs (host compute), see "
                           "docs/OFFLOAD.md")

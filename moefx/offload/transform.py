@@ -227,7 +227,7 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
         op.notes.append("no transformers-style experts module found; nothing offloaded")
         return applied + ["no experts offloaded"]
     cuda = device.type == "cuda"
-    may_stream = cuda and (op.switch_source.startswith("cost model") or op.switch_tokens is not None)
+    may_stream = cuda and (not op.switch_pinned or op.switch_tokens is not None)
     budget = None
     if may_stream:
         # Check the fixed GPU memory priority before touching the model: KV pool first, then the staging ring.
@@ -249,9 +249,10 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     rates = machine_rates(first, dtype, device, rt.host, top_k)
     rt.set_decode_workers(rates.decode_workers)
     rt.geom = geom
-    cost_model = cuda and op.switch_source.startswith("cost model")
+    cost_model = cuda and not op.switch_pinned
     if cost_model:
         op.switch_tokens = switch_point(geom, rates)
+        op.switch_known = True
         op.switch_source = (
             f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
             f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
