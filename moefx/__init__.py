@@ -1,5 +1,6 @@
 """moefx: fast Mixture-of-Experts LLM inference with torch.compile."""
 
+from moefx.audit import audit_syncs
 from moefx.compile import backend
 from moefx.config import CompilationConfig, OffloadConfig, PassConfig
 from moefx.optimize import optimize
@@ -14,6 +15,7 @@ __all__ = [
     "OffloadConfig",
     "PassConfig",
     "__version__",
+    "audit_syncs",
     "backend",
     "clear_compile_reports",
     "compile_reports",

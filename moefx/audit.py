@@ -1,0 +1,210 @@
+"""`moefx.audit_syncs(fn, *args)`: every host sync and graph break in a decode step, with its source line.
+
+Three views of the same function:
+1. Graph breaks under plain `torch.compile` (dynamo's explain): `.item()`, data-dependent shapes and
+   Python control flow on tensor values each split the graph; they are listed with file:line.
+2. The post-grad graph compiled the way moefx compiles sampling code (scalar outputs and dynamic-shape
+   ops captured, `rewrite_sampler_syncs` on): each sync op before moefx's passes, whether it is still
+   there after them, and the pass's reason when it is.
+3. On CUDA, the eager and the compiled function run under `torch.cuda.set_sync_debug_mode("warn")`:
+   the syncs that really happen, with the Python line that triggered each.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from moefx.config import CompilationConfig
+from moefx.sampling.fx import meta_val, source_of
+
+aten = torch.ops.aten
+
+# Post-grad ops that read device data on the host (or whose output shape depends on device data).
+SYNC_OPS = {
+    aten._local_scalar_dense.default: ".item()",
+    aten.nonzero.default: "nonzero",
+    aten.masked_select.default: "masked_select",
+    aten.multinomial.default: "multinomial (input check reads back)",
+    aten.is_nonzero.default: "bool(tensor)",
+    aten.equal.default: "torch.equal",
+    aten.repeat_interleave.Tensor: "repeat_interleave(tensor repeats)",
+    aten._unique2.default: "unique",
+}
+_BOOL_INDEX = {aten.index.Tensor: "boolean-mask indexing", aten.index_put.default: "boolean-mask assignment"}
+
+
+@dataclass
+class Finding:
+    kind: str  # "graph break" | "sync op" | "runtime sync"
+    where: str  # file:line (code) of the user source
+    what: str
+    removed: bool
+    why: str  # how moefx removes it, or why it does not
+
+
+@dataclass
+class AuditReport:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, kind: str, removed: bool | None = None) -> int:
+        return sum(1 for f in self.findings if f.kind == kind and (removed is None or f.removed == removed))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"findings": [asdict(f) for f in self.findings], "notes": list(self.notes)}
+
+    def format(self) -> str:
+        """One block per finding: what and where, then whether moefx removes it and how (or why not)."""
+        lines = []
+        for f in self.findings:
+            verdict = "removed by moefx" if f.removed else "kept"
+            lines.append(f"[{f.kind}] {f.what}\n    at {f.where}\n    {verdict}: {f.why}")
+        lines.append(
+            f"{self.count('graph break')} graph break(s), {self.count('sync op')} sync op(s) "
+            f"({self.count('sync op', removed=True)} removed by moefx)"
+        )
+        return "\n".join([*lines, *self.notes])
+
+
+def _sync_nodes(graph: torch.fx.Graph) -> list[tuple[str, str, torch.fx.Node]]:
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in SYNC_OPS:
+            found.append((SYNC_OPS[node.target], source_of(node), node))
+        elif node.target in _BOOL_INDEX:
+            indices = node.args[1] if len(node.args) > 1 else []
+            vals = [meta_val(i) for i in indices if i is not None]
+            if any(v is not None and v.dtype in (torch.bool, torch.uint8) for v in vals):
+                found.append((_BOOL_INDEX[node.target], source_of(node), node))
+    return found
+
+
+class _Recorder(CustomGraphPass):
+    """Runs moefx's pass manager and records the sync ops before and after it."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.before: list[tuple[str, str]] = []
+        self.after: list[tuple[str, str]] = []
+        self.skipped: list[str] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.before += [(what, where) for what, where, _ in _sync_nodes(graph)]
+        from moefx.reports import compile_reports
+
+        start = len(compile_reports())
+        self.manager(graph)
+        for report in compile_reports()[start:]:
+            self.skipped += report.skipped.get("rewrite_sampler_syncs", [])
+        self.after += [(what, where) for what, where, _ in _sync_nodes(graph)]
+
+    def uuid(self) -> None:
+        return None  # never served from the cache: the audit must see the graph
+
+
+def _graph_breaks(fn: Callable[..., Any], args: tuple, kwargs: dict, capture: bool) -> list[tuple[str, str]]:
+    torch._dynamo.reset()
+    flags = {"capture_scalar_outputs": capture, "capture_dynamic_output_shape_ops": capture}
+    with torch._dynamo.config.patch(flags), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch._dynamo.explain(fn)(*copy.deepcopy(args), **kwargs)
+    breaks = []
+    for br in out.break_reasons:
+        frame = br.user_stack[-1] if br.user_stack else None
+        where = f'"{frame.filename}", line {frame.lineno}' if frame else "unknown"
+        if frame is not None and frame.line:
+            where += f" ({frame.line.strip()})"
+        breaks.append((str(br.reason).strip().splitlines()[0], where))
+    torch._dynamo.reset()
+    return breaks
+
+
+def _runtime_syncs(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*args, **kwargs)
+            torch.cuda.current_stream().synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f'"{w.filename}", line {w.lineno}' for w in log if "synchroniz" in str(w.message)]
+
+
+def _why_kept(where: str, what: str, skipped: list[str]) -> str:
+    for line in skipped:
+        if where in line:
+            return line.split(" kept: ", 1)[-1]
+    return f"no exact sync-free form for {what} here"
+
+
+def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs: Any) -> AuditReport:
+    """Audit `fn(*args, **kwargs)` (a decode step and/or sampler). `config` as for `moefx.backend`;
+    by default `rewrite_sampler_syncs` and `sampler_exponential_race` are on."""
+    import moefx
+
+    cfg = CompilationConfig.from_any(config or {})
+    if config is None:
+        cfg.pass_config.rewrite_sampler_syncs = True
+        cfg.pass_config.sampler_exponential_race = True
+    report = AuditReport()
+
+    plain = _graph_breaks(fn, args, kwargs, capture=False)
+    captured = {where for _, where in _graph_breaks(fn, args, kwargs, capture=True)}
+    for reason, where in plain:
+        fixed = where not in captured
+        if fixed:
+            why = "captured with capture_scalar_outputs / capture_dynamic_output_shape_ops (see the sync ops)"
+        elif "jump" in reason or "bool" in reason.lower():
+            why = (
+                "a Python branch on a tensor value needs the host, so no graph rewrite removes it; move the "
+                "check out of the step (moefx's deferred stop check does this for generate() on CUDA)"
+            )
+        else:
+            why = f"remains a graph break: {reason}"
+        report.findings.append(Finding("graph break", where, reason, fixed, why))
+
+    backend = moefx.backend(cfg)
+    recorder = _Recorder(backend.pass_manager)
+    torch._dynamo.reset()
+    flags = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": recorder})
+
+    compiled = torch.compile(fn, backend=compiler)
+    with torch._dynamo.config.patch(flags), torch._inductor.config.patch(fx_graph_cache=False):
+        compiled(*copy.deepcopy(args), **kwargs)
+        remaining = list(recorder.after)
+        for what, where in recorder.before:
+            if (what, where) in remaining:
+                remaining.remove((what, where))
+                report.findings.append(Finding("sync op", where, what, False, _why_kept(where, what, recorder.skipped)))
+            else:
+                report.findings.append(Finding("sync op", where, what, True, "rewritten by rewrite_sampler_syncs"))
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        if on_cuda:
+            eager = _runtime_syncs(fn, copy.deepcopy(args), kwargs)
+            after = _runtime_syncs(compiled, copy.deepcopy(args), kwargs)
+            for where in eager:
+                static = [f for f in report.findings if f.where.startswith(where)]
+                gone = bool(static) and all(f.removed for f in static)
+                why = static[0].why if static else "not seen by the compiler (outside the traced code)"
+                report.findings.append(Finding("runtime sync", where, "device->host sync", gone, why))
+            report.notes.append(f"runtime: {len(eager)} sync(s) eager, {len(after)} compiled with moefx")
+        else:
+            report.notes.append("runtime sync detection needs CUDA tensors (torch.cuda.set_sync_debug_mode)")
+    torch._dynamo.reset()
+    return report

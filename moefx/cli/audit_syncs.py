@@ -1,0 +1,109 @@
+"""`moefx audit-syncs MODEL`: list the host syncs and graph breaks of a model's decode step and sampler.
+
+The step is what transformers' `generate()` does per token: one forward with a static cache, the
+temperature / top-k / top-p warpers, softmax, `torch.multinomial`, and the "all finished?" check.
+Each sync and graph break is listed with its source line, whether moefx removes it, and why not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moefx.cli.common import add_config_arg, load_config, progress
+from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
+
+BUILTIN = {"tiny-qwen3-moe": tiny_qwen3_moe_config, "qwen3-moe-8l": lambda: qwen3_moe_config(8)}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit-syncs", help="list host syncs and graph breaks in a decode step", description=__doc__)
+    p.add_argument("model", help=f"built-in name ({', '.join(BUILTIN)}) or a local config.json / model folder")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--json", dest="json_path", default=None, help="also write the findings to this JSON file")
+    add_config_arg(p)
+    p.set_defaults(func=run)
+
+
+def load_model(spec: str, device: torch.device) -> Any:
+    """A built-in model or one built from a local transformers config, with seeded random weights."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec in BUILTIN:
+        return build_model(BUILTIN[spec](), seed=0, dtype=dtype, device=device)
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"model {spec!r} is neither a built-in name {sorted(BUILTIN)} nor a local config/folder")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype).eval()
+
+
+def make_decode_step(model: Any, processors: Any) -> Any:
+    """The per-token work of transformers' sampling loop, as one function."""
+
+    def decode_step(tokens, positions, cache, unfinished):
+        logits = model(input_ids=tokens, position_ids=positions, past_key_values=cache, logits_to_keep=1).logits
+        scores = processors(tokens, logits[:, -1, :].float())
+        probs = torch.softmax(scores, dim=-1)
+        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        if unfinished.max() == 0:  # transformers' stop check, read on the host every step
+            return next_tokens, None
+        return next_tokens, unfinished
+
+    return decode_step
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import StaticCache
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from moefx.audit import audit_syncs
+
+    cfg = load_config(args)
+    if args.config is None and not args.config_overrides:
+        cfg = None  # audit_syncs' default: the sampler passes on
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    with progress(f"building {args.model} on {device}"):
+        model = load_model(args.model, device)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(args.temperature)])
+    if args.top_k:
+        processors.append(TopKLogitsWarper(args.top_k))
+    if args.top_p < 1:
+        processors.append(TopPLogitsWarper(args.top_p))
+    prompt = 8
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 4)
+    ids = torch.randint(1, model.config.vocab_size, (args.batch, prompt), device=device)
+    with torch.no_grad():
+        pos = torch.arange(prompt, device=device).expand(args.batch, -1)
+        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    step_args = (
+        ids[:, -1:].clone(),
+        torch.full((args.batch, 1), prompt, device=device),
+        cache,
+        torch.ones(args.batch, dtype=torch.long, device=device),
+    )
+    with progress("auditing the decode step (dynamo explain, moefx compile, sync debug mode)"), torch.no_grad():
+        report = audit_syncs(make_decode_step(model, processors), *step_args, config=cfg)
+    print(report.format())
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report.to_dict(), indent=2))
+    return 0

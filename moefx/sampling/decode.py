@@ -1,0 +1,110 @@
+"""moefx's decode loop for transformers causal LMs: static cache, compiled step, no host sync per token.
+
+Each step is two compiled graphs: the model forward (one new token per sequence, `logits_to_keep=1`)
+and the sampler with the EOS bookkeeping. Neither reads anything back to the host. The only host
+read is the "all finished?" flag, copied asynchronously into pinned memory and read one step late
+(the extra token is dropped), so the host keeps queueing work while the GPU runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moefx.sampling.sampler import SamplingParams, sample
+
+
+def _step_tokens(
+    logits: torch.Tensor, finished: torch.Tensor, params: SamplingParams, eos: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    nxt = sample(logits[:, -1, :], params)
+    nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+    finished = finished | (nxt == eos)
+    return nxt, finished, finished.all()
+
+
+class DecodeLoop:
+    """Generate with `model` (a transformers causal LM) using a StaticCache of `max_len` positions.
+
+    `compile_kwargs` go to `torch.compile` for both graphs (e.g. `{"backend": moefx.backend(cfg)}`);
+    None runs eagerly.
+    """
+
+    def __init__(self, model: Any, max_len: int, compile_kwargs: dict[str, Any] | None = None) -> None:
+        from transformers import StaticCache
+
+        self.model, self.max_len = model, max_len
+        self._cache_cls = StaticCache
+        self._caches: dict[int, Any] = {}
+        self.compiled = compile_kwargs is not None
+        kw = compile_kwargs or {}
+        self.forward = torch.compile(self._forward, **kw) if self.compiled else self._forward
+        self.pick = torch.compile(_step_tokens, **kw) if self.compiled else _step_tokens
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(
+            input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
+        return out.logits
+
+    def cache_for(self, batch: int) -> Any:
+        """One StaticCache per batch size, reset between calls: compiled graphs keep its static addresses."""
+        cache = self._caches.get(batch)
+        if cache is None:
+            cache = self._caches[batch] = self._cache_cls(config=self.model.config, max_cache_len=self.max_len)
+        elif cache.is_initialized:
+            cache.reset()
+        return cache
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos_token_id: int | None = None,
+        pad_token_id: int = 0,
+        on_step: Any = None,
+    ) -> torch.Tensor:
+        """Prompt + new tokens [B, T + n]; rows that hit EOS are padded, like transformers' generate()."""
+        batch, prompt = input_ids.shape
+        if prompt + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} exceeds max_len {self.max_len}")
+        device = input_ids.device
+        cache = self.cache_for(batch)
+        positions = torch.arange(prompt, device=device).expand(batch, prompt)
+        logits = self.model(
+            input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits
+        eos = -1 if eos_token_id is None else eos_token_id
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        pinned = device.type == "cuda"
+        flags = [torch.zeros((), dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+        events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        out = []
+        position = torch.full((batch, 1), prompt, dtype=torch.long, device=device)
+        for step in range(max_new_tokens):
+            nxt, finished, done = self.pick(logits, finished, params, eos, pad_token_id)
+            if self.compiled:  # CUDA-graph outputs are overwritten by the next replay
+                nxt, finished = nxt.clone(), finished.clone()
+            out.append(nxt)
+            if on_step is not None:
+                on_step(step)
+            if eos_token_id is not None:
+                slot = step % 2
+                flags[slot].copy_(done, non_blocking=pinned)
+                if pinned:
+                    events[slot].record()
+                if step > 0:
+                    prev = (step - 1) % 2
+                    if pinned:
+                        events[prev].synchronize()
+                    if bool(flags[prev]):
+                        out.pop()  # one step late: this token came after every row had finished
+                        break
+            if step + 1 == max_new_tokens:
+                break
+            logits = self.forward(nxt[:, None], position, cache)
+            position = position + 1
+        return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1)
