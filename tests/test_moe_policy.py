@@ -259,7 +259,9 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
     (row,) = load_table(out)
     hidden, ids, w13, w2 = _tensors(1)
     assert row.key == key_for_tensors(hidden, ids, w13, None, "eager")
-    assert set(row.timings_us) == {"legacy", "upstream"} and set(row.timings_us["legacy"]) == {1, 2, 4, 8, 16}
+    assert set(row.timings_us) == {"legacy", "upstream"}
+    assert all({1, 2} <= set(ts) for ts in row.timings_us.values())  # pruning needs two slow M in a row
+    assert set().union(*row.timings_us.values()) == {1, 2, 4, 8, 16}
     assert row.provenance["torch"] == str(torch.__version__) and row.provenance["date"]
     assert list(out.parent.glob("cpu-*.png"))
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
@@ -295,3 +297,15 @@ def test_calibrate_model_shapes_per_gpu():
     assert _shape(ns) == ("deepseek-v3-tp8", 256, 7168, 256, 8)
     ns.model, ns.tp = "mixtral-8x7b", 1
     assert _shape(ns) == ("mixtral-8x7b", 8, 4096, 14336, 2)
+
+
+def test_sweep_stops_timing_a_contender_slow_at_two_m_in_a_row(monkeypatch):
+    from moefx.cli import calibrate
+
+    cost = {"fast": lambda m: float(m), "spiky": lambda m: 50.0 if m == 2 else float(m), "slow": lambda m: 10.0 * m}
+    problem = calibrate.Problem(4, 16, 8, 2, torch.float32, "none", torch.device("cpu"), seed=0)
+    monkeypatch.setattr(problem, "call", lambda name: cost[name])
+    monkeypatch.setattr(calibrate, "_time_cpu", lambda fn, sets, reps: fn(sets[0][0].shape[0]))
+    timings, skipped = calibrate.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
+    assert set(timings["fast"]) == set(timings["spiky"]) == {1, 2, 4, 8}  # one spike is not enough
+    assert set(timings["slow"]) == {1, 2} and "above M=2" in skipped["slow"]

@@ -41,6 +41,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 QUANTS = ("none", "fp8-block128")
 UPSTREAM = "upstream"
 ROUTING_SETS = 4  # distinct random routings rotated through the timed calls
+PRUNE_FACTOR = 4.0  # stop timing a contender at larger M once it is this many times slower than the fastest
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -236,24 +237,36 @@ def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> float:
 def sweep(
     problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], reps: int
 ) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
-    """Median µs per (contender, M) in one mode; contenders that cannot run in this mode are reported."""
+    """Median µs per (contender, M) in one mode, M ascending; contenders that cannot run are reported.
+
+    A contender more than PRUNE_FACTOR times slower than the fastest at two M in a row is not timed at larger M
+    (latency grows with M, so it cannot win there): a GEMV at M=4096 would otherwise cost minutes.
+    """
     timer = _time_cpu if problem.device.type == "cpu" else (_time_cuda_eager if mode == "eager" else _time_cuda_capture)
     timings: dict[str, dict[int, float]] = {}
     skipped: dict[str, str] = {}
     if mode == "capture":
         skipped = {n: "syncs the host: never run inside capture" for n in names if n in HOST_SYNCING_BACKENDS}
-        names = [n for n in names if n not in skipped]
-    for idx, name in enumerate(names):
-        fn = problem.call(name)
-        with progress(f"[{mode} {idx + 1}/{len(names)}] {name}: {len(grid)} M values"):
-            for m in grid:
-                sets = [problem.inputs(m) for _ in range(ROUTING_SETS)]
+    live = [n for n in names if n not in skipped]
+    calls = {n: problem.call(n) for n in live}
+    strikes: dict[str, int] = {}
+    for idx, m in enumerate(grid):
+        with progress(f"[{mode} M={m} {idx + 1}/{len(grid)}] {', '.join(live)}"):
+            sets = [problem.inputs(m) for _ in range(ROUTING_SETS)]
+            for name in list(live):
                 try:
-                    timings.setdefault(name, {})[m] = timer(fn, sets, reps)
-                except Exception as exc:  # e.g. a host-syncing path inside capture
+                    timings.setdefault(name, {})[m] = timer(calls[name], sets, reps)
+                except Exception as exc:  # e.g. a path that syncs the host inside capture
                     skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                     timings.pop(name, None)
-                    break
+                    live.remove(name)
+        fastest = min((timings[n][m] for n in live), default=0.0)
+        for name in list(live):
+            slow = timings[name][m] > PRUNE_FACTOR * fastest
+            strikes[name] = strikes.get(name, 0) + 1 if slow else 0
+            if strikes[name] >= 2 and len(live) > 1:  # two grid points in a row: not a noise spike
+                skipped[name] = f"not timed above M={m}: over {PRUNE_FACTOR:.0f}x the fastest at two M in a row"
+                live.remove(name)
     return timings, skipped
 
 
@@ -338,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
     for mode in modes:
         timings, skipped = sweep(problem, names, mode, grid, reps)
         for name, why in skipped.items():
-            print(f"  {mode}: {name} not timed: {why}", file=sys.stderr)
+            print(f"  {mode}: {name}: {why}", file=sys.stderr)
         if not timings:
             raise ValueError(f"no contender could be timed in mode {mode}")
         ranges = crossover_ranges(timings)
