@@ -246,7 +246,7 @@ def _capture_safe(pol: MoePolicy) -> MoePolicy:
     unsafe = frozenset(r.backend for r in pol.ranges) & HOST_SYNCING_BACKENDS
     if not unsafe:
         return pol
-    return pol.without(unsafe, f"{sorted(unsafe)} sync the host, so capture runs upstream")
+    return pol.without(unsafe, f"{', '.join(sorted(unsafe))} waits on the host: upstream inside capture")
 
 
 def moe_plan(ms: Any, es: Any, cfg: Any, pins: dict | None = None) -> MoePlan:
