@@ -57,6 +57,8 @@ def test_offloaded_logits_match(build):
     explain = model.moefx_plan.explain()
     assert "offload experts = cpu  [user config]" in explain and "isa=" in explain and "numa_nodes=" in explain
     assert "offload prefill streaming to GPU" in explain
+    if build is _deepseek_v3:  # its MoE block was re-wired to queue shared experts before the host waits
+        assert "1 MoE blocks queue their shared experts" in "\n".join(model.moefx_plan.provenance)
 
 
 def test_env_turns_offload_on(monkeypatch):

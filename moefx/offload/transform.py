@@ -140,17 +140,35 @@ class OffloadedExperts:
         self.rt = runtime
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return self.collect(self.launch(hidden_states, top_k_index, top_k_weights))
+
+    def launch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> dict:
+        """Queue the device-to-host copies of this call's inputs without waiting; GPU work queued after this and
+        before `collect` (e.g. shared experts) runs while the host computes its experts."""
+        call = {"args": (hidden_states, top_k_index, top_k_weights), "event": None}
         rt = self.rt
+        m = hidden_states.shape[0]
+        streamed = rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens
+        if hidden_states.device.type == "cpu" or streamed:
+            call["host"] = (hidden_states, top_k_index, top_k_weights)
+            return call
+        call["host"] = tuple(_pinned_copy(t) for t in (hidden_states, top_k_index, top_k_weights))
+        call["event"] = torch.cuda.Event()
+        call["event"].record(torch.cuda.current_stream(hidden_states.device))
+        return call
+
+    def collect(self, call: dict) -> torch.Tensor:
+        """The expert sum for a launched call, on the inputs' device and dtype."""
+        rt = self.rt
+        hidden_states, top_k_index, top_k_weights = call["args"]
         m = hidden_states.shape[0]
         if rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens:
             return rt.ring.run(self.store, hidden_states, top_k_index, top_k_weights, rt.tile_compute)
         pool = rt.decode_pool if m <= DECODE_POOL_MAX_TOKENS else rt.large_pool
         device = hidden_states.device
-        if device.type == "cpu":
-            x, ids, w = hidden_states, top_k_index, top_k_weights
-        else:
-            x, ids, w = (_pinned_copy(t) for t in (hidden_states, top_k_index, top_k_weights))
-            torch.cuda.current_stream(device).synchronize()
+        x, ids, w = call["host"]
+        if call["event"] is not None:
+            call["event"].synchronize()
         if rt.ring is None or rt.rates is None:
             return _to_device(cpu_moe(self.store, x, ids, w, pool, rt.math(m)), device)
         routed = route(ids, self.store.num_experts)
@@ -162,6 +180,27 @@ class OffloadedExperts:
         out = _to_device(cpu_moe(self.store, x, ids, w, pool, rt.math(m), routed, cpu_part, torch.float32), device)
         out += rt.ring.finish(job, rt.tile_compute)
         return out.to(hidden_states.dtype)
+
+
+def shared_overlap_forward(block: torch.nn.Module):
+    """Forward for a DeepSeek-V3-style MoE block (gate, experts, shared_experts; out = experts + shared) that queues
+    the shared experts on the GPU between the experts' launch and collect, so they overlap the host's work."""
+    experts: OffloadedExperts = block.experts.moefx_offload
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        _, topk_weights, topk_indices = block.gate(hidden_states)
+        flat = hidden_states.view(-1, hidden_states.shape[-1])
+        call = experts.launch(flat, topk_indices, topk_weights)
+        shared = block.shared_experts(residuals)
+        return experts.collect(call).view(*orig_shape) + shared
+
+    return torch.compiler.disable(forward)
+
+
+# MoE blocks whose forward is exactly `experts(gate(x)) + shared_experts(x)` (checked in tests vs the original).
+SHARED_OVERLAP_BLOCKS = ("DeepseekV3MoE",)
 
 
 def _to_device(y: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -243,6 +282,14 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
         store, holding = _offload_module(mod, op.int8, rt.host, pin=cuda)
         mod.moefx_offload = OffloadedExperts(store, rt)
         mod.forward = torch.compiler.disable(mod.moefx_offload.__call__)
+    overlapped = 0
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if type(block).__name__ in SHARED_OVERLAP_BLOCKS and hasattr(experts, "moefx_offload"):
+            block.forward = shared_overlap_forward(block)
+            overlapped += 1
+    if overlapped:
+        applied.append(f"{overlapped} MoE blocks queue their shared experts on the GPU while the host computes")
     first = usable[0][1].moefx_offload.store
     top_k = _top_k(model, first)
     geom = Geometry(first.num_experts, top_k, first.w13.shape[2], first.w2.shape[2], first.expert_bytes)
