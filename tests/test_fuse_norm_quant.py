@@ -39,6 +39,27 @@ def f_rms_norm(x, w, eps=1e-5):
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def vllm_rms_norm(x, w, eps=1e-6, residual=None):
+    """vLLM RMSNorm.forward_native."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    if residual is not None:
+        x = x + residual.to(torch.float32)
+        residual = x.to(orig_dtype)
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    x = x.to(orig_dtype) * w
+    return x if residual is None else (x, residual)
+
+
+def _vllm_add(quant):
+    def fn(x, r, w):
+        y, s = vllm_rms_norm(x, w, residual=r)
+        return (*quant(y), s)
+
+    return fn
+
+
 def _inputs(dtype, residual, rows=M):
     x = [torch.randn(rows, H, dtype=dtype) * 2]
     if residual:
@@ -88,6 +109,9 @@ CASES = [
     ("add+hf_norm+moefx_quant", _add(hf_rms_norm, moefx_quant), torch.bfloat16, True),
     ("add+hf_norm+vllm_group64", _add(hf_rms_norm, lambda y: vllm_group_quant(y, 64)), torch.float16, True),
     ("add+f_rms_norm+int8_token", _add(f_rms_norm, int8_token_quant), torch.float32, True),
+    ("vllm_rms_norm+vllm_group128", lambda x, w: vllm_group_quant(vllm_rms_norm(x, w)), torch.bfloat16, False),
+    ("vllm_add_rms_norm+vllm_group128", _vllm_add(vllm_group_quant), torch.bfloat16, True),
+    ("vllm_add_rms_norm+moefx_quant", _vllm_add(moefx_quant), torch.float16, True),
     ("moefx_add_rms_norm+moefx_quant", lambda x, r, w: _moefx_add_norm_quant(x, r, w), torch.bfloat16, True),
 ]
 
@@ -108,6 +132,12 @@ def test_dynamic_rows_and_eps_from_the_match():
                    ops.add_rms_norm_quant.default, dynamic=True)
     (node,) = graph.find_nodes(op="call_function", target=ops.add_rms_norm_quant.default)
     assert node.args[3] == 3e-5 and node.args[4] is False and node.args[5] is False  # eps, weight_in_fp32, sum
+
+
+def test_vllm_residual_form_keeps_the_fp32_sum():
+    graph = _check(_vllm_add(vllm_group_quant), torch.bfloat16, True, ops.add_rms_norm_quant.default)
+    (node,) = graph.find_nodes(op="call_function", target=ops.add_rms_norm_quant.default)
+    assert node.args[4] is False and node.args[5] is True  # weight after downcast, fp32 residual sum
 
 
 def test_qkv_style_quant_users_share_one_fused_op():

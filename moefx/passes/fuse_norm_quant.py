@@ -2,7 +2,8 @@
 
 Producers matched: transformers' RMSNorm (fp32 upcast, `pow(2).mean(-1, keepdim=True)`, `rsqrt(var + eps)`,
 downcast, then `weight * x`), `torch.nn.functional.rms_norm` (weight applied in fp32, one rounding), the
-same two after a residual add `residual + x` (the new residual is kept as an output), and moefx's own
+same two after a residual add `residual + x` (the new residual is kept as an output), vLLM's
+`RMSNorm.forward_native` (`x * weight`; with a residual the fp32 sum feeds the norm), and moefx's own
 `moefx::rms_norm` / `moefx::add_rms_norm`. Quants matched: `moefx::quant` and the native forms in
 `quant_patterns.quant_forms()`. eps is read from the match; the fused op rounds where the matched code
 rounds (the residual sum and the normalized value to the input dtype).
@@ -71,6 +72,29 @@ def _add_f_rms_norm_op(x, residual, weight, eps):
     return y, s
 
 
+def _vllm_rms_norm(x, weight, eps):
+    """vLLM `RMSNorm.forward_native` without residual: like transformers but `x * weight`."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(dim=-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(x.dtype) * weight
+
+
+def _vllm_add_rms_norm(x, residual, weight, eps):
+    """vLLM `RMSNorm.forward_native` with residual: the sum stays fp32 for the norm, rounded for the residual."""
+    orig_dtype = x.dtype
+    h = x.to(torch.float32) + residual.to(torch.float32)
+    new_residual = h.to(orig_dtype)
+    variance = h.pow(2).mean(dim=-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(orig_dtype) * weight, new_residual
+
+
+def _vllm_add_rms_norm_op(x, residual, weight, eps):
+    y, s = moefx_ops.add_rms_norm(x, residual, weight, eps, False, True)
+    return y, s
+
+
 @register_pass
 class FuseNormQuant(QuantFusionPass):
     name = "fuse_norm_quant"
@@ -84,8 +108,10 @@ class FuseNormQuant(QuantFusionPass):
         return [
             Producer("add_hf_rms_norm", _add_hf_rms_norm, _add_hf_rms_norm_op, (x, x, w), eps),
             Producer("add_f_rms_norm", _add_f_rms_norm, _add_f_rms_norm_op, (x, x, w), eps),
+            Producer("vllm_add_rms_norm", _vllm_add_rms_norm, _vllm_add_rms_norm_op, (x, x, w), eps),
             Producer("hf_rms_norm", _hf_rms_norm, _hf_rms_norm_op, (x, w), eps),
             Producer("f_rms_norm", _f_rms_norm, _f_rms_norm_op, (x, w), eps),
+            Producer("vllm_rms_norm", _vllm_rms_norm, _hf_rms_norm_op, (x, w), eps),
         ]
 
     @classmethod
