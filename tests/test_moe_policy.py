@@ -215,6 +215,8 @@ def test_pins():
     assert moe_plan(ms, es, CompilationConfig(moe_backend="upstream"), pins={"backend": "legacy"}).backend == "upstream"
     with pytest.raises(ValueError, match="exactly one of"):
         moe_plan(ms, es, CompilationConfig(), pins={"backend": "legacy", "ranges": "legacy@1-"})
+    with pytest.raises(ValueError, match=r"unknown MoE backend \['gemvv'\]; valid choices"):
+        moe_plan(ms, es, CompilationConfig(), pins={"backend": "gemvv", "source": "r.yaml#1"})
     with pytest.raises(ValueError, match="starts at M=4, expected M=3"):
         moe_plan(ms, es, CompilationConfig(), pins={"ranges": "legacy@1-2,upstream@4-"})
 

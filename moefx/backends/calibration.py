@@ -335,13 +335,18 @@ def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float =
             out.append(MRange(a, lo, cut))
             lo = cut + 1
     out.append(MRange(best[-1], lo, None))
-    merged: list[MRange] = []
-    for r in out:
-        if merged and merged[-1].backend == r.backend:
-            merged[-1] = MRange(r.backend, merged[-1].min_m, r.max_m)
+    return validate_ranges(merge_ranges(out), "crossovers")
+
+
+def merge_ranges(ranges: Iterable[MRange]) -> list[MRange]:
+    """Join neighbouring ranges that name the same backend."""
+    out: list[MRange] = []
+    for r in ranges:
+        if out and out[-1].backend == r.backend:
+            out[-1] = MRange(r.backend, out[-1].min_m, r.max_m)
         else:
-            merged.append(r)
-    return validate_ranges(merged, "crossovers")
+            out.append(r)
+    return out
 
 
 def write_row(path: str | os.PathLike[str], row: CalibrationRow) -> str:

@@ -25,10 +25,13 @@ from moefx.backends.calibration import (
     MRange,
     device_identity,
     find_row,
+    merge_ranges,
     parse_ranges,
     ranges_text,
     validate_ranges,
 )
+from moefx.backends.registry import BACKENDS
+from moefx.config import MOE_BACKENDS
 from moefx.log import warn_once
 
 UPSTREAM = "upstream"
@@ -72,7 +75,7 @@ def env_override(environ: Mapping[str, str] | None = None) -> EnvOverride:
         if forced is not None and (on != (forced == backend)):
             raise ValueError(
                 f"conflicting MoE backend settings: {var}={raw!r} and MOEFX_MOE_BACKEND={enum!r}; "
-                f"set only MOEFX_MOE_BACKEND (valid: auto, legacy, grouped, gemv, torch_grouped, cpu, upstream)"
+                f"set only MOEFX_MOE_BACKEND (valid choices: {list(MOE_BACKENDS)})"
             )
         warn_once(f"environment variable {var} is a legacy switch; use MOEFX_MOE_BACKEND (value kept)")
         if on and forced is None:
@@ -103,17 +106,7 @@ class MoePolicy:
         if not any(r.backend in disabled for r in self.ranges):
             return self
         ranges = [MRange(UPSTREAM if r.backend in disabled else r.backend, r.min_m, r.max_m) for r in self.ranges]
-        return MoePolicy(validate_ranges(_merge(ranges), self.source), f"{self.source}; {why}")
-
-
-def _merge(ranges: list[MRange]) -> list[MRange]:
-    out: list[MRange] = []
-    for r in ranges:
-        if out and out[-1].backend == r.backend:
-            out[-1] = MRange(r.backend, out[-1].min_m, r.max_m)
-        else:
-            out.append(r)
-    return out
+        return MoePolicy(validate_ranges(merge_ranges(ranges), self.source), f"{self.source}; {why}")
 
 
 def policy_spec(policies: Mapping[str, MoePolicy]) -> str:
@@ -188,6 +181,10 @@ def _pins_policies(pins: Mapping[str, Any]) -> tuple[dict[str, MoePolicy], str]:
             raise ValueError(f"{where}: 'ranges' must be a string or a list of {{backend, min_m, max_m}}")
         ranges = [MRange(str(r["backend"]), r["min_m"], r.get("max_m")) for r in items]
         pol = MoePolicy(validate_ranges(ranges, where), source)
+    valid = sorted({*MOE_BACKENDS, *BACKENDS} - {"auto"})
+    unknown = sorted({r.backend for r in pol.ranges} - set(valid))
+    if unknown:
+        raise ValueError(f"{where}: unknown MoE backend {unknown}; valid choices: {valid}")
     modes = MODES if pins.get("mode") is None else (pins["mode"],)
     if any(m not in MODES for m in modes):
         raise ValueError(f"{where}: mode {pins.get('mode')!r} is invalid; valid choices: {list(MODES)}")
