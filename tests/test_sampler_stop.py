@@ -77,3 +77,22 @@ def test_transform_turns_it_on_for_cuda_only(models):
     assert "on" in sampling_transform(model, cuda_plan, None)[0]
     assert model._moefx_deferred_stop == ("cuda",)
     assert "no transformers generate" in sampling_transform(torch.nn.Linear(2, 2), cuda_plan, None)[0]
+
+
+def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
+    from moefx.sampling.decode import DecodeLoop
+    from moefx.sampling.sampler import SamplingParams
+
+    stock, _ = models
+    loop = DecodeLoop(stock, max_len=32)
+    greedy = SamplingParams(temperature=0)
+    for batch in (1, 3):
+        ids = torch.randint(1, 256, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        free = stock.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(loop.generate(ids, 10, greedy), free)
+        eos = int(free[0, 8])  # row 0 finishes at its 4th new token (or earlier)
+        ref = stock.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        got = loop.generate(ids, 10, greedy, eos_token_id=eos)
+        assert torch.equal(got, ref), (got, ref)
+        if batch == 1:
+            assert got.shape[1] < free.shape[1]  # stopped early; the extra step's token was dropped
