@@ -207,3 +207,16 @@ def test_producer_with_other_users_left_alone():
 def test_uuid_covers_the_ops_files():
     files = " ".join(FuseActQuant.uuid_files)
     assert "fused_quant.py" in files and "quant.py" in files and "quant_patterns.py" in files
+
+
+def test_skip_reason_reaches_the_compile_report():
+    import moefx
+    from moefx.config import CompilationConfig
+    from moefx.passes import PassManager
+
+    graph = post_grad_graph(lambda x: vllm_token_quant(vllm_silu_and_mul(x)), _inputs("cat", torch.bfloat16))
+    moefx.clear_compile_reports()
+    PassManager(CompilationConfig(), ["fuse_act_quant"])(graph)
+    (report,) = moefx.compile_reports()
+    assert report.matches == {"fuse_act_quant": 0}
+    assert any("reciprocal" in r for r in report.skipped["fuse_act_quant"])
