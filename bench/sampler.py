@@ -259,12 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batches", default="1,16", help="comma-separated decode batch sizes")
     args = ap.parse_args(argv)
 
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     cfg = tiny_qwen3_moe_config() if args.quick else qwen3_moe_config(args.layers)
-    batches = (2,) if args.quick else (1, 16)
+    batches = (2,) if args.quick else tuple(int(b) for b in args.batches.split(","))
     n = 6 if args.quick else args.new_tokens
     prefill = 64 if args.quick else args.prefill
     runs = 1 if args.quick else args.runs

@@ -96,3 +96,12 @@ def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
         assert torch.equal(got, ref), (got, ref)
         if batch == 1:
             assert got.shape[1] < free.shape[1]  # stopped early; the extra step's token was dropped
+
+
+def test_optimize_records_the_sampling_decision(models):
+    import moefx
+
+    stock, _ = models
+    model = moefx.optimize(copy.deepcopy(stock), config={"mode": "eager"})
+    lines = [p for p in model.moefx_plan.provenance if p.startswith("sampling:")]
+    assert lines == ["sampling: deferred stop check off: device cpu (on for cuda only)"]
