@@ -31,6 +31,8 @@ from moefx.quant_linear import (
 
 log = get_logger("moefx.quantize")
 DEFAULT_SKIP = ("lm_head", "gate", "router")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QUANTIZED_MODULES = (Fp8BlockLinear, Fp8BlockExperts, Int8Linear, Int8Experts)
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,19 @@ def _skipped(name: str, config: QuantizeConfig) -> bool:
     return any(part in config.skip for part in name.split("."))
 
 
+def _float_weights(name: str, *weights: torch.Tensor) -> bool:
+    if all(w.dtype in FLOAT_DTYPES for w in weights):
+        return True
+    warn_once(f"moefx.quantize: {name!r} left alone: weights are {weights[0].dtype} (already quantized?)")
+    return False
+
+
+def _linear_ok(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and _float_weights(name, module.weight)
+
+
 def _experts_ok(name: str, module: nn.Module, config: QuantizeConfig) -> bool:
-    if not config.experts:
+    if not config.experts or not _float_weights(name, module.gate_up_proj, module.down_proj):
         return False
     reason = experts_unsupported_reason(module)
     if reason is not None:
@@ -96,7 +109,7 @@ def _experts_ok(name: str, module: nn.Module, config: QuantizeConfig) -> bool:
 
 @register_quantize_handler(Fp8BlockConfig)
 def _fp8_block(name: str, module: nn.Module, config: Fp8BlockConfig) -> nn.Module | None:
-    if isinstance(module, nn.Linear):
+    if _linear_ok(name, module):
         return Fp8BlockLinear.from_linear(module, config.block_shape, config.act_scheme())
     if is_experts(module) and _experts_ok(name, module, config):
         return Fp8BlockExperts.from_experts(module, config.block_shape)
@@ -105,7 +118,7 @@ def _fp8_block(name: str, module: nn.Module, config: Fp8BlockConfig) -> nn.Modul
 
 @register_quantize_handler(Int8Config)
 def _int8(name: str, module: nn.Module, config: Int8Config) -> nn.Module | None:
-    if isinstance(module, nn.Linear):
+    if _linear_ok(name, module):
         return Int8Linear.from_linear(module)
     if is_experts(module) and _experts_ok(name, module, config):
         return Int8Experts.from_experts(module)
@@ -130,7 +143,7 @@ def quantize(model: nn.Module, config: str | QuantizeConfig = "fp8_block128") ->
     handler = _HANDLERS[type(cfg)]
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not name or _skipped(name, cfg):
+        if not name or _skipped(name, cfg) or isinstance(module, QUANTIZED_MODULES):
             continue
         new = handler(name, module, cfg)
         if new is not None:

@@ -63,6 +63,13 @@ def test_skip_list_and_config_errors():
     assert isinstance(other["lm_head"], Int8Linear)
     with pytest.raises(ValueError, match="fp8_block128"):
         moefx.quantize(nn.Linear(4, 4), "fp8_block")
+    again = moefx.quantize(model, "fp8_block128")["mlp"]["gate_proj"]
+    assert again is model["mlp"]["gate_proj"] and isinstance(again, Int8Linear)  # already quantized: kept
+    fp8 = nn.Sequential(nn.Linear(8, 8))
+    fp8[0].weight.data = fp8[0].weight.data.to(torch.float8_e4m3fn)
+    with pytest.warns(UserWarning, match="already quantized"):
+        moefx.quantize(fp8, "int8")
+    assert type(fp8[0]) is nn.Linear
 
 
 @pytest.mark.parametrize("scheme", ["fp8_block128", "int8"])

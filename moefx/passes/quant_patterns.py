@@ -425,7 +425,9 @@ class QuantFusionPass(MoefxPass):
     def _skip(cls, match: pm.Match, reason: str) -> None:
         if cls._ctx is not None and not cls._predicate_mode:
             anchor = match.output_nodes()[0]
-            cls._ctx.skip(f"{getattr(anchor, 'name', anchor)}: {reason}")
+            message = f"{getattr(anchor, 'name', anchor)}: {reason}"
+            if message not in cls._ctx.skipped:
+                cls._ctx.skip(message)
 
     # -------------------------------------------------------------------------------------- registration
     @classmethod
