@@ -5,7 +5,7 @@ import torch
 
 from moefx.backends import BACKENDS
 from moefx.offload.cpu_experts import ExpertStore, cpu_moe
-from moefx.offload.staging import StagingRing, plan_tiles, ring_bytes
+from moefx.offload.staging import StagingRing, plan_tiles
 
 
 def _case(m, e=10, h=32, i=16, k=2, seed=0, device="cpu"):
@@ -28,7 +28,7 @@ def test_ring_matches_cpu_path_and_copies_only_routed(tile_e):
     x, ids, wts, w13, w2 = _case(23, seed=tile_e)
     store = ExpertStore(w13, w2)
     ring = StagingRing(store, tile_e, torch.device("cpu"))
-    assert ring.tile_e == min(tile_e, 10) and ring.nbytes == ring_bytes(store, tile_e)
+    assert ring.tile_e == min(tile_e, 10) and ring.nbytes == 2 * ring.tile_e * store.expert_bytes
     out = ring.run(store, x, ids, wts, BACKENDS["legacy"])
     want = cpu_moe(store, x, ids, wts)
     assert ((out - want).norm() / want.norm()).item() <= 1e-6
@@ -84,3 +84,16 @@ def test_hybrid_split_cpu_and_ring_sum_to_reference():
     out = experts(x, ids, wts)
     assert rt.ring.stats["experts_copied"] - copied == hit
     assert ((out - want).norm() / want.norm()).item() <= 1e-6
+
+
+def test_to_host_numa_blocks_copy_and_keep_values():
+    from moefx.offload.hw import HostInfo
+    from moefx.offload.placement import to_host
+
+    w = torch.randn(6, 4, 8)
+    two_nodes = HostInfo(isa=(), numa_cpus=((0,), (0,)), source="test")
+    out, how = to_host(w, two_nodes, pin=False)
+    assert torch.equal(out, w) and out.data_ptr() != w.data_ptr() and "NUMA blocks over 2 nodes" in how
+    one_node = HostInfo(isa=(), numa_cpus=((0,),), source="test")
+    same, how = to_host(w, one_node, pin=False)
+    assert same.data_ptr() == w.data_ptr() and "single NUMA node" in how  # one copy: no duplicate made

@@ -43,7 +43,7 @@ def _register(t: torch.Tensor) -> str | None:
 
 def to_host(t: torch.Tensor, host: HostInfo, pin: bool) -> tuple[torch.Tensor, str]:
     """Host copy of expert tensor `t` ([E, ...]); returns (tensor, how it is held) for the plan."""
-    needs_copy = t.device.type != "cpu" or not t.is_contiguous() or (host.numa_nodes > 1 and pin)
+    needs_copy = t.device.type != "cpu" or not t.is_contiguous() or host.numa_nodes > 1
     out = _first_touch_copy(t.detach(), host) if needs_copy else t.detach()
     placement = f"NUMA blocks over {host.numa_nodes} nodes" if host.numa_nodes > 1 else "single NUMA node"
     if not pin:

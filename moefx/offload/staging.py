@@ -18,11 +18,6 @@ from moefx.offload.cpu_experts import ExpertStore, route
 TileCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def ring_bytes(store: ExpertStore, tile_e: int) -> int:
-    """GPU bytes the two slots take for this layer geometry."""
-    return 2 * min(tile_e, store.num_experts) * store.expert_bytes
-
-
 def plan_tiles(hit: list[int], counts: list[int], tile_e: int) -> list[tuple[list[int], int, int]]:
     """Split the hit experts (ascending) into tiles: (experts, first pair, end pair) in the expert-sorted order."""
     tiles = []

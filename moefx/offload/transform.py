@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from moefx.log import get_logger
-from moefx.offload.cost import Geometry, MachineRates, machine_rates, modelled_seconds, split_experts, switch_point
+from moefx.offload.cost import (
+    Geometry,
+    MachineRates,
+    cpu_seconds,
+    machine_rates,
+    modelled_seconds,
+    split_experts,
+    switch_point,
+)
 from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe, route
 from moefx.offload.hw import host_info
 from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
@@ -305,7 +313,9 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
             f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
         )
         shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
-        op.decode_path = f"CPU and GPU streaming at once, split per call by the cost model (GPU share {shares})"
+        gain = cpu_seconds(1, geom, rates) / modelled_seconds(1, geom, rates)[0]
+        op.decode_path = (f"CPU and GPU streaming at once, split per call by the cost model (GPU share {shares}; "
+                          f"modelled {gain:.2f}x CPU-only at M=1)")
     rt.switch_tokens = op.switch_tokens if cuda else None
     if budget is not None and (cost_model or rt.switch_tokens is not None):
         rt.ring = StagingRing(first, op.tile_e, device)
