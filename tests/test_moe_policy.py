@@ -265,6 +265,7 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
     assert all({1, 2} <= set(ts) for ts in row.timings_us.values())  # pruning needs two slow M in a row
     assert set().union(*row.timings_us.values()) == {1, 2, 4, 8, 16}
     assert row.provenance["torch"] == str(torch.__version__) and row.provenance["date"]
+    assert row.provenance["command"].startswith(f"moefx calibrate --tp 1 --experts {E} --hidden {H}")
     assert list(out.parent.glob("cpu-*.png"))
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
     assert plan.applies == any(r.backend != "upstream" for r in row.ranges)

@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         "torch": str(torch.__version__),
         "triton": _triton_version(),
         "moefx": _moefx_version(),
-        "command": "moefx " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]),
+        "command": _command(args),
         "shape": label,
         "grid": f"{grid[0]}..{grid[-1]} ({len(grid)} points), {reps} reps, median",
     }
@@ -373,6 +373,17 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(["M", *cols, "best"], rows))
         print(f"{mode} row {sources[mode]} in {output}: " + ", ".join(r.text() for r in all_ranges[mode]))
     return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The calibrate command line that reproduces this row (from the parsed options, however it was called)."""
+    parts = ["moefx calibrate"]
+    for opt in ("model", "tp", "experts", "hidden", "intermediate", "topk", "dtype", "quant", "modes", "device",
+                "backends", "max_m", "reps", "seed"):
+        value = getattr(args, opt)
+        if value is not None:
+            parts.append(f"--{opt.replace('_', '-')} {value}")
+    return " ".join(parts + (["--quick"] if args.quick else []))
 
 
 def _triton_version() -> str | None:
