@@ -43,6 +43,9 @@ class QuantizeConfig:
     skip: tuple[str, ...] = DEFAULT_SKIP
     experts: bool = True
 
+    def quantization_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class Fp8BlockConfig(QuantizeConfig):
@@ -55,10 +58,18 @@ class Fp8BlockConfig(QuantizeConfig):
     def act_scheme(self) -> QuantScheme:
         return QuantScheme("fp8_group", self.block_shape[1], self.act_eps)
 
+    def quantization_config(self) -> dict[str, Any]:
+        """The `quantization_config` of a DeepSeek-V3 / Qwen3-FP8 release with this layout."""
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(self.block_shape)}
+
 
 @dataclass(frozen=True)
 class Int8Config(QuantizeConfig):
     """INT8 weights per output channel, activations per token (scale = amax / 127, round half to even)."""
+
+    def quantization_config(self) -> dict[str, Any]:
+        return {"quant_method": "w8a8_int8"}
 
 
 SCHEMES: dict[str, Callable[[], QuantizeConfig]] = {
@@ -138,7 +149,8 @@ def resolve_config(config: str | QuantizeConfig) -> QuantizeConfig:
 
 def quantize(model: nn.Module, config: str | QuantizeConfig = "fp8_block128") -> nn.Module:
     """Replace, in place, every linear and experts module the config's handler takes (except skipped
-    names); returns the model with `moefx_quantization` set to the config."""
+    names); returns the model with `moefx_quantization` set to the config and, for a transformers model
+    without one, `config.quantization_config` describing the result (so signatures and plans see it)."""
     cfg = resolve_config(config)
     handler = _HANDLERS[type(cfg)]
     replaced = 0
@@ -152,6 +164,10 @@ def quantize(model: nn.Module, config: str | QuantizeConfig = "fp8_block128") ->
             replaced += 1
     log.info("quantize: %d module(s) replaced with %s", replaced, type(cfg).__name__)
     model.moefx_quantization = cfg
+    config = getattr(model, "config", None)
+    if replaced and config is not None and getattr(config, "quantization_config", None) is None:
+        # What the signatures read: the plan then knows activations are quantized dynamically.
+        config.quantization_config = cfg.quantization_config()
     return model
 
 

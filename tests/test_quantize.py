@@ -128,6 +128,10 @@ def test_load_fp8_checkpoint_written_with_safetensors(tmp_path):
 
     target = load_fp8_checkpoint(_tiny_moe(seed=1), path)
     assert isinstance(target.moefx_quantization, Fp8BlockConfig)
+    from moefx.signatures import ModelSignature
+
+    ms = ModelSignature.from_module(target)
+    assert (ms.quant_act_dtype, ms.quant_act_scheme, ms.quant_block_shape) == ("float8_e4m3fn", "dynamic", (128, 128))
     ids = torch.randint(0, 256, (1, 10))
     with torch.no_grad():
         assert torch.equal(target(ids).logits, source(ids).logits)
