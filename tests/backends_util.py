@@ -30,17 +30,19 @@ def quant_block(w: torch.Tensor, bs: tuple[int, int] = BS) -> tuple[torch.Tensor
     return q, scale.contiguous()
 
 
-def make_inputs(m: int, dtype: torch.dtype, case: str = "random", device: str = "cpu", fp8: bool = False) -> dict:
-    """case: random | zero_experts (only experts 0..K-1+1 get tokens) | one_expert (all tokens on expert 1)."""
+def make_inputs(
+    m: int, dtype: torch.dtype, case: str = "random", device: str = "cpu", fp8: bool = False, k: int = K
+) -> dict:
+    """case: random | zero_experts (only experts 0..k get tokens) | one_expert (all tokens on expert 1)."""
     x = torch.randn(m, H, device=device).to(dtype)
     w13 = (torch.randn(E, 2 * I, H, device=device) / H**0.5).to(dtype)
     w2 = (torch.randn(E, H, I, device=device) / I**0.5).to(dtype)
-    n_used = {"random": E, "zero_experts": K + 1, "one_expert": E}[case]
-    ids = torch.stack([torch.randperm(n_used, device=device)[:K] for _ in range(m)])
+    n_used = {"random": E, "zero_experts": k + 1, "one_expert": E}[case]
+    ids = torch.stack([torch.randperm(n_used, device=device)[:k] for _ in range(m)])
     if case == "one_expert":
         ids[:, 0] = 1
         ids[:, 1] = torch.where(ids[:, 1] == 1, 2, ids[:, 1])
-    tw = torch.rand(m, K, device=device)
+    tw = torch.rand(m, k, device=device)
     tw = tw / tw.sum(-1, keepdim=True)
     kw: dict = {}
     if fp8:

@@ -12,7 +12,7 @@ from moefx.backends.kernels.common import max_padded_len, moe_align_torch, qdq_r
 # bf16: both sides round intermediates to bf16 at different points. fp8 w8a8 vs the oracle (dequantized
 # weights, unquantized activations): two activation quantizations (e4m3, 3 mantissa bits) at tiny K.
 BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-FP8_VS_LEGACY = 0.15
+FP8_VS_LEGACY = 0.1
 CASES = [(1, "random"), (5, "random"), (9, "zero_experts"), (7, "one_expert")]
 
 
@@ -65,10 +65,20 @@ def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8:
         assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
         # same w8a8 arithmetic in PyTorch; only fp32 summation order (-> rare e4m3 rounding flips) differs
         emul = grouped_torch(*(a.cpu() for a in args), *(kw[n].cpu() for n in ("w13_scale", "w2_scale")), BS)
-        assert relerr(out.cpu(), emul) < 0.1
+        assert relerr(out.cpu(), emul) < 0.06
     else:
         bound = 5e-3 if dev == "cuda" and dtype == torch.float32 else BOUNDS[dtype]
         assert relerr(out, legacy_ref(inp)) < bound
+
+
+def test_triton_kernels_top_k_three() -> None:
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+
+    dev = kernel_device()
+    inp = make_inputs(5, torch.float32, device=dev, k=3)
+    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
+                    config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
+    assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
 def test_fp8_activation_quant_matches_reference() -> None:

@@ -2,9 +2,10 @@
 
 Stage 1, grid (M*k pairs, I/BLOCK_N): each program reads BLOCK_N gate rows and the matching BLOCK_N
 up rows of its pair's expert (indexed straight from topk_ids) over all of H, 16-byte loads, and
-writes silu(gate) * up in fp32. Stage 2, grid (M, H/BLOCK_N): each program streams BLOCK_N rows of
-w2 for each of the token's k experts, scales the activation by the routing weight first, and so
-sums the top-k in registers; it writes the output row slice once, in hidden's dtype.
+writes silu(gate) * up in fp32. Stage 2, grid (M, H/BLOCK_N): each program loads BLOCK_N rows of w2
+for all k of the token's experts at once (one [k, BLOCK_N, BLOCK_K] tile per K step, so the loads
+of the k experts overlap), weights each expert's dot by its routing weight and sums the top-k in
+registers; it writes the output row slice once, in hidden's dtype.
 Weights are streamed with evict_first (each byte is used once); work is split over output rows
 rather than K because (2I and H) / BLOCK_N already gives hundreds of programs at M = 1.
 FP8 (block-quant e4m3 weights, scales per (SBN x SBK) block): each weight tile lies inside one
@@ -63,31 +64,37 @@ def _gemv_gate_up_kernel(
 def _gemv_down_kernel(
     act_ptr, ids_ptr, tw_ptr, w_ptr, ws_ptr, out_ptr,
     stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
+    # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    j = tl.arange(0, KP)
+    j_mask = j < TOP_K
+    pair = m * TOP_K + j
+    e = tl.load(ids_ptr + pair, mask=j_mask, other=0).to(tl.int64)
+    tw = tl.load(tw_ptr + pair, mask=j_mask, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    NK: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for it in range(TOP_K * NK):
-        pair = m * TOP_K + it // NK
-        k0 = (it % NK) * BLOCK_K
-        e = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = e[:, None] * stride_we + offs_n[None, :] * stride_wn
+    row_mask = j_mask[:, None] & n_mask[None, :]
+    acc = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        a = tl.load(act_ptr + pair * I + k0 + offs_k, mask=k_mask, other=0.0) * tl.load(tw_ptr + pair).to(tl.float32)
+        a_mask = j_mask[:, None] & k_mask[None, :]
+        a = tl.load(act_ptr + pair[:, None] * I + k0 + offs_k[None, :], mask=a_mask, other=0.0)
         if FP8:
-            s_ptrs = ws_ptr + e * stride_se + ((pid_n * BLOCK_N) // SBN) * stride_sn
-            s_ptrs += ((k0 + offs_k) // SBK) * stride_sk
-            a = a * tl.load(s_ptrs, mask=k_mask, other=0.0)
-        w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + k0 + offs_k[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * a[None, :]
-    out = tl.sum(acc, axis=1)
+            s_ptrs = ws_ptr + e[:, None] * stride_se + ((pid_n * BLOCK_N) // SBN) * stride_sn
+            a = a * tl.load(s_ptrs + ((k0 + offs_k) // SBK)[None, :] * stride_sk, mask=a_mask, other=0.0)
+        w_ptrs = w_ptr + rows[:, :, None] + k0 + offs_k[None, None, :]
+        w_mask = row_mask[:, :, None] & k_mask[None, None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a[:, None, :]
+    out = tl.sum(tl.sum(acc, axis=2) * tw[:, None], axis=0)
     tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -115,7 +122,8 @@ def gemv_moe(
     inter = w2.shape[2]
     fp8 = w13_scale is not None
     sbn, sbk = block_shape if fp8 else (1, 1)
-    bn1, bn2 = block_n or (16, 4 if m == 1 else 8)
+    kp = triton.next_power_of_2(top_k)
+    bn1, bn2 = block_n or (16, max(1, 32 // kp))
     if fp8:
         bn1, bn2 = min(bn1, sbn), min(bn2, sbn)
     ids = topk_ids.contiguous()
@@ -135,7 +143,7 @@ def gemv_moe(
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=_block_k(inter, fp8),
+        H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=_block_k(inter, fp8),
         num_warps=4,
     )
     return out
