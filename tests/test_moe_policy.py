@@ -291,15 +291,23 @@ def test_calibrate_bad_arguments(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_calibrate_model_shapes_per_gpu():
+def test_calibrate_model_shapes_per_gpu(tmp_path):
     import argparse
+    import json
 
     from moefx.cli.calibrate import _shape
+    from moefx.models.catalog import catalog_config
 
     ns = argparse.Namespace(model="deepseek-v3", tp=8, experts=None, hidden=None, intermediate=None, topk=None)
     assert _shape(ns) == ("deepseek-v3-tp8", 256, 7168, 256, 8)
     ns.model, ns.tp = "mixtral-8x7b", 1
     assert _shape(ns) == ("mixtral-8x7b", 8, 4096, 14336, 2)
+    (tmp_path / "config.json").write_text(json.dumps(catalog_config("olmoe-1b-7b")))
+    ns.model = str(tmp_path)
+    assert _shape(ns)[1:] == (64, 2048, 1024, 8)
+    ns.model, ns.tp = "qwen3-30b-a3b", 5
+    with pytest.raises(ValueError, match="not divisible by --tp 5"):
+        _shape(ns)
 
 
 def test_sweep_stops_timing_a_contender_slow_at_two_m_in_a_row(monkeypatch):
