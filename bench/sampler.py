@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
-from moefx.cli.common import format_table, progress
+from moefx.cli.common import progress
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.sampler import SamplingParams
@@ -68,6 +68,11 @@ class SyncCounter:
             torch.cuda.set_sync_debug_mode("default")
             self._rec.__exit__(*exc)
             self.count = sum("synchroniz" in str(w.message) for w in self._log)
+
+
+def markdown(headers: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def timed(fn, device: torch.device, runs: int) -> tuple[float, object]:
@@ -309,8 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for r in decode
     ]
-    print(f"\n{result['model']} on {result['device']}, torch {result['torch']}, {n} new tokens")
-    print(format_table(["arm", "mode", "B", "tok/s", "syncs/step", "vs greedy", "vs hf", "step ms", "floor ms"], table))
     prow = [
         [
             "on" if r["last_token_logits"] else "off",
@@ -320,8 +323,23 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for r in prefill_rows
     ]
-    print(f"\nprefill {prefill} tokens; LM-head floor removed by the pass: {head_floor_ms:.2f} ms")
-    print(format_table(["last_token_logits", "ms", "peak extra MiB", "rel err"], prow))
+    moefx_rows = [r for r in decode if r["arm"] == "moefx"]
+    syncs = [r["syncs_per_step"] for r in moefx_rows if r["syncs_per_step"] is not None]
+    ratios = {
+        r["batch"]: r["tokens_per_s"] / greedy[("moefx", r["batch"])] for r in moefx_rows if r["mode"] == "sample"
+    }
+    print(f"\n{result['model']} on {result['device']}, torch {result['torch']}, {result['date']}, {n} new tokens")
+    sync_verdict = f"{'PASS' if max(syncs) == 0 else 'FAIL'} (max {max(syncs):.2f}/step)" if syncs else "n/a (CPU)"
+    print(f"target: zero host syncs in moefx's decode step: {sync_verdict}")
+    verdicts = ", ".join(f"B={b} {x:.3f} {'PASS' if x >= 0.95 else 'FAIL'}" for b, x in ratios.items())
+    print(f"target: moefx sampling within 5% of moefx greedy tok/s: {verdicts}")
+    print(
+        f"prefill {prefill} tokens: the LM-head FLOPs the pass removes take {head_floor_ms:.2f} ms at the measured rate"
+    )
+    print(
+        "\n" + markdown(["arm", "mode", "B", "tok/s", "syncs/step", "vs greedy", "vs hf", "step ms", "floor ms"], table)
+    )
+    print("\n" + markdown(["last_token_logits", "ms", "peak extra MiB", "rel err"], prow))
     return 0
 
 

@@ -32,4 +32,4 @@ def test_sampler_bench_quick(tmp_path):
     off, on = data["prefill"]
     assert not off["last_token_logits"] and on["last_token_logits"] and on["rewrites"] >= 1
     assert on["rel_err"] < 1e-4 and off["rel_err"] < 1e-4
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("on ")  # the table is printed last
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| on |")  # the tables are printed last
