@@ -94,3 +94,20 @@ def test_unsupported_experts_left_alone():
     model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
     assert "activation GELU is not SiLU" in "\n".join(model.moefx_plan.provenance)
     assert len(experts_modules(model)) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host store, copy stream and GPU split need CUDA")
+@pytest.mark.parametrize("pin", [None, "0", "1"], ids=["cost_model_split", "cpu_only", "all_streamed"])
+def test_offloaded_on_gpu_matches(monkeypatch, pin):
+    if pin is not None:
+        monkeypatch.setenv("MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS", pin)
+    model = _qwen3().cuda()
+    ref = copy.deepcopy(model)
+    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
+    store = next(m.moefx_offload.store for m in model.modules() if hasattr(m, "moefx_offload"))
+    assert store.w13.device.type == "cpu" and store.w13.is_pinned()
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        for call in (ids, ids[:, :1]):
+            out, want = model(call).logits, ref(call).logits
+            assert ((out - want).norm() / want.norm()).item() <= 1e-5
