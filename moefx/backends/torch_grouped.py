@@ -31,7 +31,7 @@ def torch_grouped_moe(
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
     y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
     pair_out = torch.empty_like(y).index_copy_(0, order, y)
-    return pair_out.view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return pair_out.view(m, top_k, h).sum(dim=1)
 
 
 @register_backend

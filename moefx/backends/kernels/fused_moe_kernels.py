@@ -3,7 +3,8 @@
 GEMM 1 (gate_up, SiLU-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
 I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
 projection never reaches memory: it writes silu(gate) * up. GEMM 2 (down): same blocks over H, scales
-each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after.
+each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (torch's sum,
+fp32 accumulation, one write in hidden's dtype).
 Program order: GROUP_M consecutive blocks (mostly one expert) sweep all N tiles together, so a
 weight tile is fetched from HBM once and reused from L2 by the expert's other blocks, and an
 activation tile is reused across N tiles.
@@ -63,17 +64,19 @@ def _to_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_xm, K: tl.constexpr, GROUP: tl.constexpr, EXACT: tl.constexpr):
-    """One program per (row, group): fp8 e4m3 values and one fp32 scale per GROUP columns."""
+def _quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr, stride_xm, K: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, EXACT: tl.constexpr
+):
+    """One program per row: the row as [groups, GROUP]; fp8 e4m3 values and one fp32 scale per group."""
     m = tl.program_id(0)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, GROUP)
+    offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + m * K + offs, _to_e4m3(q, EXACT), mask=mask)
-    tl.store(s_ptr + m * tl.cdiv(K, GROUP) + g, scale)
+    g = tl.arange(0, NG)
+    tl.store(s_ptr + m * tl.cdiv(K, GROUP) + g, scale, mask=g * GROUP < K)
 
 
 @triton.jit
@@ -181,7 +184,8 @@ def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
     if m:
-        _quant_rows_kernel[(m, triton.cdiv(k, group))](x, q, s, x.stride(0), K=k, GROUP=group, EXACT=_INTERPRET)
+        ng = triton.next_power_of_2(triton.cdiv(k, group))
+        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), K=k, GROUP=group, NG=ng, EXACT=_INTERPRET)
     return q, s
 
 
@@ -260,4 +264,4 @@ def fused_moe(
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
         DOT_F32=_INTERPRET, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
     )
-    return pair_out.view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return pair_out.view(m, top_k, h).sum(dim=1)  # accumulates in fp32, writes hidden's dtype once
