@@ -148,3 +148,14 @@ def test_unsupported_forms_are_reported_and_unchanged(fn, args, reason):
     n, skipped = run_pass(gm)
     assert n == 0 and str(gm.graph) == before
     assert any(reason in s for s in skipped), skipped
+
+
+def expand_rows(h, w, idx):
+    return F.linear(h, w)[idx]
+
+
+def test_an_index_that_repeats_rows_is_not_moved():
+    """Moving a top-k style expansion (more rows than the input) before the matmul would add work."""
+    gm = post_grad(expand_rows, torch.randn(5, K), torch.randn(N, K), torch.randint(0, 5, (40,)), mode="fake")
+    n, skipped = run_pass(gm)
+    assert n == 0 and any("fewer rows" in s for s in skipped)

@@ -63,6 +63,13 @@ def _selector_dim_ok(sel: torch.fx.Node, ndim: int) -> str | None:
     return None
 
 
+def _numel(shape: tuple) -> Any:
+    n: Any = 1
+    for size in shape:
+        n = n * size
+    return n
+
+
 def _sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> list[Any]:
     """Shape of `node` as graph arguments: ints where static, `sym_size` nodes where symbolic."""
     out: list[Any] = []
@@ -109,7 +116,16 @@ class _Candidate:
             # The leading dims of the input and of the unflattened output must be the same rows.
             if self.flat_in is None or not _same_dims(tuple(hid_val.shape[:-1]), tuple(out_val.shape[:-1])):
                 return "the output view does not restore the input's leading dims"
-        return _selector_dim_ok(self.selector, out_val.dim())
+        if self.mm.target is aten.addmm.default:
+            bias = meta_val(self.mm.args[0])
+            if bias is None or (bias.dim() == 2 and not statically_known_true(bias.shape[0] == 1)):
+                return "the bias has one row per input row"
+        why = _selector_dim_ok(self.selector, out_val.dim())
+        if why is None and self.selector.target in (aten.index.Tensor, aten.gather.default):
+            picked, rows = _numel(meta_val(self.selector).shape[:-1]), _numel(out_val.shape[:-1])
+            if not statically_known_true(picked < rows):
+                why = "the index does not provably pick fewer rows than the linear computes"
+        return why
 
     def rewrite(self, graph: torch.fx.Graph) -> torch.fx.Node:
         sel, hidden = self.selector, self.hidden
