@@ -86,5 +86,6 @@ class GemvBackend(MoEBackend):
         if hidden.is_cuda:
             from moefx.backends.kernels.gemv_kernels import gemv_moe
 
-            return gemv_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+            with torch.cuda.device(hidden.device):  # Triton launches on the current device
+                return gemv_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
         return gemv_torch(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)

@@ -97,5 +97,6 @@ class GroupedBackend(MoEBackend):
         if hidden.is_cuda:
             from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
-            return fused_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+            with torch.cuda.device(hidden.device):  # Triton launches on the current device
+                return fused_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
         return grouped_torch(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
