@@ -263,71 +263,85 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     found = experts_modules(model)
     skip_ids = {id(p) for _, m in found for p in (m.gate_up_proj, m.down_proj)}
     device, dtype = _model_device_dtype(model, skip_ids)
-    applied: list[str] = []
-    usable = []
-    for name, mod in found:
-        reason = unsupported_reason(mod)
-        if reason:
-            applied.append(f"left {name} on its device: {reason}")
-        else:
-            usable.append((name, mod))
+    applied, usable = _usable(found)
     if not usable:
         op.notes.append("no transformers-style experts module found; nothing offloaded")
         return applied + ["no experts offloaded"]
     cuda = device.type == "cuda"
-    may_stream = cuda and (not op.switch_pinned or op.switch_tokens is not None)
     budget = None
-    if may_stream:
-        # Check the fixed GPU memory priority before touching the model: KV pool first, then the staging ring.
-        num_experts = usable[0][1].gate_up_proj.shape[0]
-        expert_bytes = _expert_bytes(usable[0][1], op.int8)
-        staging = 2 * min(op.tile_e, num_experts) * expert_bytes
+    if cuda and (not op.switch_pinned or op.switch_tokens is not None):
+        # The fixed GPU memory priority is checked before the model is touched: KV pool first, then the ring.
+        expert_bytes = _expert_bytes(usable[0], op.int8)
+        staging = 2 * min(op.tile_e, usable[0].gate_up_proj.shape[0]) * expert_bytes
         free, _ = torch.cuda.mem_get_info(device)
         kv = _kv_reserve(model, cfg, dtype.itemsize)
         budget = plan_gpu_memory(free, kv, staging, tile_e=op.tile_e, expert_bytes=expert_bytes)
     rt = OffloadRuntime(device, dtype, op.int8, op.int8_min_tokens, op.int8_impl)
     holding = ""
-    for _, mod in usable:
+    for mod in usable:
         store, holding = _offload_module(mod, op.int8, rt.host, pin=cuda)
         mod.moefx_offload = OffloadedExperts(store, rt)
         mod.forward = torch.compiler.disable(mod.moefx_offload.__call__)
+    applied.extend(_rewire_shared_blocks(model))
+    first = usable[0].moefx_offload.store
+    top_k = _top_k(model, first)
+    rt.geom = Geometry(first.num_experts, top_k, first.w13.shape[2], first.w2.shape[2], first.expert_bytes)
+    rates = machine_rates(first, dtype, device, rt.host, top_k)
+    rt.set_decode_workers(rates.decode_workers)
+    cost_model = cuda and not op.switch_pinned
+    if cost_model:
+        _record_cost_model(op, rt.geom, rates)
+    rt.switch_tokens = op.switch_tokens if cuda else None
+    if budget is not None and (cost_model or rt.switch_tokens is not None):
+        rt.ring = StagingRing(first, op.tile_e, device)
+        rt.rates = rates if cost_model else None
+        rt.tile_backend, how = validated_tile_backend(first, device, dtype)
+        op.notes.append(budget.explain_line())
+        op.notes.append(f"streamed tiles computed by MoE backend {how}")
+    op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
+    applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
+    log.info("offload: %s", "; ".join(applied))
+    return applied
+
+
+def _usable(found: list[tuple[str, torch.nn.Module]]) -> tuple[list[str], list[torch.nn.Module]]:
+    """Modules our path computes, all with the first one's shapes (the staging ring is sized once)."""
+    applied, usable = [], []
+    for name, mod in found:
+        reason = unsupported_reason(mod)
+        if reason is None and usable and (
+            mod.gate_up_proj.shape != usable[0].gate_up_proj.shape or mod.down_proj.shape != usable[0].down_proj.shape
+        ):
+            reason = "expert shapes differ from the first offloaded layer"
+        if reason:
+            applied.append(f"left {name} on its device: {reason}")
+        else:
+            usable.append(mod)
+    return applied, usable
+
+
+def _rewire_shared_blocks(model: torch.nn.Module) -> list[str]:
     overlapped = 0
     for block in model.modules():
         experts = getattr(block, "experts", None)
         if type(block).__name__ in SHARED_OVERLAP_BLOCKS and hasattr(experts, "moefx_offload"):
             block.forward = shared_overlap_forward(block)
             overlapped += 1
-    if overlapped:
-        applied.append(f"{overlapped} MoE blocks queue their shared experts on the GPU while the host computes")
-    first = usable[0][1].moefx_offload.store
-    top_k = _top_k(model, first)
-    geom = Geometry(first.num_experts, top_k, first.w13.shape[2], first.w2.shape[2], first.expert_bytes)
-    rates = machine_rates(first, dtype, device, rt.host, top_k)
-    rt.set_decode_workers(rates.decode_workers)
-    rt.geom = geom
-    cost_model = cuda and not op.switch_pinned
-    if cost_model:
-        op.switch_tokens = switch_point(geom, rates)
-        op.switch_known = True
-        op.switch_source = (
-            f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
-            f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
-        )
-        shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
-        gain = cpu_seconds(1, geom, rates) / modelled_seconds(1, geom, rates)[0]
-        op.decode_path = (f"CPU and GPU streaming at once, split per call by the cost model (GPU share {shares}; "
-                          f"modelled {gain:.2f}x CPU-only at M=1)")
-    rt.switch_tokens = op.switch_tokens if cuda else None
-    if budget is not None and (cost_model or rt.switch_tokens is not None):
-        rt.ring = StagingRing(first, op.tile_e, device)
-        if cost_model:
-            rt.rates = rates
-        rt.tile_backend, how = validated_tile_backend(first, device, dtype)
-        op.notes.append(budget.explain_line())
-        op.notes.append(f"streamed tiles computed by MoE backend {how}")
-    op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
-    applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
-    return applied
+    return [f"{overlapped} MoE blocks queue their shared experts on the GPU while the host computes"] if (
+        overlapped) else []
+
+
+def _record_cost_model(op: Any, geom: Geometry, rates: MachineRates) -> None:
+    op.switch_tokens = switch_point(geom, rates)
+    op.switch_known = True
+    op.switch_source = (
+        f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
+        f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
+    )
+    shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
+    gain = cpu_seconds(1, geom, rates) / modelled_seconds(1, geom, rates)[0]
+    op.decode_path = (f"CPU and GPU streaming at once, split per call by the cost model (GPU share {shares}; "
+                      f"modelled {gain:.2f}x CPU-only at M=1)")
 
 
 def _top_k(model: torch.nn.Module, store: ExpertStore) -> int:
