@@ -124,3 +124,16 @@ def test_isa_parsing():
     assert host.has_bf16_dot and host.has_int8_dot and host.numa_nodes == 2 and host.cpus == 4
     assert "amx_int8" in host.describe() and "numa_nodes=2" in host.describe()
     assert not HostInfo(isa=("avx2",), numa_cpus=((0,),), source="t").has_bf16_dot
+
+
+def test_home_node_matches_placement_blocks():
+    from moefx.offload.cpu_experts import numa_blocks
+
+    for e, nodes in ((6, 4), (128, 3), (8, 2), (5, 5)):
+        host = HostInfo(isa=(), numa_cpus=tuple((0,) for _ in range(nodes)), source="t")
+        pool = ExpertPool(host, 1)
+        bounds = numa_blocks(e, nodes)
+        for x in range(e):
+            node = pool.home_node(x, e)
+            assert bounds[node] <= x < bounds[node + 1]
+        pool.shutdown()

@@ -7,6 +7,7 @@ worker threads, one group per NUMA node pinned to that node's CPUs, each expert 
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -139,6 +140,11 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[
     return order, hit.tolist(), counts[hit].tolist()
 
 
+def numa_blocks(num_experts: int, nodes: int) -> list[int]:
+    """Block boundaries: node b holds experts [bounds[b], bounds[b + 1])."""
+    return [b * num_experts // nodes for b in range(nodes + 1)]
+
+
 class ExpertPool:
     """Worker threads grouped per NUMA node, pinned to the node's CPUs, each running torch ops on a few threads.
 
@@ -173,8 +179,8 @@ class ExpertPool:
         return f"{self.host.numa_nodes} node(s) x {self.workers_per_node} workers x {per[0]} threads"
 
     def home_node(self, expert: int, num_experts: int) -> int:
-        """Experts are split into contiguous blocks, one block per NUMA node (matches `place_numa`)."""
-        return expert * self.host.numa_nodes // num_experts
+        """The NUMA node whose block (`numa_blocks`, as placed by `placement.to_host`) holds this expert."""
+        return bisect.bisect_right(numa_blocks(num_experts, self.host.numa_nodes), expert) - 1
 
     def map(self, fn, items: list[tuple[int, int, int]], num_experts: int) -> list:
         """Run fn(item) for (expert, start, count) items; items are balanced by rows within each node."""

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moefx.offload.cpu_experts import _pin_worker
+from moefx.offload.cpu_experts import _pin_worker, numa_blocks
 from moefx.offload.hw import HostInfo
 
 
@@ -18,8 +18,8 @@ def _first_touch_copy(src: torch.Tensor, host: HostInfo) -> torch.Tensor:
     if nodes == 1 or src.shape[0] < nodes:
         out.copy_(src)
         return out
-    n = src.shape[0]
-    blocks = [(node * n // nodes, (node + 1) * n // nodes) for node in range(nodes)]
+    bounds = numa_blocks(src.shape[0], nodes)
+    blocks = list(zip(bounds[:-1], bounds[1:], strict=True))
     pools = [ThreadPoolExecutor(1, initializer=_pin_worker, initargs=(cpus, len(cpus))) for cpus in host.numa_cpus]
     try:
         futures = [p.submit(out[lo:hi].copy_, src[lo:hi]) for p, (lo, hi) in zip(pools, blocks, strict=True)]
