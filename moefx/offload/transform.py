@@ -1,8 +1,9 @@
 """The `offload` model transform: expert weights to host memory, the experts' forward swapped for ours.
 
 Routing, attention, norms and everything else stay where they are; only `experts(hidden, top_k_index,
-top_k_weights)` (the transformers 5 experts contract) runs here: on the CPU below the switch point, streamed
-through the GPU staging ring from it.
+top_k_weights)` (the transformers 5 experts contract) runs here. Below the switch point each call is split by
+the cost model between the CPU and experts streamed through the GPU staging ring (CPU only without a GPU or
+when the switch is pinned); from the switch point every routed expert is streamed.
 """
 
 from __future__ import annotations
