@@ -18,6 +18,13 @@ def _case(m, e=10, h=32, i=16, k=2, seed=0, device="cpu"):
     return x.to(device), ids.to(device), wts.to(device), w13, w2
 
 
+def test_runs_coalesce_consecutive_experts():
+    from moefx.offload.staging import runs
+
+    assert runs([0, 1, 2, 5, 7, 8]) == [(0, 0, 3), (3, 5, 1), (4, 7, 2)]
+    assert runs([]) == []
+
+
 def test_plan_tiles_covers_pairs_in_order():
     tiles = plan_tiles([0, 2, 3, 7, 9], [4, 1, 2, 5, 3], tile_e=2)
     assert tiles == [([0, 2], 0, 5), ([3, 7], 5, 12), ([9], 12, 15)]

@@ -30,6 +30,17 @@ def plan_tiles(hit: list[int], counts: list[int], tile_e: int) -> list[tuple[lis
     return tiles
 
 
+def runs(experts: list[int]) -> list[tuple[int, int, int]]:
+    """(slot index, first expert, length) for each run of consecutive expert ids: one copy per run."""
+    out: list[tuple[int, int, int]] = []
+    for j, e in enumerate(experts):
+        if out and out[-1][1] + out[-1][2] == e:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, e, 1))
+    return out
+
+
 class StagingRing:
     def __init__(self, like: ExpertStore, tile_e: int, device: torch.device) -> None:
         self.tile_e = min(tile_e, like.num_experts)
@@ -56,14 +67,14 @@ class StagingRing:
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.free[slot])
-                for j, e in enumerate(experts):
+                for j, e, n in runs(experts):
                     for d, s in zip(dst, src, strict=True):
-                        d[j].copy_(s[e], non_blocking=True)
+                        d[j : j + n].copy_(s[e : e + n], non_blocking=True)
                 self.ready[slot].record(self.copy_stream)
         else:
-            for j, e in enumerate(experts):
+            for j, e, n in runs(experts):
                 for d, s in zip(dst, src, strict=True):
-                    d[j].copy_(s[e])
+                    d[j : j + n].copy_(s[e : e + n])
         self.stats["experts_copied"] += len(experts)
         self.stats["bytes_copied"] += len(experts) * store.expert_bytes
 
