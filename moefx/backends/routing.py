@@ -97,9 +97,10 @@ def fused_topk(
     if router_logits.is_cuda and kernel_ok:
         from moefx.backends.kernels.routing import fused_topk_triton
 
-        return fused_topk_triton(
-            router_logits, top_k, kind, renormalize, correction_bias, groups, kept, routed_scaling_factor
-        )
+        with torch.cuda.device(router_logits.device):
+            return fused_topk_triton(
+                router_logits, top_k, kind, renormalize, correction_bias, groups, kept, routed_scaling_factor
+            )
     return fused_topk_torch(
         router_logits, top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor
     )
