@@ -14,7 +14,14 @@ import torch.fx
 import torch.nn.functional as F
 
 from moefx.passes.base import PassContext, register_pass
-from moefx.passes.quant_patterns import Producer, QuantFusionPass, insert_call, moefx_ops, quant_users
+from moefx.passes.quant_patterns import (
+    FLOAT_DTYPES,
+    Producer,
+    QuantFusionPass,
+    insert_call,
+    moefx_ops,
+    quant_users,
+)
 
 aten = torch.ops.aten
 SILU_MUL = moefx_ops.silu_mul.default
@@ -68,9 +75,8 @@ class FuseActQuant(QuantFusionPass):
 
     @classmethod
     def producer_reason(cls, prod: Producer, match) -> str | None:
-        vals = [match.kwargs[k].meta.get("val") for k in ("x",) if k in match.kwargs]
-        vals += [match.kwargs[k].meta.get("val") for k in ("gate", "up") if k in match.kwargs]
-        if any(v is None or v.dtype not in (torch.float32, torch.bfloat16, torch.float16) for v in vals):
+        vals = [match.kwargs[k].meta.get("val") for k in ("x", "gate", "up") if k in match.kwargs]
+        if any(v is None or v.dtype not in FLOAT_DTYPES for v in vals):
             return "inputs are not fp32/bf16/fp16 tensors"
         if len(vals) == 2 and (vals[0].shape != vals[1].shape or vals[0].dtype != vals[1].dtype):
             return "gate and up differ in shape or dtype (broadcasting product)"
