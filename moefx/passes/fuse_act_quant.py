@@ -85,7 +85,7 @@ class FuseActQuant(QuantFusionPass):
     def fuse(self, graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext) -> int:
         quants, why = quant_users(node)
         if why is not None:
-            if quants or node.users:
+            if node.users:
                 ctx.skip(f"{node.name} (moefx::silu_mul) not fused: {why}")
             return 0
         scheme = tuple(quants[0].args[1:])
