@@ -105,3 +105,22 @@ def test_int8_gemm_matches_int_product():
     assert out.shape == (2, 3, 48) and ((out - ref).norm() / ref.norm()).item() < 1e-6
     with pytest.raises(ValueError, match="int8_gemm"):
         ops.int8_gemm(a.float(), a_s, w, w_s, None, torch.float32)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme("fp8_group", 128), QuantScheme("int8_token", 0)],
+                         ids=["fp8_group", "int8_token"])
+def test_kernel_cuda_scale_semantics_and_exact_division(scheme):
+    """The CUDA code path (scale = amax * fl32(1/qmax), as eager CUDA computes `amax / 448.0`; q by the
+    Markstein-corrected quotient) run in the interpreter against that formula written in torch."""
+    x = (torch.randn(8, 256) * 3).to(torch.bfloat16)
+    x[0, :7] = 0.0
+    q, s = _launch(T.MODE_PLAIN, x, scheme, cuda_semantics=True)
+    qmax = 448.0 if scheme.kind.startswith("fp8") else 127.0
+    gs = scheme.group_size or 256
+    xg = x.float().view(8, -1, gs)
+    s_ref = xg.abs().amax(-1, keepdim=True).clamp(min=scheme.eps) * (torch.tensor(1.0) / qmax)
+    y = xg / s_ref
+    q_ref = (y.clamp(-qmax, qmax).to(torch.float8_e4m3fn) if qmax == 448.0
+             else torch.round(y).clamp(-qmax, qmax).to(torch.int8)).view(8, 256)
+    assert torch.equal(s, s_ref.squeeze(-1))
+    assert torch.equal(q.view(torch.uint8) if qmax == 448.0 else q, q_ref.view(torch.uint8) if qmax == 448.0 else q_ref)

@@ -1,9 +1,11 @@
 """Triton kernels for the moefx quant ops: one launch computes the producer (copy, SiLU-mul, RMSNorm or
 residual-add + RMSNorm), keeps each quant group in registers and writes q and its scale in one pass.
 
-Bit-exactness with eager PyTorch on CUDA: exp/rsqrt use libdevice (the functions eager's kernels call),
-every division is IEEE round-to-nearest (`div_rn`), and intermediates are rounded to the dtypes eager rounds
-to (see moefx/ops/quant.py). Remaining differences come from reduction order in the RMSNorm variance only.
+Bit-exactness with eager PyTorch: intermediates are rounded to the dtypes eager rounds to (moefx/ops/quant.py);
+the scale is formed as eager forms `amax / qmax` on that device (CUDA: amax * fl32(1/qmax)); q = y / scale is
+the correctly rounded quotient (Markstein: one IEEE reciprocal per group, two FMAs per element), which matters
+because exact fp8 ties are common. Rare last-bit differences remain from silu's exp (ex2.approx) and division
+(div.full) -- absorbed by the bf16 rounding that follows nearly always -- and the RMSNorm variance sum order.
 The launcher accepts CPU tensors too so the kernels are tested under TRITON_INTERPRET=1.
 """
 
@@ -40,6 +42,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         return tl.math.exp2(tl.math.ceil(tl.math.log2(x)))
 
     @triton.jit
+    def _fast_div(a, b):
+        return a / b
+
+    @triton.jit
+    def _fma(a, b, c):  # the product of two fp32 values is exact in fp64; the sums needed here round once
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+
+    @triton.jit
     def _rint(x):  # 1.5 * 2**23: (x + c) - c rounds |x| < 2**22 half to even in fp32 arithmetic
         return (x + 12582912.0) - 12582912.0
 
@@ -68,8 +78,8 @@ else:
         return libdevice.div_rn(a, b)
 
     @triton.jit
-    def _exp(x):
-        return libdevice.exp(x)
+    def _exp(x):  # ex2.approx: a few ulps from expf, which the bf16 rounding of silu(x) nearly always absorbs
+        return tl.exp(x)
 
     @triton.jit
     def _rsqrt(x):
@@ -82,6 +92,16 @@ else:
     @triton.jit
     def _rint(x):
         return libdevice.rint(x)
+
+    @triton.jit
+    def _fast_div(a, b):  # a * rcp.approx(b), ~2 ulp: only where a rounding to bf16/fp16 or fp8 follows
+        rcp = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True,
+                                        pack=1)
+        return a * rcp
+
+    @triton.jit
+    def _fma(a, b, c):
+        return tl.fma(a, b, c)
 
     @triton.jit
     def _rne_bf16(v):
@@ -102,13 +122,22 @@ def _round_to(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _exact_div(y, s, inv):
+    """IEEE y / s from inv = RN(1/s): q0 = y*inv, r = y - q0*s (exact by FMA), RN(q0 + r*inv) is correctly
+    rounded (Markstein). Three instructions instead of a full IEEE division per element."""
+    q0 = y * inv
+    return tl.where(q0 == 0.0, q0, _fma(_fma(-q0, s, y), inv, q0))  # keeps -0.0 / s = -0.0
+
+
+@triton.jit
 def _quant_kernel(
     X, U, RES, W, NEWRES, Q, S,
     M, H,
     stride_xm, stride_um, stride_rm, stride_sm, stride_sg,
-    eps, min_scale, qmax, norm_eps, inv_h,
+    eps, min_scale, qmax, inv_qmax, norm_eps, inv_h,
     MODE: tl.constexpr, IN_DT: tl.constexpr, Y_DT: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_W: tl.constexpr, W_FP32: tl.constexpr, FP32_SUM: tl.constexpr, UE8M0: tl.constexpr,
+    RECIP_SCALE: tl.constexpr, CLAMP: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -121,7 +150,7 @@ def _quant_kernel(
     x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if MODE == 1:
         u = tl.load(U + rows64[:, None] * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sg = _round_to(_div(x, 1.0 + _exp(-x)), IN_DT)
+        sg = _round_to(_fast_div(x, 1.0 + _exp(-x)), IN_DT)
         y = _round_to(sg * u, IN_DT)
     elif MODE >= 2:
         if MODE == 3:
@@ -145,20 +174,32 @@ def _quant_kernel(
         y = x
 
     NG: tl.constexpr = BLOCK_H // GROUP
-    y3 = tl.reshape(y, (BLOCK_M, NG, GROUP))
-    amax = tl.max(tl.abs(y3), axis=2)
+    if NG == 1:
+        amax = tl.max(tl.abs(y), axis=1)[:, None]
+    else:
+        y = tl.reshape(y, (BLOCK_M, NG, GROUP))
+        amax = tl.max(tl.abs(y), axis=2)
     amax = tl.maximum(amax, eps)
-    scale = _div(amax, qmax)
+    if RECIP_SCALE:
+        scale = amax * inv_qmax  # eager CUDA computes `tensor / python_float` as tensor * fl32(1 / float)
+    else:
+        scale = _div(amax, qmax)
     if UE8M0:
         scale = _pow2_ceil(scale)
     scale = tl.maximum(scale, min_scale)
-    v = _div(y3, scale[:, :, None])
-    v = tl.minimum(tl.maximum(v, -qmax), qmax)
+    inv = _div(1.0, scale)
+    if NG == 1:
+        v = _exact_div(y, scale, inv)
+    else:
+        v = _exact_div(y, scale[:, :, None], inv[:, :, None])
+    if CLAMP:  # FP8 at qmax = 448: the saturating conversion is the clamp
+        v = tl.minimum(tl.maximum(v, -qmax), qmax)
     if IS_FP8:
         qv = _to_fp8(v)
     else:
         qv = _rint(v).to(tl.int8)
-    qv = tl.reshape(qv, (BLOCK_M, BLOCK_H))
+    if NG != 1:
+        qv = tl.reshape(qv, (BLOCK_M, BLOCK_H))
     tl.store(Q + rows64[:, None] * H + cols[None, :], qv, mask=mask)
     groups = pid_h * NG + tl.arange(0, NG)
     n_groups = (H + GROUP - 1) // GROUP
@@ -177,7 +218,7 @@ def _tiles(mode: int, grouped: bool, group: int, m: int, h: int) -> tuple[int, i
     hp = triton.next_power_of_2(h)
     if mode >= MODE_NORM or not grouped:
         block_h = max(hp, group if grouped else 1)
-        warps = 4 if block_h <= 2048 else (8 if block_h <= 8192 else 16)
+        warps = 4 if block_h <= 2048 else (8 if block_h <= 8192 and (m > 256 or block_h < 8192) else 16)
         return (group if grouped else block_h), 1, block_h, warps
     block_h = max(group, min(hp, 1024))
     block_m = 1 if m <= 256 else 4
@@ -198,10 +239,13 @@ def launch(
     y_dtype: torch.dtype | None = None,
     fp32_residual_sum: bool = False,
     new_residual: torch.Tensor | None = None,
+    cuda_semantics: bool | None = None,
 ) -> None:
     """Fill q [..., H] and s [..., G] (any layout) from x (and up / residual `u`). Tensors may live on CPU
-    (interpreter) or CUDA. `scheme` is the tuple of `QuantScheme.args()`; it must already be validated."""
-    from moefx.ops.quant import check_scheme
+    (interpreter) or CUDA. `scheme` is the tuple of `QuantScheme.args()`; it must already be validated.
+    `cuda_semantics` (default: x.is_cuda) computes scale = amax * fl32(1/qmax) as eager CUDA does; else IEEE
+    amax / qmax as eager CPU does."""
+    from moefx.ops.quant import FP8_MAX, check_scheme
 
     kind, group_size, eps, min_scale, _, ue8m0, _, _ = scheme
     qmax = check_scheme(*scheme)
@@ -222,14 +266,17 @@ def launch(
     in_dt = _TL_DTYPES[x.dtype]
     w = weight.contiguous() if weight is not None else x2
     res = new_residual if new_residual is not None else x2
+    inv_qmax = float(torch.tensor(1.0) / torch.tensor(qmax))  # fp32 IEEE, as torch forms it on the host
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
     _quant_kernel[grid](
         x2, u2, u2, w, res, q.view(-1, h), s2,
         m, h,
         x2.stride(0), u2.stride(0), u2.stride(0), s2.stride(0), s2.stride(1),
-        float(eps), float(min_scale), qmax, float(norm_eps), 1.0 / h,
+        float(eps), float(min_scale), qmax, inv_qmax, float(norm_eps), 1.0 / h,
         MODE=mode, IN_DT=in_dt, Y_DT=_TL_DTYPES[y_dtype or x.dtype], IS_FP8=kind.startswith("fp8"),
         HAS_W=weight is not None, W_FP32=weight_in_fp32, FP32_SUM=fp32_residual_sum, UE8M0=ue8m0,
+        RECIP_SCALE=x.is_cuda if cuda_semantics is None else cuda_semantics,
+        CLAMP=not (kind.startswith("fp8") and qmax == FP8_MAX),
         GROUP=group, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,
     )
     if s2 is not s and s2.data_ptr() != s.data_ptr():
