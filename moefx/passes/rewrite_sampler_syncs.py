@@ -86,6 +86,9 @@ class _ItemRewriter:
     def unsupported(self, user: torch.fx.Node) -> str | None:
         if user.op != "call_function":
             return f"its value is a graph output ({user.op})"
+        out, src = meta_val(user), meta_val(self.src)
+        if isinstance(out, torch.Tensor) and out.device != src.device:
+            return f"the scalar lives on {src.device} and its user on {out.device} (no device sync to remove)"
         target = user.target
         if target is aten.full.default:
             ok = len(user.args) == 2 and user.args[1] is self.item and self.item not in user.args[0]
@@ -100,7 +103,6 @@ class _ItemRewriter:
             if user.kwargs.get("alpha", 1) != 1:
                 return f"{target} uses alpha"
             x = meta_val(user.args[0])
-            out = meta_val(user)
             if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
                 return f"{target} has no tensor operand"
             if self.src_dtype.is_floating_point and not x.dtype.is_floating_point:

@@ -65,7 +65,6 @@ class DecodeLoop:
         params: SamplingParams,
         eos_token_id: int | None = None,
         pad_token_id: int = 0,
-        on_step: Any = None,
     ) -> torch.Tensor:
         """Prompt + new tokens [B, T + n]; rows that hit EOS are padded, like transformers' generate()."""
         batch, prompt = input_ids.shape
@@ -82,29 +81,30 @@ class DecodeLoop:
         pinned = device.type == "cuda"
         flags = [torch.zeros((), dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
         events = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        out = []
+        out: list[torch.Tensor] = []
         position = torch.full((batch, 1), prompt, dtype=torch.long, device=device)
+        graphs = self.compiled and device.type == "cuda"
         for step in range(max_new_tokens):
+            if step > 0:
+                if graphs:  # a new step: CUDA-graph outputs of the previous one may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = self.forward(out[-1][:, None], position, cache)
+                position = position + 1
             nxt, finished, done = self.pick(logits, finished, params, eos, pad_token_id)
-            if self.compiled:  # CUDA-graph outputs are overwritten by the next replay
+            if self.compiled:
                 nxt, finished = nxt.clone(), finished.clone()
             out.append(nxt)
-            if on_step is not None:
-                on_step(step)
-            if eos_token_id is not None:
-                slot = step % 2
-                flags[slot].copy_(done, non_blocking=pinned)
+            if eos_token_id is None:
+                continue
+            slot = step % 2
+            flags[slot].copy_(done, non_blocking=pinned)
+            if pinned:
+                events[slot].record()
+            if step > 0:
+                prev = (step - 1) % 2
                 if pinned:
-                    events[slot].record()
-                if step > 0:
-                    prev = (step - 1) % 2
-                    if pinned:
-                        events[prev].synchronize()
-                    if bool(flags[prev]):
-                        out.pop()  # one step late: this token came after every row had finished
-                        break
-            if step + 1 == max_new_tokens:
-                break
-            logits = self.forward(nxt[:, None], position, cache)
-            position = position + 1
+                    events[prev].synchronize()
+                if bool(flags[prev]):
+                    out.pop()  # read one step late: this token came after every row had finished
+                    break
         return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1)
