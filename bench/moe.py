@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="first run `moefx calibrate --modes capture` for this geometry, so `auto` has rows to use")
     args = ap.parse_args()
     quick = args.quick or not torch.cuda.is_available()
     dev = "cpu" if quick else "cuda"
@@ -186,6 +188,8 @@ def main() -> None:
     for f in failures:
         print("  FAIL", f, flush=True)
 
+    if args.calibrate and not quick:
+        calibrate(dtypes, e, h, inter, k)
     # ---- timing ----
     peer = None
     if not quick and not args.no_peer and "bf16" in dtypes:
@@ -239,6 +243,20 @@ def main() -> None:
     print_table(result, dtypes)
     if failures:
         sys.exit(1)
+
+
+def calibrate(dtypes: list[str], e: int, h: int, inter: int, k: int) -> None:
+    """`moefx calibrate` in-process (the repo need not be pip-installed); rows go to the user's table folder."""
+    from moefx.backends.calibration import invalidate
+    from moefx.cli import main as cli_main
+
+    for dt in dtypes:
+        argv = ["calibrate", "--experts", str(e), "--hidden", str(h), "--intermediate", str(inter), "--topk", str(k),
+                "--dtype", "bfloat16", "--quant", "fp8-block128" if dt == "fp8" else "none", "--modes", "capture"]
+        t = time.time()
+        rc = cli_main(argv)
+        print(f"calibrate {dt}: rc={rc} ({time.time() - t:.0f}s)", flush=True)
+    invalidate()
 
 
 def run_timed(quick: bool, fn) -> float:
