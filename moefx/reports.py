@@ -34,7 +34,11 @@ def new_report(passes: list[str], plan_decisions: list[str]) -> CompileReport:
 
 
 def compile_reports() -> list[CompileReport]:
-    """Reports for every graph the moefx pass manager ran on in this process, oldest first."""
+    """Reports for every graph the moefx pass manager ran on in this process, oldest first.
+
+    A graph that inductor serves from its FX-graph or AOT-autograd cache was built by an earlier run with
+    the same pass manager uuid; the passes do not run again, so it adds no report here.
+    """
     with _lock:
         return list(_reports)
 

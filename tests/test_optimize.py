@@ -2,12 +2,21 @@ import copy
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 
 import moefx
 from moefx.cli import main as cli_main
 from moefx.models import build_model, tiny_qwen3_moe_config
 
 NOOPS_ON = {"pass_config": {"eliminate_noops": True}}
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_caches():
+    """Reports are written when the passes run; a warm inductor/autograd cache would skip them."""
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 @pytest.mark.compile
