@@ -278,6 +278,7 @@ def launch(
         RECIP_SCALE=x.is_cuda if cuda_semantics is None else cuda_semantics,
         CLAMP=not (kind.startswith("fp8") and qmax == FP8_MAX),
         GROUP=group, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,
+        enable_fp_fusion=False,  # eager rounds mean(x^2) before + eps and x*x before summing: no FMA contraction
     )
     if s2 is not s and s2.data_ptr() != s.data_ptr():
         s.copy_(s2.view(s.shape))
