@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run moefx's GPU benchmarks in one device call: each stage has its own time limit and a failing stage
+# does not stop the others. Logs and JSON go to a folder that is packed into $OUT/results-<stages>.tgz
+# (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
+#   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe fusions sampler offload calibrate
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+RES=$(mktemp -d /tmp/moefx-res.XXXX)
+export TORCHINDUCTOR_CACHE_DIR=$RES/inductor
+mkdir -p "$OUT"
+stages=("$@")
+
+run_stage() {  # name, limit seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    local start=$SECONDS
+    OUT=$RES timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
+    echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
+}
+
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$RES/versions.txt"
+for s in "${stages[@]}"; do
+    case $s in
+        demo) run_stage demo 150 python3 -m moefx.cli demo --device cuda ;;
+        moe) run_stage moe 240 python3 bench/moe.py --calibrate ;;
+        fusions) run_stage fusions 150 python3 bench/fusions.py ;;
+        sampler) run_stage sampler 200 python3 bench/sampler.py ;;
+        offload) run_stage offload 260 python3 bench/offload.py ;;
+        calibrate) run_stage calibrate 300 bash bench/calibrate_h200.sh ;;
+        *) echo "unknown stage $s (demo moe fusions sampler offload calibrate)" ;;
+    esac
+done
+rm -rf "$RES/inductor"
+tar czf "$OUT/results-$(IFS=-; echo "${stages[*]}").tgz" -C "$RES" .
+for s in "${stages[@]}"; do
+    echo "##### $s"
+    tail -n 25 "$RES/$s.log" 2>/dev/null
+done

@@ -1,0 +1,3 @@
+from moefx.cli import main
+
+raise SystemExit(main())
