@@ -328,12 +328,25 @@ def gemm_rows(device: str) -> list[dict]:
             row["scaled_mm_us"] = time_gpu(scaled_mm_blockwise, operands, 20)
         except Exception as e:
             row["scaled_mm_error"] = f"{type(e).__name__}: {e}"[:200]
-        row["floor_us"] = max((m * k + n * k + m * n * 2) / BW * 1e6, 2 * m * n * k / 1.4e15 * 1e6)
+        flop_us = 2 * m * n * k / FP8_RATE * 1e6 if FP8_RATE else 0.0
+        row["floor_us"] = max((m * k + n * k + m * n * 2) / BW * 1e6, flop_us)
         rows.append(row)
     return rows
 
 
 BW = 0.0
+FP8_RATE = 0.0
+
+
+def fp8_matmul_rate(device: str) -> float:
+    """FLOP/s of a tensorwise-scaled fp8 `torch._scaled_mm` at 8192^3: the FLOP ceiling for the GEMM floor."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(FP8)
+    b = torch.randn(n, n, device=device).to(FP8)
+    one = torch.ones((), device=device)
+    us = time_gpu(lambda x, y: torch._scaled_mm(x, y.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                  [(a, b)], 5)
+    return 2 * n**3 / (us * 1e-6)
 
 
 def fmt(v) -> str:
@@ -341,7 +354,7 @@ def fmt(v) -> str:
 
 
 def main() -> None:
-    global BW
+    global BW, FP8_RATE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, no compile columns")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -358,6 +371,12 @@ def main() -> None:
         print("  OUT OF BOUNDS:", c, flush=True)
     BW = copy_bandwidth(device)
     print(f"copy bandwidth: {BW / 1e12:.2f} TB/s", flush=True)
+    if device == "cuda":
+        try:
+            FP8_RATE = fp8_matmul_rate(device)
+            print(f"fp8 matmul rate: {FP8_RATE / 1e12:.0f} TFLOP/s", flush=True)
+        except RuntimeError as e:
+            print(f"fp8 matmul rate not measured ({e}); GEMM floors count bytes only", flush=True)
     gemms = gemm_rows(device) if device == "cuda" else []
     shapes = {"silu": [(16, 12288), (512, 12288), (8192, 12288)], "norm": [(16, 4096), (512, 4096), (8192, 4096)]}
     if args.quick:
@@ -373,7 +392,7 @@ def main() -> None:
     for r in rows:
         r["floor_us"] = r["bytes"] / BW * 1e6
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "copy_bw_Bps": BW, "seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d")}
+            "copy_bw_Bps": BW, "fp8_flops": FP8_RATE, "seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d")}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "fusions.json").write_text(
             json.dumps({"meta": meta, "checks": checks, "gemm": gemms, "fusions": rows}, indent=1, default=str))
