@@ -11,6 +11,7 @@ The launcher accepts CPU tensors too so the kernels are tested under TRITON_INTE
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -207,6 +208,12 @@ def _quant_kernel(
     tl.store(S + rows64[:, None] * stride_sm + groups[None, :] * stride_sg, scale, mask=smask)
 
 
+@functools.lru_cache(maxsize=16)
+def _fp32_reciprocal(v: float) -> float:
+    """fl32(1 / v) by an fp32 IEEE division, as eager CUDA forms it on the host for `tensor / v`."""
+    return float(torch.tensor(1.0) / torch.tensor(v))
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., H] -> 2-D [M, H] with unit last stride (a view whenever possible)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -266,7 +273,7 @@ def launch(
     in_dt = _TL_DTYPES[x.dtype]
     w = weight.contiguous() if weight is not None else x2
     res = new_residual if new_residual is not None else x2
-    inv_qmax = float(torch.tensor(1.0) / torch.tensor(qmax))  # fp32 IEEE, as torch forms it on the host
+    inv_qmax = _fp32_reciprocal(qmax)
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
     _quant_kernel[grid](
         x2, u2, u2, w, res, q.view(-1, h), s2,
