@@ -18,7 +18,9 @@ Scheme arguments, shared by every quant op, always last and in this order (`Quan
 Quant math (exactly what eager user code computes): amax = max|y| per group/token in fp32;
 scale = max(amax, eps) / qmax [-> ue8m0] [-> max(., min_scale)], the division done as eager PyTorch does
 `tensor / python_float` on that device: IEEE division on CPU, amax * fl32(1/qmax) on CUDA (scales differ by
-one ulp between the two in about half the groups; the op follows the device it runs on);
+one ulp between the two in about half the groups; the op follows the device it runs on). So user code
+`amax / 448.0` matches on both devices; `amax * (1/448)` matches on CUDA only and `amax / tensor(448.)` on CPU
+only -- elsewhere ~0.1% of FP8 codes differ by one (exact fp8 ties are common, a one-ulp scale breaks them);
 FP8: q = clamp(y_fp32 / scale, -qmax, qmax).to(float8_e4m3fn)  (IEEE division, round to nearest even);
 INT8: q = clamp(torch.round(y_fp32 / scale), -qmax, qmax).to(int8)  (half to even). A clamp of (-128, 127) on
 INT8 is equivalent because |y/scale| <= qmax whenever scale comes from amax.
