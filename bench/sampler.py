@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -86,7 +87,7 @@ def timed(fn, device: torch.device, runs: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-class StopAfter:
+class StopAfter(StoppingCriteria):
     """A stopping criterion (no host read) that ends generation at `length` tokens."""
 
     def __init__(self, length: int) -> None:
@@ -98,16 +99,13 @@ class StopAfter:
 
 
 def hf_generate(model, ids, params: SamplingParams, n: int, stop_after: int | None, deferred: bool):
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
     kwargs = dict(max_new_tokens=n, cache_implementation="static", pad_token_id=0)
     if params.greedy:
         kwargs["do_sample"] = False
     else:
         kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     if stop_after is not None:  # same cache size as the n-token run, stopped after `stop_after` tokens
-        stop = type("StopAfter", (StopAfter, StoppingCriteria), {})(ids.shape[1] + stop_after)
-        kwargs["stopping_criteria"] = StoppingCriteriaList([stop])
+        kwargs["stopping_criteria"] = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
     generate = model.generate if deferred else type(model).generate.__get__(model)
     return generate(ids, **kwargs)
 

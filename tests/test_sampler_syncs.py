@@ -188,3 +188,39 @@ def test_exponential_race_without_replacement_draws_distinct_tokens():
     first = gm(p.expand(30000, 4).contiguous())[:, 0]
     freq = torch.bincount(first, minlength=4).double() / 30000
     assert (freq - p.double()).abs().max() < 0.015
+
+
+def nonzero_fill(probs):
+    probs = probs.clone()
+    probs[torch.nonzero(probs < 0.1, as_tuple=True)] = 0.0
+    idx = (probs > 0.9).nonzero()
+    probs[idx[:, 0], idx[:, 1]] = 1.0
+    return probs
+
+
+def nonzero_fill_and_count(probs):
+    probs = probs.clone()
+    idx = (probs > 0.9).nonzero()
+    probs[idx[:, 0], idx[:, 1]] = 1.0
+    return probs, idx.shape[0]
+
+
+def test_nonzero_coordinates_fill_becomes_where():
+    gm = post_grad(nonzero_fill, torch.rand(3, 8))
+    assert count_targets(gm.graph, aten.nonzero.default) == 2
+    n, skipped = run_pass(gm)
+    assert n == 2 and not skipped
+    assert count_targets(gm.graph, aten.nonzero.default) == 0
+    assert count_targets(gm.graph, aten.index_put.default) == 0
+    x = torch.rand(5, 8)  # a fresh shape too: the graph is symbolic
+    assert torch.equal(gm(x), nonzero_fill(x))
+
+
+def test_nonzero_used_elsewhere_is_reported():
+    gm = post_grad(nonzero_fill_and_count, torch.rand(3, 8))
+    n, skipped = run_pass(gm)
+    assert n == 1  # the fill is rewritten; the count still needs the nonzero
+    assert any("nonzero" in s and "kept" in s for s in skipped)
+    x = torch.rand(4, 8)
+    got, ref = gm(x), nonzero_fill_and_count(x)
+    assert torch.equal(got[0], ref[0]) and int(got[1]) == ref[1]

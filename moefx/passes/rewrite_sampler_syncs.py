@@ -147,19 +147,45 @@ class _ItemRewriter:
         return _cast(graph, out, dtype)
 
 
-def _bool_index_put(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | str:
-    """(x, mask, value) when `node` is `x[mask] = scalar`, else why not."""
+def _nonzero_mask(indices: list) -> torch.fx.Node | None:
+    """The mask when `indices` are the columns 0..k-1 of one `nonzero(mask)` (as_tuple or sliced), else None."""
+    sources = []
+    for j, idx in enumerate(indices):
+        if not isinstance(idx, torch.fx.Node):
+            return None
+        if idx.target is operator.getitem and getattr(idx.args[0], "target", None) is aten.unbind.int:
+            unbind = idx.args[0]
+            dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+            ok = idx.args[1] == j and dim in (1, -1)
+            sources.append(unbind.args[0] if ok else None)
+        elif idx.target in (aten.select.int, aten.select_copy.int):
+            sources.append(idx.args[0] if idx.args[1] in (1, -1) and idx.args[2] == j else None)
+        else:
+            return None
+    nz = sources[0]
+    if nz is None or any(src is not nz for src in sources) or nz.target is not aten.nonzero.default:
+        return None
+    mask = nz.args[0]
+    return mask if meta_val(mask) is not None and meta_val(mask).dim() == len(indices) else None
+
+
+def _masked_index_put(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | str:
+    """(x, mask, value) when `node` is `x[mask] = scalar` or `x[mask.nonzero(as_tuple=True)] = scalar`."""
     x, indices, values = node.args[:3]
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-    if len(indices) != 1 or indices[0] is None:
-        return "not a single-mask index_put"
-    mask, xv, mv, vv = indices[0], meta_val(x), meta_val(indices[0]), meta_val(values)
-    if mv is None or mv.dtype not in (torch.bool, torch.uint8):
-        return ""  # integer indices: no sync, nothing to do
+    if len(indices) == 1 and indices[0] is not None and meta_val(indices[0]) is not None:
+        mask = indices[0]
+        if meta_val(mask).dtype not in (torch.bool, torch.uint8):
+            mask = _nonzero_mask(list(indices))
+    else:
+        mask = _nonzero_mask(list(indices))
+    if mask is None:
+        return ""  # integer indices: no sync here, nothing to do
+    xv, mv, vv = meta_val(x), meta_val(mask), meta_val(values)
     if accumulate:
-        return "boolean index_put with accumulate=True"
+        return "masked index_put with accumulate=True"
     if mv.dim() > xv.dim() or not all(statically_known_true(a == b) for a, b in zip(mv.shape, xv.shape)):
-        return "boolean mask does not cover the leading dims of the tensor"
+        return "the mask does not cover the leading dims of the tensor"
     if not _numel_is_one(vv):
         return "assigned values are not a single scalar (their count depends on the mask)"
     return x, mask, values
@@ -230,16 +256,12 @@ class RewriteSamplerSyncs(MoefxPass):
                 rewriter.rewrite()
                 done += 1
             elif target is aten.index_put.default:
-                found = _bool_index_put(node)
+                found = _masked_index_put(node)
                 if isinstance(found, tuple):
                     _rewrite_index_put(graph, node, *found)
                     done += 1
                 elif found:
                     ctx.skip(f"boolean index_put at {source_of(node)} kept: {found}")
-            elif target is aten.index.Tensor:
-                idx = [meta_val(i) for i in node.args[1] if i is not None]
-                if any(v is not None and v.dtype in (torch.bool, torch.uint8) for v in idx):
-                    ctx.skip(f"boolean-mask indexing at {source_of(node)} kept: data-dependent output shape")
             elif target is aten.multinomial.default:
                 why = _multinomial_race(node) or (None if race_on else "sampler_exponential_race is off")
                 if why:
@@ -247,6 +269,19 @@ class RewriteSamplerSyncs(MoefxPass):
                     continue
                 _rewrite_multinomial(graph, node)
                 done += 1
-            elif target in _REPORT_ONLY:
-                ctx.skip(f"{target} at {source_of(node)} kept: {_REPORT_ONLY[target]}")
+        if done:
+            graph.eliminate_dead_code()  # a nonzero that only fed a rewritten index_put is gone now
+        self._report_shape_syncs(graph, ctx)
         return done
+
+    @staticmethod
+    def _report_shape_syncs(graph: torch.fx.Graph, ctx: PassContext) -> None:
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is aten.index.Tensor:
+                idx = [meta_val(i) for i in node.args[1] if i is not None]
+                if any(v is not None and v.dtype in (torch.bool, torch.uint8) for v in idx):
+                    ctx.skip(f"boolean-mask indexing at {source_of(node)} kept: data-dependent output shape")
+            elif node.target in _REPORT_ONLY:
+                ctx.skip(f"{node.target} at {source_of(node)} kept: {_REPORT_ONLY[node.target]}")
