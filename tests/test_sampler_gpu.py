@@ -1,0 +1,54 @@
+"""CUDA-only checks (skipped without a GPU): no host sync per decode step, deferred stop == stock outputs."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import moefx
+from moefx.models import build_model, tiny_qwen3_moe_config
+from moefx.sampling import DecodeLoop, SamplingParams, enable_deferred_stop
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.compile,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _syncs(fn) -> int:
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.current_stream().synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in log)
+
+
+def test_decode_loop_has_no_host_sync_per_step():
+    model = build_model(tiny_qwen3_moe_config(), seed=0, dtype=torch.bfloat16, device="cuda")
+    cfg = {"mode": "capture", "pass_config": {"rewrite_sampler_syncs": True, "last_token_logits": True}}
+    loop = DecodeLoop(model, max_len=64, compile_kwargs={"backend": moefx.backend(cfg)})
+    ids = torch.randint(1, 256, (4, 8), device="cuda")
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+    for n in (2, 12):
+        loop.generate(ids, n, params)  # compile and record the graphs
+    extra = _syncs(lambda: loop.generate(ids, 12, params)) - _syncs(lambda: loop.generate(ids, 2, params))
+    assert extra == 0
+
+
+def test_deferred_stop_on_cuda_matches_stock():
+    stock = build_model(tiny_qwen3_moe_config(), seed=1, device="cuda")
+    deferred = copy.deepcopy(stock)
+    assert enable_deferred_stop(deferred) is None
+    ids = torch.randint(1, 256, (3, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    free = stock.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 9])
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    assert torch.equal(deferred.generate(ids, **kwargs), stock.generate(ids, **kwargs))
