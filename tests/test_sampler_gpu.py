@@ -11,6 +11,7 @@ import torch
 import moefx
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.sampling import DecodeLoop, SamplingParams, enable_deferred_stop
+from moefx.sampling.stop import deferred_stop_instances
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,4 +52,6 @@ def test_deferred_stop_on_cuda_matches_stock():
     free = stock.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
     eos = int(free[0, 9])
     kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    before = deferred_stop_instances()
     assert torch.equal(deferred.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+    assert deferred_stop_instances() == before + 1
