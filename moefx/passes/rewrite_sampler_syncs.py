@@ -5,7 +5,8 @@ A sync stalls the GPU every decode step and forbids CUDA-graph capture. What thi
 * `.item()` (`_local_scalar_dense`) whose every use is tensor math with a Python scalar (arithmetic,
   comparison, clamp, `full`, `masked_fill`): the value stays a 0-d tensor. Arithmetic on bf16/fp16 runs
   in fp32 and rounds once, as eager's scalar ops do, so results are bit-identical.
-* `x[mask] = v` (`index_put` with one boolean mask and a single value) -> `where(mask, v, x)`.
+* `x[mask] = v` (`index_put` with one boolean mask and a single value), and the same fill through the
+  coordinates of one `nonzero(mask)` -> `where(mask, v, x)`; the `nonzero` goes when nothing else reads it.
 * `torch.multinomial(probs, n)` (n == 1, or without replacement) -> the exponential race
   `argmax(probs / q)`, `q ~ Exp(1)` (top-n for n > 1): the same distribution without the validity
   check that reads back to the host. It draws a different random stream, so it only runs under the
@@ -247,10 +248,13 @@ class RewriteSamplerSyncs(MoefxPass):
                 continue
             target = node.target
             if target is aten._local_scalar_dense.default:
+                if meta_val(node.args[0]) is None or not node.users:
+                    ctx.skip(f".item() at {source_of(node)} kept: its value is unused or untyped")
+                    continue
                 rewriter = _ItemRewriter(graph, node)
                 reasons = [r for u in node.users if (r := rewriter.unsupported(u))]
-                if reasons or not node.users or meta_val(node.args[0]) is None:
-                    why = reasons[0] if reasons else "its value is unused or untyped"
+                if reasons:
+                    why = reasons[0]
                     ctx.skip(f".item() at {source_of(node)} kept: {why}")
                     continue
                 rewriter.rewrite()
