@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/moefx/inductor"))
@@ -7,3 +8,11 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/mo
 # module that defines a @triton.jit kernel is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once(monkeypatch):
+    """Each test sees moefx's one-time warnings afresh, whatever ran before it."""
+    import moefx.log
+
+    monkeypatch.setattr(moefx.log, "_warned", set())
