@@ -99,13 +99,14 @@ class StopAfter(StoppingCriteria):
 
 
 def hf_generate(model, ids, params: SamplingParams, n: int, stop_after: int | None, deferred: bool):
-    kwargs = dict(max_new_tokens=n, cache_implementation="static", pad_token_id=0)
+    # Both runs stop through a criterion with the same cache size (n + 1), so a deferred stop check pays
+    # its one extra step in both and the difference t(n) - t(1) stays n - 1 decode steps.
+    kwargs = dict(max_new_tokens=n + 1, cache_implementation="static", pad_token_id=0)
     if params.greedy:
         kwargs["do_sample"] = False
     else:
         kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-    if stop_after is not None:  # same cache size as the n-token run, stopped after `stop_after` tokens
-        kwargs["stopping_criteria"] = StoppingCriteriaList([StopAfter(ids.shape[1] + stop_after)])
+    kwargs["stopping_criteria"] = StoppingCriteriaList([StopAfter(ids.shape[1] + (stop_after or n))])
     generate = model.generate if deferred else type(model).generate.__get__(model)
     return generate(ids, **kwargs)
 
