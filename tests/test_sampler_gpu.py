@@ -55,3 +55,18 @@ def test_deferred_stop_on_cuda_matches_stock():
     before = deferred_stop_instances()
     assert torch.equal(deferred.generate(ids, **kwargs), stock.generate(ids, **kwargs))
     assert deferred_stop_instances() == before + 1
+
+
+def _hf_like_sampler(logits, unfinished):
+    probs = torch.softmax(logits, -1)
+    tok = torch.multinomial(probs, 1)
+    if unfinished.max() == 0:
+        return tok, None
+    return tok, unfinished
+
+
+def test_audit_sees_runtime_syncs_on_cuda():
+    report = moefx.audit_syncs(_hf_like_sampler, torch.randn(4, 512, device="cuda"), torch.ones(4, device="cuda"))
+    runtime = [f for f in report.findings if f.kind == "runtime sync"]
+    assert runtime and all("test_sampler_gpu.py" in f.where for f in runtime)
+    assert any(n.startswith("runtime:") for n in report.notes)
