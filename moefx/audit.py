@@ -135,9 +135,9 @@ def _runtime_syncs(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[st
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn(*args, **kwargs)
-            torch.cuda.current_stream().synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.current_stream().synchronize()  # after: this wait is the audit's, not the function's
     return [f'"{w.filename}", line {w.lineno}' for w in log if "synchroniz" in str(w.message)]
 
 
