@@ -202,10 +202,10 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
                 t_1, _ = timed(lambda fn=fn, params=params: fn(params, n, 1), device, runs)
                 with SyncCounter(device) as full:
                     fn(params, n, None)
-                    sync(device)
+                sync(device)
                 with SyncCounter(device) as one:
                     fn(params, n, 1)
-                    sync(device)
+                sync(device)
                 steps = out.shape[1] - prompt - 1
                 syncs = None if full.count is None else (full.count - one.count) / max(steps, 1)
                 tps = batch * steps / max(t_n - t_1, 1e-9)
