@@ -26,9 +26,9 @@ def _syncs(fn) -> int:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
-            torch.cuda.current_stream().synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().synchronize()
     return sum("synchroniz" in str(w.message) for w in log)
 
 
