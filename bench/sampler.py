@@ -266,6 +266,12 @@ def run_prefill(model, cfg, device, tokens, runs) -> list[dict]:
     return rows
 
 
+def save(result: dict) -> None:
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "sampler.json").write_text(json.dumps(result, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run on the tiny model")
@@ -286,26 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     with progress(f"building {cfg.num_hidden_layers}-layer Qwen3-MoE ({dtype}, {device})"):
         model = build_model(cfg, seed=0, dtype=dtype, device=device)
         model.generation_config.eos_token_id = None  # random weights: never stop early
-    torch.manual_seed(0)
-    decode, checks = run_decode(model, cfg, device, dtype, batches, n, runs, prompt=32)
-    prefill_rows = run_prefill(model, cfg, device, prefill, runs)
-    rate = matmul_rate(device, dtype)
-    head_floor_ms = 1e3 * 2 * prefill * cfg.hidden_size * cfg.vocab_size / rate
-
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python bench/sampler.py" + (" --quick" if args.quick else ""),
         "model": f"Qwen3-MoE {cfg.num_hidden_layers} layers, E={cfg.num_experts}, H={cfg.hidden_size}",
-        "checks": checks,
-        "decode": decode,
-        "prefill": prefill_rows,
-        "prefill_lm_head_floor_ms": head_floor_ms,
     }
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "sampler.json").write_text(json.dumps(result, indent=2))
+    torch.manual_seed(0)
+    decode, checks = run_decode(model, cfg, device, dtype, batches, n, runs, prompt=32)
+    result.update(checks=checks, decode=decode)
+    save(result)  # the decode rows survive even if the prefill part is cut short
+    prefill_rows = run_prefill(model, cfg, device, prefill, runs)
+    rate = matmul_rate(device, dtype)
+    head_floor_ms = 1e3 * 2 * prefill * cfg.hidden_size * cfg.vocab_size / rate
+    result.update(prefill=prefill_rows, prefill_lm_head_floor_ms=head_floor_ms)
+    save(result)
 
     greedy = {(r["arm"], r["batch"]): r["tokens_per_s"] for r in decode if r["mode"] == "greedy"}
     hf = {(r["mode"], r["batch"]): r["tokens_per_s"] for r in decode if r["arm"] == "hf"}
