@@ -258,6 +258,9 @@ def compile_static(fn: Callable, backend, example: tuple) -> Callable:
     """torch.compile for this one shape (dynamic=False, as the PERF-NOTES baseline); warmed up once."""
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, dynamic=False) if backend else torch.compile(fn, dynamic=False)
+    # Both compile columns keep float constants as constants, as moefx.optimize does (torch 2.11 otherwise
+    # traces module-level floats such as the norm eps as graph inputs, which no exact fusion can match).
+    compiled = torch._dynamo.config.patch(specialize_float=True)(compiled)
     compiled(*example)
     return compiled
 

@@ -54,7 +54,9 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         plan.provenance.extend(f"{transform.name}: {line}" for line in applied)
     if cfg.mode != "eager":
         compiled = torch.compile(model.forward, backend=backend(cfg, plan), dynamic=cfg.dynamic)
-        model.forward = compiled
+        # Model code keeps constants (eps, FP8 max, min scale) in float attributes and globals; traced as
+        # runtime values they could not be matched by the fusions (which must reproduce them exactly).
+        model.forward = torch._dynamo.config.patch(specialize_float=True)(compiled)
     model.moefx_plan = plan
     log.info("optimized %s\n%s", type(model).__name__, plan.explain())
     return model

@@ -336,7 +336,13 @@ def runtime_scalars(match: pm.Match, names: dict[str, float]) -> str | None:
     """Constants the fused op needs at compile time but the graph computes at run time (e.g. an eps that
     `torch.compile(dynamic=True)` turned into a graph input)."""
     dynamic = [k for k in names if not isinstance(match.kwargs.get(k), (int, float))]
-    return f"{', '.join(dynamic)} is a runtime value, not a constant" if dynamic else None
+    if not dynamic:
+        return None
+    return (
+        f"{', '.join(dynamic)} is a runtime value, not a constant (dynamo did not specialize this float: "
+        f"moefx.optimize compiles with torch._dynamo.config.specialize_float=True; with plain torch.compile set it "
+        f"yourself or write the constant as a literal)"
+    )
 
 
 def dedupe_casts(graph: torch.fx.Graph) -> None:
