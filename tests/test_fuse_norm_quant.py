@@ -20,7 +20,7 @@ from test_fuse_act_quant import (
 )
 
 from moefx.passes.base import PassContext, count_targets
-from moefx.passes.fuse_norm_quant import FuseNormQuant
+from moefx.passes.fuse_norm_quant import _TORCH_BELOW_2_13, FuseNormQuant
 from moefx.passes.quant_patterns import post_grad_graph
 
 aten, ops = torch.ops.aten, torch.ops.moefx
@@ -126,6 +126,11 @@ def _moefx_add_norm_quant(x, r, w):
 @pytest.mark.parametrize("name,fn,dtype,residual", CASES, ids=[c[0] for c in CASES])
 def test_fuses_and_matches_eager(name, fn, dtype, residual):
     fused = ops.add_rms_norm_quant.default if residual else ops.rms_norm_quant.default
+    if "f_rms_norm" in name.split("+") and _TORCH_BELOW_2_13:
+        graph, n, ctx = _run_pass(fn, _inputs(dtype, residual))  # fails closed there, with the reason
+        assert n == 0 and count_targets(graph, fused) == 0
+        assert any("verified exact on torch >= 2.13" in r for r in ctx.skipped), ctx.skipped
+        return
     _check(fn, dtype, residual, fused)
 
 

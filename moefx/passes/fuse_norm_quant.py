@@ -95,6 +95,9 @@ def _vllm_add_rms_norm_op(x, residual, weight, eps):
     return y, s
 
 
+_TORCH_BELOW_2_13 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+
+
 @register_pass
 class FuseNormQuant(QuantFusionPass):
     name = "fuse_norm_quant"
@@ -116,6 +119,10 @@ class FuseNormQuant(QuantFusionPass):
 
     @classmethod
     def producer_reason(cls, prod: Producer, match) -> str | None:
+        if prod.name in ("f_rms_norm", "add_f_rms_norm") and _TORCH_BELOW_2_13:
+            # On torch 2.11 the fused bf16 F.rms_norm + INT8 per-token form differed from eager in ~5% of codes
+            # (tests/test_fuse_norm_quant.py); exactness is verified on torch 2.13 and 2.14 only.
+            return f"F.rms_norm fusion is verified exact on torch >= 2.13 only (this is {torch.__version__})"
         x = match.kwargs["x"].meta.get("val")
         w = match.kwargs["weight"].meta.get("val")
         if x is None or w is None or x.dtype not in FLOAT_DTYPES or w.dtype not in FLOAT_DTYPES:

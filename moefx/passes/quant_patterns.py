@@ -332,10 +332,31 @@ def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> to
     return item
 
 
-def runtime_scalars(match: pm.Match, names: dict[str, float]) -> str | None:
+def bound_scalars(match: pm.Match, search: Callable[..., Any], names: dict[str, float], example: list[Any]) -> dict:
+    """The constants a match bound to the pattern's scalar placeholders (eps, qmax, min scale).
+
+    torch 2.11's `register_replacement` re-traces the search function with the graph's own constants before
+    calling `extra_check`, and that specific pattern no longer binds them (only the magic placeholder
+    values are bound). Then the generic pattern, which binds them, is matched on the same output node."""
+    vals = {k: match.kwargs.get(k) for k in names}
+    if all(isinstance(v, (int, float)) for v in vals.values()):
+        return vals
+    key = (search, tuple(names), example[0].dtype)
+    if key not in _GENERIC_PATTERNS:
+        _GENERIC_PATTERNS[key] = pm.gen_pattern(search, example, trace, dict(names))
+    generic = _GENERIC_PATTERNS[key].match(match.output_nodes()[0])
+    if pm.is_match(generic):
+        vals.update({k: generic.kwargs.get(k) for k in names if not isinstance(vals[k], (int, float))})
+    return vals
+
+
+_GENERIC_PATTERNS: dict[tuple, Any] = {}
+
+
+def runtime_scalars(vals: dict[str, Any]) -> str | None:
     """Constants the fused op needs at compile time but the graph computes at run time (e.g. an eps that
     `torch.compile(dynamic=True)` turned into a graph input)."""
-    dynamic = [k for k in names if not isinstance(match.kwargs.get(k), (int, float))]
+    dynamic = [k for k, v in vals.items() if not isinstance(v, (int, float))]
     if not dynamic:
         return None
     return (
@@ -483,11 +504,13 @@ class QuantFusionPass(MoefxPass):
             if not isinstance(yv, torch.Tensor) or yv.dtype not in FLOAT_DTYPES:
                 cls._skip(match, f"{form.name}: input dtype {getattr(yv, 'dtype', None)} is not fp32/bf16/fp16")
                 return False
-            reason = runtime_scalars(match, form.scalars)
+            example = [torch.randn(4, 256, dtype=yv.dtype), *form.scalars.values()]
+            vals = bound_scalars(match, form.search, form.scalars, example)
+            reason = runtime_scalars(vals)
             if reason is not None:
                 cls._skip(match, f"{form.name} after {y.name} left alone: {reason}")
                 return False
-            scheme = form.scheme({k: match.kwargs[k] for k in form.scalars})
+            scheme = form.scheme(vals)
             if isinstance(scheme, str):
                 cls._skip(match, f"{form.name} after {y.name} left alone: {scheme}")
                 return False
@@ -519,7 +542,10 @@ class QuantFusionPass(MoefxPass):
     @classmethod
     def _producer_check(cls, prod: Producer) -> Callable[[pm.Match], bool]:
         def check(match: pm.Match) -> bool:
-            reason = runtime_scalars(match, prod.scalars) or cls.producer_reason(prod, match)
+            dtype = next((v.dtype for v in map(_val, match.kwargs.values()) if isinstance(v, torch.Tensor)), None)
+            example = [torch.randn(*shape, dtype=dtype) for shape in prod.shapes] + list(prod.scalars.values())
+            vals = bound_scalars(match, prod.search, prod.scalars, example)
+            reason = runtime_scalars(vals) or cls.producer_reason(prod, match)
             if reason is not None:
                 cls._skip(match, f"{prod.name} left alone: {reason}")
                 return False
