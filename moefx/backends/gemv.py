@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.kernels.common import cuda_fp8_problem, shape_problem, triton_available
-from moefx.backends.registry import MoEBackend, dequant_block, register_backend
+from moefx.backends.kernels.common import TritonMoEBackend
+from moefx.backends.registry import dequant_block, register_backend
 
 CPU_PAIR_CHUNK = 16
 
@@ -51,41 +51,11 @@ def gemv_torch(
 
 
 @register_backend
-class GemvBackend(MoEBackend):
+class GemvBackend(TritonMoEBackend):
     name = "gemv"
+    torch_path = staticmethod(gemv_torch)
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-    ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
-        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
-        if reason is None and hidden.is_cuda:
-            if not triton_available():
-                return "gemv needs Triton on CUDA"
-            reason = cuda_fp8_problem(hidden, w13_scale)
-        return reason
+    def cuda_kernel(self, *args: object) -> torch.Tensor:
+        from moefx.backends.kernels.gemv_kernels import gemv_moe
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        hidden = hidden.contiguous()
-        if hidden.is_cuda:
-            from moefx.backends.kernels.gemv_kernels import gemv_moe
-
-            with torch.cuda.device(hidden.device):  # Triton launches on the current device
-                return gemv_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
-        return gemv_torch(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+        return gemv_moe(*args)

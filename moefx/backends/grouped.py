@@ -16,13 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from moefx.backends.kernels.common import (
-    cuda_fp8_problem,
+    TritonMoEBackend,
     moe_align_torch,
     qdq_rows,
-    shape_problem,
-    triton_available,
 )
-from moefx.backends.registry import MoEBackend, dequant_block, register_backend
+from moefx.backends.registry import dequant_block, register_backend
 
 CPU_BLOCK_M = 16
 
@@ -62,41 +60,11 @@ def grouped_torch(
 
 
 @register_backend
-class GroupedBackend(MoEBackend):
+class GroupedBackend(TritonMoEBackend):
     name = "grouped"
+    torch_path = staticmethod(grouped_torch)
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-    ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
-        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
-        if reason is None and hidden.is_cuda:
-            if not triton_available():
-                return "grouped needs Triton on CUDA"
-            reason = cuda_fp8_problem(hidden, w13_scale)
-        return reason
+    def cuda_kernel(self, *args: object) -> torch.Tensor:
+        from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        hidden = hidden.contiguous()
-        if hidden.is_cuda:
-            from moefx.backends.kernels.fused_moe_kernels import fused_moe
-
-            with torch.cuda.device(hidden.device):  # Triton launches on the current device
-                return fused_moe(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
-        return grouped_torch(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+        return fused_moe(*args)

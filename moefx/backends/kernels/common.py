@@ -6,6 +6,8 @@ import importlib.util
 
 import torch
 
+from moefx.backends.registry import MoEBackend
+
 FP8_MAX = 448.0
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -54,6 +56,53 @@ def cuda_fp8_problem(hidden: torch.Tensor, w13_scale: torch.Tensor | None) -> st
     if w13_scale is not None and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) < (8, 9):
         return "FP8 tensor-core dot needs compute capability >= 8.9"
     return None
+
+
+class TritonMoEBackend(MoEBackend):
+    """A backend that runs a Triton kernel on CUDA and the same algorithm in PyTorch elsewhere.
+
+    Subclasses give `cuda_kernel` and `torch_path`, both taking
+    (hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)."""
+
+    def unsupported_reason(
+        self,
+        hidden: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> str | None:
+        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
+        if reason is None and hidden.is_cuda:
+            if not triton_available():
+                return f"{self.name} needs Triton on CUDA"
+            reason = cuda_fp8_problem(hidden, w13_scale)
+        return reason
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+        block_shape: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        args = (hidden.contiguous(), topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+        if hidden.is_cuda:
+            with torch.cuda.device(hidden.device):  # Triton launches on the current device
+                return self.cuda_kernel(*args)
+        return self.torch_path(*args)
+
+    def cuda_kernel(self, *args: object) -> torch.Tensor:
+        raise NotImplementedError
+
+    def torch_path(self, *args: object) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def qdq_rows(x: torch.Tensor, group: int) -> torch.Tensor:
