@@ -113,6 +113,14 @@ class _UpstreamExperts:
     """The attributes transformers' experts forwards read, over the op's [E, 2I, H] / [E, H, I] weights."""
 
     has_gate, has_bias, is_transposed = True, False, False
+    act_fn = staticmethod(F.silu)
+
+    def __getattr__(self, name: str) -> bool:
+        # Feature flags that newer transformers versions read (`has_post_expert_norm`, `_is_expert_parallel`, ...):
+        # the op's plain [E, 2I, H] / [E, H, I] layout has none of those features.
+        if name.startswith(("has_", "_is_")):
+            return False
+        raise AttributeError(name)
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
         self.num_experts, self.gate_up_proj, self.down_proj = w13.shape[0], w13, w2
