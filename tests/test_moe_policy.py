@@ -320,3 +320,82 @@ def test_sweep_stops_timing_a_contender_slow_at_two_m_in_a_row(monkeypatch):
     timings, skipped = calibrate.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
     assert set(timings["fast"]) == set(timings["spiky"]) == {1, 2, 4, 8}  # one spike is not enough
     assert set(timings["slow"]) == {1, 2} and "above M=2" in skipped["slow"]
+
+
+FP8_H, FP8_I = 128, 128  # smallest shape a 128x128 weight block fits
+
+
+def _fp8_call(m: int) -> tuple:
+    """An FP8 block-128 call: bf16 activations, float8_e4m3fn weights with (128, 128) block scales."""
+    from backends_util import quant_block
+
+    g = torch.Generator().manual_seed(m)
+    hidden = torch.randn(m, FP8_H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (m, TOPK), generator=g)
+    w13, s13 = quant_block(torch.randn(E, 2 * FP8_I, FP8_H, generator=g) / FP8_H**0.5, (128, 128))
+    w2, s2 = quant_block(torch.randn(E, FP8_H, FP8_I, generator=g) / FP8_I**0.5, (128, 128))
+    return hidden, ids, w13, w2, s13, s2
+
+
+def _choose_fp8(m: int, capturing: bool = False) -> str:
+    hidden, ids, w13, w2, s13, _ = _fp8_call(m)
+    return select_backend(hidden, ids, w13, w2, s13, (128, 128), upstream="transformers", capturing=capturing)
+
+
+def _fp8_row(mode: str, ranges: str, quant_block=(128, 128)) -> CalibrationRow:
+    hidden, ids, w13, *_ = _fp8_call(1)
+    key = key_for_tensors(hidden, ids, w13, quant_block, mode)
+    return CalibrationRow(key, parse_ranges(ranges, "test"), {"date": "2026-11-29", "command": "test"}, "")
+
+
+def test_fp8_row_written_loaded_and_picked_only_for_its_quant_block(tmp_path):
+    # an unquantized row for the same shape does not serve FP8 calls: upstream (the legacy loop for FP8)
+    path = _user_table(tmp_path, _fp8_row("eager", "gemv@1-", quant_block=None))
+    assert _choose_fp8(3) == "legacy"
+    write_row(path, _fp8_row("eager", "legacy@1-", quant_block=(128, 64)))
+    assert _choose_fp8(3) == "legacy"  # (128, 64) rows do not serve (128, 128) calls either
+    write_row(path, _fp8_row("eager", f"gemv@1-{T},grouped@{T + 1}-"))
+    write_row(path, _fp8_row("eager", f"grouped@1-{T},gemv@{T + 1}-"))  # same key: replaces, not duplicates
+    rows = load_table(path)
+    assert len(rows) == 3 and [r.key.quant_block for r in rows] == [None, (128, 64), (128, 128)]
+    assert "quant_block: [128, 128]" in path.read_text()
+    assert [_choose_fp8(m) for m in (T, T + 1)] == ["grouped", "gemv"]
+    hidden, ids, w13, *_ = _fp8_call(1)
+    assert find_row(key_for_tensors(hidden, ids, w13, (128, 128), "capture")) is None
+    with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
+        _choose_fp8(1, capturing=True)  # no capture row: upstream = legacy, which capture refuses
+
+
+def test_plan_fp8_signature_uses_the_fp8_row(tmp_path):
+    _user_table(tmp_path, _fp8_row("eager", "gemv@1-"))
+    quant = dict(quant_method="fp8", quant_weight_dtype="float8_e4m3fn", quant_block_shape=(128, 128))
+    ms = ModelSignature(num_experts=E, hidden_size=FP8_H, moe_intermediate_size=FP8_I, top_k=TOPK,
+                        dtype="bfloat16", **quant)
+    es = ExecutionSignature.detect(device="cpu", mode="compile", dtype=torch.bfloat16)
+    plan = moe_plan(ms, es, CompilationConfig())
+    assert plan.policy("eager").backend_for(1) == "gemv" and "quant=128x128" in plan.key
+    unquantized = ModelSignature(num_experts=E, hidden_size=FP8_H, moe_intermediate_size=FP8_I, top_k=TOPK,
+                                 dtype="bfloat16")
+    assert not moe_plan(unquantized, es, CompilationConfig()).applies
+    other_block = ModelSignature(**{**unquantized.__dict__, **quant, "quant_block_shape": (64, 64)})
+    assert not moe_plan(other_block, es, CompilationConfig()).applies
+
+
+def test_calibrate_fp8_quick_writes_an_fp8_row_auto_follows(tmp_path, capsys):
+    from moefx.cli import main
+
+    out = user_table_dir() / "cpu.yaml"
+    argv = ["calibrate", "--experts", str(E), "--hidden", str(FP8_H), "--intermediate", str(FP8_I),
+            "--topk", str(TOPK), "--dtype", "bfloat16", "--quant", "fp8-block128", "--quick",
+            "--backends", "legacy,gemv,upstream", "--output", str(out), "--plot", "none"]
+    assert main(argv) == 0
+    assert "upstream runs the legacy loop" in capsys.readouterr().err
+    (row,) = load_table(out)
+    hidden, ids, w13, *_ = _fp8_call(1)
+    assert row.key == key_for_tensors(hidden, ids, w13, (128, 128), "eager")
+    assert row.key.quant_block == (128, 128) and row.key.dtype == "bfloat16"
+    assert set(row.timings_us) == {"legacy", "gemv"}
+    assert "--quant fp8-block128" in row.provenance["command"]
+    for m in (1, 5, 16, 100):
+        (want,) = [r.backend for r in row.ranges if r.contains(m)]
+        assert _choose_fp8(m) == want
