@@ -97,3 +97,42 @@ def test_unsupported_reasons() -> None:
     assert be.unsupported_reason(x, torch.randn(E, 2 * I, H), torch.randn(E, H, I)) is None
     assert "int" in be.unsupported_reason(x.int(), torch.randn(E, 2 * I, H), torch.randn(E, H, I))
     assert "contiguous" in be.unsupported_reason(x, torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_kernels_separate_gemm2_tiles(fp8: bool) -> None:
+    """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it) still matches legacy."""
+    from backends_util import quant_block
+
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+
+    dev = kernel_device()
+    inp = make_inputs(9, torch.float32, "zero_experts", device=dev)
+    kw: dict = {}
+    if fp8:
+        bs = (32, 32)
+        inp["w13"], s13 = quant_block(inp["w13"], bs)
+        inp["w2"], s2 = quant_block(inp["w2"], bs)
+        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=bs)
+    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
+                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"),
+                    config=GemmConfig(16, 32, 16, group_m=1, num_stages=2),
+                    config2=GemmConfig(32, 64, 16, group_m=4, num_stages=2))  # GEMM 2 takes GEMM 1's BLOCK_M
+    bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
+    assert relerr(out, legacy_ref(inp)) < bound
+
+
+def test_default_tiles_cover_every_m_and_fit_fp8_blocks() -> None:
+    import math
+
+    from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES, default_tiles
+
+    for kind, rows in DEFAULT_TILES.items():
+        assert rows[-1][0] == math.inf and [r[0] for r in rows] == sorted(r[0] for r in rows)
+        for _, cfg1, cfg2 in rows:
+            assert cfg1.block_m == cfg2.block_m
+            if kind == "fp8":
+                assert cfg1.block_n == 128 and 128 % cfg1.block_k == 0 and 128 % cfg2.block_k == 0
+    assert default_tiles(1, 8, 128, fp8=False)[0].block_m == 16
+    assert default_tiles(4096, 8, 128, fp8=False) == DEFAULT_TILES["bf16"][-1][1:]
+    assert default_tiles(4096, 8, 128, fp8=True) == DEFAULT_TILES["fp8"][-1][1:]

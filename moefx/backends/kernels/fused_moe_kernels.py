@@ -16,8 +16,9 @@ All shapes are fixed by (M, k, E, BLOCK_M): no host sync, CUDA-graph capturable.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -40,6 +41,28 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+
+
+_C = GemmConfig
+# The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
+# (largest average rows per expert = M * top_k / E, GEMM 1 tile, GEMM 2 tile), first match wins. Small
+# BLOCK_M while bandwidth-bound, larger tiles as the FLOPs grow. Both GEMMs share BLOCK_M (one align).
+# FP8: GEMM 1's BLOCK_N is the quant block's k (its epilogue writes one activation group per tile row) and
+# BLOCK_K must divide it (fused_moe enforces both). Picked from the H200 sweeps in bench/NOTES-moe.md:
+# adopting a `bench/moe.py --sweep` result is an edit of these rows.
+DEFAULT_TILES: dict[str, tuple[tuple[float, GemmConfig, GemmConfig], ...]] = {
+    "bf16": (
+        (8, _C(16, 64, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
+        (32, _C(32, 128, 128, 4, 4, 3), _C(32, 128, 128, 4, 4, 3)),
+        (128, _C(64, 128, 64, 8, 4, 4), _C(64, 128, 64, 8, 4, 4)),
+        (math.inf, _C(128, 128, 64, 8, 8, 3), _C(128, 128, 64, 8, 8, 3)),
+    ),
+    "fp8": (
+        (8, _C(16, 128, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
+        (32, _C(32, 128, 128, 4, 4, 3), _C(32, 128, 128, 4, 4, 3)),
+        (math.inf, _C(64, 128, 128, 8, 4, 4), _C(64, 128, 128, 8, 4, 4)),
+    ),
+}
 
 
 @triton.jit
@@ -189,18 +212,18 @@ def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     return q, s
 
 
-def default_config(m: int, top_k: int, num_experts: int, fp8: bool, block_k: int | None = None) -> GemmConfig:
-    """Tiles by average rows per expert (picked from the H200 sweep in bench/NOTES-moe.md): small BLOCK_M
-    while bandwidth-bound, larger tiles as the FLOPs grow. For FP8 block_n/block_k are set by the quant block."""
+def default_tiles(m: int, top_k: int, num_experts: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
+    """(GEMM 1, GEMM 2) tiles from DEFAULT_TILES for this call's average rows per expert."""
     rows_per_expert = m * top_k / num_experts
-    bk = block_k or 128
-    if rows_per_expert <= 8:
-        return GemmConfig(16, 64, bk, group_m=1, num_warps=4, num_stages=4)
-    if rows_per_expert <= 32:
-        return GemmConfig(32, 128, bk, group_m=4, num_warps=4, num_stages=3)
-    if rows_per_expert <= 128 or fp8:
-        return GemmConfig(64, 128, block_k or 64, group_m=8, num_warps=4, num_stages=4)
-    return GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+    for max_rows, cfg1, cfg2 in DEFAULT_TILES["fp8" if fp8 else "bf16"]:
+        if rows_per_expert <= max_rows:
+            return cfg1, cfg2
+    raise ValueError(f"DEFAULT_TILES has no row for {rows_per_expert} rows per expert (last bound must be inf)")
+
+
+def _fp8_block_k(cfg: GemmConfig, sbk: int) -> int:
+    """BLOCK_K for FP8: the config's when it divides the quant block (one scale per K step), else the block."""
+    return cfg.block_k if cfg.block_k <= sbk and sbk % cfg.block_k == 0 else sbk
 
 
 def fused_moe(
@@ -215,19 +238,23 @@ def fused_moe(
     config: GemmConfig | None = None,
     config2: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """Align, GEMM 1 (+SiLU-mul, +fp8 quant), GEMM 2 (+routing weight), top-k sum. `config2` for GEMM 2."""
+    """Align, GEMM 1 (+SiLU-mul, +fp8 quant), GEMM 2 (+routing weight), top-k sum.
+
+    `config` (GEMM 1, and GEMM 2 unless `config2` is given) overrides DEFAULT_TILES; GEMM 2 takes GEMM 1's BLOCK_M.
+    """
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
     fp8 = w13_scale is not None
     sbn, sbk = block_shape if fp8 else (1, 1)
-    cfg1 = config or default_config(m, top_k, num_experts, fp8, sbk if fp8 else None)
-    cfg2 = config2 or cfg1
-    if fp8:
-        cfg1 = GemmConfig(cfg1.block_m, sbk, sbk, cfg1.group_m, cfg1.num_warps, cfg1.num_stages)
-        cfg2 = GemmConfig(cfg1.block_m, min(cfg2.block_n, sbn), sbk, cfg2.group_m, cfg2.num_warps, cfg2.num_stages)
+    if config is None:
+        cfg1, cfg2 = default_tiles(m, top_k, num_experts, fp8)
     else:
-        cfg2 = GemmConfig(cfg1.block_m, cfg2.block_n, cfg2.block_k, cfg2.group_m, cfg2.num_warps, cfg2.num_stages)
+        cfg1, cfg2 = config, config2 or config
+    cfg2 = replace(cfg2, block_m=cfg1.block_m)
+    if fp8:
+        cfg1 = replace(cfg1, block_n=sbk, block_k=_fp8_block_k(cfg1, sbk))
+        cfg2 = replace(cfg2, block_k=_fp8_block_k(cfg2, sbk))  # GEMM 2 loads its weight scales per column
     num_pairs = m * top_k
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
     num_pid_m = expert_ids.numel()

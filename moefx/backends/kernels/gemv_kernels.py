@@ -15,6 +15,9 @@ Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -98,7 +101,36 @@ def _gemv_down_kernel(
     tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _block_k(k: int, fp8: bool) -> int:
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n1: int = 16  # stage 1: rows of I per program (gate rows and as many up rows)
+    rows2: int = 32  # stage 2: KP * BLOCK_N rows of w2 per program (BLOCK_N = rows2 // KP, at least 1)
+    block_k1: int = 0  # 0: the largest of 256/128 (bf16) or 512/256/128 (fp8) that divides K
+    block_k2: int = 0
+    num_warps1: int = 4
+    num_warps2: int = 4
+
+
+# The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
+# (largest M, config), first match wins. Adopting a `bench/moe.py --sweep` result is an edit of these rows.
+DEFAULT_TILES: dict[str, tuple[tuple[float, GemvConfig], ...]] = {
+    "bf16": ((math.inf, GemvConfig()),),
+    "fp8": ((math.inf, GemvConfig()),),
+}
+
+
+def default_gemv_config(m: int, fp8: bool) -> GemvConfig:
+    for max_m, cfg in DEFAULT_TILES["fp8" if fp8 else "bf16"]:
+        if m <= max_m:
+            return cfg
+    raise ValueError(f"gemv DEFAULT_TILES has no row for M={m} (last bound must be inf)")
+
+
+def _block_k(k: int, fp8: bool, wanted: int = 0) -> int:
+    if wanted:
+        if wanted < 16 or wanted & (wanted - 1):
+            raise ValueError(f"gemv block_k={wanted} must be a power of two >= 16 (0 = automatic)")
+        return wanted
     for bk in ((512, 256, 128) if fp8 else (256, 128)):
         if k % bk == 0:
             return bk
@@ -114,18 +146,21 @@ def gemv_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
-    block_n: tuple[int, int] | None = None,
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """Launch both stages. `block_n` = (stage-1 rows, stage-2 rows) per program overrides the defaults."""
+    """Launch both stages; `config` overrides DEFAULT_TILES."""
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
     fp8 = w13_scale is not None
     sbn, sbk = block_shape if fp8 else (1, 1)
     kp = triton.next_power_of_2(top_k)
-    bn1, bn2 = block_n or (16, max(1, 32 // kp))
-    if fp8:
-        bn1, bn2 = min(bn1, sbn), min(bn2, sbn)
+    cfg = config or default_gemv_config(m, fp8)
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n1, cfg.rows2)):
+        raise ValueError(f"gemv config {cfg}: block_n1 and rows2 must be powers of two")
+    bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
+    if fp8:  # a program's rows must lie inside one SBN row block: one weight scale row per program
+        bn1, bn2 = math.gcd(bn1, sbn), math.gcd(bn2, sbn)
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
@@ -137,13 +172,13 @@ def gemv_moe(
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=_block_k(h, fp8),
-        num_warps=4,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=_block_k(h, fp8, cfg.block_k1),
+        num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
-        H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=_block_k(inter, fp8),
-        num_warps=4,
+        H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
+        BLOCK_K=_block_k(inter, fp8, cfg.block_k2), num_warps=cfg.num_warps2,
     )
     return out
