@@ -7,7 +7,9 @@ CUDA-graph replays: each graph holds one call per rotating input set (different 
 come from HBM, not L2. Floor = max(touched-expert bytes / copy bandwidth, FLOPs / matmul rate) with
 experts touched counted on the very inputs timed. Prints a table last; JSON to $OUT/moe.json.
 `--quick`: tiny shapes on the CPU (smoke run for CI): correctness of every backend, no timing claims.
-`--sweep`: also time alternative kernel tile configs (used to pick the defaults; see bench/NOTES-moe.md).
+`--sweep`: also run a budgeted tile sweep (grouped at M=1024/4096, gemv at M=1/4, bf16 and fp8; the best tiles
+per point next to the defaults' time, to adopt into the kernels' DEFAULT_TILES; see bench/NOTES-moe.md).
+`--sweep-only`: just the ceilings and the sweep (JSON to $OUT/moe_sweep.json).
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no timing claims)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--sweep-only", action="store_true", help="only the tile sweep (no backend table)")
+    ap.add_argument("--sweep-budget", type=float, default=SWEEP_BUDGET_S, help="seconds for the sweep (default 150)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--no-peer", action="store_true")
@@ -157,6 +161,12 @@ def main() -> None:
     legacy = BACKENDS["legacy"]
     result: dict = {"device": torch.cuda.get_device_name() if not quick else "cpu", "torch": torch.__version__,
                     "geometry": dict(E=e, H=h, I=inter, top_k=k), "ceilings": ceil, "check": [], "rows": []}
+    if args.sweep_only:
+        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "moe_sweep.json").write_text(json.dumps(result, indent=1))
+        print_sweep(result["sweep"])
+        return
 
     # ---- correctness vs legacy, fresh inputs ----
     check_ms = (1, 7, 33) if quick else (1, 7, 33, 300)
@@ -198,16 +208,12 @@ def main() -> None:
     from moefx.backends.op import select_backend
     from moefx.backends.policy import HOST_SYNCING_BACKENDS
 
-    bytes_per_expert = {dt: (weights[dt]["w13"][0].numel() + weights[dt]["w2"][0].numel())
-                        * weights[dt]["w13"].element_size() for dt in weights}
     for dt in dtypes:
         wt = weights[dt]
         for mi, m in enumerate(ms):
             sets = input_sets(m, h, e, k, dev, gen, nsets)
             touched = statistics.mean(len(torch.unique(s[1])) for s in sets)
-            flops = m * k * 6 * h * inter
-            rate = ceil["fp8_flops" if dt == "fp8" else "bf16_flops"]
-            floor = max(touched * bytes_per_expert[dt] / ceil["copy_Bps"], flops / rate) * 1e6
+            floor = floor_us(dt, m, sets, weights, ceil, h, inter, k)
             row = dict(dtype=dt, M=m, experts_touched=touched, floor_us=floor,
                        peer_triton_us=PEER_TRITON_US.get(dt, (None,) * 7)[mi] if len(ms) == 7 else None)
             cands = {n: b for n, b in BACKENDS.items() if n != "legacy"}
@@ -236,10 +242,12 @@ def main() -> None:
                         quick, lambda sets=sets: [peer(x, i, w.to(x.dtype)) for x, i, w in sets]) / nsets
             result["rows"].append(row)
             print(f"{dt} M={m} done ({time.time() - t0:.0f}s)", flush=True)
-    if args.sweep and not quick:
-        result["sweep"] = sweep(weights, e, h, inter, k, bs, gen)
+    if args.sweep:
+        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe.json").write_text(json.dumps(result, indent=1))
+    if args.sweep:
+        print_sweep(result["sweep"])
     print_table(result, dtypes)
     if failures:
         sys.exit(1)
@@ -268,39 +276,265 @@ def run_timed(quick: bool, fn) -> float:
     return (time.perf_counter() - t) * 1e6
 
 
-def sweep(weights: dict, e: int, h: int, inter: int, k: int, bs: tuple[int, int], gen: torch.Generator) -> list:
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+SWEEP_BUDGET_S = 150.0
+SWEEP_MS = {"grouped": (1024, 4096), "gemv": (1, 4)}  # where the gaps to the floor are (docs/PERFORMANCE.md)
+# µs per call in the final H200 run (bench/results/moe_h200_final_2026-11-29.json), for the sweep's estimate
+PRIOR_US = {("grouped", "bf16"): {1024: 396.0, 4096: 889.0}, ("grouped", "fp8"): {1024: 314.0, 4096: 843.0},
+            ("gemv", "bf16"): {1: 25.6, 4: 75.1}, ("gemv", "fp8"): {1: 21.9, 4: 57.6}}
+COMPILE_S = {"grouped": 2.0, "gemv": 1.0}  # a new tile's first launch (one Triton compile), estimated
+SWEEP_SHARE = {"grouped": 2.0, "gemv": 1.0}  # budget weight of each (kind, dtype) group
+SMEM_LIMIT = 227 * 1024  # H200 shared memory per block
+ACC_REGS = 128  # fp32 accumulator registers per thread above which a tile spills
+TRIAL_US = 30_000.0  # one timing trial replays the graph for about this long
+TRIALS = 3
+GROUPED_AXES = {"block_n": (256, 64, 128), "block_k": (128, 64, 32), "num_stages": (4, 3, 5), "group_m": (16, 1, 8),
+                "num_warps": (8, 4)}  # most promising value first: a budget cut drops the tail
+GEMV_AXES = {1: {"block_n1": (8, 32, 4), "block_k1": (512, 256, 128), "num_warps1": (8, 2)},
+             2: {"rows2": (16, 64, 8), "block_k2": (512, 256, 128), "num_warps2": (8, 2)}}
 
-    out = []
-    grouped_cfgs = {  # run 1 swept M=16/256/1024/4096 (bench/NOTES-moe.md); these are the open questions left
-        64: [GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4)],
-        4096: [GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 128, 32, 8, 8, 4), GemmConfig(64, 128, 64, 8, 8, 4),
-               GemmConfig(64, 128, 64, 8, 4, 3)],
-    }
-    for dt, wt in weights.items():
-        for m, cfgs in grouped_cfgs.items():
-            sets = input_sets(m, h, e, k, "cuda", gen, 4)
-            for cfg in cfgs:
-                if dt == "fp8" and cfg.block_n != 128:
-                    continue  # FP8 tiles are set by the quant block: only BLOCK_M / warps / stages differ
-                try:
-                    us = time_graph(lambda cfg=cfg, sets=sets, wt=wt: [
-                        fused_moe(x, i, w, wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"),
-                                  wt["kw"].get("block_shape"), config=cfg) for x, i, w in sets]) / 4
-                except Exception as exc:  # a config that fails is a result too
-                    us = f"{type(exc).__name__}"
-                out.append(dict(kind="grouped", dtype=dt, M=m, config=str(cfg), us=us))
-                print("sweep", out[-1], flush=True)
-        for m in (1, 4):
-            sets = input_sets(m, h, e, k, "cuda", gen, 4)
-            for bn in ((16, 4), (8, 4), (16, 2), (16, 8), (32, 8)):
-                us = time_graph(lambda bn=bn, sets=sets, wt=wt: [
-                    gemv_moe(x, i, w, wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"),
-                             wt["kw"].get("block_shape"), block_n=bn) for x, i, w in sets]) / 4
-                out.append(dict(kind="gemv", dtype=dt, M=m, config=str(bn), us=us))
-                print("sweep", out[-1], flush=True)
+
+def grouped_fits(cfg, gemm: int, elem: int) -> bool:
+    """Pipelined A + B tiles (GEMM 1 loads gate and up tiles) within shared memory, accumulators in registers."""
+    nb = 2 if gemm == 1 else 1
+    smem = cfg.num_stages * (cfg.block_m * cfg.block_k + nb * cfg.block_k * cfg.block_n) * elem
+    return smem <= SMEM_LIMIT and cfg.block_m * cfg.block_n * nb <= ACC_REGS * 32 * cfg.num_warps
+
+
+def grouped_candidates(dt: str, ms: tuple[int, ...], e: int, k: int, block) -> list[tuple[str, tuple]]:
+    """(part, (GEMM 1 tile, GEMM 2 tile)): a reference pair per BLOCK_M (the defaults at `ms` first), then one
+    change at a time: part '1' varies GEMM 1, '2' GEMM 2. Tiles as they run (normalize_tiles), no repeats."""
+    from dataclasses import replace
+
+    from moefx.backends.kernels.fused_moe_kernels import default_tiles, normalize_tiles
+
+    fp8, elem = dt == "fp8", 1 if dt == "fp8" else 2
+    refs: dict[int, tuple] = {}
+    for m in ms:
+        pair = normalize_tiles(*default_tiles(m, k, e, fp8), block)
+        refs.setdefault(pair[0].block_m, pair)
+    for bm in (128, 64):
+        if bm not in refs:
+            c1, c2 = next(iter(refs.values()))
+            w = 8 if bm == 128 else 4
+            refs[bm] = normalize_tiles(replace(c1, block_m=bm, num_warps=w), replace(c2, block_m=bm, num_warps=w),
+                                       block)
+    out = [("ref", pair) for pair in refs.values()]
+    seen = {pair for _, pair in out}
+    for field, values in GROUPED_AXES.items():
+        for v in values:
+            for bm in sorted(refs, reverse=True):
+                r1, r2 = refs[bm]
+                for part in ("2", "1"):
+                    pair = normalize_tiles(replace(r1, **{field: v}), r2, block) if part == "1" else \
+                        normalize_tiles(r1, replace(r2, **{field: v}), block)
+                    if pair not in seen and grouped_fits(pair[0], 1, elem) and grouped_fits(pair[1], 2, elem):
+                        seen.add(pair)
+                        out.append((part, pair))
     return out
+
+
+def gemv_effective(cfg, h: int, inter: int, k: int, block):
+    """The GemvConfig as it runs: automatic BLOCK_K resolved, rows clamped to the FP8 block (as gemv_moe does)."""
+    import math
+    from dataclasses import replace
+
+    from moefx.backends.kernels.gemv_kernels import block_k_for
+
+    fp8 = block is not None
+    kp = 1 << (k - 1).bit_length()
+    bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
+    if fp8:
+        bn1, bn2 = math.gcd(bn1, block[0]), math.gcd(bn2, block[0])
+    return replace(cfg, block_n1=bn1, rows2=bn2 * kp, block_k1=block_k_for(h, fp8, cfg.block_k1),
+                   block_k2=block_k_for(inter, fp8, cfg.block_k2))
+
+
+def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> list[tuple[str, tuple]]:
+    """(part, (GemvConfig,)): the defaults at `ms`, then one change at a time to stage 1 ('1') or stage 2 ('2')."""
+    from dataclasses import replace
+
+    from moefx.backends.kernels.gemv_kernels import default_gemv_config
+
+    fp8 = block is not None
+    refs = list(dict.fromkeys(gemv_effective(default_gemv_config(m, fp8), h, inter, k, block) for m in ms))
+    out = [("ref", (r,)) for r in refs]
+    seen = set(refs)
+    for stage in (2, 1):
+        for field, values in GEMV_AXES[stage].items():
+            for v in values:
+                for r in refs:
+                    c = gemv_effective(replace(r, **{field: v}), h, inter, k, block)
+                    regs1 = 2 * c.block_n1 * c.block_k1 // (32 * c.num_warps1)
+                    regs2 = c.rows2 * c.block_k2 // (32 * c.num_warps2)
+                    if c not in seen and max(regs1, regs2) <= ACC_REGS:
+                        seen.add(c)
+                        out.append((str(stage), (c,)))
+    return out
+
+
+def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
+    """Best part-1 change + best part-2 change (same BLOCK_M for grouped) at M, or None when nothing new."""
+    from dataclasses import replace
+
+    from moefx.backends.kernels.fused_moe_kernels import normalize_tiles
+
+    timed = [(t[m], i) for i, t in enumerate(us) if isinstance(t.get(m), float)]
+    if not timed:
+        return None
+    best = cands[min(timed)[1]][1]
+
+    def best_of(part: str):
+        ok = [(t, i) for t, i in timed if cands[i][0] in ("ref", part)
+              and (kind == "gemv" or cands[i][1][0].block_m == best[0].block_m)]
+        return cands[min(ok)[1]][1] if ok else best
+
+    b1, b2 = best_of("1"), best_of("2")
+    if kind == "grouped":
+        tiles = normalize_tiles(b1[0], b2[1], None)
+    else:
+        s2 = {f: getattr(b2[0], f) for f in GEMV_AXES[2]}
+        tiles = (replace(b1[0], **s2),)
+    return None if any(tiles == c[1] for c in cands) else tiles
+
+
+def tiles_text(kind: str, tiles: tuple) -> str:
+    if kind == "gemv":
+        c = tiles[0]
+        return f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
+    return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
+                      for i, c in enumerate(tiles))
+
+
+def tiles_json(kind: str, tiles: tuple) -> dict:
+    from dataclasses import asdict
+
+    if kind == "gemv":
+        return {"gemv": asdict(tiles[0])}
+    return {"gemm1": asdict(tiles[0]), "gemm2": asdict(tiles[1])}
+
+
+def sweep_reps(prior_us: float, nsets: int) -> int:
+    """Graph replays per timing trial: about TRIAL_US of work, 5..100."""
+    return int(min(100, max(5, TRIAL_US / (prior_us * nsets))))
+
+
+def time_point(call, sets: list[tuple], ref: torch.Tensor, bound: float, quick: bool, prior_us: float) -> float | str:
+    """µs per call of `call` over the rotating sets, after an output check vs legacy; a failure is a result."""
+    try:
+        err = relerr(call(*sets[0]), ref)
+        if not err < bound:
+            return f"relerr {err:.2e} >= {bound:.0e}"
+        fn = lambda: [call(*s) for s in sets]  # noqa: E731
+        if quick:
+            return run_timed(True, fn) / len(sets)
+        return time_graph(fn, reps=sweep_reps(prior_us, len(sets)), trials=TRIALS) / len(sets)
+    except Exception as exc:  # e.g. Triton OutOfResources for a tile this GPU cannot hold
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}" if str(exc) else type(exc).__name__
+
+
+def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generator, ceil: dict, budget_s: float,
+          quick: bool) -> dict:
+    """Budgeted tile sweep: grouped at M=1024/4096 and gemv at M=1/4, bf16 and fp8; best tiles vs the defaults.
+
+    Each (kind, dtype) group gets a share of what is left of the budget. Candidates: the default tiles,
+    then one change at a time from them (most promising first; the tail is dropped when the share runs
+    out), then the best GEMM-1 change combined with the best GEMM-2 change. Every point is checked
+    against legacy first. Adopt a result by editing DEFAULT_TILES in the kernel module.
+    """
+    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe, normalize_tiles
+    from moefx.backends.kernels.gemv_kernels import default_gemv_config, gemv_moe
+
+    dev = "cpu" if quick else "cuda"
+    nsets = 2 if quick else 4
+    legacy = BACKENDS["legacy"]
+    groups = [(kind, dt) for kind in ("grouped", "gemv") for dt in weights]
+    start = time.time()
+    res: dict = {"budget_s": budget_s, "groups": [], "points": [], "best": []}
+    for gi, (kind, dt) in enumerate(groups):
+        wt = weights[dt]
+        block = wt["kw"].get("block_shape")
+        fp8 = block is not None
+        ms = (5, 33) if quick and kind == "grouped" else SWEEP_MS[kind]
+        cands = grouped_candidates(dt, ms, e, k, block) if kind == "grouped" else gemv_candidates(ms, h, inter, k,
+                                                                                                  block)
+        defaults = {m: normalize_tiles(*default_tiles(m, k, e, fp8), block) if kind == "grouped"
+                    else (gemv_effective(default_gemv_config(m, fp8), h, inter, k, block),) for m in ms}
+        sets = {m: input_sets(m, h, e, k, dev, gen, nsets) for m in ms}
+        refs = {m: legacy(*sets[m][0], wt["w13"], wt["w2"], **wt["kw"]) for m in ms}
+        prior = {m: PRIOR_US.get((kind, dt), {}).get(m, 1.0) for m in ms}
+        per_cand = COMPILE_S[kind] + sum(prior[m] * nsets * (sweep_reps(prior[m], nsets) * TRIALS + 5)
+                                         for m in ms) / 1e6
+        left = budget_s - (time.time() - start)
+        share = left * SWEEP_SHARE[kind] / sum(SWEEP_SHARE[g] for g, _ in groups[gi:])
+        group_start = time.time()
+        group_end = group_start + share
+        print(f"sweep {kind} {dt} M={ms}: {len(cands)} candidates, ~{per_cand:.1f} s each (estimate), "
+              f"share {share:.0f} s -> ~{min(len(cands), int(share / per_cand))} timed", flush=True)
+
+        def call(tiles, wt=wt, kind=kind):
+            s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
+            if kind == "grouped":
+                return lambda x, ids, tw: fused_moe(x, ids, tw, wt["w13"], wt["w2"], s13, s2, bs, config=tiles[0],
+                                                    config2=tiles[1])
+            return lambda x, ids, tw: gemv_moe(x, ids, tw, wt["w13"], wt["w2"], s13, s2, bs, config=tiles[0])
+
+        us: list[dict] = []
+        n_refs = sum(p == "ref" for p, _ in cands)
+        for ci, (_, tiles) in enumerate(list(cands)):
+            if ci >= n_refs and time.time() + 2 * per_cand > group_end:  # keep one slot for the combination
+                break
+            us.append({m: time_point(call(tiles), sets[m], refs[m], BOUNDS[dt], quick, prior[m]) for m in ms})
+        total = len(cands)
+        cands = cands[: len(us)]  # the budget may have cut the tail
+        for m in ms:
+            combo = combine(kind, cands, us, m)
+            if combo is not None and time.time() < group_end and all(combo != c for _, c in cands):
+                cands.append(("combo", combo))
+                us.append({mm: time_point(call(combo), sets[mm], refs[mm], BOUNDS[dt], quick, prior[mm])
+                           for mm in ms})
+        for (part, tiles), t in zip(cands, us):
+            for m in ms:
+                res["points"].append(dict(kind=kind, dtype=dt, M=m, part=part, tiles=tiles_json(kind, tiles),
+                                          text=tiles_text(kind, tiles), us=t[m]))
+        for m in ms:
+            ok = [(t[m], i) for i, t in enumerate(us) if isinstance(t[m], float)]
+            dflt = next((t[m] for (_, tiles), t in zip(cands, us) if tiles == defaults[m]), None)
+            best_us, bi = min(ok) if ok else (None, None)
+            floor = floor_us(dt, m, sets[m], weights, ceil, h, inter, k)
+            res["best"].append(dict(
+                kind=kind, dtype=dt, M=m, default_us=dflt, default=tiles_json(kind, defaults[m]),
+                default_text=tiles_text(kind, defaults[m]), best_us=best_us, floor_us=floor,
+                best=tiles_json(kind, cands[bi][1]) if bi is not None else None,
+                best_text=tiles_text(kind, cands[bi][1]) if bi is not None else "-"))
+        used = time.time() - group_start
+        res["groups"].append(dict(kind=kind, dtype=dt, candidates=total, timed=len(us), share_s=round(share, 1),
+                                  used_s=round(used, 1), estimate_per_candidate_s=round(per_cand, 2)))
+        print(f"sweep {kind} {dt}: timed {len(us)} ({total} generated + combinations) in {used:.0f} s "
+              f"({time.time() - start:.0f} s of {budget_s:.0f})", flush=True)
+    res["used_s"] = round(time.time() - start, 1)
+    return res
+
+
+def floor_us(dt: str, m: int, sets: list[tuple], weights: dict, ceil: dict, h: int, inter: int, k: int) -> float:
+    """max(touched experts' bytes / copy bandwidth, FLOPs / matmul rate) on the very inputs timed, in µs."""
+    wt = weights[dt]
+    per_expert = (wt["w13"][0].numel() + wt["w2"][0].numel()) * wt["w13"].element_size()
+    touched = statistics.mean(len(torch.unique(s[1])) for s in sets)
+    rate = ceil["fp8_flops" if dt == "fp8" else "bf16_flops"]
+    return max(touched * per_expert / ceil["copy_Bps"], m * k * 6 * h * inter / rate) * 1e6
+
+
+def print_sweep(res: dict) -> None:
+    print(f"\ntile sweep (µs per call, CUDA-graph replay; budget {res['budget_s']:.0f} s, used {res['used_s']:.0f} s)")
+    print(f"{'kind':7} {'dtype':5} {'M':>5} {'floor':>7} {'default':>8} {'best':>8} {'best/def':>8} "
+          f"{'best/floor':>10}  best tiles (default tiles)")
+    for b in res["best"]:
+        d, bu = b["default_us"], b["best_us"]
+        num = [f"{v:8.1f}" if isinstance(v, float) else f"{'-':>8}" for v in (d, bu)]
+        ratio = f"{bu / d:8.2f}" if isinstance(d, float) and isinstance(bu, float) else f"{'-':>8}"
+        over = f"{bu / b['floor_us']:10.2f}" if isinstance(bu, float) else f"{'-':>10}"
+        print(f"{b['kind']:7} {b['dtype']:5} {b['M']:5d} {b['floor_us']:7.1f} {num[0]} {num[1]} {ratio} {over}  "
+              f"{b['best_text']} ({b['default_text']})")
 
 
 def print_table(result: dict, dtypes: list[str]) -> None:

@@ -17,3 +17,23 @@ def test_bench_moe_quick(tmp_path: Path) -> None:
     assert "0 failures" in res.stdout
     assert (tmp_path / "moe.json").exists()
     assert res.stdout.strip().splitlines()[-1].startswith("fp8")
+
+
+def test_bench_moe_sweep_only_quick(tmp_path: Path) -> None:
+    """--sweep-only: budgeted tile sweep (interpreter, tiny shapes), best tiles next to the defaults in the JSON."""
+    import json
+
+    env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--quick", "--sweep-only",
+                          "--sweep-budget", "8"], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    sweep = json.loads((tmp_path / "moe_sweep.json").read_text())["sweep"]
+    assert not (tmp_path / "moe.json").exists()
+    points = {(b["kind"], b["dtype"], b["M"]) for b in sweep["best"]}
+    assert points == {(kind, dt, m) for dt in ("bf16", "fp8")
+                      for kind, ms in (("grouped", (5, 33)), ("gemv", (1, 4))) for m in ms}
+    for b in sweep["best"]:
+        assert isinstance(b["default_us"], float) and b["best_us"] <= b["default_us"]
+        assert set(b["best"]) == ({"gemv"} if b["kind"] == "gemv" else {"gemm1", "gemm2"})
+    assert all(isinstance(p["us"], float) for p in sweep["points"])  # every tile matched legacy
+    assert res.stdout.strip().splitlines()[-1].startswith("gemv    fp8")

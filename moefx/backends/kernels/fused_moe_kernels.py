@@ -221,9 +221,20 @@ def default_tiles(m: int, top_k: int, num_experts: int, fp8: bool) -> tuple[Gemm
     raise ValueError(f"DEFAULT_TILES has no row for {rows_per_expert} rows per expert (last bound must be inf)")
 
 
-def _fp8_block_k(cfg: GemmConfig, sbk: int) -> int:
-    """BLOCK_K for FP8: the config's when it divides the quant block (one scale per K step), else the block."""
-    return cfg.block_k if cfg.block_k <= sbk and sbk % cfg.block_k == 0 else sbk
+def normalize_tiles(
+    cfg1: GemmConfig, cfg2: GemmConfig, block_shape: tuple[int, int] | None
+) -> tuple[GemmConfig, GemmConfig]:
+    """The tiles that actually run: GEMM 2 takes GEMM 1's BLOCK_M (one align); FP8: GEMM 1's BLOCK_N is the
+    quant block's k (one activation group per tile row) and BLOCK_K must divide it (one scale per K step)."""
+    cfg2 = replace(cfg2, block_m=cfg1.block_m)
+    if block_shape is None:
+        return cfg1, cfg2
+    sbk = block_shape[1]
+
+    def bk(cfg: GemmConfig) -> int:
+        return cfg.block_k if cfg.block_k <= sbk and sbk % cfg.block_k == 0 else sbk
+
+    return replace(cfg1, block_n=sbk, block_k=bk(cfg1)), replace(cfg2, block_k=bk(cfg2))  # GEMM 2: scales per column
 
 
 def fused_moe(
@@ -251,10 +262,7 @@ def fused_moe(
         cfg1, cfg2 = default_tiles(m, top_k, num_experts, fp8)
     else:
         cfg1, cfg2 = config, config2 or config
-    cfg2 = replace(cfg2, block_m=cfg1.block_m)
-    if fp8:
-        cfg1 = replace(cfg1, block_n=sbk, block_k=_fp8_block_k(cfg1, sbk))
-        cfg2 = replace(cfg2, block_k=_fp8_block_k(cfg2, sbk))  # GEMM 2 loads its weight scales per column
+    cfg1, cfg2 = normalize_tiles(cfg1, cfg2, block_shape if fp8 else None)
     num_pairs = m * top_k
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
     num_pid_m = expert_ids.numel()
