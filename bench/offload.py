@@ -98,6 +98,9 @@ def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: i
     ids = torch.randint(0, vocab, (batch, prompt), generator=gen).to(device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     tok = out.logits[:, -1:].argmax(-1)
+    for _ in range(3):  # warm-up: under torch.compile the first decode steps compile (static, then dynamic length)
+        out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1:].argmax(-1)
     stamps = []
     for _ in range(steps):
         out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
@@ -190,6 +193,82 @@ def check_layer(expert: OffloadedExperts, device: str, ms: tuple[int, ...]) -> d
     return errors
 
 
+def _median_ms(fn, reps: int, device: str) -> float:
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e3
+
+
+def _profile_call(layer: OffloadedExperts, m: int, device: str, gen: torch.Generator) -> dict:
+    """One layer's experts at M rows: the host kernel and torch's ops on host tensors, then the layer call by path."""
+    from moefx.offload.cpu_experts import CpuMath, cpu_moe
+
+    store, rt = layer.store, layer.rt
+    e, h = store.num_experts, store.w13.shape[2]
+    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:8] for _ in range(m)])
+    w = torch.full((m, 8), 1 / 8)
+    nbytes = len(set(ids.flatten().tolist())) * store.expert_bytes
+    row = {}
+
+    def host(label: str, math: CpuMath) -> None:
+        ms = _median_ms(lambda: cpu_moe(store, x, ids, w, rt.decode_pool, math), 15, "cpu")
+        row[label] = {"ms": ms, "gbps": nbytes / ms / 1e6}
+
+    host("host kernel", CpuMath())
+    host("torch ops", CpuMath(host_kernel=False))
+    threads = torch.get_num_threads()
+    for t in sorted({4, 8, threads // 2, threads}):
+        torch.set_num_threads(t)
+        host(f"host kernel {t} threads", CpuMath())
+    torch.set_num_threads(threads)
+    xd, idsd, wd = x.to(device), ids.to(device), w.to(device)
+    saved_ring, saved_switch = rt.ring, rt.switch_tokens
+    paths = {"layer call as planned": (saved_ring, saved_switch), "layer call CPU only": (None, saved_switch)}
+    if saved_ring is not None:
+        paths["layer call all streamed"] = (saved_ring, 1)
+    for label, (ring, switch) in paths.items():
+        rt.ring, rt.switch_tokens = ring, switch
+        try:
+            row[label] = {"ms": _median_ms(lambda: layer(xd, idsd, wd), 15, device)}
+        finally:
+            rt.ring, rt.switch_tokens = saved_ring, saved_switch
+    return row
+
+
+@torch.no_grad()
+def profile(model, experts: list[OffloadedExperts], device: str, vocab: int) -> dict:
+    """Where a decode step's time goes: one layer's experts call by path, the host kernel alone (and by thread
+    count) against torch's ops, and the 8-layer decode step with and without the experts."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    out: dict = {}
+    for m in (1, 4):
+        row = out[f"M={m}"] = _profile_call(experts[0], m, device, gen)
+        log(f"profile M={m}: " + "; ".join(f"{k_} {v['ms']:.3f} ms" + (f" {v['gbps']:.1f} GB/s" if "gbps" in v else "")
+                                           for k_, v in row.items()))
+    holders = [mod for mod in model.modules() if isinstance(getattr(mod, "moefx_offload", None), OffloadedExperts)]
+    saved = [mod.forward for mod in holders]
+    out["decode_8_layers_ms"] = {}
+    for label in ("as planned", "experts replaced by zeros"):
+        if label != "as planned":
+            for mod in holders:
+                mod.forward = lambda hs, ids_, w_: torch.zeros_like(hs)
+        try:
+            tps = decode_first_layers(model, 8, 12, device, vocab)
+        finally:
+            for mod, fwd in zip(holders, saved, strict=True):
+                mod.forward = fwd
+        out["decode_8_layers_ms"][label] = 1e3 / tps
+        log(f"profile decode step 8 layers {label}: {1e3 / tps:.2f} ms")
+    return out
+
+
 def targets_met(rows: list[dict], vs_accelerate: float | None) -> dict[str, str]:
     """The issue's targets, each with the measured value and met / NOT met."""
     def verdict(value: float | None, target: float, unit: str) -> str:
@@ -231,6 +310,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CPU smoke run with a tiny model (no peer, no claims)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the moefx model (default: what fits)")
     ap.add_argument("--skip-peer", action="store_true", help="do not run accelerate")
+    ap.add_argument("--profile", action="store_true", help="only the per-layer decode breakdown (8 layers)")
+    ap.add_argument("--mode", default="compile", choices=("eager", "compile"),
+                    help="moefx mode: compile = one torch.compile graph with the offloaded experts as an op")
     args = ap.parse_args()
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
     if not args.quick and device != "cuda":
@@ -264,7 +346,8 @@ def main() -> int:
     log(f"building the moefx model: {layers} layers, experts {layers * e * expert_bytes / 2**30:.1f} GiB")
     model = build(config, device) if not quick else build(config, "cpu")
     t0 = time.perf_counter()
-    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
+    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": args.mode})
+    result["mode"] = args.mode
     result["offload_seconds"] = time.perf_counter() - t0
     sync(device)
     if device == "cuda":
@@ -297,6 +380,11 @@ def main() -> int:
         return 1
 
     vocab = config.vocab_size
+    if args.profile:
+        result["profile"] = profile(model, experts, device, vocab)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "offload_profile.json").write_text(json.dumps(result, indent=1))
+        return 0
     steps = 6 if quick else 16
     rows = []
     bw_host = result["host_copy_gbps"] * 1e9
@@ -333,7 +421,7 @@ def main() -> int:
         result["ring_stats"] = dict(rt.ring.stats)
     print()
     geometry = "tiny Qwen3-MoE (smoke run, no claims)" if quick else "Qwen3-30B-A3B geometry"
-    print(f"## Offload — {result['device']}, torch {result['torch']}, {result['date']}, {layers} layers "
+    print(f"## Offload — {result['device']}, torch {result['torch']}, {result['date']}, mode {args.mode}, {layers} layers "
           f"{geometry}, bf16; host copy {result['host_copy_gbps']:.1f} GB/s, "
           f"H2D {result['h2d_gbps'] or 0:.1f} GB/s; command `python bench/offload.py{' --quick' if quick else ''}`")
     print("| what | tok/s | floor tok/s | vs floor |")

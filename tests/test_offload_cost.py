@@ -148,3 +148,21 @@ def test_plan_env_pins_switch_point(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_XIAOTU_GPU_PREFILL_MIN_TOKENS")
     plan, _, _ = _gpu_plan(monkeypatch, tmp_path, MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS="0")
     assert plan.switch_tokens is None and "never (CPU for every M)" in "\n".join(plan.explain_lines())
+
+
+def test_shared_dram_keeps_decode_on_the_cpu_when_splitting_gains_nothing():
+    """H2D copies and the CPU path read the same DRAM: when both at once read no faster than the CPU alone,
+    splitting a decode call cannot help and the model keeps it on the CPU; with independent bandwidth it splits."""
+    rows = [1.0] * 8
+    host = dataclasses.replace(H200, cpu_gbps=65.0)  # the host kernel outruns PCIe (measured: 63 vs 55 GB/s)
+    saturated = dataclasses.replace(host, shared_gbps=host.cpu_gbps)
+    flags, secs = split_experts(rows, 1, QWEN3, saturated)
+    assert not any(flags)
+    assert secs == pytest.approx(cpu_seconds(1, QWEN3, host), rel=1e-3)
+    independent = dataclasses.replace(host, shared_gbps=host.cpu_gbps + host.h2d_gbps)
+    flags, split_secs = split_experts(rows, 1, QWEN3, independent)
+    assert 0 < sum(flags) < len(flags) and split_secs < secs
+    # In between, the split is no faster than what both sides can read together.
+    partial = dataclasses.replace(host, shared_gbps=1.3 * host.cpu_gbps)
+    flags, secs_partial = split_experts(rows, 1, QWEN3, partial)
+    assert secs_partial >= 8 * QWEN3.expert_bytes / (partial.shared_gbps * 1e9) - 1e-12

@@ -15,12 +15,13 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from moefx.log import get_logger
+from moefx.offload import cpu_kernel
 from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe
 from moefx.offload.hw import HostInfo
 
@@ -55,6 +56,7 @@ class MachineRates:
     gpu_tflops: float | None
     decode_workers: int = 1  # expert worker threads per NUMA node that decode fastest (tuned with the rates)
     source: str = "measured"
+    shared_gbps: float | None = None  # host memory read rate with both running: H2D copies and the CPU path share DRAM
 
     @property
     def has_gpu(self) -> bool:
@@ -77,15 +79,21 @@ def split_experts(rows: list[float], m: int, g: Geometry, r: MachineRates) -> tu
     c = [cpu_cost(t, g, r) for t in rows]
     gg = [gpu_cost(t, g, r) for t in rows]
     on_gpu = [False] * n
-    cpu_t = 2 * m * g.hidden * g.act_bytes / (r.h2d_gbps * 1e9) + sum(c)
+    transfer = 2 * m * g.hidden * g.act_bytes / (r.h2d_gbps * 1e9)
+    cpu_t = transfer + sum(c)
     gpu_t = 0.0
+    # Both sides at once read every hit expert's bytes from the same DRAM: a floor on any real split.
+    shared = transfer + n * g.expert_bytes / (r.shared_gbps * 1e9) if r.shared_gbps else 0.0
+    moved = 0
     for i in sorted(range(n), key=lambda i: (-c[i], i)):
-        if max(cpu_t - c[i], gpu_t + gg[i]) >= max(cpu_t, gpu_t):
+        after = max(cpu_t - c[i], gpu_t + gg[i], shared if moved + 1 < n else 0.0)
+        if after >= (1 - 1e-9) * max(cpu_t, gpu_t, shared if moved else 0.0):  # ties (to rounding) stay put
             break
         on_gpu[i] = True
+        moved += 1
         cpu_t -= c[i]
         gpu_t += gg[i]
-    hybrid = max(cpu_t, gpu_t)
+    hybrid = max(cpu_t, gpu_t, shared if 0 < moved < n else 0.0)
     all_gpu = sum(gg)
     if not all(on_gpu) and all_gpu <= hybrid:
         return [True] * n, all_gpu
@@ -142,7 +150,7 @@ def key_for(gpu: str | None, dtype: torch.dtype | str, w13: tuple, w2: tuple, in
     return "|".join(
         [_cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}", f"threads={torch.get_num_threads()}",
          gpu or "none", f"torch={torch.__version__}", dtype_s, f"{tuple(w13)}x{tuple(w2)}",
-         "int8" if int8 else "float"]
+         "int8" if int8 else "float", f"host_kernel={cpu_kernel.kernel().tag}"]
     )
 
 
@@ -216,7 +224,9 @@ def measure_cpu(store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: i
     x1 = torch.randn(1, h, generator=gen).to(dtype)
     w1 = torch.full((1, k), 1.0 / k)
     best = (0.0, 1)
-    for workers in worker_candidates(host):
+    # The host kernel runs on the caller's thread whatever the pool: worker counts only matter for torch's ops.
+    kernel = cpu_kernel.unsupported(store.w13.dtype, dtype) is None
+    for workers in [1] if kernel else worker_candidates(host):
         pool = ExpertPool(host, workers)
 
         def decode(pool: ExpertPool = pool) -> None:
@@ -259,6 +269,32 @@ def measure_gpu(device: torch.device, dtype: torch.dtype) -> tuple[float, float]
     return h2d, tflops
 
 
+def measure_shared(store: ExpertStore, dtype: torch.dtype, device: torch.device, host: HostInfo, top_k: int) -> float:
+    """Host memory GB/s read by pinned H2D copies and the CPU decode path running at the same time."""
+    e, h = store.num_experts, store.w13.shape[2]
+    gen = torch.Generator().manual_seed(1)
+    k = min(top_k, e)
+    x1 = torch.randn(1, h, generator=gen).to(dtype)
+    w1 = torch.full((1, k), 1.0 / k)
+    pool = ExpertPool(host, 1)
+    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    done = torch.cuda.Event()
+    cpu_moe(store, x1, torch.arange(k).view(1, k), w1, pool, CpuMath())
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    done.record()
+    cpu_bytes = 0
+    while not done.query():
+        cpu_moe(store, x1, torch.randperm(e, generator=gen)[:k].view(1, k), w1, pool, CpuMath())
+        cpu_bytes += k * store.expert_bytes
+    elapsed = time.perf_counter() - t0
+    pool.shutdown()
+    return (4 * src.nbytes + cpu_bytes) / elapsed / 1e9
+
+
 def machine_rates(
     store: ExpertStore, dtype: torch.dtype, device: torch.device | None, host: HostInfo, top_k: int
 ) -> MachineRates:
@@ -268,9 +304,10 @@ def machine_rates(
     if cached is not None:
         return cached
     cpu_gbps, cpu_tflops, workers = measure_cpu(store, dtype, host, top_k)
-    h2d = gpu_tflops = None
+    h2d = gpu_tflops = shared = None
     if device is not None and device.type == "cuda":
         h2d, gpu_tflops = measure_gpu(device, dtype)
-    rates = MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers)
+        shared = measure_shared(store, dtype, device, host, top_k)
+    rates = MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers, shared_gbps=shared)
     path = store_rates(key, rates)
-    return MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers, f"measured, cached in {path}")
+    return replace(rates, source=f"measured, cached in {path}")

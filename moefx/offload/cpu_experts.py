@@ -1,8 +1,10 @@
 """Experts computed on the CPU: only routed experts are touched, their tokens gathered, results summed in fp32.
 
-Kernels are the ones torch ships for the CPU (oneDNN `linear` for bf16/fp16/fp32, `_weight_int8pack_mm`
-for int8 weights with bf16 activations, `_int_mm` for the INT8 activation path). Experts run on a pool of
-worker threads, one group per NUMA node pinned to that node's CPUs, each expert on the node that holds it.
+Small M (few rows per routed expert) runs moefx's host kernel (`cpu_kernel`: one pass over each routed expert's
+rows on every core, DRAM-bound). Otherwise, and wherever that kernel is unavailable, the kernels torch ships
+for the CPU: oneDNN `linear` for bf16/fp16/fp32, `_weight_int8pack_mm` for int8 weights with bf16
+activations, `_int_mm` for the INT8 activation path. Experts run on a pool of worker threads, one group per
+NUMA node pinned to that node's CPUs, each expert on the node that holds it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from moefx.log import warn_once
+from moefx.offload import cpu_kernel
 from moefx.offload.hw import HostInfo, host_info
+
+KERNEL_MAX_ROWS_PER_EXPERT = 8  # above this many rows per routed expert the GEMM is compute-bound: oneDNN
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +119,7 @@ class CpuMath:
 
     int8_activations: bool = False
     int8_impl: str = "align"
+    host_kernel: bool = True  # small M through moefx's host kernel where it is available (False: torch ops only)
 
 
 def expert_forward(store: ExpertStore, e: int, x: torch.Tensor, math: CpuMath) -> torch.Tensor:
@@ -155,6 +161,7 @@ class ExpertPool:
         self.host = host or host_info()
         self.workers_per_node = max(1, workers_per_node)
         self._groups: list[ThreadPoolExecutor] = []
+        self._kernel_threads: list[ThreadPoolExecutor] = []
         if self.inline:
             return
         for cpus in self.host.numa_cpus:
@@ -199,8 +206,26 @@ class ExpertPool:
             futures.extend(group.submit(_run_all, fn, b) for b in buckets if b)
         return [r for f in futures for r in f.result()]
 
+    def per_node(self, fn, items: list[tuple[int, int, int]], num_experts: int, like: torch.Tensor) -> list:
+        """fn(node's items, node's CPU count, a zeroed buffer like `like`) on each node's one kernel thread.
+
+        One fixed thread per node calls the host kernel, so each node keeps a single OpenMP team (a team per
+        calling thread would leave many teams spinning on the same cores)."""
+        if not self._kernel_threads:
+            self._kernel_threads = [
+                ThreadPoolExecutor(1, thread_name_prefix="moefx-kernel", initializer=_pin_worker,
+                                   initargs=(cpus, len(cpus)))
+                for cpus in self.host.numa_cpus
+            ]
+        futures = []
+        for node, worker in enumerate(self._kernel_threads):
+            mine = [it for it in items if self.home_node(it[0], num_experts) == node]
+            if mine:
+                futures.append(worker.submit(fn, mine, len(self.host.numa_cpus[node]), torch.zeros_like(like)))
+        return [f.result() for f in futures]
+
     def shutdown(self) -> None:
-        for group in self._groups:
+        for group in self._groups + self._kernel_threads:
             group.shutdown(wait=False)
 
 
@@ -244,6 +269,10 @@ def cpu_moe(
     for c in counts[:-1]:
         starts.append(starts[-1] + c)
     items = [it for it in zip(hit, starts, counts, strict=True) if experts is None or it[0] in experts]
+    pool = pool or _default_pool()
+    if kernel_reason(store, hidden.dtype, math, items) is None:
+        out = _kernel_moe(store, hidden, tokens, weights, items, pool)
+        return out.to(out_dtype or hidden.dtype)
 
     def one(item: tuple[int, int, int]) -> tuple[int, int, torch.Tensor]:
         e, start, count = item
@@ -252,9 +281,52 @@ def cpu_moe(
         return start, count, y.float() * weights[start : start + count, None]
 
     out = torch.zeros(hidden.shape[0], store.w2.shape[1], dtype=torch.float32)
-    for start, count, y in (pool or _default_pool()).map(one, items, store.num_experts):
+    for start, count, y in pool.map(one, items, store.num_experts):
         out.index_add_(0, tokens[start : start + count], y)
     return out.to(out_dtype or hidden.dtype)
+
+
+def kernel_reason(store: ExpertStore, act_dtype: torch.dtype, math: CpuMath, items: list) -> str | None:
+    """Why this call does not run on the host kernel (None: it does)."""
+    if not math.host_kernel:
+        return "host kernel switched off for this call"
+    if math.int8_activations:
+        return "INT8 activation path"
+    rows = sum(it[2] for it in items)
+    if rows > KERNEL_MAX_ROWS_PER_EXPERT * max(1, len(items)):
+        return f"{rows / len(items):.0f} rows per expert: compute-bound, oneDNN GEMMs"
+    return cpu_kernel.unsupported(store.w13.dtype, act_dtype)
+
+
+def _kernel_moe(
+    store: ExpertStore,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    items: list[tuple[int, int, int]],
+    pool: ExpertPool,
+) -> torch.Tensor:
+    """fp32 [M, H] expert sum of `items` on the host kernel: one call per NUMA node over the node's own experts."""
+    x = hidden.float().contiguous()
+    out = torch.zeros(hidden.shape[0], store.w2.shape[1], dtype=torch.float32)
+
+    def node_call(node_items: list[tuple[int, int, int]], threads: int, dst: torch.Tensor) -> torch.Tensor:
+        every_pair = sum(c for _, _, c in node_items) == len(tokens)  # items keep the expert-sorted pair order
+        sel = slice(None) if every_pair else torch.cat([torch.arange(s, s + c) for _, s, c in node_items])
+        cpu_kernel.moe_small_m(
+            x, store.w13, store.w2, store.w13_scale, store.w2_scale, [it[0] for it in node_items],
+            [it[2] for it in node_items], tokens[sel].to(torch.int32), weights[sel].contiguous(), dst,
+            hidden.dtype, threads,
+        )
+        return dst
+
+    if not items:
+        return out
+    if pool.host.numa_nodes == 1:  # the caller's thread: its OpenMP team is torch's own, no second pool spinning
+        return node_call(items, torch.get_num_threads(), out)
+    for part in pool.per_node(node_call, items, store.num_experts, like=out):
+        out += part
+    return out
 
 
 def _default_pool() -> ExpertPool:

@@ -8,11 +8,13 @@ when the switch is pinned); from the switch point every routed expert is streame
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from moefx.log import get_logger
+from moefx.offload import cpu_kernel
 from moefx.offload.cost import (
     Geometry,
     MachineRates,
@@ -22,7 +24,7 @@ from moefx.offload.cost import (
     split_experts,
     switch_point,
 )
-from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe, route
+from moefx.offload.cpu_experts import KERNEL_MAX_ROWS_PER_EXPERT, CpuMath, ExpertPool, ExpertStore, cpu_moe, route
 from moefx.offload.hw import host_info
 from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
@@ -192,6 +194,37 @@ class OffloadedExperts:
         return out.to(hidden_states.dtype)
 
 
+_LAYERS: list[weakref.ref] = []  # op argument `layer` -> that layer's OffloadedExperts
+
+
+@torch.library.custom_op("moefx::offloaded_experts", mutates_args=())
+def offloaded_experts_op(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """One offloaded layer's expert sum. An opaque op to torch.compile, so a compiled model stays one graph
+    (no graph break per layer) and the host-side work runs where the call sits in it."""
+    experts = _LAYERS[layer]()
+    if experts is None:
+        raise RuntimeError(f"moefx offload: layer handle {layer} outlived its model")
+    return experts(hidden_states, top_k_index, top_k_weights)
+
+
+@offloaded_experts_op.register_fake
+def _(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+def op_forward(experts: OffloadedExperts):
+    """The experts module's new forward: the custom op bound to this layer's handle."""
+    layer = len(_LAYERS)
+    _LAYERS.append(weakref.ref(experts))
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return offloaded_experts_op(hidden_states, top_k_index, top_k_weights, layer)
+
+    return forward
+
+
 def shared_overlap_forward(block: torch.nn.Module):
     """Forward for a DeepSeek-V3-style MoE block (gate, experts, shared_experts; out = experts + shared) that queues
     the shared experts on the GPU between the experts' launch and collect, so they overlap the host's work."""
@@ -282,7 +315,7 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     for mod in usable:
         store, holding = _offload_module(mod, op.int8, rt.host, pin=cuda)
         mod.moefx_offload = OffloadedExperts(store, rt)
-        mod.forward = torch.compiler.disable(mod.moefx_offload.__call__)
+        mod.forward = op_forward(mod.moefx_offload)
     applied.extend(_rewire_shared_blocks(model))
     first = usable[0].moefx_offload.store
     top_k = _top_k(model, first)
@@ -300,9 +333,18 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
         op.notes.append(budget.explain_line())
         op.notes.append(f"streamed tiles computed by MoE backend {how}")
     op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
+    op.notes.append(_host_kernel_note(first, dtype))
     applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
     log.info("offload: %s", "; ".join(applied))
     return applied
+
+
+def _host_kernel_note(store: ExpertStore, dtype: torch.dtype) -> str:
+    reason = cpu_kernel.unsupported(store.w13.dtype, dtype)
+    if reason is None:
+        return (f"CPU experts at small M (<= {KERNEL_MAX_ROWS_PER_EXPERT} rows per expert): moefx host kernel, "
+                f"{cpu_kernel.kernel().detail}")
+    return f"CPU experts: torch ops only (host kernel not used: {reason})"
 
 
 def _usable(found: list[tuple[str, torch.nn.Module]]) -> tuple[list[str], list[torch.nn.Module]]:
@@ -337,7 +379,8 @@ def _record_cost_model(op: Any, geom: Geometry, rates: MachineRates) -> None:
     op.switch_known = True
     op.switch_source = (
         f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
-        f"H2D {rates.h2d_gbps:.1f} GB/s; GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
+        f"H2D {rates.h2d_gbps:.1f} GB/s; both at once {rates.shared_gbps or float('nan'):.1f} GB/s; "
+        f"GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
     )
     shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
     gain = cpu_seconds(1, geom, rates) / modelled_seconds(1, geom, rates)[0]
