@@ -205,10 +205,11 @@ def _median_ms(fn, reps: int, device: str) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def _profile_call(layer: OffloadedExperts, m: int, device: str, gen: torch.Generator) -> dict:
+def _profile_call(layers: list[OffloadedExperts], m: int, device: str, gen: torch.Generator) -> dict:
     """One layer's experts at M rows: the host kernel and torch's ops on host tensors, then the layer call by path."""
     from moefx.offload.cpu_experts import CpuMath, cpu_moe
 
+    layer = layers[0]
     store, rt = layer.store, layer.rt
     e, h = store.num_experts, store.w13.shape[2]
     x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
@@ -223,6 +224,15 @@ def _profile_call(layer: OffloadedExperts, m: int, device: str, gen: torch.Gener
 
     host("host kernel", CpuMath())
     host("torch ops", CpuMath(host_kernel=False))
+    fresh = [torch.stack([torch.randperm(e, generator=gen)[:8] for _ in range(m)]) for _ in range(64)]
+    t0 = time.perf_counter()
+    moved = 0
+    for j, ids_j in enumerate(fresh):  # other experts and layers every call: DRAM, not cache
+        other = layers[j % len(layers)].store
+        cpu_moe(other, x, ids_j, w, rt.decode_pool, CpuMath())
+        moved += len(set(ids_j.flatten().tolist())) * other.expert_bytes
+    ms = (time.perf_counter() - t0) / len(fresh) * 1e3
+    row["host kernel, fresh experts each call"] = {"ms": ms, "gbps": moved / len(fresh) / ms / 1e6}
     threads = torch.get_num_threads()
     for t in sorted({4, 8, threads // 2, threads}):
         torch.set_num_threads(t)
@@ -242,6 +252,41 @@ def _profile_call(layer: OffloadedExperts, m: int, device: str, gen: torch.Gener
     return row
 
 
+class PhaseTimer:
+    """Wall time inside each phase of the offloaded experts call during real decode steps (bench-only wrappers)."""
+
+    PHASES = ("route", "split_experts", "cpu_moe", "_to_device")
+
+    def __init__(self) -> None:
+        import moefx.offload.transform as tr
+        from moefx.offload.staging import StagingRing
+
+        self.sums: dict[str, float] = {}
+        self.calls = 0
+        self._saved = [(tr, name, getattr(tr, name)) for name in self.PHASES]
+        self._saved += [(StagingRing, "start", StagingRing.start), (StagingRing, "finish", StagingRing.finish),
+                        (OffloadedExperts, "__call__", OffloadedExperts.__call__)]
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sums[name] = self.sums.get(name, 0.0) + time.perf_counter() - t0
+                self.calls += name == "__call__"
+
+        return timed
+
+    def restore(self) -> dict:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+        n = max(1, self.calls)
+        return {("whole call" if k == "__call__" else k): v / n * 1e3 for k, v in self.sums.items()}
+
+
 @torch.no_grad()
 def profile(model, experts: list[OffloadedExperts], device: str, vocab: int) -> dict:
     """Where a decode step's time goes: one layer's experts call by path, the host kernel alone (and by thread
@@ -249,9 +294,15 @@ def profile(model, experts: list[OffloadedExperts], device: str, vocab: int) -> 
     gen = torch.Generator(device="cpu").manual_seed(3)
     out: dict = {}
     for m in (1, 4):
-        row = out[f"M={m}"] = _profile_call(experts[0], m, device, gen)
+        row = out[f"M={m}"] = _profile_call(experts, m, device, gen)
         log(f"profile M={m}: " + "; ".join(f"{k_} {v['ms']:.3f} ms" + (f" {v['gbps']:.1f} GB/s" if "gbps" in v else "")
                                            for k_, v in row.items()))
+    timer = PhaseTimer()
+    try:
+        decode_first_layers(model, 8, 12, device, vocab)
+    finally:
+        out["decode_phase_ms_per_call"] = phases = timer.restore()
+    log("profile decode, ms per experts call by phase: " + "; ".join(f"{k_} {v:.3f}" for k_, v in phases.items()))
     holders = [mod for mod in model.modules() if isinstance(getattr(mod, "moefx_offload", None), OffloadedExperts)]
     saved = [mod.forward for mod in holders]
     out["decode_8_layers_ms"] = {}
@@ -421,8 +472,8 @@ def main() -> int:
         result["ring_stats"] = dict(rt.ring.stats)
     print()
     geometry = "tiny Qwen3-MoE (smoke run, no claims)" if quick else "Qwen3-30B-A3B geometry"
-    print(f"## Offload — {result['device']}, torch {result['torch']}, {result['date']}, mode {args.mode}, {layers} layers "
-          f"{geometry}, bf16; host copy {result['host_copy_gbps']:.1f} GB/s, "
+    print(f"## Offload — {result['device']}, torch {result['torch']}, {result['date']}, mode {args.mode}, "
+          f"{layers} layers {geometry}, bf16; host copy {result['host_copy_gbps']:.1f} GB/s, "
           f"H2D {result['h2d_gbps'] or 0:.1f} GB/s; command `python bench/offload.py{' --quick' if quick else ''}`")
     print("| what | tok/s | floor tok/s | vs floor |")
     print("|---|---|---|---|")
