@@ -114,8 +114,13 @@ class GemvConfig:
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
 # (largest M, config), first match wins. Adopting a `bench/moe.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, GemvConfig], ...]] = {
-    "bf16": ((math.inf, GemvConfig()),),
-    "fp8": ((math.inf, GemvConfig()),),
+    # sweep 2026-11-29 (bench/NOTES-moe.md): bf16 M=1 0.93x, M=4 0.96x; fp8 M=1 0.85x, M=4 0.95x of the old default
+    "bf16": ((4, GemvConfig(block_n1=4, block_k1=256, block_k2=128)), (math.inf, GemvConfig())),
+    "fp8": (
+        (1, GemvConfig(block_n1=16, rows2=64, block_k1=256, block_k2=256)),
+        (4, GemvConfig(block_n1=16, rows2=64, block_k1=128, block_k2=256)),
+        (math.inf, GemvConfig()),
+    ),
 }
 
 
