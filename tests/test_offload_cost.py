@@ -166,3 +166,15 @@ def test_shared_dram_keeps_decode_on_the_cpu_when_splitting_gains_nothing():
     partial = dataclasses.replace(host, shared_gbps=1.3 * host.cpu_gbps)
     flags, secs_partial = split_experts(rows, 1, QWEN3, partial)
     assert secs_partial >= 8 * QWEN3.expert_bytes / (partial.shared_gbps * 1e9) - 1e-12
+
+
+def test_fixed_streaming_cost_keeps_small_calls_on_the_cpu():
+    """A call that streams anything pays the ring's fixed cost once: worth it for many experts, not for decode."""
+    rows = [1.0] * 8
+    free = dataclasses.replace(H200, shared_gbps=H200.cpu_gbps + H200.h2d_gbps)
+    assert any(split_experts(rows, 1, QWEN3, free)[0])
+    costly = dataclasses.replace(free, stream_overhead_s=2e-3)
+    flags, secs = split_experts(rows, 1, QWEN3, costly)
+    assert not any(flags) and secs == pytest.approx(cpu_seconds(1, QWEN3, costly), rel=1e-3)
+    # Prefill streams about as much as before: the fixed cost is small next to the CPU's GEMM time.
+    assert modelled_seconds(8192, QWEN3, costly)[1] == pytest.approx(modelled_seconds(8192, QWEN3, free)[1], abs=0.05)

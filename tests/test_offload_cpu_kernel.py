@@ -84,6 +84,8 @@ def test_kernel_matches_legacy(dtype, int8, m, kernel_calls):
     assert relerr(out, ref) <= CASES[(dtype, int8)]
     torch_path = cpu_moe(store, x, ids, w, math=CpuMath(host_kernel=False))
     assert relerr(out, torch_path) <= CASES[(dtype, int8)]
+    prefetched = cpu_moe(store, x, ids, w, math=CpuMath(prefetch_bytes=1024))  # prefetch never changes values
+    assert torch.equal(prefetched, out)
 
 
 @needs_kernel

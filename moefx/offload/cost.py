@@ -28,6 +28,7 @@ from moefx.offload.hw import HostInfo
 log = get_logger("moefx.offload.cost")
 
 MAX_SWITCH_TOKENS = 1 << 20
+PREFETCH_CANDIDATES = (0, 1024, 4096)  # host kernel software prefetch distances tried per machine (bytes)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class MachineRates:
     decode_workers: int = 1  # expert worker threads per NUMA node that decode fastest (tuned with the rates)
     source: str = "measured"
     shared_gbps: float | None = None  # host memory read rate with both running: H2D copies and the CPU path share DRAM
+    prefetch_bytes: int = 0  # host kernel software prefetch distance that decoded fastest (0 = none)
+    stream_overhead_s: float = 0.0  # fixed cost of a call that streams any expert (ring launches, index copies)
 
     @property
     def has_gpu(self) -> bool:
@@ -86,15 +89,16 @@ def split_experts(rows: list[float], m: int, g: Geometry, r: MachineRates) -> tu
     shared = transfer + n * g.expert_bytes / (r.shared_gbps * 1e9) if r.shared_gbps else 0.0
     moved = 0
     for i in sorted(range(n), key=lambda i: (-c[i], i)):
-        after = max(cpu_t - c[i], gpu_t + gg[i], shared if moved + 1 < n else 0.0)
+        fixed = r.stream_overhead_s if moved == 0 else 0.0
+        after = max(cpu_t - c[i], gpu_t + fixed + gg[i], shared if moved + 1 < n else 0.0)
         if after >= (1 - 1e-9) * max(cpu_t, gpu_t, shared if moved else 0.0):  # ties (to rounding) stay put
             break
         on_gpu[i] = True
         moved += 1
         cpu_t -= c[i]
-        gpu_t += gg[i]
+        gpu_t += fixed + gg[i]
     hybrid = max(cpu_t, gpu_t, shared if 0 < moved < n else 0.0)
-    all_gpu = sum(gg)
+    all_gpu = r.stream_overhead_s + sum(gg)
     if not all(on_gpu) and all_gpu <= hybrid:
         return [True] * n, all_gpu
     return on_gpu, hybrid
@@ -212,8 +216,11 @@ def worker_candidates(host: HostInfo) -> list[int]:
     return [w for w in (1, 2, 4, 8, 16) if w <= per_node]
 
 
-def measure_cpu(store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: int) -> tuple[float, float, int]:
-    """(GB/s at decode-like M=1 over random experts, TFLOP/s at M=256, best workers per node), on the layer's weights.
+def measure_cpu(
+    store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: int
+) -> tuple[float, float, int, int]:
+    """(GB/s at decode-like M=1 over random experts, TFLOP/s at M=256, best workers per node, best host kernel
+    prefetch distance), on the layer's weights.
 
     Each worker count in `worker_candidates` is tried for decode; the large-M rate uses one worker per node.
     """
@@ -223,19 +230,21 @@ def measure_cpu(store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: i
     k = min(top_k, e)
     x1 = torch.randn(1, h, generator=gen).to(dtype)
     w1 = torch.full((1, k), 1.0 / k)
-    best = (0.0, 1)
-    # The host kernel runs on the caller's thread whatever the pool: worker counts only matter for torch's ops.
+    best = (0.0, 1, 0)
+    # The host kernel runs on the caller's thread whatever the pool, so for it the prefetch distance is tuned;
+    # worker counts only matter for torch's ops.
     kernel = cpu_kernel.unsupported(store.w13.dtype, dtype) is None
-    for workers in [1] if kernel else worker_candidates(host):
+    trials = [(1, pf) for pf in PREFETCH_CANDIDATES] if kernel else [(w, 0) for w in worker_candidates(host)]
+    for workers, pf in trials:
         pool = ExpertPool(host, workers)
 
-        def decode(pool: ExpertPool = pool) -> None:
-            ids = torch.randperm(e, generator=gen)[:k].view(1, k)
-            cpu_moe(store, x1, ids, w1, pool, CpuMath())
+        def decode(pool: ExpertPool = pool, pf: int = pf) -> None:
+            ids = torch.randperm(e, generator=gen)[:k].view(1, k)  # fresh experts: DRAM, not cache
+            cpu_moe(store, x1, ids, w1, pool, CpuMath(prefetch_bytes=pf))
 
         gbps = k * store.expert_bytes / _median_seconds(decode, 9) / 1e9
         pool.shutdown()
-        best = max(best, (gbps, workers))
+        best = max(best, (gbps, workers, pf))
     m = 256
     xm = torch.randn(m, h, generator=gen).to(dtype)
     ids_m = torch.randint(0, min(e, 4), (m, k), generator=gen)
@@ -243,7 +252,7 @@ def measure_cpu(store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: i
     pool = ExpertPool(host, 1)
     secs = _median_seconds(lambda: cpu_moe(store, xm, ids_m, wm, pool, CpuMath()), 3)
     pool.shutdown()
-    return best[0], 2.0 * m * k * 3 * h * inter / secs / 1e12, best[1]
+    return best[0], 2.0 * m * k * 3 * h * inter / secs / 1e12, best[1], best[2]
 
 
 def measure_gpu(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
@@ -295,6 +304,22 @@ def measure_shared(store: ExpertStore, dtype: torch.dtype, device: torch.device,
     return (4 * src.nbytes + cpu_bytes) / elapsed / 1e9
 
 
+def measure_stream_overhead(ring, store: ExpertStore, dtype: torch.dtype, rates: MachineRates, compute) -> float:
+    """Seconds a one-expert streamed call takes beyond copying that expert: the fixed cost of streaming at all."""
+    device = ring.device
+    h = store.w13.shape[2]
+    x = torch.randn(1, h, device=device).to(dtype)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    w = torch.ones(1, 1, device=device)
+
+    def call() -> None:
+        ring.run(store, x, ids, w, compute)
+        torch.cuda.synchronize(device)
+
+    secs = _median_seconds(call, 7)
+    return max(0.0, secs - store.expert_bytes / (rates.h2d_gbps * 1e9))
+
+
 def machine_rates(
     store: ExpertStore, dtype: torch.dtype, device: torch.device | None, host: HostInfo, top_k: int
 ) -> MachineRates:
@@ -303,11 +328,11 @@ def machine_rates(
     cached = cached_rates(key)
     if cached is not None:
         return cached
-    cpu_gbps, cpu_tflops, workers = measure_cpu(store, dtype, host, top_k)
+    cpu_gbps, cpu_tflops, workers, prefetch = measure_cpu(store, dtype, host, top_k)
     h2d = gpu_tflops = shared = None
     if device is not None and device.type == "cuda":
         h2d, gpu_tflops = measure_gpu(device, dtype)
         shared = measure_shared(store, dtype, device, host, top_k)
-    rates = MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers, shared_gbps=shared)
+    rates = MachineRates(cpu_gbps, cpu_tflops, h2d, gpu_tflops, workers, shared_gbps=shared, prefetch_bytes=prefetch)
     path = store_rates(key, rates)
     return replace(rates, source=f"measured, cached in {path}")

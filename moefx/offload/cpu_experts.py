@@ -120,6 +120,7 @@ class CpuMath:
     int8_activations: bool = False
     int8_impl: str = "align"
     host_kernel: bool = True  # small M through moefx's host kernel where it is available (False: torch ops only)
+    prefetch_bytes: int = 0  # host kernel's software prefetch distance (measured per machine; 0 = none)
 
 
 def expert_forward(store: ExpertStore, e: int, x: torch.Tensor, math: CpuMath) -> torch.Tensor:
@@ -271,7 +272,7 @@ def cpu_moe(
     items = [it for it in zip(hit, starts, counts, strict=True) if experts is None or it[0] in experts]
     pool = pool or _default_pool()
     if kernel_reason(store, hidden.dtype, math, items) is None:
-        out = _kernel_moe(store, hidden, tokens, weights, items, pool)
+        out = _kernel_moe(store, hidden, tokens, weights, items, pool, math.prefetch_bytes)
         return out.to(out_dtype or hidden.dtype)
 
     def one(item: tuple[int, int, int]) -> tuple[int, int, torch.Tensor]:
@@ -305,6 +306,7 @@ def _kernel_moe(
     weights: torch.Tensor,
     items: list[tuple[int, int, int]],
     pool: ExpertPool,
+    prefetch_bytes: int,
 ) -> torch.Tensor:
     """fp32 [M, H] expert sum of `items` on the host kernel: one call per NUMA node over the node's own experts."""
     x = hidden.float().contiguous()
@@ -316,7 +318,7 @@ def _kernel_moe(
         cpu_kernel.moe_small_m(
             x, store.w13, store.w2, store.w13_scale, store.w2_scale, [it[0] for it in node_items],
             [it[2] for it in node_items], tokens[sel].to(torch.int32), weights[sel].contiguous(), dst,
-            hidden.dtype, threads,
+            hidden.dtype, threads, prefetch_bytes,
         )
         return dst
 

@@ -95,7 +95,7 @@ def load(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int32
     fn.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 4,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64]
     return lib
 
 
@@ -153,12 +153,14 @@ def moe_small_m(
     out: torch.Tensor,
     act_dtype: torch.dtype,
     threads: int,
+    prefetch_bytes: int = 0,
     lib: ctypes.CDLL | None = None,
 ) -> None:
     """out [M, H] fp32 += the expert sum over the given pairs (grouped by expert, `counts` per expert).
 
     x is fp32 [M, H] contiguous; pair_token int32 and pair_weight fp32 have sum(counts) entries; weights are the
-    full stores (w13 [E, 2I, H], w2 [E, H, I], contiguous) so no expert is copied.
+    full stores (w13 [E, 2I, H], w2 [E, H, I], contiguous) so no expert is copied. `prefetch_bytes` > 0: software
+    prefetch that far ahead of the weight stream (the best distance is measured per machine with the offload rates).
     """
     lib = lib or kernel().lib
     assert lib is not None and x.dtype == torch.float32 and out.dtype == torch.float32
@@ -175,7 +177,7 @@ def moe_small_m(
     rc = lib.moefx_moe_small_m(
         WEIGHT_FORMATS[w13.dtype], x.data_ptr(), h, inter, w13.data_ptr(), w2.data_ptr(), _ptr(s13), _ptr(s2),
         experts_t.data_ptr(), starts_t.data_ptr(), len(experts), pair_token.data_ptr(), pair_weight.data_ptr(),
-        act.data_ptr(), out.data_ptr(), int(ROUNDING[act_dtype]), max(1, threads),
+        act.data_ptr(), out.data_ptr(), int(ROUNDING[act_dtype]), max(1, threads), prefetch_bytes,
     )
     if rc != 0:
         raise RuntimeError(f"moefx host kernel returned {rc} for weights in {w13.dtype}")

@@ -9,6 +9,7 @@ when the switch is pinned); from the switch point every routed expert is streame
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from moefx.offload.cost import (
     MachineRates,
     cpu_seconds,
     machine_rates,
+    measure_stream_overhead,
     modelled_seconds,
     split_experts,
     switch_point,
@@ -130,9 +132,10 @@ class OffloadRuntime:
         self.rates: MachineRates | None = None
         self.geom: Geometry | None = None
         self.tile_backend = "legacy"
+        self.prefetch_bytes = 0  # host kernel prefetch distance, measured with the machine rates
 
     def math(self, m: int) -> CpuMath:
-        return CpuMath(self.int8_activations and m >= self.min_tokens, self.impl)
+        return CpuMath(self.int8_activations and m >= self.min_tokens, self.impl, prefetch_bytes=self.prefetch_bytes)
 
     def set_decode_workers(self, workers: int) -> None:
         if workers != self.decode_pool.workers_per_node:
@@ -322,16 +325,20 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     rt.geom = Geometry(first.num_experts, top_k, first.w13.shape[2], first.w2.shape[2], first.expert_bytes)
     rates = machine_rates(first, dtype, device, rt.host, top_k)
     rt.set_decode_workers(rates.decode_workers)
+    rt.prefetch_bytes = rates.prefetch_bytes
     cost_model = cuda and not op.switch_pinned
+    if budget is not None and (cost_model or op.switch_tokens is not None):
+        rt.ring = StagingRing(first, op.tile_e, device)
+        rt.tile_backend, how = validated_tile_backend(first, device, dtype)
+        if cost_model:  # the fixed cost of a call that streams anything, with this ring and tile backend
+            rates = replace(rates, stream_overhead_s=measure_stream_overhead(rt.ring, first, dtype, rates,
+                                                                             rt.tile_compute))
+            rt.rates = rates
+        op.notes.append(budget.explain_line())
+        op.notes.append(f"streamed tiles computed by MoE backend {how}")
     if cost_model:
         _record_cost_model(op, rt.geom, rates)
     rt.switch_tokens = op.switch_tokens if cuda else None
-    if budget is not None and (cost_model or rt.switch_tokens is not None):
-        rt.ring = StagingRing(first, op.tile_e, device)
-        rt.rates = rates if cost_model else None
-        rt.tile_backend, how = validated_tile_backend(first, device, dtype)
-        op.notes.append(budget.explain_line())
-        op.notes.append(f"streamed tiles computed by MoE backend {how}")
     op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
     op.notes.append(_host_kernel_note(first, dtype))
     applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
@@ -380,7 +387,8 @@ def _record_cost_model(op: Any, geom: Geometry, rates: MachineRates) -> None:
     op.switch_source = (
         f"cost model: CPU {rates.cpu_gbps:.1f} GB/s, {rates.cpu_tflops:.2f} TFLOP/s; "
         f"H2D {rates.h2d_gbps:.1f} GB/s; both at once {rates.shared_gbps or float('nan'):.1f} GB/s; "
-        f"GPU {rates.gpu_tflops:.0f} TFLOP/s [{rates.source}]"
+        f"GPU {rates.gpu_tflops:.0f} TFLOP/s; {rates.stream_overhead_s * 1e3:.2f} ms per streaming call; "
+        f"host kernel prefetch {rates.prefetch_bytes} B [{rates.source}]"
     )
     shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
     gain = cpu_seconds(1, geom, rates) / modelled_seconds(1, geom, rates)[0]

@@ -81,13 +81,24 @@ inline float vsum(vec a) { return a; }
 
 constexpr int kPairs = 4;  // activation rows sharing one pass over a weight row (it stays in L1 between chunks)
 
-// out[j] = w . xs[j] for NP activation rows, K elements each.
+inline void prefetch(const void* p) {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+    (void)p;
+#endif
+}
+
+// out[j] = w . xs[j] for NP activation rows, K elements each. `pf` > 0 prefetches that many bytes ahead of
+// the weight stream (it runs on into the next rows, which follow in memory): the hardware prefetchers stop at
+// 4 KiB page edges, and a weight row is about a page.
 template <int NP, typename W>
-inline void dot_rows(const W* w, const float* const* xs, int64_t K, float* out) {
+inline void dot_rows(const W* w, const float* const* xs, int64_t K, float* out, int64_t pf) {
     vec acc[NP];
     for (int j = 0; j < NP; ++j) acc[j] = vzero();
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
+        if (pf) prefetch(reinterpret_cast<const char*>(w + k) + pf);
         vec wv = vload(w + k);
         for (int j = 0; j < NP; ++j) acc[j] = vfma(wv, vload(xs[j] + k), acc[j]);
     }
@@ -99,12 +110,12 @@ inline void dot_rows(const W* w, const float* const* xs, int64_t K, float* out) 
 }
 
 template <typename W>
-inline void dot_chunk(const W* w, const float* const* xs, int np, int64_t K, float* out) {
+inline void dot_chunk(const W* w, const float* const* xs, int np, int64_t K, float* out, int64_t pf) {
     switch (np) {
-        case 1: dot_rows<1>(w, xs, K, out); break;
-        case 2: dot_rows<2>(w, xs, K, out); break;
-        case 3: dot_rows<3>(w, xs, K, out); break;
-        default: dot_rows<4>(w, xs, K, out); break;
+        case 1: dot_rows<1>(w, xs, K, out, pf); break;
+        case 2: dot_rows<2>(w, xs, K, out, pf); break;
+        case 3: dot_rows<3>(w, xs, K, out, pf); break;
+        default: dot_rows<4>(w, xs, K, out, pf); break;
     }
 }
 
@@ -114,7 +125,7 @@ template <typename W>
 void moe_small_m(const float* x, int64_t H, int64_t I, const W* w13, const W* w2, const float* s13,
                  const float* s2, const int32_t* experts, const int32_t* starts, int32_t n_experts,
                  const int32_t* pair_token, const float* pair_weight, float* act, float* out, bool rnd,
-                 int32_t threads) {
+                 int32_t threads, int64_t pf) {
     constexpr int64_t kRows1 = 16;  // gate/up rows per unit
     constexpr int64_t kRows2 = 16;  // down rows per unit
     const int64_t blocks1 = (I + kRows1 - 1) / kRows1;
@@ -135,8 +146,8 @@ void moe_small_m(const float* x, int64_t H, int64_t I, const W* w13, const W* w2
                 for (int j = 0; j < np; ++j) xs[j] = x + int64_t(pair_token[p0 + j]) * H;
                 for (int64_t r = r0; r < r1; ++r) {
                     float gv[kPairs], uv[kPairs];
-                    dot_chunk(gate_w + r * H, xs, np, H, gv);
-                    dot_chunk(up_w + r * H, xs, np, H, uv);
+                    dot_chunk(gate_w + r * H, xs, np, H, gv, pf);
+                    dot_chunk(up_w + r * H, xs, np, H, uv, pf);
                     const float gs = s13 ? s13[e * 2 * I + r] : 1.0f, us = s13 ? s13[e * 2 * I + I + r] : 1.0f;
                     for (int j = 0; j < np; ++j) {
                         const float gate = maybe_round(gv[j] * gs, rnd), up = maybe_round(uv[j] * us, rnd);
@@ -157,7 +168,7 @@ void moe_small_m(const float* x, int64_t H, int64_t I, const W* w13, const W* w2
                     for (int j = 0; j < np; ++j) as[j] = act + int64_t(p0 + j) * I;
                     for (int64_t h = h0; h < h1; ++h) {
                         float yv[kPairs];
-                        dot_chunk(w2 + (e * H + h) * I, as, np, I, yv);
+                        dot_chunk(w2 + (e * H + h) * I, as, np, I, yv, pf);
                         const float ds = s2 ? s2[e * H + h] : 1.0f;
                         for (int j = 0; j < np; ++j)
                             out[int64_t(pair_token[p0 + j]) * H + h] += maybe_round(yv[j] * ds, rnd) * pair_weight[p0 + j];
@@ -181,20 +192,21 @@ int32_t moefx_cpu_lanes() { return kLanes; }
 int32_t moefx_moe_small_m(int32_t weight_format, const float* x, int64_t H, int64_t I, const void* w13,
                           const void* w2, const float* s13, const float* s2, const int32_t* experts,
                           const int32_t* starts, int32_t n_experts, const int32_t* pair_token,
-                          const float* pair_weight, float* act, float* out, int32_t round_bf16, int32_t threads) {
+                          const float* pair_weight, float* act, float* out, int32_t round_bf16, int32_t threads,
+                          int64_t prefetch_bytes) {
     const bool rnd = round_bf16 != 0;
     switch (weight_format) {
         case 0:
             moe_small_m(x, H, I, static_cast<const uint16_t*>(w13), static_cast<const uint16_t*>(w2), nullptr,
-                        nullptr, experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads);
+                        nullptr, experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, prefetch_bytes);
             return 0;
         case 1:
             moe_small_m(x, H, I, static_cast<const float*>(w13), static_cast<const float*>(w2), nullptr, nullptr,
-                        experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads);
+                        experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, prefetch_bytes);
             return 0;
         case 2:
             moe_small_m(x, H, I, static_cast<const int8_t*>(w13), static_cast<const int8_t*>(w2), s13, s2, experts,
-                        starts, n_experts, pair_token, pair_weight, act, out, rnd, threads);
+                        starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, prefetch_bytes);
             return 0;
         default:
             return 1;
