@@ -252,6 +252,47 @@ def _profile_call(layers: list[OffloadedExperts], m: int, device: str, gen: torc
     return row
 
 
+def memory_probe(device: str) -> dict:
+    """Host memory as the offload path uses it, 4 KiB pages vs huge pages: H2D GB/s from page-locked memory
+    (pin_memory, registered in place) and the host kernel's GB/s on fresh experts by prefetch distance."""
+    from moefx.offload.cpu_experts import CpuMath, ExpertStore, cpu_moe
+    from moefx.offload.placement import _register, huge_page_empty
+
+    out: dict = {}
+    nbytes = 1 << 30
+    huge, advised = huge_page_empty((nbytes,), torch.uint8)
+    out["huge_pages_advised"] = advised
+    if device == "cuda":
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        plain = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        for label, buf in (("pin_memory", pinned), ("registered 4 KiB pages", plain), ("registered huge pages", huge)):
+            buf.fill_(1)
+            if label.startswith("registered"):
+                _register(buf)
+            ms = _median_ms(lambda buf=buf: dst.copy_(buf, non_blocking=True), 5, device)
+            out[f"h2d {label}"] = nbytes / ms / 1e6
+    e, h, inter = 128, 2048, 768
+    gen = torch.Generator().manual_seed(0)
+    for label, huge_pages in (("4 KiB pages", False), ("huge pages", True)):
+        tensors = []
+        for shape in ((e, 2 * inter, h), (e, h, inter)):
+            t = huge_page_empty(shape, torch.bfloat16)[0] if huge_pages else torch.empty(shape, dtype=torch.bfloat16)
+            tensors.append(t.normal_(0, 0.02, generator=gen))
+        store = ExpertStore(*tensors)
+        x = torch.randn(1, h, generator=gen).to(torch.bfloat16)
+        w = torch.full((1, 8), 1 / 8)
+        for pf in (0, 1024, 4096):
+            ids = [torch.randperm(e, generator=gen)[:8].view(1, 8) for _ in range(48)]
+            t0 = time.perf_counter()
+            for i in ids:
+                cpu_moe(store, x, i, w, math=CpuMath(prefetch_bytes=pf))
+            secs = (time.perf_counter() - t0) / len(ids)
+            out[f"host kernel {label} prefetch {pf}"] = 8 * store.expert_bytes / secs / 1e9
+    log("memory probe: " + "; ".join(f"{k_} {v:.1f}" if isinstance(v, float) else f"{k_} {v}" for k_, v in out.items()))
+    return out
+
+
 class PhaseTimer:
     """Wall time inside each phase of the offloaded experts call during real decode steps (bench-only wrappers)."""
 
@@ -362,7 +403,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="layers of the moefx model (default: what fits)")
     ap.add_argument("--skip-peer", action="store_true", help="do not run accelerate")
     ap.add_argument("--profile", action="store_true", help="only the per-layer decode breakdown (8 layers)")
-    ap.add_argument("--mode", default="compile", choices=("eager", "compile"),
+    ap.add_argument("--probe", action="store_true", help="also probe host memory: page size vs H2D and CPU rates")
+    ap.add_argument("--mode", default="eager", choices=("eager", "compile"),
                     help="moefx mode: compile = one torch.compile graph with the offloaded experts as an op")
     args = ap.parse_args()
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
@@ -385,6 +427,8 @@ def main() -> int:
     log("measuring host memory and H2D bandwidth")
     result["host_copy_gbps"] = host_copy_gbps((64 << 20) if quick else (2 << 30))
     result["h2d_gbps"] = h2d_gbps(1 << 30) if device == "cuda" else None
+    if args.probe:
+        result["memory_probe"] = memory_probe(device)
 
     if device == "cuda" and not args.skip_peer:
         log("peer: accelerate dispatch_model, experts on the CPU, 8 layers")

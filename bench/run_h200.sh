@@ -30,7 +30,7 @@ for s in "${stages[@]}"; do
         moe) run_stage moe 240 python3 bench/moe.py --calibrate ;;
         fusions) run_stage fusions 150 python3 bench/fusions.py ;;
         sampler) run_stage sampler 200 python3 bench/sampler.py ;;
-        offload) run_stage offload 260 python3 bench/offload.py ;;
+        offload) run_stage offload 420 python3 bench/offload.py --probe ;;
         offload-profile) run_stage offload-profile 240 python3 bench/offload.py --profile --layers 8 --skip-peer --mode eager ;;
         calibrate) run_stage calibrate 300 bash bench/calibrate_h200.sh ;;
         calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
