@@ -293,6 +293,43 @@ def memory_probe(device: str) -> dict:
     return out
 
 
+def host_memory_state() -> dict:
+    """Transparent huge page settings and how much anonymous memory huge pages hold now."""
+    out = {}
+    for name in ("enabled", "defrag"):
+        try:
+            out[f"thp_{name}"] = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
+        except OSError:
+            out[f"thp_{name}"] = "unknown"
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(("AnonHugePages:", "MemTotal:", "MemAvailable:")):
+            key, value = line.split(":")
+            out[key] = value.strip()
+    return out
+
+
+def kernel_rate_by_span(experts: list[OffloadedExperts], calls: int = 96) -> dict:
+    """The host path's GB/s at M=1 on fresh random experts drawn from the first 8 layers vs from every layer:
+    the same kernel over 9 GiB or over the whole model shows what the memory system adds at scale."""
+    from moefx.offload.cpu_experts import cpu_moe
+
+    rt = experts[0].rt
+    e, h = experts[0].store.num_experts, experts[0].store.w13.shape[2]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, h, generator=gen).to(torch.bfloat16)
+    w = torch.full((1, 8), 1 / 8)
+    out = {}
+    for label, span in (("first 8 layers", experts[:8]), (f"all {len(experts)} layers", experts)):
+        picks = [(span[int(torch.randint(len(span), (1,), generator=gen))].store,
+                  torch.randperm(e, generator=gen)[:8].view(1, 8)) for _ in range(calls)]
+        t0 = time.perf_counter()
+        for store, ids in picks:
+            cpu_moe(store, x, ids, w, rt.decode_pool, rt.math(1))
+        secs = (time.perf_counter() - t0) / calls
+        out[label] = 8 * experts[0].store.expert_bytes / secs / 1e9
+    return out
+
+
 class PhaseTimer:
     """Wall time inside each phase of the offloaded experts call during real decode steps (bench-only wrappers)."""
 
@@ -474,6 +511,10 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         return 1
 
+    result["host_memory"] = host_memory_state()
+    if not quick:
+        result["host_kernel_gbps_by_span"] = spans = kernel_rate_by_span(experts)
+        log(f"host memory {result['host_memory']}; host path GB/s at M=1 by span {spans}")
     vocab = config.vocab_size
     if args.profile:
         result["profile"] = profile(model, experts, device, vocab)

@@ -28,6 +28,7 @@ from moefx.offload.hw import HostInfo
 log = get_logger("moefx.offload.cost")
 
 MAX_SWITCH_TOKENS = 1 << 20
+RATES_VERSION = 2  # bump when what measure_* measures changes, so cached rates are measured again
 PREFETCH_CANDIDATES = (0, 1024, 4096)  # host kernel software prefetch distances tried per machine (bytes)
 
 
@@ -152,7 +153,8 @@ def key_for(gpu: str | None, dtype: torch.dtype | str, w13: tuple, w2: tuple, in
     """Cache key: this host's CPU and threads, the GPU, torch, dtype and one expert's shapes."""
     dtype_s = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     return "|".join(
-        [_cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}", f"threads={torch.get_num_threads()}",
+        [f"v{RATES_VERSION}", _cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}",
+         f"threads={torch.get_num_threads()}",
          gpu or "none", f"torch={torch.__version__}", dtype_s, f"{tuple(w13)}x{tuple(w2)}",
          "int8" if int8 else "float", f"host_kernel={cpu_kernel.kernel().tag}"]
     )
@@ -219,7 +221,7 @@ def worker_candidates(host: HostInfo) -> list[int]:
 def measure_cpu(
     store: ExpertStore, dtype: torch.dtype, host: HostInfo, top_k: int
 ) -> tuple[float, float, int, int]:
-    """(GB/s at decode-like M=1 over random experts, TFLOP/s at M=256, best workers per node, best host kernel
+    """(GB/s at decode-like M=1 over random experts, TFLOP/s at M=512, best workers per node, best host kernel
     prefetch distance), on the layer's weights.
 
     Each worker count in `worker_candidates` is tried for decode; the large-M rate uses one worker per node.
@@ -245,9 +247,11 @@ def measure_cpu(
         gbps = k * store.expert_bytes / _median_seconds(decode, 9) / 1e9
         pool.shutdown()
         best = max(best, (gbps, workers, pf))
-    m = 256
+    # Large M as prefill chunks see it: uniform routing over every expert (32 rows each for E=128, top-8), the
+    # whole call timed (gathers, activation, scatter-add included), since that is what a CPU share costs.
+    m = 512
     xm = torch.randn(m, h, generator=gen).to(dtype)
-    ids_m = torch.randint(0, min(e, 4), (m, k), generator=gen)
+    ids_m = torch.rand(m, e, generator=gen).topk(k, dim=-1).indices
     wm = torch.full((m, k), 1.0 / k)
     pool = ExpertPool(host, 1)
     secs = _median_seconds(lambda: cpu_moe(store, xm, ids_m, wm, pool, CpuMath()), 3)
