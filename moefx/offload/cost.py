@@ -90,19 +90,19 @@ def split_experts(rows: list[float], m: int, g: Geometry, r: MachineRates) -> tu
     shared = transfer + n * g.expert_bytes / (r.shared_gbps * 1e9) if r.shared_gbps else 0.0
     moved = 0
     for i in sorted(range(n), key=lambda i: (-c[i], i)):
-        fixed = r.stream_overhead_s if moved == 0 else 0.0
-        after = max(cpu_t - c[i], gpu_t + fixed + gg[i], shared if moved + 1 < n else 0.0)
+        after = max(cpu_t - c[i], gpu_t + gg[i], shared if moved + 1 < n else 0.0)
         if after >= (1 - 1e-9) * max(cpu_t, gpu_t, shared if moved else 0.0):  # ties (to rounding) stay put
             break
         on_gpu[i] = True
         moved += 1
         cpu_t -= c[i]
-        gpu_t += fixed + gg[i]
-    hybrid = max(cpu_t, gpu_t, shared if 0 < moved < n else 0.0)
-    all_gpu = r.stream_overhead_s + sum(gg)
-    if not all(on_gpu) and all_gpu <= hybrid:
-        return [True] * n, all_gpu
-    return on_gpu, hybrid
+        gpu_t += gg[i]
+    # Streaming anything costs a fixed host-side time on the thread that also runs the CPU share (ring set-up,
+    # tile launches): it adds to the call rather than overlapping it, so the split must beat both pure options.
+    options = [([False] * n, transfer + sum(c)), ([True] * n, r.stream_overhead_s + sum(gg))]
+    if 0 < moved < n:
+        options.append((on_gpu, r.stream_overhead_s + max(cpu_t, gpu_t, shared)))
+    return min(options, key=lambda o: o[1])
 
 
 def _uniform_rows(m: int, g: Geometry) -> list[float]:
