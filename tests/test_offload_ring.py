@@ -104,3 +104,30 @@ def test_to_host_numa_blocks_copy_and_keep_values():
     one_node = HostInfo(isa=(), numa_cpus=((0,),), source="test")
     same, how = to_host(w, one_node, pin=False)
     assert same.data_ptr() == w.data_ptr() and "single NUMA node" in how  # one copy: no duplicate made
+
+
+def test_measured_split_start_keeps_small_calls_on_the_cpu():
+    """The split start is measured end to end; below it a call never touches the ring and is still exact."""
+    from moefx.offload.cost import Geometry, MachineRates
+    from moefx.offload.transform import SPLIT_PROBE_TOKENS, OffloadedExperts, OffloadRuntime, measure_split_start
+
+    x, ids, wts, w13, w2 = _case(6, e=10, seed=12)
+    store = ExpertStore(w13, w2)
+    rt = OffloadRuntime(torch.device("cpu"), torch.float32, False, 160, "align")
+    rt.ring = StagingRing(store, 2, torch.device("cpu"))
+    rt.geom = Geometry(10, 2, 32, 16, store.expert_bytes, act_bytes=4)
+    rt.rates = MachineRates(cpu_gbps=50.0, cpu_tflops=1.0, h2d_gbps=50.0, gpu_tflops=100.0)
+    rt.switch_tokens = 100
+    experts = OffloadedExperts(store, rt)
+    start, note = measure_split_start(experts, 2)
+    assert start in (*SPLIT_PROBE_TOKENS, 2 * SPLIT_PROBE_TOKENS[-1]) and f"CPU alone below M={start}" in note
+    assert rt.split_min_tokens == 1  # measuring leaves the runtime as it was
+    rt.split_min_tokens = 7
+    copied = rt.ring.stats["experts_copied"]
+    out = experts(x, ids, wts)
+    assert rt.ring.stats["experts_copied"] == copied
+    want = BACKENDS["legacy"](x, ids, wts, w13, w2)
+    assert ((out - want).norm() / want.norm()).item() <= 1e-6
+    rt.split_min_tokens = 6
+    experts(x, ids, wts)
+    assert rt.ring.stats["experts_copied"] > copied  # from the start on, the model splits again

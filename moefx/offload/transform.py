@@ -8,6 +8,7 @@ when the switch is pinned); from the switch point every routed expert is streame
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -133,6 +134,7 @@ class OffloadRuntime:
         self.geom: Geometry | None = None
         self.tile_backend = "legacy"
         self.prefetch_bytes = 0  # host kernel prefetch distance, measured with the machine rates
+        self.split_min_tokens = 1  # below this M a call never splits (measured end to end: `measure_split_start`)
 
     def math(self, m: int) -> CpuMath:
         return CpuMath(self.int8_activations and m >= self.min_tokens, self.impl, prefetch_bytes=self.prefetch_bytes)
@@ -184,7 +186,7 @@ class OffloadedExperts:
         x, ids, w = call["host"]
         if call["event"] is not None:
             call["event"].synchronize()
-        if rt.ring is None or rt.rates is None:
+        if rt.ring is None or rt.rates is None or m < rt.split_min_tokens:
             return _to_device(cpu_moe(self.store, x, ids, w, pool, rt.math(m)), device)
         routed = route(ids, self.store.num_experts)
         on_gpu, _ = split_experts([float(c) for c in routed[2]], m, rt.geom, rt.rates)
@@ -339,11 +341,64 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     if cost_model:
         _record_cost_model(op, rt.geom, rates)
     rt.switch_tokens = op.switch_tokens if cuda else None
+    if rt.rates is not None:
+        rt.split_min_tokens, how = measure_split_start(usable[0].moefx_offload, top_k)
+        op.notes.append(how)
     op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
     op.notes.append(_host_kernel_note(first, dtype))
     applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
     log.info("offload: %s", "; ".join(applied))
     return applied
+
+
+SPLIT_PROBE_TOKENS = (1, 2, 4, 8, 16, 32)
+
+
+@torch.no_grad()
+def measure_split_start(experts: OffloadedExperts, top_k: int) -> tuple[int, str]:
+    """Smallest probed M from which the cost model's CPU/GPU split beats the CPU alone, timed end to end on this
+    layer (uniform random routing, median of 5). At decode sizes both sides read the same DRAM and the split
+    pays fixed host time, which the model can only estimate; a measurement settles it. Above the probes the
+    model decides."""
+    rt = experts.rt
+    e, h = experts.store.num_experts, experts.store.w13.shape[2]
+    gen = torch.Generator().manual_seed(2)
+    saved = rt.split_min_tokens
+    times = {}
+    try:
+        for m in SPLIT_PROBE_TOKENS:
+            x = torch.randn(m, h, generator=gen).to(rt.device, rt.dtype)
+            ids = torch.rand(m, e, generator=gen).topk(min(top_k, e), dim=-1).indices.to(rt.device)
+            w = torch.full(ids.shape, 1.0 / ids.shape[1], device=rt.device)
+            for label, start in (("cpu", m + 1), ("split", 1)):
+                rt.split_min_tokens = start
+                times[(m, label)] = _median_call_seconds(experts, (x, ids, w), rt.device)
+    finally:
+        rt.split_min_tokens = saved
+    start = SPLIT_PROBE_TOKENS[-1] * 2
+    for m in reversed(SPLIT_PROBE_TOKENS):
+        if times[(m, "split")] > 0.95 * times[(m, "cpu")]:
+            break
+        start = m
+    shown = ", ".join(f"M={m}: {times[(m, 'cpu')] * 1e3:.2f}/{times[(m, 'split')] * 1e3:.2f}"
+                      for m in SPLIT_PROBE_TOKENS)
+    return start, f"CPU alone below M={start}, split from there (measured ms CPU alone/split: {shown})"
+
+
+def _median_call_seconds(fn, args: tuple, device: torch.device, reps: int = 5) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn(*args)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn(*args)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]
 
 
 def _host_kernel_note(store: ExpertStore, dtype: torch.dtype) -> str:
