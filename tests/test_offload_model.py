@@ -111,3 +111,22 @@ def test_offloaded_on_gpu_matches(monkeypatch, pin):
         for call in (ids, ids[:, :1]):
             out, want = model(call).logits, ref(call).logits
             assert ((out - want).norm() / want.norm()).item() <= 1e-5
+
+
+def test_offloaded_experts_trace_as_one_op_without_graph_breaks():
+    """The experts call is the opaque op `moefx::offloaded_experts`: a MoE block compiles as one graph
+    (fullgraph raises on any break) and computes what the eager offloaded block computes."""
+    model = moefx.optimize(_qwen3(), config={"offload": {"experts": "cpu"}, "mode": "eager"})
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    seen = []
+
+    def backend(gm, _inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        got, want = compiled(x), block(x)
+    assert any("offloaded_experts" in t for t in seen)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
