@@ -68,19 +68,25 @@ def test_ring_real_copies_on_gpu():
     assert ((out - want).norm() / want.norm()).item() <= 1e-5
 
 
-def test_hybrid_split_cpu_and_ring_sum_to_reference():
-    """Below the switch point one call is split: some experts streamed through the ring, the rest on the CPU."""
+def _hybrid_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """An offloaded layer on CPU tensors with a ring and rates that make the cost model split calls."""
     from moefx.offload.cost import Geometry, MachineRates
     from moefx.offload.transform import OffloadedExperts, OffloadRuntime
 
-    x, ids, wts, w13, w2 = _case(6, e=10, seed=11)
     store = ExpertStore(w13, w2)
     rt = OffloadRuntime(torch.device("cpu"), torch.float32, False, 160, "align")
     rt.ring = StagingRing(store, 2, torch.device("cpu"))
-    rt.geom = Geometry(10, 2, 32, 16, store.expert_bytes, act_bytes=4)
+    rt.geom = Geometry(w13.shape[0], 2, w13.shape[2], w2.shape[2], store.expert_bytes, act_bytes=4)
     rt.rates = MachineRates(cpu_gbps=50.0, cpu_tflops=1.0, h2d_gbps=50.0, gpu_tflops=100.0)
     rt.switch_tokens = 100
-    experts = OffloadedExperts(store, rt)
+    return OffloadedExperts(store, rt)
+
+
+def test_hybrid_split_cpu_and_ring_sum_to_reference():
+    """Below the switch point one call is split: some experts streamed through the ring, the rest on the CPU."""
+    x, ids, wts, w13, w2 = _case(6, e=10, seed=11)
+    experts = _hybrid_experts(w13, w2)
+    rt = experts.rt
     want = BACKENDS["legacy"](x, ids, wts, w13, w2)
     out = experts(x, ids, wts)
     hit = torch.unique(ids).numel()
@@ -108,17 +114,11 @@ def test_to_host_numa_blocks_copy_and_keep_values():
 
 def test_measured_split_start_keeps_small_calls_on_the_cpu():
     """The split start is measured end to end; below it a call never touches the ring and is still exact."""
-    from moefx.offload.cost import Geometry, MachineRates
-    from moefx.offload.transform import SPLIT_PROBE_TOKENS, OffloadedExperts, OffloadRuntime, measure_split_start
+    from moefx.offload.transform import SPLIT_PROBE_TOKENS, measure_split_start
 
     x, ids, wts, w13, w2 = _case(6, e=10, seed=12)
-    store = ExpertStore(w13, w2)
-    rt = OffloadRuntime(torch.device("cpu"), torch.float32, False, 160, "align")
-    rt.ring = StagingRing(store, 2, torch.device("cpu"))
-    rt.geom = Geometry(10, 2, 32, 16, store.expert_bytes, act_bytes=4)
-    rt.rates = MachineRates(cpu_gbps=50.0, cpu_tflops=1.0, h2d_gbps=50.0, gpu_tflops=100.0)
-    rt.switch_tokens = 100
-    experts = OffloadedExperts(store, rt)
+    experts = _hybrid_experts(w13, w2)
+    rt = experts.rt
     start, note = measure_split_start(experts, 2)
     assert start in (*SPLIT_PROBE_TOKENS, 2 * SPLIT_PROBE_TOKENS[-1]) and f"CPU alone below M={start}" in note
     assert rt.split_min_tokens == 1  # measuring leaves the runtime as it was
