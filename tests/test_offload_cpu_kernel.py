@@ -142,6 +142,18 @@ def test_kernel_reason_fails_closed():
     assert relerr(out, LegacyBackend()(x.float(), ids, w, w13.float(), w2.float())) <= 2e-3
 
 
+def test_non_contiguous_weights_take_the_torch_path(kernel_calls):
+    """Transposed-layout views (what the `cpu` backend gets for transformers' is_transposed experts) are not
+    the row-major layout the kernel reads: the torch path computes them."""
+    x, ids, w, w13, w2 = problem(5, 48, 24, 3, 2, torch.float32, seed=8)
+    column_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (w13, w2)]
+    store = ExpertStore(*column_major)
+    assert "contiguous" in kernel_reason(store, torch.float32, CpuMath(), [(0, 0, 2)])
+    out = cpu_moe(store, x, ids, w, math=CpuMath(host_kernel=True))
+    assert kernel_calls == []
+    assert relerr(out, LegacyBackend()(x, ids, w, w13, w2)) <= 1e-5
+
+
 def test_no_compiler_is_reported(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
     cpu_kernel.kernel.cache_clear()

@@ -293,6 +293,8 @@ def kernel_reason(store: ExpertStore, act_dtype: torch.dtype, math: CpuMath, ite
         return "host kernel switched off for this call"
     if math.int8_activations:
         return "INT8 activation path"
+    if not all(t.is_contiguous() for t in store.tensors()):
+        return "expert weights are not contiguous (e.g. a transposed layout's views)"
     rows = sum(it[2] for it in items)
     if rows > KERNEL_MAX_ROWS_PER_EXPERT * max(1, len(items)):
         return f"{rows / len(items):.0f} rows per expert: compute-bound, oneDNN GEMMs"
