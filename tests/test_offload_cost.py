@@ -178,3 +178,16 @@ def test_fixed_streaming_cost_keeps_small_calls_on_the_cpu():
     assert not any(flags) and secs == pytest.approx(cpu_seconds(1, QWEN3, costly), rel=1e-3)
     # Prefill streams about as much as before: the fixed cost is small next to the CPU's GEMM time.
     assert modelled_seconds(8192, QWEN3, costly)[1] == pytest.approx(modelled_seconds(8192, QWEN3, free)[1], abs=0.05)
+
+
+def test_plan_line_shows_the_measured_split_start():
+    from types import SimpleNamespace
+
+    from moefx.offload.transform import _record_cost_model
+
+    op = SimpleNamespace()
+    _record_cost_model(op, QWEN3, H200, split_start=32)
+    assert op.decode_path.startswith("CPU alone below M=32 (measured)") and "M=1:" not in op.decode_path
+    assert "M=64:" in op.decode_path and op.switch_tokens == switch_point(QWEN3, H200)
+    _record_cost_model(op, QWEN3, H200)
+    assert "M=1:" in op.decode_path and "modelled" in op.decode_path

@@ -338,12 +338,12 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
             rt.rates = rates
         op.notes.append(budget.explain_line())
         op.notes.append(f"streamed tiles computed by MoE backend {how}")
-    if cost_model:
-        _record_cost_model(op, rt.geom, rates)
-    rt.switch_tokens = op.switch_tokens if cuda else None
     if rt.rates is not None:
         rt.split_min_tokens, how = measure_split_start(usable[0].moefx_offload, top_k)
         op.notes.append(how)
+    if cost_model:
+        _record_cost_model(op, rt.geom, rates, rt.split_min_tokens)
+    rt.switch_tokens = op.switch_tokens if cuda else None
     op.notes.append(f"CPU expert pool: decode {rt.decode_pool.describe()}; large M {rt.large_pool.describe()}")
     op.notes.append(_host_kernel_note(first, dtype))
     applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
@@ -436,7 +436,7 @@ def _rewire_shared_blocks(model: torch.nn.Module) -> list[str]:
         overlapped) else []
 
 
-def _record_cost_model(op: Any, geom: Geometry, rates: MachineRates) -> None:
+def _record_cost_model(op: Any, geom: Geometry, rates: MachineRates, split_start: int = 1) -> None:
     op.switch_tokens = switch_point(geom, rates)
     op.switch_known = True
     op.switch_source = (
@@ -445,7 +445,12 @@ def _record_cost_model(op: Any, geom: Geometry, rates: MachineRates) -> None:
         f"GPU {rates.gpu_tflops:.0f} TFLOP/s; {rates.stream_overhead_s * 1e3:.2f} ms per streaming call; "
         f"host kernel prefetch {rates.prefetch_bytes} B [{rates.source}]"
     )
-    shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048))
+    shares = ", ".join(f"M={m}: {modelled_seconds(m, geom, rates)[1]:.0%}" for m in (1, 4, 64, 512, 2048)
+                       if m >= split_start)
+    if split_start > 1:
+        op.decode_path = (f"CPU alone below M={split_start} (measured), then CPU and GPU streaming at once, split "
+                          f"per call by the cost model (GPU share {shares})")
+        return
     gain = cpu_seconds(1, geom, rates) / modelled_seconds(1, geom, rates)[0]
     op.decode_path = (f"CPU and GPU streaming at once, split per call by the cost model (GPU share {shares}; "
                       f"modelled {gain:.2f}x CPU-only at M=1)")
