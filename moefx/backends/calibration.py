@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from moefx.machine import cpu_model
 
 PACKAGE_TABLES = Path(__file__).parent / "tables"
 MODES = ("eager", "capture")
@@ -32,24 +33,13 @@ def user_table_dir() -> Path:
     return Path(base) / "moefx" / "calibration"
 
 
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def device_identity(device: torch.device | str) -> tuple[str, tuple[int, int] | None, int | None]:
     """(name, capability, multiprocessor count) the way calibration rows spell them; CPUs count threads."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return _cuda_identity(dev.index if dev.index is not None else torch.cuda.current_device())
     if dev.type == "cpu":
-        return f"cpu: {_cpu_name()}", None, torch.get_num_threads()
+        return f"cpu: {cpu_model()}", None, torch.get_num_threads()
     return dev.type, None, None
 
 

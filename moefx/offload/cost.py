@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from moefx.log import get_logger
+from moefx.machine import cache_dir, cpu_model
 from moefx.offload import cpu_kernel
 from moefx.offload.cpu_experts import CpuMath, ExpertPool, ExpertStore, cpu_moe
 from moefx.offload.hw import HostInfo
@@ -139,11 +139,6 @@ def switch_point(g: Geometry, r: MachineRates) -> int | None:
     return hi
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moefx"
-
-
 def cache_key(store: ExpertStore, dtype: torch.dtype, device: torch.device | None, host: HostInfo) -> str:
     gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None
     return key_for(gpu, dtype, tuple(store.w13.shape[1:]), tuple(store.w2.shape[1:]), store.int8, host)
@@ -153,21 +148,11 @@ def key_for(gpu: str | None, dtype: torch.dtype | str, w13: tuple, w2: tuple, in
     """Cache key: this host's CPU and threads, the GPU, torch, dtype and one expert's shapes."""
     dtype_s = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     return "|".join(
-        [f"v{RATES_VERSION}", _cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}",
+        [f"v{RATES_VERSION}", cpu_model(), f"cpus={host.cpus}", f"numa={host.numa_nodes}",
          f"threads={torch.get_num_threads()}",
          gpu or "none", f"torch={torch.__version__}", dtype_s, f"{tuple(w13)}x{tuple(w2)}",
          "int8" if int8 else "float", f"host_kernel={cpu_kernel.kernel().tag}"]
     )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _read_cache(path: Path) -> dict:

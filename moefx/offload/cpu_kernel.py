@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from moefx.log import get_logger
+from moefx.machine import cache_dir, cpu_flags, cpu_model
 
 log = get_logger("moefx.offload.cpu_kernel")
 
@@ -46,26 +47,11 @@ class KernelStatus:
         return self.lib is not None
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moefx" / "cpu_kernels"
-
-
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
-
-
-def _cpu_id() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    model = next((line for line in text.splitlines() if line.startswith("model name")), "")
-    return model + flags
 
 
 def _version(cxx: str) -> str:
@@ -107,10 +93,10 @@ def kernel() -> KernelStatus:
     cxx = _compiler()
     if cxx is None:
         return KernelStatus(None, "no C++ compiler (g++/c++/clang++ or $CXX) to build the host kernel")
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + _version(cxx).encode() + _cpu_id().encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / key / "libmoefx_cpu.so"
+    cpu = cpu_model() + " ".join(sorted(cpu_flags()))  # -march=native code is only valid for this CPU
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _version(cxx).encode() + cpu.encode())
+    key = key.hexdigest()[:16]
+    target = cache_dir() / "cpu_kernels" / key / "libmoefx_cpu.so"
     try:
         with _build_lock:
             if not target.is_file():

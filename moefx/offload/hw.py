@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from moefx.machine import cpu_flags
+
 # cpuinfo flag -> the name we report, in the order explain() shows them.
 _ISA_FLAGS = (
     ("avx2", "avx2"),
@@ -56,16 +58,6 @@ def parse_isa(cpuinfo_flags: set[str]) -> tuple[str, ...]:
     return tuple(name for flag, name in _ISA_FLAGS if flag in cpuinfo_flags)
 
 
-def _cpuinfo_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _parse_cpulist(text: str) -> list[int]:
     cpus: list[int] = []
     for part in text.strip().split(","):
@@ -93,7 +85,7 @@ def _numa_cpus(allowed: set[int]) -> tuple[tuple[int, ...], ...]:
 def host_info() -> HostInfo:
     """Detect once per process. Reads ExecutionSignature-style facts from /proc and /sys (Linux)."""
     allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    flags = _cpuinfo_flags()
+    flags = set(cpu_flags())
     source = "/proc/cpuinfo + /sys/devices/system/node" if flags else f"torch cpu capability only ({_capability()})"
     isa = parse_isa(flags) if flags else _isa_from_capability()
     return HostInfo(isa=isa, numa_cpus=_numa_cpus(allowed), source=source)

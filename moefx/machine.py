@@ -1,0 +1,36 @@
+"""This machine's CPU identity and the folder where moefx keeps per-machine results (rates, built kernels)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+
+def _cpuinfo_line(prefix: str) -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(prefix):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
+    return _cpuinfo_line("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty elsewhere."""
+    return frozenset((_cpuinfo_line("flags") or "").split())
+
+
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/moefx (default ~/.cache/moefx), read at each call so tests and users can redirect it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moefx"
