@@ -16,3 +16,16 @@ def _fresh_warn_once(monkeypatch):
     import moefx.log
 
     monkeypatch.setattr(moefx.log, "_warned", set())
+
+
+@pytest.fixture
+def isolated_moe_tables(tmp_path, monkeypatch):
+    """Point the user calibration folder at an empty temp dir and clear the MoE env knobs (and the table cache)."""
+    from moefx.backends.calibration import invalidate
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for var in ("MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
+        monkeypatch.delenv(var, raising=False)
+    invalidate()
+    yield
+    invalidate()

@@ -5,23 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moefx.log
 from moefx.backends import BACKENDS, available_backends, moe_experts
-from moefx.backends.calibration import invalidate
 from moefx.backends.registry import dequant_block
 
 E, H, I, TOPK = 8, 64, 32, 2
 
 
-@pytest.fixture(autouse=True)
-def no_tables(tmp_path, monkeypatch):
-    monkeypatch.setattr(moefx.log, "_warned", set())
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for var in ("MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
-        monkeypatch.delenv(var, raising=False)
-    invalidate()
-    yield
-    invalidate()
+pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 
 
 def _inputs(m: int, seed: int, dtype=torch.float32):

@@ -6,7 +6,6 @@ import pytest
 import torch
 import yaml
 
-import moefx.log
 from moefx.backends import BACKENDS
 from moefx.backends.calibration import (
     CalibrationRow,
@@ -14,7 +13,6 @@ from moefx.backends.calibration import (
     crossover_ranges,
     device_identity,
     find_row,
-    invalidate,
     key_for_tensors,
     load_table,
     parse_ranges,
@@ -31,16 +29,7 @@ E, H, I, TOPK = 8, 64, 32, 2
 T = 16  # threshold used by the test tables
 
 
-@pytest.fixture(autouse=True)
-def isolated_tables(tmp_path, monkeypatch):
-    """Point the user table folder at an empty temp dir, clear MoE env knobs and one-time warnings."""
-    monkeypatch.setattr(moefx.log, "_warned", set())
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for var in ("MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
-        monkeypatch.delenv(var, raising=False)
-    invalidate()
-    yield
-    invalidate()
+pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 
 
 def _tensors(m: int, dtype=torch.float32):

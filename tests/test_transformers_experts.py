@@ -19,7 +19,6 @@ from transformers.integrations.moe import use_experts_implementation
 import moefx
 import moefx.log
 from moefx.backends import available_backends
-from moefx.backends.calibration import invalidate
 from moefx.integrations.transformers import is_experts_module, unsupported_reason
 from moefx.models import tiny_qwen3_moe_config
 
@@ -43,15 +42,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def clean_env(tmp_path, monkeypatch):
-    monkeypatch.setattr(moefx.log, "_warned", set())
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for var in ("MOEFX_MOE_BACKEND", "MOEFX_USE_GEMV"):
-        monkeypatch.delenv(var, raising=False)
-    invalidate()
-    yield
-    invalidate()
+pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 
 
 def _model(family: str, seed: int = 0) -> nn.Module:
