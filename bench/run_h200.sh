@@ -3,7 +3,7 @@
 # does not stop the others. Logs and JSON go to a folder that is packed into $OUT/results-<stages>.tgz
 # (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
-#                                                        #   calibrate calibrate-fp8
+#                                                        #   gpu-tests calibrate calibrate-fp8
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -31,11 +31,12 @@ for s in "${stages[@]}"; do
         fusions) run_stage fusions 150 python3 bench/fusions.py ;;
         sampler) run_stage sampler 200 python3 bench/sampler.py ;;
         offload) run_stage offload 420 python3 bench/offload.py --probe ;;
-        offload-profile) run_stage offload-profile 240 python3 bench/offload.py --profile --layers 8 --skip-peer --mode eager ;;
+        offload-profile) run_stage offload-profile 360 python3 bench/offload.py --profile --skip-peer --mode eager ;;
+        gpu-tests) run_stage gpu-tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;
         calibrate) run_stage calibrate 300 bash bench/calibrate_h200.sh ;;
         calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
         moe-sweep) run_stage moe-sweep 240 python3 bench/moe.py --sweep-only ;;
-        *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile calibrate calibrate-fp8)" ;;
+        *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests calibrate calibrate-fp8)" ;;
     esac
 done
 rm -rf "$RES/inductor"

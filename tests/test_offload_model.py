@@ -96,6 +96,7 @@ def test_unsupported_experts_left_alone():
     assert len(experts_modules(model)) == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host store, copy stream and GPU split need CUDA")
 @pytest.mark.parametrize("pin", [None, "0", "1"], ids=["cost_model_split", "cpu_only", "all_streamed"])
 def test_offloaded_on_gpu_matches(monkeypatch, pin):
@@ -111,6 +112,48 @@ def test_offloaded_on_gpu_matches(monkeypatch, pin):
         for call in (ids, ids[:, :1]):
             out, want = model(call).logits, ref(call).logits
             assert ((out - want).norm() / want.norm()).item() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host functions on a CUDA stream need a GPU")
+@pytest.mark.parametrize("build", [_qwen3, _mixtral, _deepseek_v3], ids=["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_decode_calls_are_queued_on_the_stream(monkeypatch, build):
+    """Decode-size calls go through the stream host (no sync per layer) and give the unoffloaded logits."""
+    from moefx.offload.stream_host import StreamHost
+
+    queued = []
+    real = StreamHost.__call__
+    monkeypatch.setattr(StreamHost, "__call__", lambda self, *a: queued.append(1) or real(self, *a))
+    model = build().cuda()
+    ref = copy.deepcopy(model)
+    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
+    assert "queued on the GPU stream" in model.moefx_plan.explain()
+    ids = torch.randint(0, 128, (2, 1), generator=torch.Generator().manual_seed(4)).cuda()
+    queued.clear()
+    with torch.no_grad():
+        out, want = model(ids).logits, ref(ids).logits
+    assert len(queued) == len(experts_modules(ref))
+    assert ((out - want).norm() / want.norm()).item() <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_offloaded_decode_replays_from_cuda_graphs():
+    """DecodeLoop(cuda_graphs=True) on an offloaded bf16 model gives the eager loop's tokens; a batch too large
+    for the stream host cannot be captured, says so, and runs eagerly."""
+    from moefx.offload.transform import DECODE_POOL_MAX_TOKENS
+    from moefx.sampling import DecodeLoop, SamplingParams
+
+    model = build_model(tiny_qwen3_moe_config(), seed=0, dtype=torch.bfloat16, device="cuda")
+    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
+    greedy = SamplingParams(temperature=0)
+    for batch in (1, 4, DECODE_POOL_MAX_TOKENS + 8):
+        ids = torch.randint(1, 256, (batch, 6), generator=torch.Generator().manual_seed(batch)).cuda()
+        want = DecodeLoop(model, 32).generate(ids, 8, greedy)
+        graphs = DecodeLoop(model, 32, cuda_graphs=True)
+        assert torch.equal(graphs.generate(ids, 8, greedy), want)
+        captured = graphs._graphs[(batch, id(graphs.cache_for(batch)))]
+        assert (captured is None) == (batch > DECODE_POOL_MAX_TOKENS)
 
 
 def test_offloaded_experts_trace_as_one_op_without_graph_breaks():

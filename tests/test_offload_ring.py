@@ -56,6 +56,7 @@ def test_ring_int8_store_dequantizes_tiles():
     assert ((out - want).norm() / want.norm()).item() <= 3e-2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real H2D copies on a copy stream need a GPU")
 def test_ring_real_copies_on_gpu():
     x, ids, wts, w13, w2 = _case(300, e=40, seed=7, device="cuda")

@@ -32,6 +32,7 @@ from moefx.offload.hw import host_info
 from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
 from moefx.offload.staging import StagingRing
+from moefx.offload.stream_host import StreamHost, build_stream_host
 from moefx.transforms import register_model_transform
 
 log = get_logger("moefx.offload")
@@ -135,6 +136,7 @@ class OffloadRuntime:
         self.tile_backend = "legacy"
         self.prefetch_bytes = 0  # host kernel prefetch distance, measured with the machine rates
         self.split_min_tokens = 1  # below this M a call never splits (measured end to end: `measure_split_start`)
+        self.stream_host: StreamHost | None = None  # CPU-only calls queued on the GPU stream (no sync per layer)
 
     def math(self, m: int) -> CpuMath:
         return CpuMath(self.int8_activations and m >= self.min_tokens, self.impl, prefetch_bytes=self.prefetch_bytes)
@@ -159,14 +161,39 @@ class OffloadedExperts:
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return self.collect(self.launch(hidden_states, top_k_index, top_k_weights))
 
-    def launch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> dict:
-        """Queue the device-to-host copies of this call's inputs without waiting; GPU work queued after this and
-        before `collect` (e.g. shared experts) runs while the host computes its experts."""
-        call = {"args": (hidden_states, top_k_index, top_k_weights), "event": None}
+    def streamed(self, m: int) -> bool:
         rt = self.rt
-        m = hidden_states.shape[0]
-        streamed = rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens
-        if hidden_states.device.type == "cpu" or streamed:
+        return rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens
+
+    def cpu_only(self, m: int) -> bool:
+        rt = self.rt
+        return not self.streamed(m) and (rt.ring is None or rt.rates is None or m < rt.split_min_tokens)
+
+    def queue_reason(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                     ) -> str | None:
+        """Why this call is not queued on the stream (None: the stream host takes it)."""
+        rt, m = self.rt, hidden_states.shape[0]
+        if rt.stream_host is None or hidden_states.device.type != "cuda":
+            return "no stream host (see the plan)"
+        if not self.cpu_only(m):
+            return f"{m} rows stream experts to the GPU"
+        if rt.math(m).int8_activations:
+            return "INT8 activation path"
+        return rt.stream_host.unsupported(self.store, hidden_states, top_k_index, top_k_weights)
+
+    def launch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> dict:
+        """Queue the call without waiting for the GPU. Decode sizes are queued whole on the stream (`stream_host`).
+        Otherwise the device-to-host copies of the inputs are queued; GPU work queued after this and before
+        `collect` (e.g. shared experts) runs while the host computes its experts."""
+        call = {"args": (hidden_states, top_k_index, top_k_weights), "event": None}
+        reason = self.queue_reason(hidden_states, top_k_index, top_k_weights)
+        if reason is None:
+            call["out"] = self.rt.stream_host(self.store, hidden_states, top_k_index, top_k_weights)
+            return call
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moefx offload: this experts call ({hidden_states.shape[0]} rows) cannot be captured "
+                               f"in a CUDA graph: {reason}; only calls queued on the stream can")
+        if hidden_states.device.type == "cpu" or self.streamed(hidden_states.shape[0]):
             call["host"] = (hidden_states, top_k_index, top_k_weights)
             return call
         call["host"] = tuple(_pinned_copy(t) for t in (hidden_states, top_k_index, top_k_weights))
@@ -176,17 +203,19 @@ class OffloadedExperts:
 
     def collect(self, call: dict) -> torch.Tensor:
         """The expert sum for a launched call, on the inputs' device and dtype."""
+        if "out" in call:
+            return call["out"]
         rt = self.rt
         hidden_states, top_k_index, top_k_weights = call["args"]
         m = hidden_states.shape[0]
-        if rt.ring is not None and rt.switch_tokens is not None and m >= rt.switch_tokens:
+        if self.streamed(m):
             return rt.ring.run(self.store, hidden_states, top_k_index, top_k_weights, rt.tile_compute)
         pool = rt.decode_pool if m <= DECODE_POOL_MAX_TOKENS else rt.large_pool
         device = hidden_states.device
         x, ids, w = call["host"]
         if call["event"] is not None:
             call["event"].synchronize()
-        if rt.ring is None or rt.rates is None or m < rt.split_min_tokens:
+        if self.cpu_only(m):
             return _to_device(cpu_moe(self.store, x, ids, w, pool, rt.math(m)), device)
         routed = route(ids, self.store.num_experts)
         on_gpu, _ = split_experts([float(c) for c in routed[2]], m, rt.geom, rt.rates)
@@ -328,6 +357,8 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     rates = machine_rates(first, dtype, device, rt.host, top_k)
     rt.set_decode_workers(rates.decode_workers)
     rt.prefetch_bytes = rates.prefetch_bytes
+    if cuda:
+        op.notes.append(_queue_decode(usable[0].moefx_offload, dtype, top_k))
     cost_model = cuda and not op.switch_pinned
     if budget is not None and (cost_model or op.switch_tokens is not None):
         rt.ring = StagingRing(first, op.tile_e, device)
@@ -349,6 +380,40 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     applied.append(f"{len(usable)} experts modules offloaded ({holding}); {first.expert_bytes} bytes per expert")
     log.info("offload: %s", "; ".join(applied))
     return applied
+
+
+def _queue_decode(experts: OffloadedExperts, dtype: torch.dtype, top_k: int) -> str:
+    """Set up the stream host for decode-size calls, with its thread count measured; the plan line says how."""
+    rt = experts.rt
+    threads = torch.get_num_threads()
+    rt.stream_host, why = build_stream_host(experts.store, dtype, top_k, DECODE_POOL_MAX_TOKENS, threads,
+                                            rt.prefetch_bytes, rt.host.numa_nodes)
+    if rt.stream_host is None:
+        return f"decode calls sync with the GPU at every layer (not queued on the stream: {why})"
+    threads, shown = measure_queue_threads(experts, top_k)
+    rt.stream_host.set_threads(threads)
+    return (f"decode calls (up to {DECODE_POOL_MAX_TOKENS} rows, CPU alone) queued on the GPU stream as host "
+            f"functions, no sync per layer; host kernel threads {rt.stream_host.threads} (measured ms at M=1: "
+            f"{shown})")
+
+
+@torch.no_grad()
+def measure_queue_threads(experts: OffloadedExperts, top_k: int) -> tuple[int, str]:
+    """All of torch's threads or one fewer for the queued host kernel: the Python thread keeps running (queueing
+    the next layers) while the kernel does, and an OpenMP team one thread short of cores can win."""
+    rt = experts.rt
+    e, h = experts.store.num_experts, experts.store.w13.shape[2]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, h, generator=gen).to(rt.device, rt.dtype)
+    ids = torch.randperm(e, generator=gen)[:top_k].view(1, -1).to(rt.device)
+    w = torch.full(ids.shape, 1.0 / ids.shape[1], device=rt.device)
+    full = torch.get_num_threads()
+    times = {}
+    for threads in sorted({full, max(1, full - 1)}, reverse=True):
+        rt.stream_host.set_threads(threads)
+        times[threads] = _median_call_seconds(experts, (x, ids, w), rt.device, reps=9)
+    best = min(times, key=times.get)
+    return best, ", ".join(f"{t} threads {s * 1e3:.2f}" for t, s in times.items())
 
 
 SPLIT_PROBE_TOKENS = (1, 2, 4, 8, 16, 32)

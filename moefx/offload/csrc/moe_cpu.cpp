@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -22,6 +23,12 @@ inline float bits_to_float(uint32_t u) {
     float f;
     std::memcpy(&f, &u, 4);
     return f;
+}
+
+inline uint32_t bits_to_u32(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
 }
 
 inline float to_f32(uint16_t v) { return bits_to_float(uint32_t(v) << 16); }
@@ -179,9 +186,91 @@ void moe_small_m(const float* x, int64_t H, int64_t I, const W* w13, const W* w2
     }
 }
 
+// One whole small-M call from raw inputs, for a host function queued on a GPU stream (`stream_host.py`): the
+// inputs were copied into pinned buffers ahead of it on the stream, the result is copied back after it. Routing
+// is a stable counting sort by expert (the same pair order as `route()`'s stable argsort), so the sums and
+// their order match the synchronous kernel path bit for bit.
+struct HostJob {
+    int32_t weight_format;  // as moefx_moe_small_m
+    int32_t act_bf16;       // activations (x_in, y_out) bf16, else fp32; also the rounding switch
+    int32_t ids_int64;      // top-k ids int64, else int32
+    int32_t wts_bf16;       // top-k weights bf16, else fp32
+    int32_t threads;
+    int32_t m;
+    int32_t top_k;
+    int32_t status;  // 0 ok, else the weight format was not known
+    int64_t H, I, E, prefetch;
+    const void *w13, *w2;
+    const float *s13, *s2;
+    const void *x_in, *ids, *wts;
+    void* y_out;
+    float *x32, *act, *out32, *pair_weight;
+    int32_t *experts, *starts, *pair_token;
+};
+
+template <typename W>
+void run_kernel(const HostJob& j, int32_t n_experts) {
+    moe_small_m(j.x32, j.H, j.I, static_cast<const W*>(j.w13), static_cast<const W*>(j.w2), j.s13, j.s2,
+                j.experts, j.starts, n_experts, j.pair_token, j.pair_weight, j.act, j.out32, j.act_bf16 != 0,
+                j.threads, j.prefetch);
+}
+
+void host_job(HostJob& j) {
+    const int64_t pairs = int64_t(j.m) * j.top_k, n = int64_t(j.m) * j.H;
+    std::vector<int32_t> count(j.E + 1, 0), slot(pairs, -1);
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t e = j.ids_int64 ? static_cast<const int64_t*>(j.ids)[p] : static_cast<const int32_t*>(j.ids)[p];
+        if (e >= 0 && e < j.E) {
+            slot[p] = int32_t(e);
+            ++count[e];
+        }
+    }
+    int32_t n_experts = 0;
+    j.starts[0] = 0;
+    for (int64_t e = 0; e < j.E; ++e) {
+        if (!count[e]) continue;
+        j.experts[n_experts] = int32_t(e);
+        j.starts[n_experts + 1] = j.starts[n_experts] + count[e];
+        count[e] = j.starts[n_experts];  // from here on: the next free position of expert e's pairs
+        ++n_experts;
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+        if (slot[p] < 0) continue;
+        const int32_t at = count[slot[p]]++;
+        j.pair_token[at] = int32_t(p / j.top_k);
+        j.pair_weight[at] = j.wts_bf16 ? to_f32(static_cast<const uint16_t*>(j.wts)[p]) : static_cast<const float*>(j.wts)[p];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        j.x32[i] = j.act_bf16 ? to_f32(static_cast<const uint16_t*>(j.x_in)[i]) : static_cast<const float*>(j.x_in)[i];
+        j.out32[i] = 0.0f;
+    }
+    switch (j.weight_format) {
+        case 0: run_kernel<uint16_t>(j, n_experts); break;
+        case 1: run_kernel<float>(j, n_experts); break;
+        case 2: run_kernel<int8_t>(j, n_experts); break;
+        default: j.status = 1; return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        if (!j.act_bf16) {
+            static_cast<float*>(j.y_out)[i] = j.out32[i];
+            continue;
+        }
+        uint32_t u;
+        std::memcpy(&u, &j.out32[i], 4);
+        const bool nan = (u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu);
+        static_cast<uint16_t*>(j.y_out)[i] = nan ? uint16_t(0x7fc0) : uint16_t(bits_to_u32(round_bf16(j.out32[i])) >> 16);
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+// A CUDA host function (CUhostFn): runs `HostJob` `job` when the stream reaches it.
+void moefx_host_job(void* job) { host_job(*static_cast<HostJob*>(job)); }
+
+// sizeof(HostJob), so Python can check its ctypes mirror.
+int64_t moefx_host_job_size() { return sizeof(HostJob); }
 
 // Vector width the kernel was built for (1 = scalar), so Python can report it.
 int32_t moefx_cpu_lanes() { return kLanes; }
