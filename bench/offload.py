@@ -249,6 +249,8 @@ def _profile_call(layers: list[OffloadedExperts], m: int, device: str, gen: torc
             row[label] = {"ms": _median_ms(lambda: layer(xd, idsd, wd), 15, device)}
         finally:
             rt.ring, rt.switch_tokens = saved_ring, saved_switch
+    with synchronous_path(layers):
+        row["layer call synchronous"] = {"ms": _median_ms(lambda: layer(xd, idsd, wd), 15, device)}
     return row
 
 
@@ -331,18 +333,21 @@ def kernel_rate_by_span(experts: list[OffloadedExperts], calls: int = 96) -> dic
 
 
 class PhaseTimer:
-    """Wall time inside each phase of the offloaded experts call during real decode steps (bench-only wrappers)."""
+    """Wall time inside each phase of the offloaded experts call during real decode steps (bench-only wrappers).
+    On the queued path the call only queues work: `StreamHost.__call__` is the Python thread's share."""
 
     PHASES = ("route", "split_experts", "cpu_moe", "_to_device")
 
     def __init__(self) -> None:
         import moefx.offload.transform as tr
         from moefx.offload.staging import StagingRing
+        from moefx.offload.stream_host import StreamHost
 
         self.sums: dict[str, float] = {}
         self.calls = 0
         self._saved = [(tr, name, getattr(tr, name)) for name in self.PHASES]
         self._saved += [(StagingRing, "start", StagingRing.start), (StagingRing, "finish", StagingRing.finish),
+                        (StreamHost, "__call__", StreamHost.__call__),
                         (OffloadedExperts, "__call__", OffloadedExperts.__call__)]
         for owner, name, fn in self._saved:
             setattr(owner, name, self._wrap(name, fn))
@@ -365,37 +370,106 @@ class PhaseTimer:
         return {("whole call" if k == "__call__" else k): v / n * 1e3 for k, v in self.sums.items()}
 
 
+class synchronous_path:
+    """Inside: decode calls take the synchronous path (a host sync per layer), as before the stream host."""
+
+    def __init__(self, experts: list[OffloadedExperts]) -> None:
+        self.rt = experts[0].rt
+
+    def __enter__(self) -> None:
+        self.saved, self.rt.stream_host = self.rt.stream_host, None
+
+    def __exit__(self, *exc) -> None:
+        self.rt.stream_host = self.saved
+
+
 @torch.no_grad()
 def profile(model, experts: list[OffloadedExperts], device: str, vocab: int) -> dict:
     """Where a decode step's time goes: one layer's experts call by path, the host kernel alone (and by thread
-    count) against torch's ops, and the 8-layer decode step with and without the experts."""
+    count) against torch's ops, the phases of the call in real decode steps, and decode steps over 8 and over all
+    layers, queued and synchronous, with and without the experts, and replayed from a captured CUDA graph."""
     gen = torch.Generator(device="cpu").manual_seed(3)
     out: dict = {}
     for m in (1, 4):
         row = out[f"M={m}"] = _profile_call(experts, m, device, gen)
         log(f"profile M={m}: " + "; ".join(f"{k_} {v['ms']:.3f} ms" + (f" {v['gbps']:.1f} GB/s" if "gbps" in v else "")
                                            for k_, v in row.items()))
-    timer = PhaseTimer()
-    try:
-        decode_first_layers(model, 8, 12, device, vocab)
-    finally:
-        out["decode_phase_ms_per_call"] = phases = timer.restore()
-    log("profile decode, ms per experts call by phase: " + "; ".join(f"{k_} {v:.3f}" for k_, v in phases.items()))
+    for label, ctx in (("queued", None), ("synchronous", synchronous_path(experts))):
+        timer = PhaseTimer()
+        try:
+            if ctx:
+                with ctx:
+                    decode_first_layers(model, 8, 12, device, vocab)
+            else:
+                decode_first_layers(model, 8, 12, device, vocab)
+        finally:
+            out[f"decode_phase_ms_per_call {label}"] = phases = timer.restore()
+        log(f"profile decode {label}, ms per experts call by phase: "
+            + "; ".join(f"{k_} {v:.3f}" for k_, v in phases.items()))
     holders = [mod for mod in model.modules() if isinstance(getattr(mod, "moefx_offload", None), OffloadedExperts)]
     saved = [mod.forward for mod in holders]
-    out["decode_8_layers_ms"] = {}
-    for label in ("as planned", "experts replaced by zeros"):
-        if label != "as planned":
-            for mod in holders:
-                mod.forward = lambda hs, ids_, w_: torch.zeros_like(hs)
+    out["decode_step_ms"] = steps = {}
+    for n in sorted({min(8, len(experts)), len(experts)}):
+        for label in ("queued", "synchronous", "experts replaced by zeros"):
+            if label == "experts replaced by zeros":
+                for mod in holders:
+                    mod.forward = lambda hs, ids_, w_: torch.zeros_like(hs)
+            try:
+                if label == "synchronous":
+                    with synchronous_path(experts):
+                        tps = decode_first_layers(model, n, 12, device, vocab)
+                else:
+                    tps = decode_first_layers(model, n, 12, device, vocab)
+            finally:
+                for mod, fwd in zip(holders, saved, strict=True):
+                    mod.forward = fwd
+            steps[f"{n} layers {label}"] = 1e3 / tps
+            log(f"profile decode step {n} layers {label}: {1e3 / tps:.2f} ms ({1e3 / tps / n:.3f} ms per layer)")
+    if device == "cuda":
         try:
-            tps = decode_first_layers(model, 8, 12, device, vocab)
-        finally:
-            for mod, fwd in zip(holders, saved, strict=True):
-                mod.forward = fwd
-        out["decode_8_layers_ms"][label] = 1e3 / tps
-        log(f"profile decode step 8 layers {label}: {1e3 / tps:.2f} ms")
+            label = f"{len(experts)} layers queued, CUDA graph (DecodeLoop)"
+            steps[label] = 1e3 / decode_loop_tps(model, 1, 16, 12, vocab)
+            log(f"profile decode step {label}: {steps[label]:.2f} ms")
+        except Exception as exc:  # report why capture failed; the rest of the profile stands
+            out["graph_error"] = f"{exc!r}"
+            log(f"ERROR CUDA graph decode: {exc!r}\n{traceback.format_exc()}")
     return out
+
+
+@torch.no_grad()
+def decode_loop_tps(model, batch: int, prompt: int, steps: int, vocab: int) -> float:
+    """Decode through `DecodeLoop(cuda_graphs=True)` (static cache, one graph replay per step; the queued experts
+    are host-function nodes in it): B x steps tokens over the time of (steps + 1) tokens minus that of 1 token,
+    medians of 3, so prefill drops out."""
+    from moefx.sampling import DecodeLoop, SamplingParams
+
+    loop = DecodeLoop(model, max_len=prompt + steps + 2, cuda_graphs=True)
+    gen = torch.Generator(device="cpu").manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=gen).cuda()
+    greedy = SamplingParams(temperature=0)
+    loop.generate(ids, 3, greedy)  # captures the step graph
+    median = {}
+    for n in (1, steps + 1):
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loop.generate(ids, n, greedy)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        median[n] = sorted(times)[1]
+    return batch * steps / (median[steps + 1] - median[1])
+
+
+@torch.no_grad()
+def graph_tokens_match(model, vocab: int, new: int = 8) -> bool:
+    """Greedy tokens of the graph-replayed loop equal the eager loop's (B=1, `new` tokens)."""
+    from moefx.sampling import DecodeLoop, SamplingParams
+
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(5)).cuda()
+    greedy = SamplingParams(temperature=0)
+    want = DecodeLoop(model, 16 + new).generate(ids, new, greedy)
+    return bool(torch.equal(DecodeLoop(model, 16 + new, cuda_graphs=True).generate(ids, new, greedy), want))
 
 
 def targets_met(rows: list[dict], vs_accelerate: float | None) -> dict[str, str]:
@@ -409,7 +483,7 @@ def targets_met(rows: list[dict], vs_accelerate: float | None) -> dict[str, str]
 
     by = {r["what"]: r for r in rows}
     out = {}
-    for what in ("decode B=1", "decode B=4"):
+    for what in [f"decode B={b}{how}" for how in ("", ", CUDA graph (DecodeLoop)") for b in (1, 4)]:
         out[what] = verdict(by.get(what, {}).get("vs_floor"), TARGETS["decode_vs_floor"], "%")
     out["prefill 8192"] = verdict(by.get("prefill 8192", {}).get("vs_floor"), TARGETS["prefill8192_vs_floor"], "%")
     out["vs accelerate"] = verdict(vs_accelerate, TARGETS["vs_accelerate"], "x")
@@ -439,7 +513,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CPU smoke run with a tiny model (no peer, no claims)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the moefx model (default: what fits)")
     ap.add_argument("--skip-peer", action="store_true", help="do not run accelerate")
-    ap.add_argument("--profile", action="store_true", help="only the per-layer decode breakdown (8 layers)")
+    ap.add_argument("--profile", action="store_true", help="only the decode breakdown (per layer and per step)")
     ap.add_argument("--probe", action="store_true", help="also probe host memory: page size vs H2D and CPU rates")
     ap.add_argument("--mode", default="eager", choices=("eager", "compile"),
                     help="moefx mode: compile = one torch.compile graph with the offloaded experts as an op")
@@ -534,10 +608,18 @@ def main() -> int:
             result["errors"].append(f"{what} failed: {exc!r}")
             log(f"ERROR {what}: {exc!r}\n{traceback.format_exc()}")
 
+    decode_floor = {b: b / (layers * e * (1 - (1 - k / e) ** b) * expert_bytes / bw_host) for b in (1, 4)}
     for batch in (1, 4):
-        touched = e * (1 - (1 - k / e) ** batch)
         measure(f"decode B={batch}", lambda b=batch: decode_tps(model, b, 16, steps, device, vocab),
-                batch / (layers * touched * expert_bytes / bw_host))
+                decode_floor[batch])
+    with synchronous_path(experts):
+        measure("decode B=1, synchronous (a host sync per layer)",
+                lambda: decode_tps(model, 1, 16, steps, device, vocab), decode_floor[1])
+    if device == "cuda":
+        result["graph_tokens_match_eager"] = graph_tokens_match(model, vocab)
+        for batch in (1, 4):
+            measure(f"decode B={batch}, CUDA graph (DecodeLoop)",
+                    lambda b=batch: decode_loop_tps(model, b, 16, steps, vocab), decode_floor[batch])
     if not quick and layers > 8:
         measure("decode B=1, 8 layers", lambda: decode_first_layers(model, 8, steps, device, vocab),
                 1 / (8 * k * expert_bytes / bw_host))

@@ -98,6 +98,20 @@ def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
             assert got.shape[1] < free.shape[1]  # stopped early; the extra step's token was dropped
 
 
+def test_decode_loop_cuda_graphs_option(models):
+    """cuda_graphs with compile_kwargs is refused; on CPU inputs it runs the eager forward (same tokens)."""
+    from moefx.sampling.decode import DecodeLoop
+    from moefx.sampling.sampler import SamplingParams
+
+    stock, _ = models
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        DecodeLoop(stock, max_len=32, compile_kwargs={}, cuda_graphs=True)
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(7))
+    greedy = SamplingParams(temperature=0)
+    assert torch.equal(DecodeLoop(stock, 32, cuda_graphs=True).generate(ids, 6, greedy),
+                       DecodeLoop(stock, 32).generate(ids, 6, greedy))
+
+
 def test_optimize_records_the_sampling_decision(models):
     import moefx
 
