@@ -636,7 +636,7 @@ def main() -> int:
         result["vs_accelerate_8_layers"] = ours["tok_s"] / peer["decode_b1_tok_s"]
     result["rows"] = rows
     if rt.ring is not None:
-        result["ring_stats"] = dict(rt.ring.stats)
+        result["ring_stats"] = {**rt.ring.stats, "unrouted_copies": rt.ring.unrouted_copies()}
     print()
     geometry = "tiny Qwen3-MoE (smoke run, no claims)" if quick else "Qwen3-30B-A3B geometry"
     print(f"## Offload — {result['device']}, torch {result['torch']}, {result['date']}, mode {args.mode}, "

@@ -5,7 +5,7 @@ import torch
 
 from moefx.backends import BACKENDS
 from moefx.offload.cpu_experts import ExpertStore, cpu_moe
-from moefx.offload.staging import StagingRing, plan_tiles
+from moefx.offload.staging import StagingRing, hits_every_expert, plan_tiles
 
 
 def _case(m, e=10, h=32, i=16, k=2, seed=0, device="cpu"):
@@ -47,6 +47,26 @@ def test_ring_matches_cpu_path_and_copies_only_routed(tile_e):
     assert ring.turn == 2 * ring.stats["tiles"] // 2 and ring.stats["calls"] == 2
 
 
+def test_hits_every_expert_from_the_uniform_routing_bound():
+    assert not hits_every_expert(64, 8, 128) and hits_every_expert(100, 8, 128)  # 128 * (15/16)^M < 0.5 from M=86
+    assert not hits_every_expert(85, 8, 128) and hits_every_expert(86, 8, 128)
+    assert hits_every_expert(1, 8, 8)  # top_k = E: every expert is hit by any row
+
+
+@pytest.mark.parametrize("tile_e", [1, 3, 96])
+def test_every_expert_tiles_mask_other_pairs(tile_e):
+    """The no-routing-sync path: all experts copied in fixed tiles, pairs of other tiles weighted 0; the sum is
+    the reference's, and the experts copied with no routed token are counted."""
+    x, ids, wts, w13, w2 = _case(23, seed=20 + tile_e)
+    store = ExpertStore(w13, w2)
+    ring = StagingRing(store, tile_e, torch.device("cpu"))
+    out = ring._run_every_expert(store, x, ids, wts, BACKENDS["legacy"])
+    want = cpu_moe(store, x, ids, wts, out_dtype=torch.float32)
+    assert ((out - want).norm() / want.norm()).item() <= 1e-6
+    assert ring.stats["experts_copied"] == 10 and ring.stats["tiles"] == -(-10 // ring.tile_e)
+    assert ring.unrouted_copies() == 10 - torch.unique(ids).numel() >= 2
+
+
 def test_ring_int8_store_dequantizes_tiles():
     x, ids, wts, w13, w2 = _case(9, seed=5)
     store = ExpertStore.from_weights(w13, w2, int8=True)
@@ -67,6 +87,11 @@ def test_ring_real_copies_on_gpu():
         out = ring.run(store, x, ids, wts, BACKENDS["legacy"])
     torch.cuda.synchronize()
     assert ((out - want).norm() / want.norm()).item() <= 1e-5
+    assert ring.stats["calls_without_routing"] == 3 and ring.unrouted_copies() == 3 * 2  # 300 rows hit all 40
+    few = x[:8], ids[:8], wts[:8]  # 8 rows do not: routed experts only, after a routing sync
+    out = ring.run(store, *few, BACKENDS["legacy"])
+    want = BACKENDS["legacy"](*few, w13.cuda(), w2.cuda())
+    assert ring.stats["calls_without_routing"] == 3 and ((out - want).norm() / want.norm()).item() <= 1e-5
 
 
 def _hybrid_experts(w13: torch.Tensor, w2: torch.Tensor):

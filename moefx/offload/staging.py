@@ -4,6 +4,13 @@ Two slots of `tile_e` experts (ping-pong). On CUDA the copies run on their own s
 for the event that says the compute on that slot finished, and its compute waits for the event that says
 the copy landed, so copying tile t+1 overlaps computing tile t. Off CUDA the same bookkeeping runs with
 plain synchronous copies, which is what CPU-only tests exercise.
+
+Choosing the routed experts needs the router's output on the host: a sync that leaves the copy engine idle
+while the GPU runs attention and the router. From the M at which uniform routing hits every expert (fewer
+than half an expert expected unhit, `hits_every_expert`), a fully streamed call skips it: it copies every
+expert in fixed tiles and each tile's compute masks, on the GPU, the pairs routed elsewhere (their weight is
+0), so the next layer's copies are queued before this layer's attention has run. Experts copied without a
+routed token are counted on the GPU (`unrouted_copies`).
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ class StagingRing:
             self.ready = [torch.cuda.Event() for _ in range(2)]
             self.free = [torch.cuda.Event() for _ in range(2)]
         self.turn = 0
-        self.stats = {"calls": 0, "tiles": 0, "experts_copied": 0, "bytes_copied": 0}
+        self.stats = {"calls": 0, "tiles": 0, "experts_copied": 0, "bytes_copied": 0, "calls_without_routing": 0}
+        self._unrouted = torch.zeros((), dtype=torch.long, device=self.device)
 
     def _alloc(self, like: ExpertStore) -> list[torch.Tensor]:
         return [torch.empty((self.tile_e, *t.shape[1:]), dtype=t.dtype, device=self.device) for t in like.tensors()]
@@ -161,4 +169,50 @@ class StagingRing:
         compute: TileCompute,
     ) -> torch.Tensor:
         """Expert sum for hidden [M, H] on this ring's device, every routed expert streamed."""
+        if self.cuda and hits_every_expert(hidden.shape[0], topk_ids.shape[1], store.num_experts):
+            return self._run_every_expert(store, hidden, topk_ids, topk_weights, compute).to(hidden.dtype)
         return self.finish(self.start(store, hidden, topk_ids, topk_weights), compute).to(hidden.dtype)
+
+    def _run_every_expert(
+        self, store: ExpertStore, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        compute: TileCompute,
+    ) -> torch.Tensor:
+        """Every expert copied in fixed tiles, no routing sync; each tile computes all pairs with the pairs of
+        other tiles' experts weighted 0 (sent to the tile's first expert)."""
+        e = store.num_experts
+        tiles = [list(range(a, min(a + self.tile_e, e))) for a in range(0, e, self.tile_e)]
+        base = self.turn
+        for t in range(min(2, len(tiles))):
+            self._issue(store, (base + t) % 2, tiles[t])
+        self.turn = base + len(tiles)
+        hit = torch.zeros(e, dtype=torch.long, device=topk_ids.device).index_add_(
+            0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1)))
+        self._unrouted += (hit == 0).sum()
+        out = torch.zeros(hidden.shape[0], self.slots[0][1].shape[1], dtype=torch.float32, device=hidden.device)
+        for t, experts in enumerate(tiles):
+            slot = (base + t) % 2
+            local = topk_ids - experts[0]
+            inside = (local >= 0) & (local < len(experts))
+            ids = torch.where(inside, local, torch.zeros_like(local))
+            weights = torch.where(inside, topk_weights, torch.zeros_like(topk_weights))
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+            w13, w2 = self._weights(store, slot, len(experts), hidden.dtype)
+            out += compute(hidden, ids, weights, w13, w2).float()
+            if self.cuda:
+                self.free[slot].record(torch.cuda.current_stream(self.device))
+            if t + 2 < len(tiles):
+                self._issue(store, slot, tiles[t + 2])
+        self.stats["calls"] += 1
+        self.stats["calls_without_routing"] += 1
+        self.stats["tiles"] += len(tiles)
+        return out
+
+    def unrouted_copies(self) -> int:
+        """Experts copied by calls without routing that had no routed token (reads the GPU counter: a sync)."""
+        return int(self._unrouted)
+
+
+def hits_every_expert(m: int, top_k: int, num_experts: int) -> bool:
+    """Uniform routing of m rows to top_k of num_experts leaves fewer than half an expert unhit, expected."""
+    return num_experts * (1 - min(top_k, num_experts) / num_experts) ** m < 0.5
