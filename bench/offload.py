@@ -607,6 +607,8 @@ def main() -> int:
         except Exception as exc:
             result["errors"].append(f"{what} failed: {exc!r}")
             log(f"ERROR {what}: {exc!r}\n{traceback.format_exc()}")
+        if os.environ.get("OUT"):  # rows so far survive a crash that takes the process down
+            Path(os.environ["OUT"], "offload.partial.json").write_text(json.dumps({**result, "rows": rows}, indent=1))
 
     decode_floor = {b: b / (layers * e * (1 - (1 - k / e) ** b) * expert_bytes / bw_host) for b in (1, 4)}
     for batch in (1, 4):
@@ -615,17 +617,17 @@ def main() -> int:
     with synchronous_path(experts):
         measure("decode B=1, synchronous (a host sync per layer)",
                 lambda: decode_tps(model, 1, 16, steps, device, vocab), decode_floor[1])
-    if device == "cuda":
-        result["graph_tokens_match_eager"] = graph_tokens_match(model, vocab)
-        for batch in (1, 4):
-            measure(f"decode B={batch}, CUDA graph (DecodeLoop)",
-                    lambda b=batch: decode_loop_tps(model, b, 16, steps, vocab), decode_floor[batch])
     if not quick and layers > 8:
         measure("decode B=1, 8 layers", lambda: decode_first_layers(model, 8, steps, device, vocab),
                 1 / (8 * k * expert_bytes / bw_host))
     for tokens in (16, 32, 64) if quick else (512, 2048, 8192):
         floor = tokens / (layers * e * expert_bytes / (result["h2d_gbps"] * 1e9)) if result["h2d_gbps"] else None
         measure(f"prefill {tokens}", lambda t=tokens: prefill_tps(model, t, 1 if quick else 3, device, vocab), floor)
+    if device == "cuda":
+        result["graph_tokens_match_eager"] = graph_tokens_match(model, vocab)
+        for batch in (1, 4):
+            measure(f"decode B={batch}, CUDA graph (DecodeLoop)",
+                    lambda b=batch: decode_loop_tps(model, b, 16, steps, vocab), decode_floor[batch])
     for r in rows:
         r["vs_floor"] = r["tok_s"] / r["floor_tok_s"] if r["floor_tok_s"] else None
     peer = result.get("accelerate")
@@ -652,6 +654,8 @@ def main() -> int:
         ratio = result.get("vs_accelerate_8_layers")
         shown = f"moefx {ratio:.0f}x" if ratio else "moefx 8-layer row missing"
         print(f"| accelerate dispatch_model, 8 layers, decode B=1 | {peer['decode_b1_tok_s']:.3f} | | {shown} |")
+    if "graph_tokens_match_eager" in result:
+        print(f"CUDA-graph decode tokens equal the eager loop's: {result['graph_tokens_match_eager']}")
     if not quick:
         verdicts = targets_met(rows, result.get("vs_accelerate_8_layers"))
         result["targets"] = verdicts

@@ -112,6 +112,17 @@ def test_decode_loop_cuda_graphs_option(models):
                        DecodeLoop(stock, 32).generate(ids, 6, greedy))
 
 
+def test_only_static_layers_are_captured(models):
+    from transformers import DynamicCache, StaticCache
+
+    from moefx.sampling.decode import _uncapturable_cache
+
+    stock, _ = models
+    assert _uncapturable_cache(StaticCache(config=stock.config, max_cache_len=16)) is None
+    assert "DynamicLayer" in _uncapturable_cache(DynamicCache(config=stock.config))
+    assert "unknown" in _uncapturable_cache(object())
+
+
 def test_optimize_records_the_sampling_decision(models):
     import moefx
 

@@ -30,6 +30,15 @@ def _step_tokens(
     return nxt, finished, finished.all()
 
 
+def _uncapturable_cache(cache: Any) -> str | None:
+    """Why replaying a captured forward could go wrong with this cache (None: every layer keeps its state on
+    the device, like transformers' StaticLayer; sliding-window layers keep a host-side length)."""
+    kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", None) or []})
+    if kinds != ["StaticLayer"]:
+        return f"cache layers {kinds or 'unknown'} (only StaticLayer keeps all its state on the device)"
+    return None
+
+
 class DecodeLoop:
     """Generate with `model` (a transformers causal LM) using a StaticCache of `max_len` positions.
 
@@ -77,14 +86,21 @@ class DecodeLoop:
         return logits
 
     def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> tuple | None:
-        """Capture the forward for these shapes. The warm-up runs write this step's keys and values at this
-        step's positions, which the replay writes again with the same values, so they change nothing."""
+        """Capture the forward for these shapes. The warm-up runs use a cache of their own: a static cache layer
+        advances its write position on the device at every forward, so warming up on the real one would shift
+        every later write."""
+        why = _uncapturable_cache(cache)
+        if why is not None:
+            warn_once(f"DecodeLoop: batch {tokens.shape[0]} runs eagerly: {why}")
+            return None
         static_tokens, static_positions = tokens.clone(), positions.clone()
         side = torch.cuda.Stream(tokens.device)
         side.wait_stream(torch.cuda.current_stream(tokens.device))
         with torch.cuda.stream(side):
+            scratch = self._cache_cls(config=self.model.config, max_cache_len=self.max_len)
             for _ in range(2):
-                self._forward(static_tokens, static_positions, cache)
+                self._forward(static_tokens, static_positions, scratch)
+            del scratch
         torch.cuda.current_stream(tokens.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
