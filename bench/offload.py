@@ -92,8 +92,10 @@ def sync(device: str) -> None:
 
 
 @torch.no_grad()
-def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: int) -> float:
-    """(steps - 1) decode tokens per sequence over the time from the first to the last step, times B."""
+def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: int, record: dict | None = None
+               ) -> float:
+    """(steps - 1) decode tokens per sequence over the time from the first to the last step, times B.
+    `record` gets the step times (min / median / max ms), to tell a slow path from occasional stalls."""
     gen = torch.Generator(device="cpu").manual_seed(batch)
     ids = torch.randint(0, vocab, (batch, prompt), generator=gen).to(device)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -107,6 +109,9 @@ def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: i
         tok = out.logits[:, -1:].argmax(-1)
         sync(device)
         stamps.append(time.perf_counter())
+    if record is not None:
+        ms = sorted((b - a) * 1e3 for a, b in zip(stamps, stamps[1:]))
+        record.update(step_ms_min=ms[0], step_ms_median=ms[len(ms) // 2], step_ms_max=ms[-1])
     return batch * (steps - 1) / (stamps[-1] - stamps[0])
 
 
@@ -611,18 +616,22 @@ def main() -> int:
             Path(os.environ["OUT"], "offload.partial.json").write_text(json.dumps({**result, "rows": rows}, indent=1))
 
     decode_floor = {b: b / (layers * e * (1 - (1 - k / e) ** b) * expert_bytes / bw_host) for b in (1, 4)}
+    step_times = result["decode_step_times"] = {}
     for batch in (1, 4):
-        measure(f"decode B={batch}", lambda b=batch: decode_tps(model, b, 16, steps, device, vocab),
-                decode_floor[batch])
+        measure(f"decode B={batch}", lambda b=batch: decode_tps(
+            model, b, 16, steps, device, vocab, step_times.setdefault(f"B={b}", {})), decode_floor[batch])
     with synchronous_path(experts):
-        measure("decode B=1, synchronous (a host sync per layer)",
-                lambda: decode_tps(model, 1, 16, steps, device, vocab), decode_floor[1])
+        measure("decode B=1, synchronous (a host sync per layer)", lambda: decode_tps(
+            model, 1, 16, steps, device, vocab, step_times.setdefault("B=1 synchronous", {})), decode_floor[1])
     if not quick and layers > 8:
         measure("decode B=1, 8 layers", lambda: decode_first_layers(model, 8, steps, device, vocab),
                 1 / (8 * k * expert_bytes / bw_host))
     for tokens in (16, 32, 64) if quick else (512, 2048, 8192):
         floor = tokens / (layers * e * expert_bytes / (result["h2d_gbps"] * 1e9)) if result["h2d_gbps"] else None
         measure(f"prefill {tokens}", lambda t=tokens: prefill_tps(model, t, 1 if quick else 3, device, vocab), floor)
+    if not quick:  # the first decode row again, after everything else: an order effect shows here
+        measure("decode B=1, again at the end", lambda: decode_tps(
+            model, 1, 16, steps, device, vocab, step_times.setdefault("B=1 again", {})), decode_floor[1])
     if device == "cuda":
         result["graph_tokens_match_eager"] = graph_tokens_match(model, vocab)
         for batch in (1, 4):

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from moefx.backends import BACKENDS
+from moefx.offload.cost import hits_every_expert
 from moefx.offload.cpu_experts import ExpertStore, cpu_moe
-from moefx.offload.staging import StagingRing, hits_every_expert, plan_tiles
+from moefx.offload.staging import StagingRing, plan_tiles
 
 
 def _case(m, e=10, h=32, i=16, k=2, seed=0, device="cpu"):

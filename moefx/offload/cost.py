@@ -67,6 +67,11 @@ class MachineRates:
         return self.h2d_gbps is not None and self.gpu_tflops is not None
 
 
+def hits_every_expert(m: int, top_k: int, num_experts: int) -> bool:
+    """Uniform routing of m rows to top_k of num_experts leaves fewer than half an expert unhit, expected."""
+    return num_experts * (1 - min(top_k, num_experts) / num_experts) ** m < 0.5
+
+
 def cpu_cost(rows: float, g: Geometry, r: MachineRates) -> float:
     return max(g.expert_bytes / (r.cpu_gbps * 1e9), rows * g.row_flops / (r.cpu_tflops * 1e12))
 
@@ -99,7 +104,10 @@ def split_experts(rows: list[float], m: int, g: Geometry, r: MachineRates) -> tu
         gpu_t += gg[i]
     # Streaming anything costs a fixed host-side time on the thread that also runs the CPU share (ring set-up,
     # tile launches): it adds to the call rather than overlapping it, so the split must beat both pure options.
-    options = [([False] * n, transfer + sum(c)), ([True] * n, r.stream_overhead_s + sum(gg))]
+    # Streaming every expert once routing hits them all needs no routing sync and no host work (the ring's
+    # fixed tiles): no fixed cost, and its copies queue behind the previous layer's.
+    all_gpu_overhead = 0.0 if hits_every_expert(m, g.top_k, g.num_experts) else r.stream_overhead_s
+    options = [([False] * n, transfer + sum(c)), ([True] * n, all_gpu_overhead + sum(gg))]
     if 0 < moved < n:
         options.append((on_gpu, r.stream_overhead_s + max(cpu_t, gpu_t, shared)))
     return min(options, key=lambda o: o[1])

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from moefx.offload.cost import hits_every_expert
 from moefx.offload.cpu_experts import ExpertStore, route
 
 # compute(x_rows [P, H], ids [P, 1] local to the tile, weights [P, 1], w13 [n, 2I, H], w2 [n, H, I]) -> [P, H]
@@ -212,7 +213,3 @@ class StagingRing:
         """Experts copied by calls without routing that had no routed token (reads the GPU counter: a sync)."""
         return int(self._unrouted)
 
-
-def hits_every_expert(m: int, top_k: int, num_experts: int) -> bool:
-    """Uniform routing of m rows to top_k of num_experts leaves fewer than half an expert unhit, expected."""
-    return num_experts * (1 - min(top_k, num_experts) / num_experts) ** m < 0.5
