@@ -178,7 +178,20 @@ def test_fixed_streaming_cost_keeps_small_calls_on_the_cpu():
     assert not any(flags) and secs == pytest.approx(cpu_seconds(1, QWEN3, costly), rel=1e-3)
     # Once routing hits every expert, streaming all of them needs no routing sync and pays no fixed cost, while
     # a split still does: with a fixed cost, prefill streams everything instead of splitting.
-    assert modelled_seconds(8192, QWEN3, costly)[1] == 1.0 > modelled_seconds(8192, QWEN3, free)[1]
+    assert modelled_seconds(8192, QWEN3, costly)[1] == 1.0
+
+
+def test_no_sliver_splits_where_every_expert_streams_without_a_sync():
+    """Where routing hits every expert, a split must leave the CPU at least SPLIT_MIN_CPU_SHARE of the experts
+    (it waits for the router, streaming everything does not); below that M any worthwhile split is taken."""
+    from moefx.offload.cost import SPLIT_MIN_CPU_SHARE, hits_every_expert
+
+    rates = dataclasses.replace(H200, cpu_tflops=0.43, shared_gbps=81.0)
+    shares = {m: modelled_seconds(m, QWEN3, rates)[1] for m in (64, 512, 1024, 2048, 8192)}
+    assert 0 < shares[64] < 1 and not hits_every_expert(64, 8, 128)
+    for m, share in shares.items():
+        assert share == 1.0 or 1 - share >= SPLIT_MIN_CPU_SHARE or not hits_every_expert(m, 8, 128), (m, share)
+    assert shares[512] < 1.0 == shares[8192]
 
 
 def test_plan_line_shows_the_measured_split_start():

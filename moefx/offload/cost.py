@@ -67,6 +67,12 @@ class MachineRates:
         return self.h2d_gbps is not None and self.gpu_tflops is not None
 
 
+# Below this share of the experts on the CPU, a split is not taken where every expert can stream without a routing
+# sync (H200, Qwen3-30B-A3B geometry: a split giving the CPU 5% of the experts at M=2048 ran at 73-87% of the
+# H2D floor; streaming all of them without the sync at M=8192 ran at 100%).
+SPLIT_MIN_CPU_SHARE = 0.10
+
+
 def hits_every_expert(m: int, top_k: int, num_experts: int) -> bool:
     """Uniform routing of m rows to top_k of num_experts leaves fewer than half an expert unhit, expected."""
     return num_experts * (1 - min(top_k, num_experts) / num_experts) ** m < 0.5
@@ -106,9 +112,12 @@ def split_experts(rows: list[float], m: int, g: Geometry, r: MachineRates) -> tu
     # tile launches): it adds to the call rather than overlapping it, so the split must beat both pure options.
     # Streaming every expert once routing hits them all needs no routing sync and no host work (the ring's
     # fixed tiles): no fixed cost, and its copies queue behind the previous layer's.
-    all_gpu_overhead = 0.0 if hits_every_expert(m, g.top_k, g.num_experts) else r.stream_overhead_s
-    options = [([False] * n, transfer + sum(c)), ([True] * n, all_gpu_overhead + sum(gg))]
-    if 0 < moved < n:
+    every = hits_every_expert(m, g.top_k, g.num_experts)
+    options = [([False] * n, transfer + sum(c)), ([True] * n, (0.0 if every else r.stream_overhead_s) + sum(gg))]
+    # A split also waits for the router before any copy starts, so the copy engine idles through the layer's
+    # attention: not in the model above. Where streaming everything needs no such wait, a split that leaves the
+    # CPU only a sliver of the experts is not worth that wait.
+    if 0 < moved < n and not (every and n - moved < SPLIT_MIN_CPU_SHARE * n):
         options.append((on_gpu, r.stream_overhead_s + max(cpu_t, gpu_t, shared)))
     return min(options, key=lambda o: o[1])
 
