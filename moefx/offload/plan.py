@@ -136,6 +136,6 @@ def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
         if ms.hidden_size and ms.moe_intermediate_size and ms.num_experts and ms.top_k and ms.dtype:
             _from_cache(plan, ms, es, host)
     if es.mode == "capture":
-        plan.notes.append("mode=capture: offloaded expert calls are excluded from CUDA graphs (host compute), see "
-                          "docs/OFFLOAD.md")
+        plan.notes.append("mode=capture: only decode-size offloaded expert calls (queued on the stream) can be "
+                          "captured; a CUDA graph holding a larger call fails when recorded, see docs/OFFLOAD.md")
     return plan
