@@ -16,6 +16,7 @@ prefill tok/s = tokens / (layers x all expert bytes / H2D bandwidth). Prints a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -375,17 +376,15 @@ class PhaseTimer:
         return {("whole call" if k == "__call__" else k): v / n * 1e3 for k, v in self.sums.items()}
 
 
-class synchronous_path:
+@contextlib.contextmanager
+def synchronous_path(experts: list[OffloadedExperts]):
     """Inside: decode calls take the synchronous path (a host sync per layer), as before the stream host."""
-
-    def __init__(self, experts: list[OffloadedExperts]) -> None:
-        self.rt = experts[0].rt
-
-    def __enter__(self) -> None:
-        self.saved, self.rt.stream_host = self.rt.stream_host, None
-
-    def __exit__(self, *exc) -> None:
-        self.rt.stream_host = self.saved
+    rt = experts[0].rt
+    saved, rt.stream_host = rt.stream_host, None
+    try:
+        yield
+    finally:
+        rt.stream_host = saved
 
 
 @torch.no_grad()
@@ -399,13 +398,10 @@ def profile(model, experts: list[OffloadedExperts], device: str, vocab: int) -> 
         row = out[f"M={m}"] = _profile_call(experts, m, device, gen)
         log(f"profile M={m}: " + "; ".join(f"{k_} {v['ms']:.3f} ms" + (f" {v['gbps']:.1f} GB/s" if "gbps" in v else "")
                                            for k_, v in row.items()))
-    for label, ctx in (("queued", None), ("synchronous", synchronous_path(experts))):
+    for label, ctx in (("queued", contextlib.nullcontext()), ("synchronous", synchronous_path(experts))):
         timer = PhaseTimer()
         try:
-            if ctx:
-                with ctx:
-                    decode_first_layers(model, 8, 12, device, vocab)
-            else:
+            with ctx:
                 decode_first_layers(model, 8, 12, device, vocab)
         finally:
             out[f"decode_phase_ms_per_call {label}"] = phases = timer.restore()
@@ -420,10 +416,7 @@ def profile(model, experts: list[OffloadedExperts], device: str, vocab: int) -> 
                 for mod in holders:
                     mod.forward = lambda hs, ids_, w_: torch.zeros_like(hs)
             try:
-                if label == "synchronous":
-                    with synchronous_path(experts):
-                        tps = decode_first_layers(model, n, 12, device, vocab)
-                else:
+                with synchronous_path(experts) if label == "synchronous" else contextlib.nullcontext():
                     tps = decode_first_layers(model, n, 12, device, vocab)
             finally:
                 for mod, fwd in zip(holders, saved, strict=True):
