@@ -10,6 +10,9 @@ experts touched counted on the very inputs timed. Prints a table last; JSON to $
 `--sweep`: also run a budgeted tile sweep (grouped at M=1024/4096, gemv at M=1/4, bf16 and fp8; the best tiles
 per point next to the defaults' time, to adopt into the kernels' DEFAULT_TILES; see bench/NOTES-moe.md).
 `--sweep-only`: just the ceilings and the sweep (JSON to $OUT/moe_sweep.json).
+`--profile`: just a per-kernel breakdown (torch.profiler, eager calls on the rotating sets) of each backend
+variant at `--ms`, next to its CUDA-graph time, so the gap between the two is launch/dependency overhead
+(JSON to $OUT/moe_profile.json).
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument("--sweep-only", action="store_true", help="only the tile sweep (no backend table)")
     ap.add_argument("--sweep-budget", type=float, default=SWEEP_BUDGET_S, help="seconds for the sweep (default 150)")
+    ap.add_argument("--sweep-ms", default="",
+                    help="e.g. grouped=256,1024;gemv=1 (default: grouped 1024,4096, gemv 1,4)")
+    ap.add_argument("--profile", action="store_true", help="only the per-kernel breakdown at --ms")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--no-peer", action="store_true")
@@ -161,12 +167,25 @@ def main() -> None:
     legacy = BACKENDS["legacy"]
     result: dict = {"device": torch.cuda.get_device_name() if not quick else "cpu", "torch": torch.__version__,
                     "geometry": dict(E=e, H=h, I=inter, top_k=k), "ceilings": ceil, "check": [], "rows": []}
+    if args.profile:
+        result["profile"] = profile(weights, ms, dtypes, e, h, inter, k, gen, quick)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "moe_profile.json").write_text(json.dumps(result, indent=1))
+        print_profile(result["profile"])
+        return
+    sweep_ms = dict(SWEEP_MS)
+    for part in filter(None, args.sweep_ms.split(";")):
+        kind, _, vals = part.partition("=")
+        if kind not in SWEEP_MS:
+            raise ValueError(f"--sweep-ms: unknown kind {kind!r}; valid: {sorted(SWEEP_MS)}")
+        sweep_ms[kind] = tuple(int(v) for v in vals.split(","))
     if args.sweep_only:
         def save(res: dict) -> None:
             if os.environ.get("OUT"):
                 Path(os.environ["OUT"], "moe_sweep.json").write_text(json.dumps({**result, "sweep": res}, indent=1))
 
-        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick, checkpoint=save)
+        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick, checkpoint=save,
+                                sweep_ms=sweep_ms)
         print_sweep(result["sweep"])
         return
 
@@ -245,7 +264,7 @@ def main() -> None:
             result["rows"].append(row)
             print(f"{dt} M={m} done ({time.time() - t0:.0f}s)", flush=True)
     if args.sweep:
-        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick)
+        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick, sweep_ms=sweep_ms)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe.json").write_text(json.dumps(result, indent=1))
     if args.sweep:
@@ -289,10 +308,11 @@ SMEM_LIMIT = 227 * 1024  # H200 shared memory per block
 ACC_REGS = 128  # fp32 accumulator registers per thread above which a tile spills
 TRIAL_US = 30_000.0  # one timing trial replays the graph for about this long
 TRIALS = 3
-GROUPED_AXES = {"block_n": (256, 64, 128), "block_k": (128, 64, 32), "num_stages": (4, 3, 5), "group_m": (16, 1, 8),
+GROUPED_AXES = {"tma": (True, False), "pdl": (False,), "block_n": (256, 64, 128), "block_k": (128, 64, 32),
+                "num_stages": (4, 3, 5), "group_m": (16, 1, 8),
                 "num_warps": (8, 4)}  # most promising value first: a budget cut drops the tail
 GEMV_AXES = {1: {"block_n1": (8, 32, 4), "block_k1": (512, 256, 128), "num_warps1": (8, 2)},
-             2: {"rows2": (16, 64, 8), "block_k2": (512, 256, 128), "num_warps2": (8, 2)}}
+             2: {"pdl": (False,), "rows2": (16, 64, 8), "block_k2": (512, 256, 128), "num_warps2": (8, 2)}}
 
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
@@ -402,9 +422,10 @@ def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
 def tiles_text(kind: str, tiles: tuple) -> str:
     if kind == "gemv":
         c = tiles[0]
-        return f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
+        return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
+                + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
-                      for i, c in enumerate(tiles))
+                      + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") for i, c in enumerate(tiles))
 
 
 def tiles_json(kind: str, tiles: tuple) -> dict:
@@ -435,7 +456,7 @@ def time_point(call, sets: list[tuple], ref: torch.Tensor, bound: float, quick: 
 
 
 def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generator, ceil: dict, budget_s: float,
-          quick: bool, checkpoint=None) -> dict:
+          quick: bool, checkpoint=None, sweep_ms: dict | None = None) -> dict:
     """Budgeted tile sweep: grouped at M=1024/4096 and gemv at M=1/4, bf16 and fp8; best tiles vs the defaults.
 
     Each (kind, dtype) group gets a share of what is left of the budget. Candidates: the default tiles,
@@ -456,7 +477,7 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
         wt = weights[dt]
         block = wt["kw"].get("block_shape")
         fp8 = block is not None
-        ms = (5, 33) if quick and kind == "grouped" else SWEEP_MS[kind]
+        ms = (5, 33) if quick and kind == "grouped" else (sweep_ms or SWEEP_MS)[kind]
         cands = grouped_candidates(dt, ms, e, k, block) if kind == "grouped" else gemv_candidates(ms, h, inter, k,
                                                                                                   block)
         defaults = {m: normalize_tiles(*default_tiles(m, k, e, fp8), block) if kind == "grouped"
@@ -554,6 +575,95 @@ def print_sweep(res: dict) -> None:
         print(f"{b['kind']:7} {b['dtype']:5} {b['M']:5d} {b['floor_us']:7.1f} {num[0]} {num[1]} {ratio(bu, d, 8)} "
               f"{ratio(again.get('best'), again.get('default'), 6)} {ratio(bu, b['floor_us'], 10)}  "
               f"{b['best_text']} ({b['default_text']})")
+
+
+PROFILE_REPS = 10
+
+
+def profile_variants(dt: str, m: int, wt: dict, e: int, k: int) -> dict:
+    """name -> call(x, ids, tw) for the backend variants worth a breakdown at this M."""
+    from dataclasses import replace
+
+    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe
+    from moefx.backends.kernels.gemv_kernels import default_gemv_config, gemv_moe
+
+    s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
+    c1, c2 = default_tiles(m, k, e, s13 is not None)
+
+    def grouped(**change):
+        return lambda x, i, w: fused_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=replace(c1, **change),
+                                         config2=replace(c2, **change))
+
+    def gemv(**change):
+        cfg = replace(default_gemv_config(m, s13 is not None), **change)
+        return lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=cfg)
+
+    out = {"grouped": grouped(), "grouped no tma": grouped(tma=False), "grouped no pdl": grouped(pdl=False)}
+    if c1.block_m == 128:  # the other BLOCK_M of the large-M tiles (fp8 GEMM 1 at 128 rows spills registers)
+        out["grouped block_m 64"] = grouped(block_m=64)
+    if m <= 16:
+        out["gemv"] = gemv()
+        out["gemv no pdl"] = gemv(pdl=False)
+    if dt == "bf16" and m >= 1024:
+        out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
+    return out
+
+
+def kernel_times(call, sets: list[tuple]) -> dict[str, float]:
+    """µs per call of each GPU kernel (torch.profiler over eager calls on the rotating sets)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(2):
+        [call(*s) for s in sets]
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_REPS):
+            [call(*s) for s in sets]
+        torch.cuda.synchronize()
+    n = PROFILE_REPS * len(sets)
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
+        if us > 0:
+            times[ev.key[:60]] = us / n
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def profile(weights: dict, ms: tuple[int, ...], dtypes: list[str], e: int, h: int, inter: int, k: int,
+            gen: torch.Generator, quick: bool) -> list[dict]:
+    dev = "cpu" if quick else "cuda"
+    legacy = BACKENDS["legacy"]
+    rows = []
+    for dt in dtypes:
+        wt = weights[dt]
+        for m in ms:
+            sets = input_sets(m, h, e, k, dev, gen, 4)
+            ref = legacy(*sets[0], wt["w13"], wt["w2"], **wt["kw"])
+            for name, call in profile_variants(dt, m, wt, e, k).items():
+                row = dict(dtype=dt, M=m, variant=name)
+                try:
+                    row["relerr"] = relerr(call(*sets[0]), ref)
+                    row["graph_us"] = run_timed(quick, lambda call=call, sets=sets: [call(*s) for s in sets]) / 4
+                    if not quick:
+                        row["kernels_us"] = kernel_times(call, sets)
+                except Exception as exc:  # report, keep going
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows.append(row)
+                print(f"profile {dt} M={m} {name}: {row.get('graph_us', row.get('error'))}", flush=True)
+    return rows
+
+
+def print_profile(rows: list[dict]) -> None:
+    print("\nper-kernel breakdown (µs per call: profiler over eager calls; graph = CUDA-graph replay)")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['dtype']:5} {r['M']:5d} {r['variant']:18} ERROR {r['error']}")
+            continue
+        ks = r.get("kernels_us", {})
+        parts = ", ".join(f"{name.split('(')[0][:28]} {us:.1f}" for name, us in ks.items())
+        print(f"{r['dtype']:5} {r['M']:5d} {r['variant']:18} graph {r['graph_us']:8.1f} kernels "
+              f"{sum(ks.values()):8.1f} relerr {r['relerr']:.1e} | {parts}")
 
 
 def print_table(result: dict, dtypes: list[str]) -> None:

@@ -4,7 +4,13 @@ GEMM 1 (gate_up, SiLU-mul fused): program = (block of BLOCK_M pairs of one exper
 I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
 projection never reaches memory: it writes silu(gate) * up. GEMM 2 (down): same blocks over H, scales
 each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (torch's sum,
-fp32 accumulation, one write in hidden's dtype).
+fp32 accumulation, one write in hidden's dtype; a Triton version read 1.7x slower on the H200). The
+[pairs, I] intermediate is stored in the padded sorted order (row = position in `sorted_ids`, padding rows
+written as zeros), so GEMM 2 reads contiguous row blocks.
+GemmConfig switches (all off by default unless DEFAULT_TILES says otherwise; Hopper and later):
+`tma` loads weight tiles (and GEMM 2's intermediate tiles) through tensor descriptors; GEMM 1's activation rows
+are gathered by token, so they stay pointer loads. `pdl` launches each kernel as a programmatic dependent
+of the previous one (see pdl.py).
 Program order: GROUP_M consecutive blocks (mostly one expert) sweep all N tiles together, so a
 weight tile is fetched from HBM once and reused from L2 by the expert's other blocks, and an
 activation tile is reused across N tiles.
@@ -23,13 +29,16 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moefx.backends.kernels.align import moe_align
+from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
 # Triton's interpreter multiplies bf16/fp16 dot operands wrongly (numpy has no bf16) and rounds fp32 -> e4m3
-# wrongly when rounding carries into the exponent (31.3 -> 16): under it, dots get fp32 operands and
-# values are put on the e4m3 grid before the cast.
+# wrongly when rounding carries into the exponent (31.3 -> 16): under it (the kernels' INTERPRET flag), dots
+# get fp32 operands and values are put on the e4m3 grid before the cast.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -41,6 +50,8 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # weight (and GEMM 2 activation) tiles through TMA descriptors; CUDA capability >= 9
+    pdl: bool = True  # launched as a programmatic dependent of the kernel before it (capability >= 9)
 
 
 _C = GemmConfig
@@ -53,15 +64,17 @@ _C = GemmConfig
 DEFAULT_TILES: dict[str, tuple[tuple[float, GemmConfig, GemmConfig], ...]] = {
     "bf16": (
         (8, _C(16, 64, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
-        (32, _C(32, 128, 128, 4, 4, 3), _C(32, 128, 128, 4, 4, 3)),
-        (128, _C(64, 128, 64, 8, 4, 4), _C(64, 128, 64, 8, 4, 4)),
-        (math.inf, _C(128, 128, 64, 8, 8, 3), _C(128, 256, 64, 8, 8, 3)),  # sweep 2026-11-29: M=4096 0.86x
+        (32, _C(32, 128, 128, 4, 4, 3, tma=True), _C(32, 128, 128, 4, 4, 3, tma=True)),
+        (128, _C(64, 128, 64, 8, 4, 4, tma=True), _C(64, 128, 64, 8, 4, 4, tma=True)),
+        # sweep 2026-11-29: GEMM 2 128x256x64 0.86x at M=4096; TMA on both 0.94x (session 4 profile)
+        (math.inf, _C(128, 128, 64, 8, 8, 3, tma=True), _C(128, 256, 64, 8, 8, 3, tma=True)),
     ),
     "fp8": (
         (8, _C(16, 128, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
-        (32, _C(32, 128, 128, 4, 4, 3), _C(32, 128, 128, 4, 4, 3)),
-        (128, _C(64, 128, 128, 8, 8, 4), _C(64, 128, 128, 16, 4, 4)),  # sweep 2026-11-29: M=1024 0.91x
-        (math.inf, _C(64, 128, 128, 8, 8, 4), _C(64, 128, 128, 8, 4, 3)),  # sweep 2026-11-29: M=4096 0.91x
+        (32, _C(32, 128, 128, 4, 4, 3, tma=True), _C(32, 128, 128, 4, 4, 3, tma=True)),
+        (128, _C(64, 128, 128, 8, 8, 4, tma=True), _C(64, 128, 128, 16, 4, 4, tma=True)),  # M=1024 0.91x, TMA 0.98x
+        # session 4 sweep, M=4096: BLOCK_M 128 needs TMA (pointer loads: 922 us, TMA: 721 us, old default 744)
+        (math.inf, _C(128, 128, 128, 1, 8, 4, tma=True), _C(128, 64, 128, 1, 8, 4, tma=True)),
     ),
 }
 
@@ -105,15 +118,17 @@ def _quant_rows_kernel(
 
 @triton.jit
 def _gemm1_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, os_ptr,
+    a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_pid_m,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+    if PDL:
+        gdc_wait()  # the align (and activation quant) results are visible from here on
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -127,50 +142,66 @@ def _gemm1_kernel(
     a_ptrs = a_ptr + tok[:, None] * stride_am + offs_k[None, :]
     g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + I * stride_wn
+    g_row = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # TMA: w13 viewed as [E * 2I, H]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
+        if TMA:  # columns past I read the next rows (up, next expert) or TMA's zero fill: never stored
+            g = w_desc.load([g_row, k0]).T
+            u = w_desc.load([g_row + I, k0]).T
+        else:
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
+            u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
         if FP8:
             a_s = tl.load(as_ptr + tok * (H // SBK) + k0 // SBK, mask=row_mask, other=0.0)
             s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
-            g_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=0.0)
-            u_s = tl.load(s_base + ((I + offs_n) // SBN) * stride_sn, mask=n_mask, other=0.0)
-            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
-            acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+            if SBN % BLOCK_N == 0:  # the tile lies in one scale row block: one scale each (fewer registers)
+                g_s = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn)
+                u_s = tl.load(s_base + ((I + pid_n * BLOCK_N) // SBN) * stride_sn)
+                acc_g += tl.dot(a, g) * (a_s * g_s)[:, None]
+                acc_u += tl.dot(a, u) * (a_s * u_s)[:, None]
+            else:
+                g_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=0.0)
+                u_s = tl.load(s_base + ((I + offs_n) // SBN) * stride_sn, mask=n_mask, other=0.0)
+                acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+                acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
         else:
-            if DOT_F32:
+            if INTERPRET:
                 a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
-    out_mask = row_mask[:, None] & n_mask[None, :]
+    if PDL:
+        gdc_launch_dependents()  # GEMM 2 may start launching; it waits for this grid before reading
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # padding rows: a = 0, so act = 0
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # sorted position: GEMM 2 reads row blocks
+    out_ptrs = out_ptr + rows[:, None] * I + offs_n[None, :]
+    out_mask = n_mask[None, :]
     if FP8:
         # BLOCK_N == SBK: this tile row is exactly one activation quant group of GEMM 2
         scale = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-10) / FP8_MAX
         q = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
-        tl.store(out_ptrs, _to_e4m3(q, DOT_F32), mask=out_mask)
-        tl.store(os_ptr + pairs.to(tl.int64) * (I // SBK) + pid_n, scale, mask=row_mask)
+        tl.store(out_ptrs, _to_e4m3(q, INTERPRET), mask=out_mask)
+        tl.store(os_ptr + rows * (I // SBK) + pid_n, scale)
     else:
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _gemm2_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, tw_ptr,
+    a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_pid_m,
     stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+    if PDL:
+        gdc_wait()  # GEMM 1's intermediate is visible from here on
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -178,23 +209,32 @@ def _gemm2_kernel(
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     rows = pairs.to(tl.int64)
+    sorted_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # GEMM 1 wrote the intermediate here
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * I + offs_k[None, :]
+    a_ptrs = a_ptr + sorted_rows[:, None] * I + offs_k[None, :]
     w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)  # TMA: w2 viewed as [E * H, I]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if FP8:
-            a_s = tl.load(as_ptr + rows * (I // SBK) + k0 // SBK, mask=row_mask, other=0.0)
-            w_s = tl.load(ws_ptr + e * stride_se + (offs_n // SBN) * stride_sn + (k0 // SBK) * stride_sk,
-                          mask=n_mask, other=0.0)
-            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([w_row, k0]).T
         else:
-            if DOT_F32:
+            a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8:
+            a_s = tl.load(as_ptr + sorted_rows * (I // SBK) + k0 // SBK)
+            s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
+            if SBN % BLOCK_N == 0:  # the tile lies in one scale row block: one scale (fewer registers)
+                acc += tl.dot(a, w) * (a_s * tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn))[:, None]
+            else:
+                w_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=0.0)
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            if INTERPRET:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc)
     acc = acc * tl.load(tw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -226,14 +266,15 @@ def normalize_tiles(
     cfg1: GemmConfig, cfg2: GemmConfig, block_shape: tuple[int, int] | None
 ) -> tuple[GemmConfig, GemmConfig]:
     """The tiles that actually run: GEMM 2 takes GEMM 1's BLOCK_M (one align); FP8: GEMM 1's BLOCK_N is the
-    quant block's k (one activation group per tile row) and BLOCK_K must divide it (one scale per K step)."""
+    quant block's k (one activation group per tile row) and BLOCK_K must divide it (one scale per K step) and be
+    at least 32 where the block allows."""
     cfg2 = replace(cfg2, block_m=cfg1.block_m)
     if block_shape is None:
         return cfg1, cfg2
     sbk = block_shape[1]
 
-    def bk(cfg: GemmConfig) -> int:
-        return cfg.block_k if cfg.block_k <= sbk and sbk % cfg.block_k == 0 else sbk
+    def bk(cfg: GemmConfig) -> int:  # the FP8 tensor-core dot takes K >= 32 (Hopper)
+        return cfg.block_k if min(32, sbk) <= cfg.block_k <= sbk and sbk % cfg.block_k == 0 else sbk
 
     return replace(cfg1, block_n=sbk, block_k=bk(cfg1)), replace(cfg2, block_k=bk(cfg2))  # GEMM 2: scales per column
 
@@ -264,40 +305,69 @@ def fused_moe(
     else:
         cfg1, cfg2 = config, config2 or config
     cfg1, cfg2 = normalize_tiles(cfg1, cfg2, block_shape if fp8 else None)
+    if (cfg1.tma or cfg2.tma) and tma_problem(w13, w2):
+        cfg1, cfg2 = replace(cfg1, tma=False), replace(cfg2, tma=False)
     num_pairs = m * top_k
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
     num_pid_m = expert_ids.numel()
+    rows = sorted_ids.numel()  # the intermediate is stored in sorted (padded) order
     dev = hidden.device
     tw = topk_weights.reshape(-1).contiguous()
     if fp8:
         a, a_s = quant_rows_fp8(hidden, sbk)
-        inter_buf = torch.empty(num_pairs, inter, dtype=torch.float8_e4m3fn, device=dev)
-        inter_s = torch.empty(num_pairs, inter // sbk, dtype=torch.float32, device=dev)
+        inter_buf = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=dev)
+        inter_s = torch.empty(rows, inter // sbk, dtype=torch.float32, device=dev)
         s13, s2 = w13_scale, w2_scale
         s13_strides, s2_strides = w13_scale.stride(), w2_scale.stride()
     else:
         a, a_s = hidden, hidden
-        inter_buf = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=dev)
+        inter_buf = torch.empty(rows, inter, dtype=hidden.dtype, device=dev)
         inter_s = inter_buf
         s13 = s2 = hidden
         s13_strides = s2_strides = (0, 0, 0)
+    pdl1, pdl2 = (cfg.pdl and pdl_supported(dev) for cfg in (cfg1, cfg2))
+    w13_desc = _weight_desc(w13, cfg1.block_n, cfg1.block_k) if cfg1.tma else w13
     grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
     _gemm1_kernel[grid1](
-        a, a_s, w13, s13, inter_buf, inter_s,
+        a, a_s, w13, w13_desc, s13, inter_buf, inter_s,
         sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
         a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk,
         BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
-        DOT_F32=_INTERPRET, num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
+        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
+        **pdl_launch(pdl1),
     )
     pair_out = torch.empty(num_pairs, h, dtype=hidden.dtype, device=dev)
+    if cfg2.tma:
+        a2_desc = TensorDescriptor.from_tensor(inter_buf, [cfg2.block_m, cfg2.block_k])
+        w2_desc = _weight_desc(w2, cfg2.block_n, cfg2.block_k)
+    else:
+        a2_desc, w2_desc = inter_buf, w2
     grid2 = (num_pid_m * triton.cdiv(h, cfg2.block_n),)
     _gemm2_kernel[grid2](
-        inter_buf, inter_s, w2, s2, pair_out, tw,
+        inter_buf, a2_desc, inter_s, w2, w2_desc, s2, pair_out, tw,
         sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
         w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk,
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        DOT_F32=_INTERPRET, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        **pdl_launch(pdl2),
     )
     return pair_out.view(m, top_k, h).sum(dim=1)  # accumulates in fp32, writes hidden's dtype once
+
+
+def _weight_desc(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """[E, N, K] weights as one [E * N, K] TMA descriptor with [block_n, block_k] tiles."""
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+
+
+def tma_problem(w13: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """Why the weights cannot be read through TMA descriptors (GemmConfig.tma), or None."""
+    if w13.is_cuda and torch.cuda.get_device_capability(w13.device) < (9, 0):
+        return "TMA needs compute capability >= 9.0"
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not w.is_contiguous():
+            return f"TMA needs contiguous {name}"
+        if (w.shape[-1] * w.element_size()) % 16 or w.data_ptr() % 16:
+            return f"TMA needs {name} rows 16-byte aligned (K={w.shape[-1]})"
+    return None

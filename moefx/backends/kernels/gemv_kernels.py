@@ -11,6 +11,11 @@ rather than K because (2I and H) / BLOCK_N already gives hundreds of programs at
 FP8 (block-quant e4m3 weights, scales per (SBN x SBK) block): each weight tile lies inside one
 SBN row-block, so the scale multiplies the activation vector (K-wise), not every weight element.
 Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and closer to the oracle.
+Hopper and later: stage 2 is a programmatic dependent launch (H200, M=1: 23.0 vs 24.1 µs bf16). Stage 1
+lets it start once every stage-1 program has finished its loop; stage 2 loads its ids and routing weights
+(which stage 1 does not write) and then waits for stage 1's activations. Tried and dropped on the H200
+(bench/NOTES-moe.md): stage 2 loading its first w2 tile before the wait (FP8 M=1 stage 2 ~7 -> 16.5 µs:
+twice the live tile), and L2 prefetches of its w2 rows before the wait (bf16 M=1 23.2 -> 28.9 µs).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 
 @triton.jit
@@ -29,7 +37,7 @@ def _gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -57,6 +65,8 @@ def _gemv_gate_up_kernel(
         else:
             acc_g += g * x[None, :]
             acc_u += u * x[None, :]
+    if PDL:
+        gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -69,7 +79,7 @@ def _gemv_down_kernel(
     stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
     # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
@@ -85,6 +95,8 @@ def _gemv_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     rows = e[:, None] * stride_we + offs_n[None, :] * stride_wn
     row_mask = j_mask[:, None] & n_mask[None, :]
+    if PDL:
+        gdc_wait()  # stage 1's activations are visible from here on
     acc = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
@@ -109,6 +121,7 @@ class GemvConfig:
     block_k2: int = 0
     num_warps1: int = 4
     num_warps2: int = 4
+    pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
 
 
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
@@ -175,16 +188,17 @@ def gemv_moe(
     s2 = w2_scale if fp8 else act
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
+    pdl = cfg.pdl and pdl_supported(hidden.device)
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, fp8, cfg.block_k1),
-        num_warps=cfg.num_warps1,
+        PDL=pdl, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), num_warps=cfg.num_warps2,
+        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out

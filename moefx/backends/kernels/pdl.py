@@ -1,0 +1,24 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel may start before the previous one ends.
+
+A kernel launched this way runs its independent prologue (indices, weight tiles) while the previous kernel
+finishes, then calls `gdc_wait()` before it reads that kernel's output; the previous kernel may call
+`gdc_launch_dependents()` to let it start early. CUDA-graph capture keeps the edge as a programmatic one.
+Off under the Triton interpreter (the wait is inline PTX) and below capability 9.0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def pdl_supported(device: torch.device) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_launch(enabled: bool) -> dict[str, bool]:
+    """Launch keyword for a dependent kernel (nothing when off, so older launchers see no new option)."""
+    return {"launch_pdl": True} if enabled else {}
