@@ -73,8 +73,8 @@ DEFAULT_TILES: dict[str, tuple[tuple[float, GemmConfig, GemmConfig], ...]] = {
         (8, _C(16, 128, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
         (32, _C(32, 128, 128, 4, 4, 3, tma=True), _C(32, 128, 128, 4, 4, 3, tma=True)),
         (128, _C(64, 128, 128, 8, 8, 4, tma=True), _C(64, 128, 128, 16, 4, 4, tma=True)),  # M=1024 0.91x, TMA 0.98x
-        # session 4 sweep, M=4096: BLOCK_M 128 needs TMA (pointer loads: 922 us, TMA: 721 us, old default 744)
-        (math.inf, _C(128, 128, 128, 1, 8, 4, tma=True), _C(128, 64, 128, 1, 8, 4, tma=True)),
+        # session 4, M=4096 (scalar weight scales): BLOCK_M 64 730 us, 128 881 us (GEMM 1 at 128 rows spills)
+        (math.inf, _C(64, 128, 128, 1, 8, 4, tma=True), _C(64, 64, 128, 1, 8, 4, tma=True)),
     ),
 }
 
