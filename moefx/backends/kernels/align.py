@@ -29,7 +29,7 @@ def _align_small_kernel(
     num_experts, BLOCK_M: tl.constexpr, NP: tl.constexpr, BLOCK_E: tl.constexpr, PAD: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    # reductions only (a 2-D scan over [pairs, E] cost ~4 µs more at 128 pairs on the H200)
+    # H200: 3.6 µs at 8 pairs, 7.5 µs at 128 (the four launches read ~13 µs at 2048); a 2-D cumsum ranked no faster
     p = tl.arange(0, NP)
     valid = p < numel
     e = tl.load(ids_ptr + p, mask=valid, other=-1).to(tl.int32)
