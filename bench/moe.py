@@ -604,8 +604,6 @@ def profile_variants(dt: str, m: int, wt: dict, e: int, k: int) -> dict:
     if m <= 16:
         out["gemv"] = gemv()
         out["gemv no pdl"] = gemv(pdl=False)
-        if s13 is not None:
-            out["gemv cuda cores"] = gemv(tensor_cores=False)
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out

@@ -10,10 +10,7 @@ Weights are streamed with evict_first (each byte is used once); work is split ov
 rather than K because (2I and H) / BLOCK_N already gives hundreds of programs at M = 1.
 FP8 (block-quant e4m3 weights, scales per (SBN x SBK) block): each weight tile lies inside one
 SBN row-block, so the scale multiplies the activation vector (K-wise), not every weight element.
-Activations stay unquantized (w8a16 arithmetic): same bytes as w8a8 at these M, and closer to the oracle.
-FP8 stage 1 with bf16/fp16 rows runs on tensor cores (`GemvConfig.tensor_cores`): the CUDA-core version
-converts every e4m3 weight to fp32 (H200, M=1: 25 MB in 10.1 µs, far from the bytes); e4m3 -> fp16 is one
-packed convert per two weights, and the weights and the scaled bf16 row are exact in fp16.
+Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and closer to the oracle.
 Hopper and later: stage 2 is a programmatic dependent launch (H200, M=1: 23.0 vs 24.1 µs bf16). Stage 1
 lets it start once every stage-1 program has finished its loop; stage 2 loads its ids and routing weights
 (which stage 1 does not write) and then waits for stage 1's activations. Tried and dropped on the H200
@@ -24,7 +21,6 @@ twice the live tile), and L2 prefetches of its w2 rows before the wait (bf16 M=1
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +29,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
-
-TC_MAX_H = 16384  # the tensor-core stage 1 reads the token's whole row once (its fp16 scale): H up to this
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -76,57 +69,6 @@ def _gemv_gate_up_kernel(
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
-
-
-@triton.jit
-def _gemv_gate_up_tc_kernel(
-    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HP: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Stage 1 for FP8 weights on tensor cores: e4m3 -> fp16 is one packed convert per two weights (exact), the
-    token's row goes to fp16 after a power-of-two scale (exact for bf16 inputs), products accumulate in fp32.
-    The 16-row MMA repeats the row; row 0 is the result. BLOCK_K divides SBK: one weight scale per K step."""
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m = pair // TOP_K
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + m * stride_xm
-    h = tl.arange(0, HP)
-    amax = tl.max(tl.abs(tl.load(x_row + h, mask=h < H, other=0.0).to(tl.float32)), axis=0)
-    # amax < 2^(E-126) for its biased exponent E; x * 2^(140-E) < 2^14 fits fp16, x * 2^(140-E) * 2^(E-140) = x
-    exp = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 254)
-    inv = ((267 - exp) << 23).to(tl.float32, bitcast=True)
-    scale = ((exp - 13) << 23).to(tl.float32, bitcast=True)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + I * stride_wn
-    s_g = ws_ptr + e * stride_se + ((pid_n * BLOCK_N) // SBN) * stride_sn
-    s_u = ws_ptr + e * stride_se + ((I + pid_n * BLOCK_N) // SBN) * stride_sn
-    acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_mask = offs_k < H - k0
-        x = (tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32) * inv).to(tl.float16)
-        a = tl.broadcast_to(x[None, :], [16, BLOCK_K])
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float16)
-        u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float16)
-        if INTERPRET:  # the interpreter multiplies fp16 dot operands wrongly
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        kb = k0 // SBK
-        acc_g += tl.dot(a, g) * tl.load(s_g + kb * stride_sk)
-        acc_u += tl.dot(a, u) * tl.load(s_u + kb * stride_sk)
-    if PDL:
-        gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
-    first = tl.arange(0, 16)[:, None] == 0
-    gate = tl.sum(tl.where(first, acc_g, 0.0), axis=0) * scale
-    up = tl.sum(tl.where(first, acc_u, 0.0), axis=0) * scale
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
 
@@ -180,7 +122,6 @@ class GemvConfig:
     num_warps1: int = 4
     num_warps2: int = 4
     pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
-    tensor_cores: bool = True  # FP8 weights, bf16/fp16 rows: stage 1 as fp16 MMAs (block_n1 >= 16, H <= TC_MAX_H)
 
 
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
@@ -248,19 +189,12 @@ def gemv_moe(
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
     pdl = cfg.pdl and pdl_supported(hidden.device)
-    grid1 = (m * top_k, triton.cdiv(inter, bn1))
-    args1 = (hidden, ids, w13, s13, act, hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides)
-    bk1 = block_k_for(h, fp8, cfg.block_k1)
-    if fp8 and cfg.tensor_cores and bn1 >= 16 and h <= TC_MAX_H and hidden.dtype != torch.float32:
-        _gemv_gate_up_tc_kernel[grid1](
-            *args1, H=h, I=inter, TOP_K=top_k, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=math.gcd(bk1, sbk),
-            HP=triton.next_power_of_2(h), PDL=pdl, INTERPRET=_INTERPRET, num_warps=cfg.num_warps1, num_stages=4,
-        )
-    else:
-        _gemv_gate_up_kernel[grid1](
-            *args1, H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1, PDL=pdl,
-            num_warps=cfg.num_warps1,
-        )
+    _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
+        hidden, ids, w13, s13, act,
+        hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, fp8, cfg.block_k1),
+        PDL=pdl, num_warps=cfg.num_warps1,
+    )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
