@@ -317,9 +317,11 @@ GEMV_AXES = {1: {"block_n1": (8, 32, 4), "block_k1": (512, 256, 128), "num_warps
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
     """Pipelined A + B tiles (GEMM 1 loads gate and up tiles) within shared memory, accumulators in registers."""
+    from moefx.backends.kernels.fused_moe_kernels import tile_smem_bytes
+
     nb = 2 if gemm == 1 else 1
-    smem = cfg.num_stages * (cfg.block_m * cfg.block_k + nb * cfg.block_k * cfg.block_n) * elem
-    return smem <= SMEM_LIMIT and cfg.block_m * cfg.block_n * nb <= ACC_REGS * 32 * cfg.num_warps
+    regs_ok = cfg.block_m * cfg.block_n * nb <= ACC_REGS * 32 * cfg.num_warps
+    return tile_smem_bytes(cfg, nb, elem) <= SMEM_LIMIT and regs_ok
 
 
 def grouped_candidates(dt: str, ms: tuple[int, ...], e: int, k: int, block) -> list[tuple[str, tuple]]:

@@ -180,3 +180,26 @@ def test_small_align_is_one_launch_with_torch_order(m: int, k: int, experts: int
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(m)]).to(kernel_device())
     for got, want in zip(moe_align(ids, experts, block_m), moe_align_torch(ids.cpu(), experts, block_m)):
         assert torch.equal(got.cpu(), want)
+
+
+def test_fit_shared_memory_trims_stages_then_block_k() -> None:
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fit_shared_memory, tile_smem_bytes
+
+    big = GemmConfig(128, 128, 64, num_stages=3)
+    assert tile_smem_bytes(big, 2, 4) == 3 * (128 * 64 + 2 * 64 * 128) * 4  # fp32 weights: 288 KiB
+    assert fit_shared_memory(big, 2, 2, 227 * 1024) == big  # bf16: fits the H200 as it is
+    fp32 = fit_shared_memory(big, 2, 4, 227 * 1024)
+    assert fp32.num_stages == 2 and fp32.block_k == 64 and tile_smem_bytes(fp32, 2, 4) <= 227 * 1024
+    small = fit_shared_memory(big, 2, 2, 64 * 1024)  # a GPU with less shared memory: stages, then BLOCK_K
+    assert small.num_stages == 2 and small.block_k == 32
+    assert fit_shared_memory(big, 2, 1, 1024, min_k=32).block_k == 32  # never below the FP8 dot's K
+
+
+def test_fp32_weights_at_large_m_with_default_tiles() -> None:
+    """fp32 rows at > 128 rows per expert take the widest default tiles (on a GPU: trimmed to its shared memory)."""
+    from moefx.backends.kernels.fused_moe_kernels import fused_moe
+
+    dev = kernel_device()
+    inp = make_inputs(300, torch.float32, device=dev)
+    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
+    assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)

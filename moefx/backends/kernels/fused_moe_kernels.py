@@ -22,6 +22,7 @@ All shapes are fixed by (M, k, E, BLOCK_M): no host sync, CUDA-graph capturable.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from moefx.backends.kernels.align import moe_align
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
+SMEM_RESERVE = 2048  # shared memory a tile needs besides its operand stages (TMA barriers, epilogue scratch)
 # Triton's interpreter multiplies bf16/fp16 dot operands wrongly (numpy has no bf16) and rounds fp32 -> e4m3
 # wrongly when rounding carries into the exponent (31.3 -> 16): under it (the kernels' INTERPRET flag), dots
 # get fp32 operands and values are put on the e4m3 grid before the cast.
@@ -307,6 +309,10 @@ def fused_moe(
     cfg1, cfg2 = normalize_tiles(cfg1, cfg2, block_shape if fp8 else None)
     if (cfg1.tma or cfg2.tma) and tma_problem(w13, w2):
         cfg1, cfg2 = replace(cfg1, tma=False), replace(cfg2, tma=False)
+    if hidden.is_cuda:  # e.g. fp32 weights, or a GPU with less shared memory than the H200 the tiles came from
+        limit, min_k = _shared_memory_limit(hidden.device), 32 if fp8 else 16
+        cfg1 = fit_shared_memory(cfg1, 2, w13.element_size(), limit, min_k)
+        cfg2 = fit_shared_memory(cfg2, 1, w2.element_size(), limit, min_k)
     num_pairs = m * top_k
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
     num_pid_m = expert_ids.numel()
@@ -354,6 +360,30 @@ def fused_moe(
         **pdl_launch(pdl2),
     )
     return pair_out.view(m, top_k, h).sum(dim=1)  # accumulates in fp32, writes hidden's dtype once
+
+
+def tile_smem_bytes(cfg: GemmConfig, weight_tiles: int, elem: int) -> int:
+    """Shared memory of a tile's pipelined operands: num_stages x (activation tile + weight tiles) (GEMM 1 loads
+    two weight tiles, gate and up)."""
+    return cfg.num_stages * (cfg.block_m * cfg.block_k + weight_tiles * cfg.block_k * cfg.block_n) * elem
+
+
+def fit_shared_memory(cfg: GemmConfig, weight_tiles: int, elem: int, limit: int, min_k: int = 16) -> GemmConfig:
+    """`cfg` with fewer stages (down to 2), then a thinner BLOCK_K (down to `min_k`), until it fits `limit` bytes."""
+    while tile_smem_bytes(cfg, weight_tiles, elem) > limit:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > min_k:
+            cfg = replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
+
+
+@functools.cache
+def _shared_memory_limit(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block) - SMEM_RESERVE
 
 
 def _weight_desc(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
