@@ -100,9 +100,20 @@ def test_unsupported_reasons() -> None:
     assert "contiguous" in be.unsupported_reason(x, torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
 
 
+# (GEMM 1 tile, GEMM 2 tile or None for the same) as GemmConfig keyword arguments
+TILE_CASES = {
+    "own GEMM 2 tile": (dict(block_m=16, block_n=32, block_k=16, group_m=1, num_stages=2),
+                        dict(block_m=32, block_n=64, block_k=16, group_m=4, num_stages=2)),  # takes GEMM 1's BLOCK_M
+    "pointer loads": (dict(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=2), None),
+    "TMA": (dict(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=2, tma=True), None),
+}
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-def test_triton_kernels_separate_gemm2_tiles(fp8: bool) -> None:
-    """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it) still matches legacy."""
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
+    """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it), and weight tiles through TMA
+    descriptors or pointer loads: all match legacy."""
     from backends_util import quant_block
 
     from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
@@ -111,14 +122,13 @@ def test_triton_kernels_separate_gemm2_tiles(fp8: bool) -> None:
     inp = make_inputs(9, torch.float32, "zero_experts", device=dev)
     kw: dict = {}
     if fp8:
-        bs = (32, 32)
-        inp["w13"], s13 = quant_block(inp["w13"], bs)
-        inp["w2"], s2 = quant_block(inp["w2"], bs)
-        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=bs)
+        inp["w13"], s13 = quant_block(inp["w13"])
+        inp["w2"], s2 = quant_block(inp["w2"])
+        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
+    tile1, tile2 = TILE_CASES[case]
     out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"),
-                    config=GemmConfig(16, 32, 16, group_m=1, num_stages=2),
-                    config2=GemmConfig(32, 64, 16, group_m=4, num_stages=2))  # GEMM 2 takes GEMM 1's BLOCK_M
+                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), config=GemmConfig(**tile1),
+                    config2=GemmConfig(**tile2) if tile2 else None)
     bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
     assert relerr(out, legacy_ref(inp)) < bound
 
@@ -137,29 +147,6 @@ def test_default_tiles_cover_every_m_and_fit_fp8_blocks() -> None:
     assert default_tiles(1, 8, 128, fp8=False)[0].block_m == 16
     assert default_tiles(4096, 8, 128, fp8=False) == DEFAULT_TILES["bf16"][-1][1:]
     assert default_tiles(4096, 8, 128, fp8=True) == DEFAULT_TILES["fp8"][-1][1:]
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("tma", [False, True])
-def test_triton_kernels_tma_and_pointer_loads(fp8: bool, tma: bool) -> None:
-    """Weight (and GEMM 2 activation) tiles through TMA descriptors or pointer loads: same results."""
-    from backends_util import quant_block
-
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
-
-    dev = kernel_device()
-    inp = make_inputs(9, torch.float32, "zero_experts", device=dev)
-    kw: dict = {}
-    if fp8:
-        bs = (32, 32)
-        inp["w13"], s13 = quant_block(inp["w13"], bs)
-        inp["w2"], s2 = quant_block(inp["w2"], bs)
-        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=bs)
-    cfg = GemmConfig(16, 32, 16, group_m=2, num_stages=2, tma=tma)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), config=cfg)
-    bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
-    assert relerr(out, legacy_ref(inp)) < bound
 
 
 def test_tma_problem_names_the_layout() -> None:
