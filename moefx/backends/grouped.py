@@ -23,7 +23,6 @@ from moefx.backends.kernels.common import (
 from moefx.backends.registry import dequant_block, register_backend
 
 CPU_BLOCK_M = 16
-FP8_DOT_MIN_K = 32  # Triton's e4m3 dot on Hopper: K >= 32 per step
 
 
 def grouped_torch(
@@ -64,19 +63,7 @@ def grouped_torch(
 class GroupedBackend(TritonMoEBackend):
     name = "grouped"
     torch_path = staticmethod(grouped_torch)
-
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-    ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
-        if reason is None and w13_scale is not None and hidden.is_cuda and block_shape[1] < FP8_DOT_MIN_K:
-            return f"grouped's FP8 tensor-core dot needs a quant block k >= {FP8_DOT_MIN_K} on CUDA, got {block_shape}"
-        return reason
+    fp8_min_block_k = 32
 
     def cuda_kernel(self, *args: object) -> torch.Tensor:
         from moefx.backends.kernels.fused_moe_kernels import fused_moe

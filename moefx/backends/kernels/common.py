@@ -52,9 +52,15 @@ def shape_problem(
     return None
 
 
-def cuda_fp8_problem(hidden: torch.Tensor, w13_scale: torch.Tensor | None) -> str | None:
-    if w13_scale is not None and hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) < (8, 9):
+def cuda_fp8_problem(
+    hidden: torch.Tensor, w13_scale: torch.Tensor | None, block_shape: tuple[int, int] | None, min_block_k: int = 0
+) -> str | None:
+    if w13_scale is None or not hidden.is_cuda:
+        return None
+    if torch.cuda.get_device_capability(hidden.device) < (8, 9):
         return "FP8 tensor-core dot needs compute capability >= 8.9"
+    if block_shape[1] < min_block_k:
+        return f"FP8 tensor-core dot needs a quant block k >= {min_block_k} on CUDA, got {block_shape}"
     return None
 
 
@@ -62,7 +68,10 @@ class TritonMoEBackend(MoEBackend):
     """A backend that runs a Triton kernel on CUDA and the same algorithm in PyTorch elsewhere.
 
     Subclasses give `cuda_kernel` and `torch_path`, both taking
-    (hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)."""
+    (hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape), and `fp8_min_block_k` when their
+    CUDA kernel feeds FP8 quant blocks to a tensor-core dot (Triton's e4m3 dot on Hopper takes K >= 32 per step)."""
+
+    fp8_min_block_k = 0
 
     def unsupported_reason(
         self,
@@ -77,7 +86,7 @@ class TritonMoEBackend(MoEBackend):
         if reason is None and hidden.is_cuda:
             if not triton_available():
                 return f"{self.name} needs Triton on CUDA"
-            reason = cuda_fp8_problem(hidden, w13_scale)
+            reason = cuda_fp8_problem(hidden, w13_scale, block_shape, self.fp8_min_block_k)
         return reason
 
     def __call__(
