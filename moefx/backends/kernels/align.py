@@ -4,11 +4,16 @@ Output layout (same in the Triton and PyTorch versions): the M*k (token, slot) p
 pair = token * k + slot, are grouped by expert; each expert's group is padded to a multiple of
 BLOCK_M with the sentinel M*k. `sorted_ids` has the worst-case length M*k + E*(BLOCK_M-1) (rounded up
 to BLOCK_M), `expert_ids[b]` is the expert of block b (-1 past the end), `num_post[0]` the padded
-length actually used. Order inside an expert's group is not fixed (atomics); results do not depend
-on it because every pair's row is computed and summed independently.
-Small calls (up to SMALL_ALIGN_PAIRS pairs) use one single-program launch instead of four: counts and
-starts come from a one-hot [pairs, E] tile in registers, each pair's rank inside its expert from a
-[pairs, pairs] comparison (pairs then sit in ascending order inside each expert, as in the PyTorch version).
+length actually used. Pairs sit in ascending order inside each expert's group, exactly as in the PyTorch
+version, and no atomics are used: the layout is deterministic.
+Small calls (up to SMALL_ALIGN_PAIRS pairs): one single-program launch. Counts come from a histogram; sorting
+the keys expert * pairs + pair puts each expert's pairs together in ascending order, and a pair's rank in its
+expert is its sorted position minus where its expert starts (`_place_chunk`).
+Larger calls: two launches. The first has each program count its slice of pairs per expert into its own row
+of a [programs, E] table (and write the sentinel into its span of slots); the second has every program read
+the whole table (the experts' padded starts plus its slice's offset inside each expert) and place its pairs
+by sorting them by expert, a chunk at a time. H200, session 4, for the four-launch atomic version this
+replaces: 14.6 µs at 8192 pairs, 21 µs at 32768.
 """
 
 from __future__ import annotations
@@ -20,84 +25,113 @@ import triton.language as tl
 from moefx.backends.kernels.common import max_padded_len
 
 SMALL_ALIGN_PAIRS = 128  # up to this many pairs (M*k) one program aligns them all
-SMALL_ALIGN_ELEMS = 32768  # ... and holds the one-hot [pairs, E] tile (8 warps: 128 values per thread)
+SMALL_ALIGN_ELEMS = 32768  # largest 2-D tile a program holds (8 warps: 128 values per thread)
+ALIGN_CHUNK = 256  # larger calls: pairs sorted at once
+ALIGN_MAX_PROGRAMS = 128  # ... and programs, each reading the [programs, E] count table
+
+
+@triton.jit
+def _place_chunk(e, valid, cursor, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Where each pair of a chunk goes: sorting the keys expert * CHUNK + i puts each expert's pairs together in
+    ascending order, and a pair's rank in its expert is its sorted position minus where its expert starts in
+    the chunk. Returns (slot, index in the chunk, mask) in sorted order, and the chunk's per-expert counts."""
+    i = tl.arange(0, CHUNK)
+    counts = tl.histogram(e, BLOCK_E, mask=valid)
+    key = tl.sort(tl.where(valid, e * CHUNK + i, BLOCK_E * CHUNK))  # invalid pairs sort last
+    start = tl.cumsum(counts, axis=0) - counts
+    pos = tl.gather(cursor - start, tl.minimum(key // CHUNK, BLOCK_E - 1), 0) + i
+    return pos, key % CHUNK, key < BLOCK_E * CHUNK, counts
+
+
+@triton.jit
+def _store_block_experts(expert_ids_ptr, num_post_ptr, padded, first_block, num_experts, max_blocks,
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, STEP_B: tl.constexpr,
+                         WRITE_TOTAL):
+    """expert_ids for blocks first_block .. + BLOCK_B (the expert of block b = the number of experts whose padded
+    group ends at or before b's first row; -1 past the end), STEP_B blocks at a time, and, if WRITE_TOTAL, the
+    padded total."""
+    num_padded = tl.sum(padded, axis=0)
+    ends = tl.where(tl.arange(0, BLOCK_E) < num_experts, tl.cumsum(padded, axis=0), 2147483647)
+    for b0 in range(0, BLOCK_B, STEP_B):
+        b = first_block + b0 + tl.arange(0, STEP_B)
+        owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.where(b * BLOCK_M < num_padded, owner, -1), mask=b < max_blocks)
+    if WRITE_TOTAL:
+        tl.store(num_post_ptr, num_padded)
 
 
 @triton.jit
 def _align_small_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, max_padded, max_blocks,
     num_experts, BLOCK_M: tl.constexpr, NP: tl.constexpr, BLOCK_E: tl.constexpr, PAD: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    BLOCK_B: tl.constexpr, STEP_B: tl.constexpr,
 ):
-    # H200: 3.6 µs at 8 pairs, 7.5 µs at 128 (the four launches read ~13 µs at 2048); a 2-D cumsum ranked no faster
     p = tl.arange(0, NP)
     valid = p < numel
-    e = tl.load(ids_ptr + p, mask=valid, other=-1).to(tl.int32)
-    onehot = (e[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
-    padded = (tl.sum(onehot, axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    rank = tl.sum(((e[:, None] == e[None, :]) & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
-    pos = tl.sum(onehot * (ends - padded)[None, :], axis=1) + rank
+    e = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
+    padded = (tl.histogram(e, BLOCK_E, mask=valid) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pos, pair, placed, _ = _place_chunk(e, valid, tl.cumsum(padded, axis=0) - padded, NP, BLOCK_E)
     slots = tl.arange(0, PAD)
     tl.store(sorted_ptr + slots, numel, mask=slots < max_padded)
     tl.debug_barrier()  # the sentinel fill lands before the pairs overwrite their slots
-    tl.store(sorted_ptr + pos, p, mask=valid)
-    ends = tl.where(tl.arange(0, BLOCK_E) < num_experts, ends, 2147483647)
-    b = tl.arange(0, BLOCK_B)
-    owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-    tl.store(expert_ids_ptr + b, tl.where(b * BLOCK_M < total, owner, -1), mask=b < max_blocks)
-    tl.store(num_post_ptr, total)
+    tl.store(sorted_ptr + pos, pair, mask=placed)
+    _store_block_experts(expert_ids_ptr, num_post_ptr, padded, 0, num_experts, max_blocks, BLOCK_M, BLOCK_E, BLOCK_B,
+                         STEP_B, True)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, sorted_ptr, numel, max_padded, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(sorted_ptr + offs, numel, mask=offs < max_padded)
-    valid = offs < numel
-    e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-    tl.atomic_add(counts_ptr + e, 1, mask=valid)
-
-
-@triton.jit
-def _prefix_kernel(
-    counts_ptr, cursor_ptr, expert_ids_ptr, num_post_ptr, num_experts, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+def _align_count_kernel(
+    ids_ptr, hist_ptr, sorted_ptr, numel, max_padded,
+    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_SPAN: tl.constexpr, FILL: tl.constexpr,
 ):
-    # Every program redoes the (tiny) prefix sum over experts and writes BLOCK_B entries of expert_ids;
-    # program 0 also writes the per-expert cursors and the padded total.
+    # program p: per-expert counts of its pairs into hist[p, :] (no atomics), and the sentinel in its span of slots
     pid = tl.program_id(0)
-    e_offs = tl.arange(0, BLOCK_E)
-    e_mask = e_offs < num_experts
-    counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    if pid == 0:
-        tl.store(cursor_ptr + e_offs, ends - padded, mask=e_mask)
-        tl.store(num_post_ptr, total)
-    ends = tl.where(e_mask, ends, 2147483647)
-    b = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-    # the expert of block b = the number of experts whose padded group ends at or before b's first row
-    owner = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-    owner = tl.where(b * BLOCK_M < total, owner, -1)
-    tl.store(expert_ids_ptr + b, owner, mask=b < max_blocks)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(CHUNKS):
+        offs = (pid * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
+        valid = offs < numel
+        counts += tl.histogram(tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32), BLOCK_E, mask=valid)
+    tl.store(hist_ptr + pid * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    for f0 in range(0, FILL_SPAN, FILL):
+        slots = pid * FILL_SPAN + f0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slots, numel, mask=slots < max_padded)
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, numel, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < numel
-    e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-    pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
-    tl.store(sorted_ptr + pos, offs, mask=valid)
+def _align_scatter_kernel(
+    ids_ptr, hist_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_progs, num_experts, max_blocks,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr, TABLE_STEPS: tl.constexpr, BLOCK_B: tl.constexpr, STEP_B: tl.constexpr,
+):
+    # Every program reads the whole [programs, E] count table: the experts' padded starts, plus the pairs of
+    # each expert in earlier programs, give where its own pairs go.
+    pid = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for step in range(TABLE_STEPS):
+        p = step * BLOCK_P + tl.arange(0, BLOCK_P)
+        h = tl.load(hist_ptr + p[:, None] * BLOCK_E + experts[None, :], mask=(p < num_progs)[:, None], other=0)
+        total += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((p < pid)[:, None], h, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    cursor = tl.cumsum(padded, axis=0) - padded + before  # where this program's next pair of each expert goes
+    for c in range(CHUNKS):
+        first = (pid * CHUNKS + c) * CHUNK
+        valid = first + tl.arange(0, CHUNK) < numel
+        e = tl.load(ids_ptr + first + tl.arange(0, CHUNK), mask=valid, other=0).to(tl.int32)
+        pos, pair, placed, counts = _place_chunk(e, valid, cursor, CHUNK, BLOCK_E)
+        tl.store(sorted_ptr + pos, first + pair, mask=placed)
+        cursor += counts
+    _store_block_experts(expert_ids_ptr, num_post_ptr, padded, pid * BLOCK_B, num_experts, max_blocks, BLOCK_M,
+                         BLOCK_E, BLOCK_B, STEP_B, pid == 0)
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton sort/align: (sorted_ids int32, expert_ids int32, num_post int32[1]); no host sync; one launch for
-    small calls, four otherwise."""
+    """Triton sort/align: (sorted_ids int32, expert_ids int32, num_post int32[1]); no host sync; one launch up to
+    SMALL_ALIGN_PAIRS pairs, two above (`one_program` forces either way)."""
     ids = topk_ids.reshape(-1)
     numel = ids.numel()
     max_padded = max_padded_len(numel, num_experts, block_m)
@@ -108,21 +142,30 @@ def moe_align(
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(num_experts)
     np2 = triton.next_power_of_2(max(numel, 1))
-    if np2 <= SMALL_ALIGN_PAIRS and np2 * block_e <= SMALL_ALIGN_ELEMS:
+    if np2 <= SMALL_ALIGN_PAIRS if one_program is None else one_program:
+        block_b = triton.next_power_of_2(max_blocks)
         _align_small_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_post, numel, max_padded, max_blocks, num_experts,
             BLOCK_M=block_m, NP=np2, BLOCK_E=block_e, PAD=triton.next_power_of_2(max_padded),
-            BLOCK_B=triton.next_power_of_2(max_blocks), num_warps=8,
+            BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e), num_warps=8,
         )
         return sorted_ids, expert_ids, num_post
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block = 1024
-    grid = (triton.cdiv(max(max_padded, numel), block),)
-    _count_kernel[grid](ids, counts, sorted_ids, numel, max_padded, BLOCK=block)
-    _prefix_kernel[(triton.cdiv(max_blocks, 64),)](
-        counts, cursor, expert_ids, num_post, num_experts, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_B=64,
+    chunks = triton.cdiv(numel, ALIGN_CHUNK)
+    per_prog = triton.cdiv(chunks, ALIGN_MAX_PROGRAMS)
+    progs = triton.cdiv(chunks, per_prog)
+    hist = torch.empty(progs, block_e, dtype=torch.int32, device=dev)
+    fill_span = triton.next_power_of_2(triton.cdiv(max_padded, progs))  # sentinel slots per program
+    table_rows = min(triton.next_power_of_2(progs), SMALL_ALIGN_ELEMS // block_e)  # count-table rows per step
+    block_b = triton.next_power_of_2(triton.cdiv(max_blocks, progs))  # expert_ids entries per program
+    _align_count_kernel[(progs,)](
+        ids, hist, sorted_ids, numel, max_padded,
+        CHUNK=ALIGN_CHUNK, CHUNKS=per_prog, BLOCK_E=block_e, FILL_SPAN=fill_span, FILL=min(fill_span, 1024),
+        num_warps=8,
     )
-    _scatter_kernel[(triton.cdiv(numel, block),)](ids, cursor, sorted_ids, numel, BLOCK=block)
+    _align_scatter_kernel[(progs,)](
+        ids, hist, sorted_ids, expert_ids, num_post, numel, progs, num_experts, max_blocks,
+        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, CHUNKS=per_prog, BLOCK_E=block_e, BLOCK_P=table_rows,
+        TABLE_STEPS=triton.cdiv(progs, table_rows), BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e),
+        num_warps=8,
+    )
     return sorted_ids, expert_ids, num_post
