@@ -244,6 +244,30 @@ def _gemm2_kernel(
              mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _topk_sum_kernel(x_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """out[m] = sum of x's TOP_K rows m*TOP_K .. (one [KP, BLOCK_H] tile; each thread holds whole columns, so the
+    sum stays in registers), accumulated in fp32 and rounded once."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, KP)
+    mask = (j < TOP_K)[:, None] & (offs < H)[None, :]
+    x = tl.load(x_ptr + (m * TOP_K + j)[:, None] * H + offs[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + m * H + offs, tl.sum(x.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
+def topk_sum(x: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[M * top_k, H] -> [M, H]: the sum over each token's top_k rows, in x's dtype (fp32 accumulation)."""
+    rows, h = x.shape
+    out = torch.empty(rows // top_k, h, dtype=x.dtype, device=x.device)
+    block_h = min(triton.next_power_of_2(h), 1024)
+    if rows:
+        _topk_sum_kernel[(rows // top_k, triton.cdiv(h, block_h))](
+            x, out, H=h, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=4)
+    return out
+
+
 def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row, per-`group`-columns e4m3 quantization: (q [M, K] fp8, scales [M, ceil(K/group)] fp32)."""
     m, k = x.shape
@@ -359,7 +383,7 @@ def fused_moe(
         INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
         **pdl_launch(pdl2),
     )
-    return pair_out.view(m, top_k, h).sum(dim=1)  # accumulates in fp32, writes hidden's dtype once
+    return topk_sum(pair_out, top_k)
 
 
 def tile_smem_bytes(cfg: GemmConfig, weight_tiles: int, elem: int) -> int:
