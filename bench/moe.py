@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--sweep-only", action="store_true", help="only the tile sweep (no backend table)")
     ap.add_argument("--sweep-budget", type=float, default=SWEEP_BUDGET_S, help="seconds for the sweep (default 150)")
     ap.add_argument("--sweep-ms", default="",
-                    help="e.g. grouped=256,1024;gemv=1 (default: grouped 1024,4096, gemv 1,4)")
+                    help="e.g. grouped=256,1024;gemv=1 (default: grouped 1024,4096, gemv 1,4); 'grouped=' skips one")
     ap.add_argument("--profile", action="store_true", help="only the per-kernel breakdown at --ms")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--dtypes", default="bf16,fp8")
@@ -168,6 +168,8 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name() if not quick else "cpu", "torch": torch.__version__,
                     "geometry": dict(E=e, H=h, I=inter, top_k=k), "ceilings": ceil, "check": [], "rows": []}
     if args.profile:
+        if not quick:
+            result["pieces"] = profile_pieces(ms, e, h, k, gen)
         result["profile"] = profile(weights, ms, dtypes, e, h, inter, k, gen, quick)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "moe_profile.json").write_text(json.dumps(result, indent=1))
@@ -178,7 +180,7 @@ def main() -> None:
         kind, _, vals = part.partition("=")
         if kind not in SWEEP_MS:
             raise ValueError(f"--sweep-ms: unknown kind {kind!r}; valid: {sorted(SWEEP_MS)}")
-        sweep_ms[kind] = tuple(int(v) for v in vals.split(","))
+        sweep_ms[kind] = tuple(int(v) for v in vals.split(",") if v)  # "grouped=" leaves grouped out
     if args.sweep_only:
         def save(res: dict) -> None:
             if os.environ.get("OUT"):
@@ -311,8 +313,9 @@ TRIALS = 3
 GROUPED_AXES = {"tma": (True, False), "pdl": (False,), "block_n": (256, 64, 128), "block_k": (128, 64, 32),
                 "num_stages": (4, 3, 5), "group_m": (16, 1, 8),
                 "num_warps": (8, 4)}  # most promising value first: a budget cut drops the tail
-GEMV_AXES = {1: {"block_n1": (8, 32, 4), "block_k1": (512, 256, 128), "num_warps1": (8, 2)},
-             2: {"pdl": (False,), "rows2": (16, 64, 8), "block_k2": (512, 256, 128), "num_warps2": (8, 2)}}
+GEMV_AXES = {1: {"num_stages1": (3, 2, 4), "block_n1": (8, 32, 4), "block_k1": (512, 256, 128), "num_warps1": (8, 2)},
+             2: {"num_stages2": (3, 2), "pdl": (False,), "rows2": (16, 64, 8), "block_k2": (512, 256, 128),
+                 "num_warps2": (8, 2)}}
 
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
@@ -424,8 +427,8 @@ def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
 def tiles_text(kind: str, tiles: tuple) -> str:
     if kind == "gemv":
         c = tiles[0]
-        return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
-                + ("" if c.pdl else " nopdl"))
+        return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} st{c.num_stages1} | s2 rows{c.rows2} "
+                f"k{c.block_k2} w{c.num_warps2} st{c.num_stages2}" + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
                       + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") for i, c in enumerate(tiles))
 
@@ -472,7 +475,7 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
     dev = "cpu" if quick else "cuda"
     nsets = 2 if quick else 4
     legacy = BACKENDS["legacy"]
-    groups = [(kind, dt) for kind in ("grouped", "gemv") for dt in weights]
+    groups = [(kind, dt) for kind in ("grouped", "gemv") for dt in weights if quick or (sweep_ms or SWEEP_MS)[kind]]
     start = time.time()
     res: dict = {"budget_s": budget_s, "groups": [], "points": [], "best": []}
     for gi, (kind, dt) in enumerate(groups):
@@ -600,12 +603,13 @@ def profile_variants(dt: str, m: int, wt: dict, e: int, k: int) -> dict:
         cfg = replace(default_gemv_config(m, s13 is not None), **change)
         return lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=cfg)
 
-    out = {"grouped": grouped(), "grouped no tma": grouped(tma=False), "grouped no pdl": grouped(pdl=False)}
-    if c1.block_m == 128:  # the other BLOCK_M of the large-M tiles (fp8 GEMM 1 at 128 rows spills registers)
-        out["grouped block_m 64"] = grouped(block_m=64)
+    out = {"grouped": grouped()}
+    if 64 <= m <= 1024:  # two stages: 2 programs per SM on the H200, so one's epilogue overlaps the other's loads
+        out["grouped stages 2"] = grouped(num_stages=2)
     if m <= 16:
         out["gemv"] = gemv()
-        out["gemv no pdl"] = gemv(pdl=False)
+        for st1, st2 in ((2, 2), (3, 3), (4, 2)):  # software-pipelined K loops (GemvConfig.num_stages1/2)
+            out[f"gemv stages {st1}/{st2}"] = gemv(num_stages1=st1, num_stages2=st2)
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out
@@ -653,6 +657,32 @@ def profile(weights: dict, ms: tuple[int, ...], dtypes: list[str], e: int, h: in
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 rows.append(row)
                 print(f"profile {dt} M={m} {name}: {row.get('graph_us', row.get('error'))}", flush=True)
+    return rows
+
+
+def profile_pieces(ms: tuple[int, ...], e: int, h: int, k: int, gen: torch.Generator) -> list[dict]:
+    """CUDA-graph µs of the grouped path's small pieces on their own: the align (one program vs two launches) and
+    the top-k sum (Triton vs torch's sum; max |difference| to an fp32 sum rounded once)."""
+    from moefx.backends.kernels.align import moe_align
+    from moefx.backends.kernels.fused_moe_kernels import default_tiles, topk_sum
+
+    rows = []
+    for m in ms:
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(m)]).int()
+        bm = default_tiles(m, k, e, False)[0].block_m
+        row = dict(M=m, pairs=m * k, block_m=bm)
+        for name, one in (("align one program", True), ("align two launches", False)):
+            if one or m * k > 8:
+                row[name] = time_graph(lambda one=one, ids=ids, bm=bm: moe_align(ids, e, bm, one_program=one), reps=50)
+        if m >= 16:
+            x = torch.randn(m * k, h, device="cuda", generator=gen).bfloat16()
+            ref = x.float().view(m, k, h).sum(1).bfloat16().float()
+            row["sum triton"] = time_graph(lambda x=x: topk_sum(x, k), reps=50)
+            row["sum torch"] = time_graph(lambda x=x, m=m: x.view(m, k, h).sum(dim=1), reps=50)
+            row["sum triton maxdiff"] = (topk_sum(x, k).float() - ref).abs().max().item()
+            row["sum torch maxdiff"] = (x.view(m, k, h).sum(dim=1).float() - ref).abs().max().item()
+        rows.append(row)
+        print("pieces", {kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
     return rows
 
 

@@ -3,7 +3,8 @@
 # does not stop the others. Logs and JSON go to a folder that is packed into $OUT/results-<stages>.tgz
 # (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
-#                                                        #   gpu-tests calibrate calibrate-fp8 moe-profile moe-sweep-wide
+#                                                        #   gpu-tests backend-tests calibrate calibrate-fp8 moe-profile
+#                                                        #   moe-sweep-wide moe-sweep-gemv
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -39,9 +40,14 @@ for s in "${stages[@]}"; do
         calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
         moe-sweep) run_stage moe-sweep 240 python3 bench/moe.py --sweep-only ;;
         moe-profile) run_stage moe-profile 200 python3 bench/moe.py --profile --ms 1,4,16,256,1024,4096 ;;
+        moe-sweep-gemv) run_stage moe-sweep-gemv 150 python3 bench/moe.py --sweep-only --sweep-budget 100 \
+            --sweep-ms "grouped=;gemv=1,4" ;;
+        backend-tests) run_stage backend-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_grouped.py \
+            tests/test_backends_gemv.py tests/test_backends_torch_grouped.py tests/test_moe_op.py ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
-        *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests calibrate calibrate-fp8 moe-profile moe-sweep-wide)" ;;
+        *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
+            "calibrate calibrate-fp8 moe-profile moe-sweep-wide moe-sweep-gemv)" ;;
     esac
 done
 rm -rf "$RES/inductor"
