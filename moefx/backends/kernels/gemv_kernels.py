@@ -38,7 +38,7 @@ def _gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -51,7 +51,7 @@ def _gemv_gate_up_kernel(
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         w_mask = n_mask[:, None] & k_mask[None, :]
@@ -80,7 +80,7 @@ def _gemv_down_kernel(
     stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
     # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
@@ -99,7 +99,7 @@ def _gemv_down_kernel(
     if PDL:
         gdc_wait()  # stage 1's activations are visible from here on
     acc = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a_mask = j_mask[:, None] & k_mask[None, :]
         a = tl.load(act_ptr + pair[:, None] * I + k0 + offs_k[None, :], mask=a_mask, other=0.0)
@@ -122,8 +122,6 @@ class GemvConfig:
     block_k2: int = 0
     num_warps1: int = 4
     num_warps2: int = 4
-    num_stages1: int = 1  # > 1: the K loop's loads are software-pipelined (cp.async into shared memory)
-    num_stages2: int = 1
     pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
 
 
@@ -196,13 +194,12 @@ def gemv_moe(
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, fp8, cfg.block_k1),
-        PDL=pdl, STAGES=cfg.num_stages1, num_warps=cfg.num_warps1,
+        PDL=pdl, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), PDL=pdl, STAGES=cfg.num_stages2, num_warps=cfg.num_warps2,
-        **pdl_launch(pdl),
+        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out
