@@ -308,14 +308,14 @@ COMPILE_S = {"grouped": 2.0, "gemv": 1.0}  # a new tile's first launch (one Trit
 SWEEP_SHARE = {"grouped": 2.0, "gemv": 1.0}  # budget weight of each (kind, dtype) group
 SMEM_LIMIT = 227 * 1024  # H200 shared memory per block
 ACC_REGS = 128  # fp32 accumulator registers per thread above which a tile spills
+GEMV_TILE_ELEMS = 256  # weight elements per thread per K step above which a gemv tile is not tried
 TRIAL_US = 30_000.0  # one timing trial replays the graph for about this long
 TRIALS = 3
 GROUPED_AXES = {"tma": (True, False), "pdl": (False,), "block_n": (256, 64, 128), "block_k": (128, 64, 32),
                 "num_stages": (4, 3, 5), "group_m": (16, 1, 8),
                 "num_warps": (8, 4)}  # most promising value first: a budget cut drops the tail
-GEMV_AXES = {1: {"num_stages1": (3, 2, 4), "block_n1": (8, 32, 4), "block_k1": (512, 256, 128), "num_warps1": (8, 2)},
-             2: {"num_stages2": (3, 2), "pdl": (False,), "rows2": (16, 64, 8), "block_k2": (512, 256, 128),
-                 "num_warps2": (8, 2)}}
+GEMV_AXES = {1: {"block_k1": (1024, 2048, 512, 256), "block_n1": (4, 8, 16, 2, 32), "num_warps1": (4, 8, 2)},
+             2: {"block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8), "num_warps2": (4, 8, 2)}}
 
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
@@ -377,7 +377,9 @@ def gemv_effective(cfg, h: int, inter: int, k: int, block):
 
 
 def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> list[tuple[str, tuple]]:
-    """(part, (GemvConfig,)): the defaults at `ms`, then one change at a time to stage 1 ('1') or stage 2 ('2')."""
+    """(part, (GemvConfig,)): the defaults at `ms`, then for stage 2 ('2') and stage 1 ('1') in turn every
+    combination of that stage's GEMV_AXES, the other stage as in the default (the two are separate launches)."""
+    import itertools
     from dataclasses import replace
 
     from moefx.backends.kernels.gemv_kernels import default_gemv_config
@@ -387,15 +389,15 @@ def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> l
     out = [("ref", (r,)) for r in refs]
     seen = set(refs)
     for stage in (2, 1):
-        for field, values in GEMV_AXES[stage].items():
-            for v in values:
-                for r in refs:
-                    c = gemv_effective(replace(r, **{field: v}), h, inter, k, block)
-                    regs1 = 2 * c.block_n1 * c.block_k1 // (32 * c.num_warps1)
-                    regs2 = c.rows2 * c.block_k2 // (32 * c.num_warps2)
-                    if c not in seen and max(regs1, regs2) <= ACC_REGS:
-                        seen.add(c)
-                        out.append((str(stage), (c,)))
+        axes = GEMV_AXES[stage]
+        for values in itertools.product(*axes.values()):
+            for r in refs:
+                c = gemv_effective(replace(r, **dict(zip(axes, values))), h, inter, k, block)
+                elems1 = 2 * c.block_n1 * c.block_k1 // (32 * c.num_warps1)
+                elems2 = c.rows2 * c.block_k2 // (32 * c.num_warps2)
+                if c not in seen and max(elems1, elems2) <= GEMV_TILE_ELEMS:
+                    seen.add(c)
+                    out.append((str(stage), (c,)))
     return out
 
 
@@ -427,8 +429,8 @@ def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
 def tiles_text(kind: str, tiles: tuple) -> str:
     if kind == "gemv":
         c = tiles[0]
-        return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} st{c.num_stages1} | s2 rows{c.rows2} "
-                f"k{c.block_k2} w{c.num_warps2} st{c.num_stages2}" + ("" if c.pdl else " nopdl"))
+        return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
+                + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
                       + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") for i, c in enumerate(tiles))
 
@@ -604,12 +606,8 @@ def profile_variants(dt: str, m: int, wt: dict, e: int, k: int) -> dict:
         return lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=cfg)
 
     out = {"grouped": grouped()}
-    if 64 <= m <= 1024:  # two stages: 2 programs per SM on the H200, so one's epilogue overlaps the other's loads
-        out["grouped stages 2"] = grouped(num_stages=2)
     if m <= 16:
         out["gemv"] = gemv()
-        for st1, st2 in ((2, 2), (3, 3), (4, 2)):  # software-pipelined K loops (GemvConfig.num_stages1/2)
-            out[f"gemv stages {st1}/{st2}"] = gemv(num_stages1=st1, num_stages2=st2)
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out
@@ -671,9 +669,11 @@ def profile_pieces(ms: tuple[int, ...], e: int, h: int, k: int, gen: torch.Gener
         ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(m)]).int()
         bm = default_tiles(m, k, e, False)[0].block_m
         row = dict(M=m, pairs=m * k, block_m=bm)
-        for name, one in (("align one program", True), ("align two launches", False)):
-            if one or m * k > 8:
-                row[name] = time_graph(lambda one=one, ids=ids, bm=bm: moe_align(ids, e, bm, one_program=one), reps=50)
+        for name, one, chunk in (("align one program", True, 0), ("align two launches", False, 0),
+                                 ("align two launches chunk 64", False, 64)):
+            if (one and m * k <= 1024) or (not one and m * k > 8):
+                row[name] = time_graph(lambda one=one, ids=ids, bm=bm, chunk=chunk: moe_align(
+                    ids, e, bm, one_program=one, chunk=chunk), reps=50)
         if m >= 16:
             x = torch.randn(m * k, h, device="cuda", generator=gen).bfloat16()
             ref = x.float().view(m, k, h).sum(1).bfloat16().float()

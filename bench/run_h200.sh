@@ -40,7 +40,7 @@ for s in "${stages[@]}"; do
         calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
         moe-sweep) run_stage moe-sweep 240 python3 bench/moe.py --sweep-only ;;
         moe-profile) run_stage moe-profile 200 python3 bench/moe.py --profile --ms 1,4,16,256,1024,4096 ;;
-        moe-sweep-gemv) run_stage moe-sweep-gemv 150 python3 bench/moe.py --sweep-only --sweep-budget 100 \
+        moe-sweep-gemv) run_stage moe-sweep-gemv 200 python3 bench/moe.py --sweep-only --sweep-budget 130 \
             --sweep-ms "grouped=;gemv=1,4" ;;
         backend-tests) run_stage backend-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_grouped.py \
             tests/test_backends_gemv.py tests/test_backends_torch_grouped.py tests/test_moe_op.py ;;

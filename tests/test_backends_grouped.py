@@ -30,16 +30,17 @@ def test_align_triton_matches_torch_exactly(m: int, case: str, block_m: int, one
         assert torch.equal(g.cpu(), want)
 
 
-@pytest.mark.parametrize("m,k,experts,block_m", [(1, 8, 128, 16), (16, 8, 128, 16), (5, 2, 8, 4), (3, 6, 64, 64),
-                                                 (40, 8, 128, 64), (70, 8, 256, 128)])
-def test_align_at_model_expert_counts(m: int, k: int, experts: int, block_m: int) -> None:
-    """Real expert counts (Qwen3 128, DeepSeek-V3 256): the default path against the PyTorch layout; 40 x 8 and
-    70 x 8 pairs take the two-launch path with several programs."""
+@pytest.mark.parametrize("m,k,experts,block_m,chunk", [(1, 8, 128, 16, 0), (16, 8, 128, 16, 0), (5, 2, 8, 4, 0),
+                                                       (3, 6, 64, 64, 0), (40, 8, 128, 64, 0), (70, 8, 256, 128, 0),
+                                                       (40, 8, 128, 16, 16), (1100, 2, 16, 4, 16)])
+def test_align_at_model_expert_counts(m: int, k: int, experts: int, block_m: int, chunk: int) -> None:
+    """Real expert counts (Qwen3 128, DeepSeek-V3 256): the default path against the PyTorch layout; from 40 x 8
+    pairs the two-launch path, with several programs (and, at chunk 16 and 2200 pairs, two chunks each)."""
     from moefx.backends.kernels.align import moe_align
 
     gen = torch.Generator().manual_seed(m)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(m)]).to(kernel_device())
-    for got, want in zip(moe_align(ids, experts, block_m), moe_align_torch(ids.cpu(), experts, block_m)):
+    for got, want in zip(moe_align(ids, experts, block_m, chunk=chunk), moe_align_torch(ids.cpu(), experts, block_m)):
         assert torch.equal(got.cpu(), want)
 
 

@@ -128,10 +128,11 @@ def _align_scatter_kernel(
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None, chunk: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton sort/align: (sorted_ids int32, expert_ids int32, num_post int32[1]); no host sync; one launch up to
-    SMALL_ALIGN_PAIRS pairs, two above (`one_program` forces either way)."""
+    SMALL_ALIGN_PAIRS pairs, two above (`one_program` forces either way). `chunk`: pairs a program of the
+    two-launch path sorts at once (a power of two; 0: ALIGN_CHUNK)."""
     ids = topk_ids.reshape(-1)
     numel = ids.numel()
     max_padded = max_padded_len(numel, num_experts, block_m)
@@ -150,7 +151,8 @@ def moe_align(
             BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e), num_warps=8,
         )
         return sorted_ids, expert_ids, num_post
-    chunks = triton.cdiv(numel, ALIGN_CHUNK)
+    chunk = chunk or ALIGN_CHUNK
+    chunks = triton.cdiv(numel, chunk)
     per_prog = triton.cdiv(chunks, ALIGN_MAX_PROGRAMS)
     progs = triton.cdiv(chunks, per_prog)
     hist = torch.empty(progs, block_e, dtype=torch.int32, device=dev)
@@ -159,12 +161,12 @@ def moe_align(
     block_b = triton.next_power_of_2(triton.cdiv(max_blocks, progs))  # expert_ids entries per program
     _align_count_kernel[(progs,)](
         ids, hist, sorted_ids, numel, max_padded,
-        CHUNK=ALIGN_CHUNK, CHUNKS=per_prog, BLOCK_E=block_e, FILL_SPAN=fill_span, FILL=min(fill_span, 1024),
+        CHUNK=chunk, CHUNKS=per_prog, BLOCK_E=block_e, FILL_SPAN=fill_span, FILL=min(fill_span, 1024),
         num_warps=8,
     )
     _align_scatter_kernel[(progs,)](
         ids, hist, sorted_ids, expert_ids, num_post, numel, progs, num_experts, max_blocks,
-        BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, CHUNKS=per_prog, BLOCK_E=block_e, BLOCK_P=table_rows,
+        BLOCK_M=block_m, CHUNK=chunk, CHUNKS=per_prog, BLOCK_E=block_e, BLOCK_P=table_rows,
         TABLE_STEPS=triton.cdiv(progs, table_rows), BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e),
         num_warps=8,
     )

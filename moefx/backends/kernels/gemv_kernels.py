@@ -8,6 +8,10 @@ of the k experts overlap), weights each expert's dot by its routing weight and s
 registers; it writes the output row slice once, in hidden's dtype.
 Weights are streamed with evict_first (each byte is used once); work is split over output rows
 rather than K because (2I and H) / BLOCK_N already gives hundreds of programs at M = 1.
+Each K step's products are summed over K right away (one accumulator per row, not a [rows, BLOCK_K] one):
+at M = 1 the bytes in flight per SM are about (grid rows x BLOCK_K) / SMs whatever BLOCK_N is, so a wide
+BLOCK_K is what keeps HBM busy, and a per-row accumulator leaves the registers for it (FP8 stage 1 at
+BLOCK_K 256: 65 registers instead of 145).
 FP8 (block-quant e4m3 weights, scales per (SBN x SBK) block): each weight tile lies inside one
 SBN row-block, so the scale multiplies the activation vector (K-wise), not every weight element.
 Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and closer to the oracle.
@@ -49,8 +53,8 @@ def _gemv_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + I * stride_wn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -61,16 +65,14 @@ def _gemv_gate_up_kernel(
             s_base = ws_ptr + e * stride_se + ((k0 + offs_k) // SBK) * stride_sk
             sg = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn, mask=k_mask, other=0.0)
             su = tl.load(s_base + ((I + pid_n * BLOCK_N) // SBN) * stride_sn, mask=k_mask, other=0.0)
-            acc_g += g * (x * sg)[None, :]
-            acc_u += u * (x * su)[None, :]
+            acc_g += tl.sum(g * (x * sg)[None, :], axis=1)
+            acc_u += tl.sum(u * (x * su)[None, :], axis=1)
         else:
-            acc_g += g * x[None, :]
-            acc_u += u * x[None, :]
+            acc_g += tl.sum(g * x[None, :], axis=1)
+            acc_u += tl.sum(u * x[None, :], axis=1)
     if PDL:
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
 
 
@@ -98,7 +100,7 @@ def _gemv_down_kernel(
     row_mask = j_mask[:, None] & n_mask[None, :]
     if PDL:
         gdc_wait()  # stage 1's activations are visible from here on
-    acc = tl.zeros([KP, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([KP, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a_mask = j_mask[:, None] & k_mask[None, :]
@@ -109,8 +111,8 @@ def _gemv_down_kernel(
         w_ptrs = w_ptr + rows[:, :, None] + k0 + offs_k[None, None, :]
         w_mask = row_mask[:, :, None] & k_mask[None, None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * a[:, None, :]
-    out = tl.sum(tl.sum(acc, axis=2) * tw[:, None], axis=0)
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    out = tl.sum(acc * tw[:, None], axis=0)
     tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -118,7 +120,7 @@ def _gemv_down_kernel(
 class GemvConfig:
     block_n1: int = 16  # stage 1: rows of I per program (gate rows and as many up rows)
     rows2: int = 32  # stage 2: KP * BLOCK_N rows of w2 per program (BLOCK_N = rows2 // KP, at least 1)
-    block_k1: int = 0  # 0: the largest of 256/128 (bf16) or 512/256/128 (fp8) that divides K
+    block_k1: int = 0  # 0: the largest of 1024/512/256/128 that divides K
     block_k2: int = 0
     num_warps1: int = 4
     num_warps2: int = 4
@@ -128,13 +130,8 @@ class GemvConfig:
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
 # (largest M, config), first match wins. Adopting a `bench/moe.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, GemvConfig], ...]] = {
-    # sweep 2026-11-29 (bench/NOTES-moe.md): bf16 M=1 0.93x, M=4 0.96x; fp8 M=1 0.85x, M=4 0.95x of the old default
-    "bf16": ((4, GemvConfig(block_n1=4, block_k1=256, block_k2=128)), (math.inf, GemvConfig())),
-    "fp8": (
-        (1, GemvConfig(block_n1=16, rows2=64, block_k1=256, block_k2=256)),
-        (4, GemvConfig(block_n1=16, rows2=64, block_k1=128, block_k2=256)),
-        (math.inf, GemvConfig()),
-    ),
+    "bf16": ((math.inf, GemvConfig(block_n1=4, rows2=32, block_k1=1024, block_k2=256)),),
+    "fp8": ((math.inf, GemvConfig(block_n1=8, rows2=64, block_k1=1024, block_k2=256)),),
 }
 
 
@@ -151,7 +148,7 @@ def block_k_for(k: int, fp8: bool, wanted: int = 0) -> int:
         if wanted < 16 or wanted & (wanted - 1):
             raise ValueError(f"gemv block_k={wanted} must be a power of two >= 16 (0 = automatic)")
         return wanted
-    for bk in ((512, 256, 128) if fp8 else (256, 128)):
+    for bk in (1024, 512, 256, 128):
         if k % bk == 0:
             return bk
     return min(triton.next_power_of_2(k), 128)
