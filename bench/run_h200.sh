@@ -4,7 +4,7 @@
 # (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
 #                                                        #   gpu-tests backend-tests calibrate calibrate-fp8 moe-profile
-#                                                        #   moe-sweep-wide moe-sweep-gemv
+#                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -40,14 +40,16 @@ for s in "${stages[@]}"; do
         calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
         moe-sweep) run_stage moe-sweep 240 python3 bench/moe.py --sweep-only ;;
         moe-profile) run_stage moe-profile 200 python3 bench/moe.py --profile --ms 1,4,16,256,1024,4096 ;;
-        moe-sweep-gemv) run_stage moe-sweep-gemv 200 python3 bench/moe.py --sweep-only --sweep-budget 130 \
+        moe-sweep-gemv) run_stage moe-sweep-gemv 230 python3 bench/moe.py --sweep-only --sweep-budget 170 \
             --sweep-ms "grouped=;gemv=1,4" ;;
+        moe-sweep-1024) run_stage moe-sweep-1024 150 python3 bench/moe.py --sweep-only --sweep-budget 100 \
+            --dtypes bf16 --sweep-ms "grouped=1024;gemv=" ;;
         backend-tests) run_stage backend-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_grouped.py \
             tests/test_backends_gemv.py tests/test_backends_torch_grouped.py tests/test_moe_op.py ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-sweep-wide moe-sweep-gemv)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-sweep-wide moe-sweep-gemv moe-sweep-1024)" ;;
     esac
 done
 rm -rf "$RES/inductor"

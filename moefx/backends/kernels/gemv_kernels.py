@@ -42,8 +42,10 @@ def _gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
+    if PDL and EARLY:
+        gdc_launch_dependents()  # stage 2 may launch (and prefetch its weights) once this grid is resident
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pair // TOP_K
@@ -70,7 +72,7 @@ def _gemv_gate_up_kernel(
         else:
             acc_g += tl.sum(g * x[None, :], axis=1)
             acc_u += tl.sum(u * x[None, :], axis=1)
-    if PDL:
+    if PDL and not EARLY:
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
@@ -82,7 +84,7 @@ def _gemv_down_kernel(
     stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
     # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
@@ -98,6 +100,10 @@ def _gemv_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     rows = e[:, None] * stride_we + offs_n[None, :] * stride_wn
     row_mask = j_mask[:, None] & n_mask[None, :]
+    w_ptrs = w_ptr + rows[:, :, None] + offs_k[None, None, :]
+    if PREFETCH:  # one K step (BLOCK_K >= I): the whole tile is read before the wait, overlapping stage 1
+        w_all = tl.load(w_ptrs, mask=row_mask[:, :, None] & (offs_k < I)[None, None, :], other=0.0,
+                        eviction_policy="evict_first")
     if PDL:
         gdc_wait()  # stage 1's activations are visible from here on
     acc = tl.zeros([KP, BLOCK_N], dtype=tl.float32)
@@ -108,9 +114,11 @@ def _gemv_down_kernel(
         if FP8:
             s_ptrs = ws_ptr + e[:, None] * stride_se + ((pid_n * BLOCK_N) // SBN) * stride_sn
             a = a * tl.load(s_ptrs + ((k0 + offs_k) // SBK)[None, :] * stride_sk, mask=a_mask, other=0.0)
-        w_ptrs = w_ptr + rows[:, :, None] + k0 + offs_k[None, None, :]
-        w_mask = row_mask[:, :, None] & k_mask[None, None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if PREFETCH:
+            w = w_all
+        else:
+            w = tl.load(w_ptrs + k0, mask=row_mask[:, :, None] & k_mask[None, None, :], other=0.0,
+                        eviction_policy="evict_first")
         acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
     out = tl.sum(acc * tw[:, None], axis=0)
     tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -125,13 +133,24 @@ class GemvConfig:
     num_warps1: int = 4
     num_warps2: int = 4
     pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
+    # stage 2 is one K step (BLOCK_K = I rounded up to a power of two, block_k2 ignored) whose w2 tile it loads
+    # before waiting for stage 1; with pdl, stage 1 lets it launch from its start so the two overlap
+    prefetch2: bool = False
 
 
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
 # (largest M, config), first match wins. Adopting a `bench/moe.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, GemvConfig], ...]] = {
-    "bf16": ((math.inf, GemvConfig(block_n1=4, rows2=32, block_k1=1024, block_k2=256)),),
-    "fp8": ((math.inf, GemvConfig(block_n1=8, rows2=64, block_k1=1024, block_k2=256)),),
+    # per-stage grid sweep, H200, fifth session (bench/NOTES-moe.md): bf16 M=1 0.95x, M=4 0.93x; fp8 M=1 0.92x,
+    # M=4 0.90x of the first per-row-accumulator defaults (each ratio re-timed back to back)
+    "bf16": (
+        (1, GemvConfig(block_n1=4, rows2=16, block_k1=1024, block_k2=128, num_warps1=2)),
+        (math.inf, GemvConfig(block_n1=4, rows2=64, block_k1=1024, block_k2=128, num_warps1=2, num_warps2=8)),
+    ),
+    "fp8": (
+        (1, GemvConfig(block_n1=4, rows2=32, block_k1=2048, block_k2=256, num_warps2=8)),
+        (math.inf, GemvConfig(block_n1=4, rows2=128, block_k1=2048, block_k2=128)),
+    ),
 }
 
 
@@ -187,16 +206,18 @@ def gemv_moe(
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
     pdl = cfg.pdl and pdl_supported(hidden.device)
+    prefetch = cfg.prefetch2
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, fp8, cfg.block_k1),
-        PDL=pdl, num_warps=cfg.num_warps1,
+        PDL=pdl, EARLY=prefetch, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
+        BLOCK_K=triton.next_power_of_2(inter) if prefetch else block_k_for(inter, fp8, cfg.block_k2), PDL=pdl,
+        PREFETCH=prefetch, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out
