@@ -314,8 +314,7 @@ TRIALS = 3
 GROUPED_AXES = {"num_warps": (8, 4), "block_n": (256, 64, 128), "group_m": (16, 1, 8), "num_stages": (4, 3, 5),
                 "block_k": (128, 64, 32), "tma": (True, False), "pdl": (False,)}  # a budget cut drops the tail
 GEMV_AXES = {1: {"block_k1": (1024, 2048, 512, 256), "block_n1": (4, 8, 16, 2, 32), "num_warps1": (4, 8, 2)},
-             2: {"prefetch2": (True, False), "block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8),
-                 "num_warps2": (4, 8, 2)}}
+             2: {"block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8), "num_warps2": (4, 8, 2)}}
 
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
@@ -372,8 +371,8 @@ def gemv_effective(cfg, h: int, inter: int, k: int, block):
     bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
     if fp8:
         bn1, bn2 = math.gcd(bn1, block[0]), math.gcd(bn2, block[0])
-    bk2 = 1 << (inter - 1).bit_length() if cfg.prefetch2 else block_k_for(inter, fp8, cfg.block_k2)
-    return replace(cfg, block_n1=bn1, rows2=bn2 * kp, block_k1=block_k_for(h, fp8, cfg.block_k1), block_k2=bk2)
+    return replace(cfg, block_n1=bn1, rows2=bn2 * kp, block_k1=block_k_for(h, fp8, cfg.block_k1),
+                   block_k2=block_k_for(inter, fp8, cfg.block_k2))
 
 
 def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> list[tuple[str, tuple]]:
@@ -430,7 +429,7 @@ def tiles_text(kind: str, tiles: tuple) -> str:
     if kind == "gemv":
         c = tiles[0]
         return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
-                + ("" if c.pdl else " nopdl") + (" prefetch" if c.prefetch2 else ""))
+                + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
                       + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") for i, c in enumerate(tiles))
 

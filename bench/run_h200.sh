@@ -21,6 +21,9 @@ run_stage() {  # name, limit seconds, command...
     local start=$SECONDS
     OUT=$RES timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
     echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
+    for f in moe_sweep.json moe_profile.json; do  # two sweep stages in one call must not overwrite each other
+        if [ -f "$RES/$f" ]; then mv "$RES/$f" "$RES/$name-$f"; fi
+    done
 }
 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,

@@ -19,8 +19,11 @@ Hopper and later: stage 2 is a programmatic dependent launch (H200, M=1: 23.0 vs
 lets it start once every stage-1 program has finished its loop; stage 2 loads its ids and routing weights
 (which stage 1 does not write) and then waits for stage 1's activations. Tried and dropped on the H200
 (bench/NOTES-moe.md): stage 2 loading its first w2 tile before the wait (FP8 M=1 stage 2 ~7 -> 16.5 µs:
-twice the live tile), L2 prefetches of its w2 rows before the wait (bf16 M=1 23.2 -> 28.9 µs), and an FP8
-stage 1 on tensor cores (e4m3 -> fp16 into 16-row MMAs: M=1 stage 1 10.1 -> 19.1 µs).
+twice the live tile), L2 prefetches of its w2 rows before the wait (bf16 M=1 23.2 -> 28.9 µs), an FP8
+stage 1 on tensor cores (e4m3 -> fp16 into 16-row MMAs: M=1 stage 1 10.1 -> 19.1 µs), software-pipelined K loops
+(`tl.range(num_stages=...)`, cp.async through shared memory: twice as slow), and, with per-row accumulators,
+stage 2 as one K step whose whole w2 tile is loaded before the wait while stage 1 signals at its start (FP8 M=1
+15.9 -> 15.3 µs, within what run-to-run spread allows; not kept).
 """
 
 from __future__ import annotations
@@ -42,10 +45,8 @@ def _gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL and EARLY:
-        gdc_launch_dependents()  # stage 2 may launch (and prefetch its weights) once this grid is resident
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pair // TOP_K
@@ -72,7 +73,7 @@ def _gemv_gate_up_kernel(
         else:
             acc_g += tl.sum(g * x[None, :], axis=1)
             acc_u += tl.sum(u * x[None, :], axis=1)
-    if PDL and not EARLY:
+    if PDL:
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
@@ -84,7 +85,7 @@ def _gemv_down_kernel(
     stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
     # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
@@ -101,9 +102,6 @@ def _gemv_down_kernel(
     rows = e[:, None] * stride_we + offs_n[None, :] * stride_wn
     row_mask = j_mask[:, None] & n_mask[None, :]
     w_ptrs = w_ptr + rows[:, :, None] + offs_k[None, None, :]
-    if PREFETCH:  # one K step (BLOCK_K >= I): the whole tile is read before the wait, overlapping stage 1
-        w_all = tl.load(w_ptrs, mask=row_mask[:, :, None] & (offs_k < I)[None, None, :], other=0.0,
-                        eviction_policy="evict_first")
     if PDL:
         gdc_wait()  # stage 1's activations are visible from here on
     acc = tl.zeros([KP, BLOCK_N], dtype=tl.float32)
@@ -114,11 +112,8 @@ def _gemv_down_kernel(
         if FP8:
             s_ptrs = ws_ptr + e[:, None] * stride_se + ((pid_n * BLOCK_N) // SBN) * stride_sn
             a = a * tl.load(s_ptrs + ((k0 + offs_k) // SBK)[None, :] * stride_sk, mask=a_mask, other=0.0)
-        if PREFETCH:
-            w = w_all
-        else:
-            w = tl.load(w_ptrs + k0, mask=row_mask[:, :, None] & k_mask[None, None, :], other=0.0,
-                        eviction_policy="evict_first")
+        w = tl.load(w_ptrs + k0, mask=row_mask[:, :, None] & k_mask[None, None, :], other=0.0,
+                    eviction_policy="evict_first")
         acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
     out = tl.sum(acc * tw[:, None], axis=0)
     tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -133,9 +128,6 @@ class GemvConfig:
     num_warps1: int = 4
     num_warps2: int = 4
     pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
-    # stage 2 is one K step (BLOCK_K = I rounded up to a power of two, block_k2 ignored) whose w2 tile it loads
-    # before waiting for stage 1; with pdl, stage 1 lets it launch from its start so the two overlap
-    prefetch2: bool = False
 
 
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
@@ -206,18 +198,16 @@ def gemv_moe(
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
     pdl = cfg.pdl and pdl_supported(hidden.device)
-    prefetch = cfg.prefetch2
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, fp8, cfg.block_k1),
-        PDL=pdl, EARLY=prefetch, num_warps=cfg.num_warps1,
+        PDL=pdl, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=triton.next_power_of_2(inter) if prefetch else block_k_for(inter, fp8, cfg.block_k2), PDL=pdl,
-        PREFETCH=prefetch, num_warps=cfg.num_warps2, **pdl_launch(pdl),
+        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out
