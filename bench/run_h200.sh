@@ -21,7 +21,7 @@ run_stage() {  # name, limit seconds, command...
     local start=$SECONDS
     OUT=$RES timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
     echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
-    for f in moe_sweep.json moe_profile.json; do  # two sweep stages in one call must not overwrite each other
+    for f in moe_sweep.json moe_profile.json calibrate_h200.json; do  # two stages in one call must not clash
         if [ -f "$RES/$f" ]; then mv "$RES/$f" "$RES/$name-$f"; fi
     done
 }

@@ -3,8 +3,8 @@
 GEMM 1 (gate_up, SiLU-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
 I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
 projection never reaches memory: it writes silu(gate) * up. GEMM 2 (down): same blocks over H, scales
-each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (torch's sum,
-fp32 accumulation, one write in hidden's dtype; a Triton version read 1.5-1.8x slower on the H200). The
+each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (`topk_sum`: fp32
+accumulation, one write in hidden's dtype; H200: 6.5 µs at M=1024 and 37.5 at 4096, torch's sum 12.4 and 52.4). The
 [pairs, I] intermediate is stored in the padded sorted order (row = position in `sorted_ids`, padding rows
 written as zeros), so GEMM 2 reads contiguous row blocks.
 GemmConfig switches (all off by default unless DEFAULT_TILES says otherwise; Hopper and later):
