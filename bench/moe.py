@@ -371,8 +371,8 @@ def gemv_effective(cfg, h: int, inter: int, k: int, block):
     bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
     if fp8:
         bn1, bn2 = math.gcd(bn1, block[0]), math.gcd(bn2, block[0])
-    return replace(cfg, block_n1=bn1, rows2=bn2 * kp, block_k1=block_k_for(h, fp8, cfg.block_k1),
-                   block_k2=block_k_for(inter, fp8, cfg.block_k2))
+    return replace(cfg, block_n1=bn1, rows2=bn2 * kp, block_k1=block_k_for(h, cfg.block_k1),
+                   block_k2=block_k_for(inter, cfg.block_k2))
 
 
 def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> list[tuple[str, tuple]]:

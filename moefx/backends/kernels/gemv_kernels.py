@@ -153,7 +153,7 @@ def default_gemv_config(m: int, fp8: bool) -> GemvConfig:
     raise ValueError(f"gemv DEFAULT_TILES has no row for M={m} (last bound must be inf)")
 
 
-def block_k_for(k: int, fp8: bool, wanted: int = 0) -> int:
+def block_k_for(k: int, wanted: int = 0) -> int:
     """BLOCK_K for a K of `k`: `wanted` when given, else the automatic choice (see GemvConfig)."""
     if wanted:
         if wanted < 16 or wanted & (wanted - 1):
@@ -201,13 +201,13 @@ def gemv_moe(
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, fp8, cfg.block_k1),
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, cfg.block_k1),
         PDL=pdl, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=block_k_for(inter, fp8, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
+        BLOCK_K=block_k_for(inter, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out
