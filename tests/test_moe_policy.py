@@ -231,6 +231,10 @@ def test_crossovers_interpolate_in_log_m():
     noisy = {"a": {1: 10.0, 2: 10.1, 4: 10.0, 8: 10.2}, "b": {1: 12.0, 2: 10.0, 4: 10.2, 8: 9.95}}
     assert crossover_ranges(noisy) == (MRange("a", 1, None),)  # within 3%: no slivers
     assert crossover_ranges(noisy, tolerance=0.0)[1].backend == "b"
+    lone = {"a": {1: 10.0, 2: 13.0, 4: 10.0, 8: 30.0}, "b": {1: 20.0, 2: 10.0, 4: 20.0, 8: 20.0}}
+    assert crossover_ranges(lone)[0].backend == "a" and crossover_ranges(lone)[0].max_m >= 4  # b's lone win at M=2
+    edge = {"a": {1: 13.0, 2: 10.0, 4: 10.0}, "b": {1: 10.0, 2: 20.0, 4: 20.0}}
+    assert crossover_ranges(edge)[0] == MRange("b", 1, 1)  # a win at the first grid point has one neighbour: kept
 
 
 def test_cpu_identity_is_stable():

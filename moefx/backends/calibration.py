@@ -294,9 +294,11 @@ def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float =
     """Fastest backend per measured M, turned into contiguous ranges.
 
     The previous M's winner is kept while it stays within `tolerance` of the fastest, so timing noise
-    between near-equal backends does not split the M axis into slivers. Between two measured M with
-    different winners the boundary is where their latencies cross, interpolated linearly in log M; the
-    last winner covers every larger M.
+    between near-equal backends does not split the M axis into slivers; a backend that wins at one grid
+    point only, between two points that another backend wins, loses that point to it too (latency is smooth
+    in M, so a lone win is noise: eager timings, launch overhead included, jump by 25% from one M to the next).
+    Between two measured M with different winners the boundary is where their latencies cross, interpolated
+    linearly in log M; the last winner covers every larger M.
     """
     ms = sorted({m for ts in timings_us.values() for m in ts})
     if not ms:
@@ -307,6 +309,9 @@ def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float =
         prev = best[-1] if best else None
         keep = prev is not None and m in timings_us[prev] and timings_us[prev][m] <= fastest_t * (1 + tolerance)
         best.append(prev if keep else fastest)  # type: ignore[arg-type]
+    for i in range(1, len(ms) - 1):
+        if best[i - 1] == best[i + 1] != best[i] and ms[i] in timings_us[best[i - 1]]:
+            best[i] = best[i - 1]
     out: list[MRange] = []
     lo = 1
     for i in range(len(ms) - 1):
