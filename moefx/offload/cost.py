@@ -204,7 +204,8 @@ def store_rates(key: str, rates: MachineRates, path: Path | None = None) -> Path
     return path
 
 
-def _median_seconds(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
+    """Median wall time of `fn()` over `reps` calls after one warm-up (`fn` syncs itself where it queues GPU work)."""
     fn()
     times = []
     for _ in range(reps):
@@ -246,7 +247,7 @@ def measure_cpu(
             ids = torch.randperm(e, generator=gen)[:k].view(1, k)  # fresh experts: DRAM, not cache
             cpu_moe(store, x1, ids, w1, pool, CpuMath(prefetch_bytes=pf))
 
-        gbps = k * store.expert_bytes / _median_seconds(decode, 9) / 1e9
+        gbps = k * store.expert_bytes / median_seconds(decode, 9) / 1e9
         pool.shutdown()
         best = max(best, (gbps, workers, pf))
     # Large M as prefill chunks see it: uniform routing over every expert (32 rows each for E=128, top-8), the
@@ -256,7 +257,7 @@ def measure_cpu(
     ids_m = torch.rand(m, e, generator=gen).topk(k, dim=-1).indices
     wm = torch.full((m, k), 1.0 / k)
     pool = ExpertPool(host, 1)
-    secs = _median_seconds(lambda: cpu_moe(store, xm, ids_m, wm, pool, CpuMath()), 3)
+    secs = median_seconds(lambda: cpu_moe(store, xm, ids_m, wm, pool, CpuMath()), 3)
     pool.shutdown()
     return best[0], 2.0 * m * k * 3 * h * inter / secs / 1e12, best[1], best[2]
 
@@ -322,7 +323,7 @@ def measure_stream_overhead(ring, store: ExpertStore, dtype: torch.dtype, rates:
         ring.run(store, x, ids, w, compute)
         torch.cuda.synchronize(device)
 
-    secs = _median_seconds(call, 7)
+    secs = median_seconds(call, 7)
     return max(0.0, secs - store.expert_bytes / (rates.h2d_gbps * 1e9))
 
 

@@ -8,7 +8,6 @@ when the switch is pinned); from the switch point every routed expert is streame
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -23,6 +22,7 @@ from moefx.offload.cost import (
     cpu_seconds,
     machine_rates,
     measure_stream_overhead,
+    median_seconds,
     modelled_seconds,
     split_experts,
     switch_point,
@@ -451,19 +451,15 @@ def measure_split_start(experts: OffloadedExperts, top_k: int) -> tuple[int, str
 
 
 def _median_call_seconds(fn, args: tuple, device: torch.device, reps: int = 5) -> float:
-    def sync() -> None:
+    """Median seconds of `fn(*args)` to the end of its GPU work (each call syncs, so the next starts on an idle
+    stream)."""
+
+    def call() -> None:
+        fn(*args)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn(*args)
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn(*args)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2]
+    return median_seconds(call, reps)
 
 
 def _host_kernel_note(store: ExpertStore, dtype: torch.dtype) -> str:
