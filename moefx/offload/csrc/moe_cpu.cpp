@@ -186,6 +186,29 @@ void moe_small_m(const float* x, int64_t H, int64_t I, const W* w13, const W* w2
     }
 }
 
+// moe_small_m for weight format 0 bf16, 1 fp32, 2 int8 (per-row scales s13/s2); 1 for an unknown format.
+int32_t small_m_any(int32_t weight_format, const float* x, int64_t H, int64_t I, const void* w13, const void* w2,
+                    const float* s13, const float* s2, const int32_t* experts, const int32_t* starts,
+                    int32_t n_experts, const int32_t* pair_token, const float* pair_weight, float* act, float* out,
+                    bool rnd, int32_t threads, int64_t pf) {
+    switch (weight_format) {
+        case 0:
+            moe_small_m(x, H, I, static_cast<const uint16_t*>(w13), static_cast<const uint16_t*>(w2), nullptr,
+                        nullptr, experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, pf);
+            return 0;
+        case 1:
+            moe_small_m(x, H, I, static_cast<const float*>(w13), static_cast<const float*>(w2), nullptr, nullptr,
+                        experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, pf);
+            return 0;
+        case 2:
+            moe_small_m(x, H, I, static_cast<const int8_t*>(w13), static_cast<const int8_t*>(w2), s13, s2, experts,
+                        starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, pf);
+            return 0;
+        default:
+            return 1;
+    }
+}
+
 // One whole small-M call from raw inputs, for a host function queued on a GPU stream (`stream_host.py`): the
 // inputs were copied into pinned buffers ahead of it on the stream, the result is copied back after it. Routing
 // is a stable counting sort by expert (the same pair order as `route()`'s stable argsort), so the sums and
@@ -207,13 +230,6 @@ struct HostJob {
     float *x32, *act, *out32, *pair_weight;
     int32_t *experts, *starts, *pair_token;
 };
-
-template <typename W>
-void run_kernel(const HostJob& j, int32_t n_experts) {
-    moe_small_m(j.x32, j.H, j.I, static_cast<const W*>(j.w13), static_cast<const W*>(j.w2), j.s13, j.s2,
-                j.experts, j.starts, n_experts, j.pair_token, j.pair_weight, j.act, j.out32, j.act_bf16 != 0,
-                j.threads, j.prefetch);
-}
 
 void host_job(HostJob& j) {
     const int64_t pairs = int64_t(j.m) * j.top_k, n = int64_t(j.m) * j.H;
@@ -244,12 +260,9 @@ void host_job(HostJob& j) {
         j.x32[i] = j.act_bf16 ? to_f32(static_cast<const uint16_t*>(j.x_in)[i]) : static_cast<const float*>(j.x_in)[i];
         j.out32[i] = 0.0f;
     }
-    switch (j.weight_format) {
-        case 0: run_kernel<uint16_t>(j, n_experts); break;
-        case 1: run_kernel<float>(j, n_experts); break;
-        case 2: run_kernel<int8_t>(j, n_experts); break;
-        default: j.status = 1; return;
-    }
+    j.status = small_m_any(j.weight_format, j.x32, j.H, j.I, j.w13, j.w2, j.s13, j.s2, j.experts, j.starts, n_experts,
+                           j.pair_token, j.pair_weight, j.act, j.out32, j.act_bf16 != 0, j.threads, j.prefetch);
+    if (j.status) return;
     for (int64_t i = 0; i < n; ++i) {
         if (!j.act_bf16) {
             static_cast<float*>(j.y_out)[i] = j.out32[i];
@@ -283,23 +296,8 @@ int32_t moefx_moe_small_m(int32_t weight_format, const float* x, int64_t H, int6
                           const int32_t* starts, int32_t n_experts, const int32_t* pair_token,
                           const float* pair_weight, float* act, float* out, int32_t round_bf16, int32_t threads,
                           int64_t prefetch_bytes) {
-    const bool rnd = round_bf16 != 0;
-    switch (weight_format) {
-        case 0:
-            moe_small_m(x, H, I, static_cast<const uint16_t*>(w13), static_cast<const uint16_t*>(w2), nullptr,
-                        nullptr, experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, prefetch_bytes);
-            return 0;
-        case 1:
-            moe_small_m(x, H, I, static_cast<const float*>(w13), static_cast<const float*>(w2), nullptr, nullptr,
-                        experts, starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, prefetch_bytes);
-            return 0;
-        case 2:
-            moe_small_m(x, H, I, static_cast<const int8_t*>(w13), static_cast<const int8_t*>(w2), s13, s2, experts,
-                        starts, n_experts, pair_token, pair_weight, act, out, rnd, threads, prefetch_bytes);
-            return 0;
-        default:
-            return 1;
-    }
+    return small_m_any(weight_format, x, H, I, w13, w2, s13, s2, experts, starts, n_experts, pair_token, pair_weight,
+                       act, out, round_bf16 != 0, threads, prefetch_bytes);
 }
 
 }  // extern "C"
