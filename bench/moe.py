@@ -586,27 +586,16 @@ def print_sweep(res: dict) -> None:
 PROFILE_REPS = 10
 
 
-def profile_variants(dt: str, m: int, wt: dict, e: int, k: int) -> dict:
-    """name -> call(x, ids, tw) for the backend variants worth a breakdown at this M."""
-    from dataclasses import replace
-
-    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe
-    from moefx.backends.kernels.gemv_kernels import default_gemv_config, gemv_moe
+def profile_variants(dt: str, m: int, wt: dict) -> dict:
+    """name -> call(x, ids, tw) for the backends worth a breakdown at this M, at their default tiles (a tile
+    experiment adds a variant here: `fused_moe(..., config=, config2=)`, `gemv_moe(..., config=)`)."""
+    from moefx.backends.kernels.fused_moe_kernels import fused_moe
+    from moefx.backends.kernels.gemv_kernels import gemv_moe
 
     s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
-    c1, c2 = default_tiles(m, k, e, s13 is not None)
-
-    def grouped(**change):
-        return lambda x, i, w: fused_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=replace(c1, **change),
-                                         config2=replace(c2, **change))
-
-    def gemv(**change):
-        cfg = replace(default_gemv_config(m, s13 is not None), **change)
-        return lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=cfg)
-
-    out = {"grouped": grouped()}
+    out = {"grouped": lambda x, i, w: fused_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)}
     if m <= 16:
-        out["gemv"] = gemv()
+        out["gemv"] = lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out
@@ -643,7 +632,7 @@ def profile(weights: dict, ms: tuple[int, ...], dtypes: list[str], e: int, h: in
         for m in ms:
             sets = input_sets(m, h, e, k, dev, gen, 4)
             ref = legacy(*sets[0], wt["w13"], wt["w2"], **wt["kw"])
-            for name, call in profile_variants(dt, m, wt, e, k).items():
+            for name, call in profile_variants(dt, m, wt).items():
                 row = dict(dtype=dt, M=m, variant=name)
                 try:
                     row["relerr"] = relerr(call(*sets[0]), ref)
