@@ -334,22 +334,22 @@ def grouped_candidates(dt: str, ms: tuple[int, ...], e: int, k: int, block) -> l
     from moefx.backends.kernels.fused_moe_kernels import default_tiles, normalize_tiles
 
     fp8, elem = dt == "fp8", 1 if dt == "fp8" else 2
-    refs: dict[int, tuple] = {}
-    for m in ms:
-        pair = normalize_tiles(*default_tiles(m, k, e, fp8), block)
-        refs.setdefault(pair[0].block_m, pair)
-    for bm in (128, 64):
-        if bm not in refs:
-            c1, c2 = next(iter(refs.values()))
-            w = 8 if bm == 128 else 4
-            refs[bm] = normalize_tiles(replace(c1, block_m=bm, num_warps=w), replace(c2, block_m=bm, num_warps=w),
-                                       block)
-    out = [("ref", pair) for pair in refs.values()]
-    seen = {pair for _, pair in out}
+    refs = list(dict.fromkeys(normalize_tiles(*default_tiles(m, k, e, fp8), block) for m in ms))
+    if fp8:  # running-scale accumulators free the dot result tile: the defaults with them, and BLOCK_M 128
+        refs += [(replace(c1, running=True), replace(c2, running=True)) for c1, c2 in refs]
+    for running in (True, False) if fp8 else (False,):
+        for bm in (128, 64):
+            if not any(r[0].block_m == bm and r[0].running == running for r in refs):
+                c1, c2 = refs[0]
+                w1, w2 = (8, 8) if bm == 128 else (c1.num_warps, c2.num_warps)
+                refs.append(normalize_tiles(replace(c1, block_m=bm, num_warps=w1, running=running),
+                                            replace(c2, block_m=bm, num_warps=w2, running=running), block))
+    refs.sort(key=lambda r: (r[0].running, r[0].block_m), reverse=True)
+    out = [("ref", pair) for pair in refs]
+    seen = set(refs)
     for field, values in GROUPED_AXES.items():
         for v in values:
-            for bm in sorted(refs, reverse=True):
-                r1, r2 = refs[bm]
+            for r1, r2 in refs:
                 for part in ("2", "1"):
                     pair = normalize_tiles(replace(r1, **{field: v}), r2, block) if part == "1" else \
                         normalize_tiles(r1, replace(r2, **{field: v}), block)
@@ -431,7 +431,8 @@ def tiles_text(kind: str, tiles: tuple) -> str:
         return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
                 + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
-                      + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") for i, c in enumerate(tiles))
+                      + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") + (" run" if c.running else "")
+                      for i, c in enumerate(tiles))
 
 
 def tiles_json(kind: str, tiles: tuple) -> dict:

@@ -123,6 +123,8 @@ TILE_CASES = {
                         dict(block_m=32, block_n=64, block_k=16, group_m=4, num_stages=2)),  # takes GEMM 1's BLOCK_M
     "pointer loads": (dict(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=2), None),
     "TMA": (dict(block_m=16, block_n=32, block_k=16, group_m=2, num_stages=2, tma=True), None),
+    "running-scale FP8 accumulators": (dict(block_m=16, block_n=32, block_k=32, group_m=1, num_stages=2, running=True),
+                                       dict(block_m=16, block_n=64, block_k=32, group_m=4, num_stages=2, running=True)),
 }
 
 
@@ -148,6 +150,28 @@ def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
                     config2=GemmConfig(**tile2) if tile2 else None)
     bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
     assert relerr(out, legacy_ref(inp)) < bound
+
+
+def test_fp8_running_scale_equals_per_step_scaling() -> None:
+    """A running-scale accumulator (rescaled by previous / current scale each K step) gives the per-step scaled sum,
+    also with a zero weight scale (an all-zero block): GEMM 1 with one scale per tile, GEMM 2 with a tile wider than
+    the block (scales per column)."""
+    from backends_util import quant_block
+
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+
+    dev = kernel_device()
+    inp = make_inputs(9, torch.float32, "zero_experts", device=dev)
+    w13, s13 = quant_block(inp["w13"])
+    w2, s2 = quant_block(inp["w2"])
+    e = int(inp["topk_ids"][0, 0])
+    w13[e, : BS[0], : BS[1]] = 0  # zero weights with a zero scale (some quantizers write 0 for an all-zero block)
+    s13[e, 0, 0] = 0
+    outs = [fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], w13, w2, s13, s2, BS,
+                      config=GemmConfig(16, 32, 32, 1, num_stages=2, running=running),
+                      config2=GemmConfig(16, 64, 32, 4, num_stages=2, running=running)) for running in (False, True)]
+    assert torch.isfinite(outs[1]).all()
+    assert relerr(outs[1], outs[0]) < 1e-2  # fp32 rounding apart, then one e4m3 rounding of the intermediate
 
 
 def test_default_tiles_cover_every_m_and_fit_fp8_blocks() -> None:

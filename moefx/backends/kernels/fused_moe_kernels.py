@@ -37,6 +37,9 @@ from moefx.backends.kernels.align import moe_align
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
+# RUNNING accumulators divide by scales: a weight scale is clamped here (an all-zero block has zero weights, so
+# its dot is 0 either way); activation scales are >= 1e-10 / 448 by construction.
+MIN_SCALE = tl.constexpr(1e-12)
 SMEM_RESERVE = 2048  # shared memory a tile needs besides its operand stages (TMA barriers, epilogue scratch)
 # Triton's interpreter multiplies bf16/fp16 dot operands wrongly (numpy has no bf16) and rounds fp32 -> e4m3
 # wrongly when rounding carries into the exponent (31.3 -> 16): under it (the kernels' INTERPRET flag), dots
@@ -54,6 +57,7 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False  # weight (and GEMM 2 activation) tiles through TMA descriptors; CUDA capability >= 9
     pdl: bool = True  # launched as a programmatic dependent of the kernel before it (capability >= 9)
+    running: bool = False  # FP8: a running-scale accumulator (one dot into it per K step, no dot result tile)
 
 
 _C = GemmConfig
@@ -93,6 +97,22 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, a_s, w_s, PER_COL: tl.constexpr):
+    """x * a_s (per row) * w_s (per column when PER_COL, else one scalar)."""
+    if PER_COL:
+        y = x * a_s[:, None] * w_s[None, :]
+    else:
+        y = x * (a_s * w_s)[:, None]
+    return y
+
+
+@triton.jit
+def _rescale(acc, prev_a, a_s, prev_w, w_s, PER_COL: tl.constexpr):
+    """A running-scale accumulator moved from the previous K step's scales to this one's: acc * (prev / now)."""
+    return _scaled(acc, prev_a / a_s, prev_w / w_s, PER_COL)
+
+
+@triton.jit
 def _to_e4m3(x, EXACT: tl.constexpr):
     if EXACT:
         # round to nearest on the e4m3 grid (3 mantissa bits, min normal exponent -6) in fp32 first
@@ -126,7 +146,7 @@ def _gemm1_kernel(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     if PDL:
@@ -147,6 +167,10 @@ def _gemm1_kernel(
     g_row = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # TMA: w13 viewed as [E * 2I, H]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
+    prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # RUNNING: the previous K step's scales (any value while acc = 0)
+    prev_g = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
+    prev_u = prev_g
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -158,18 +182,22 @@ def _gemm1_kernel(
             g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
             u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
         if FP8:
-            a_s = tl.load(as_ptr + tok * (H // SBK) + k0 // SBK, mask=row_mask, other=0.0)
+            a_s = tl.load(as_ptr + tok * (H // SBK) + k0 // SBK, mask=row_mask, other=1.0)
             s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
-            if SBN % BLOCK_N == 0:  # the tile lies in one scale row block: one scale each (fewer registers)
+            if PER_COL:
+                g_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=1.0)
+                u_s = tl.load(s_base + ((I + offs_n) // SBN) * stride_sn, mask=n_mask, other=1.0)
+            else:  # the tile lies in one scale row block: one scale each (fewer registers)
                 g_s = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn)
                 u_s = tl.load(s_base + ((I + pid_n * BLOCK_N) // SBN) * stride_sn)
-                acc_g += tl.dot(a, g) * (a_s * g_s)[:, None]
-                acc_u += tl.dot(a, u) * (a_s * u_s)[:, None]
+            if RUNNING:
+                g_s, u_s = tl.maximum(g_s, MIN_SCALE), tl.maximum(u_s, MIN_SCALE)
+                acc_g = tl.dot(a, g, _rescale(acc_g, prev_a, a_s, prev_g, g_s, PER_COL))
+                acc_u = tl.dot(a, u, _rescale(acc_u, prev_a, a_s, prev_u, u_s, PER_COL))
+                prev_a, prev_g, prev_u = a_s, g_s, u_s
             else:
-                g_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=0.0)
-                u_s = tl.load(s_base + ((I + offs_n) // SBN) * stride_sn, mask=n_mask, other=0.0)
-                acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
-                acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+                acc_g += _scaled(tl.dot(a, g), a_s, g_s, PER_COL)
+                acc_u += _scaled(tl.dot(a, u), a_s, u_s, PER_COL)
         else:
             if INTERPRET:
                 a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
@@ -177,6 +205,8 @@ def _gemm1_kernel(
             acc_u = tl.dot(a, u, acc_u)
     if PDL:
         gdc_launch_dependents()  # GEMM 2 may start launching; it waits for this grid before reading
+    if FP8 and RUNNING:
+        acc_g, acc_u = _scaled(acc_g, prev_a, prev_g, PER_COL), _scaled(acc_u, prev_a, prev_u, PER_COL)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # padding rows: a = 0, so act = 0
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # sorted position: GEMM 2 reads row blocks
     out_ptrs = out_ptr + rows[:, None] * I + offs_n[None, :]
@@ -199,7 +229,7 @@ def _gemm2_kernel(
     H: tl.constexpr, I: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     if PDL:
@@ -219,6 +249,9 @@ def _gemm2_kernel(
     w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)  # TMA: w2 viewed as [E * H, I]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
+    prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # RUNNING: the previous K step's scales
+    prev_w = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         if TMA:
@@ -228,17 +261,24 @@ def _gemm2_kernel(
             a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
-            a_s = tl.load(as_ptr + sorted_rows * (I // SBK) + k0 // SBK)
+            a_s = tl.load(as_ptr + sorted_rows * (I // SBK) + k0 // SBK)  # GEMM 1 wrote every row's (> 0)
             s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
-            if SBN % BLOCK_N == 0:  # the tile lies in one scale row block: one scale (fewer registers)
-                acc += tl.dot(a, w) * (a_s * tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn))[:, None]
+            if PER_COL:
+                w_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=1.0)
+            else:  # the tile lies in one scale row block: one scale (fewer registers)
+                w_s = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn)
+            if RUNNING:
+                w_s = tl.maximum(w_s, MIN_SCALE)
+                acc = tl.dot(a, w, _rescale(acc, prev_a, a_s, prev_w, w_s, PER_COL))
+                prev_a, prev_w = a_s, w_s
             else:
-                w_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=0.0)
-                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+                acc += _scaled(tl.dot(a, w), a_s, w_s, PER_COL)
         else:
             if INTERPRET:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc)
+    if FP8 and RUNNING:
+        acc = _scaled(acc, prev_a, prev_w, PER_COL)
     acc = acc * tl.load(tw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
@@ -364,7 +404,8 @@ def fused_moe(
         a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk,
         BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
+        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
+        num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
         **pdl_launch(pdl1),
     )
     pair_out = torch.empty(num_pairs, h, dtype=hidden.dtype, device=dev)
@@ -380,7 +421,8 @@ def fused_moe(
         w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk,
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
+        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running,
+        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
         **pdl_launch(pdl2),
     )
     return topk_sum(pair_out, top_k)
