@@ -186,7 +186,7 @@ def main() -> None:
             if os.environ.get("OUT"):
                 Path(os.environ["OUT"], "moe_sweep.json").write_text(json.dumps({**result, "sweep": res}, indent=1))
 
-        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick, checkpoint=save,
+        result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick, checkpoint=save,
                                 sweep_ms=sweep_ms)
         print_sweep(result["sweep"])
         return
@@ -266,7 +266,7 @@ def main() -> None:
             result["rows"].append(row)
             print(f"{dt} M={m} done ({time.time() - t0:.0f}s)", flush=True)
     if args.sweep:
-        result["sweep"] = sweep(weights, e, h, inter, k, gen, ceil, args.sweep_budget, quick, sweep_ms=sweep_ms)
+        result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick, sweep_ms=sweep_ms)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe.json").write_text(json.dumps(result, indent=1))
     if args.sweep:

@@ -107,9 +107,28 @@ def _scaled(x, a_s, w_s, PER_COL: tl.constexpr):
 
 
 @triton.jit
-def _rescale(acc, prev_a, a_s, prev_w, w_s, PER_COL: tl.constexpr):
-    """A running-scale accumulator moved from the previous K step's scales to this one's: acc * (prev / now)."""
-    return _scaled(acc, prev_a / a_s, prev_w / w_s, PER_COL)
+def _scale_rows(pid_n, offs_n, row0, SBN: tl.constexpr, BLOCK_N: tl.constexpr, PER_COL: tl.constexpr):
+    """The weight scale row of each tile column (PER_COL), else of the whole tile (it lies in one row block)."""
+    if PER_COL:
+        r = (row0 + offs_n) // SBN
+    else:
+        r = (row0 + pid_n * BLOCK_N) // SBN
+    return r
+
+
+@triton.jit
+def _load_w_scale(ptrs, n_mask, PER_COL: tl.constexpr):
+    if PER_COL:
+        s = tl.load(ptrs, mask=n_mask, other=1.0)
+    else:
+        s = tl.load(ptrs)
+    return s
+
+
+@triton.jit
+def _w_scale_at(ptrs, kg, stride_sk, n_mask, PER_COL: tl.constexpr):
+    """A weight scale (per column when PER_COL) of K group `kg`, clamped for the running-scale division."""
+    return tl.maximum(_load_w_scale(ptrs + kg * stride_sk, n_mask, PER_COL), MIN_SCALE)
 
 
 @triton.jit
@@ -168,9 +187,18 @@ def _gemm1_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
-    prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # RUNNING: the previous K step's scales (any value while acc = 0)
-    prev_g = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
-    prev_u = prev_g
+    if FP8:  # each step loads what the next step needs (Triton does not pipeline these small loads with the tiles)
+        a_s_ptrs = as_ptr + tok * (H // SBK)
+        g_s_ptrs = ws_ptr + e * stride_se + _scale_rows(pid_n, offs_n, 0, SBN, BLOCK_N, PER_COL) * stride_sn
+        u_s_ptrs = ws_ptr + e * stride_se + _scale_rows(pid_n, offs_n, I, SBN, BLOCK_N, PER_COL) * stride_sn
+        if RUNNING:  # step k's scale over step k+1's, per row and per weight tile (any value while acc = 0)
+            r_a = tl.full([BLOCK_M], 1.0, tl.float32)
+            r_g = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
+            r_u = r_g
+        else:
+            next_a = tl.load(a_s_ptrs, mask=row_mask, other=1.0)
+            next_g = _load_w_scale(g_s_ptrs, n_mask, PER_COL)
+            next_u = _load_w_scale(u_s_ptrs, n_mask, PER_COL)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -182,20 +210,21 @@ def _gemm1_kernel(
             g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
             u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
         if FP8:
-            a_s = tl.load(as_ptr + tok * (H // SBK) + k0 // SBK, mask=row_mask, other=1.0)
-            s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
-            if PER_COL:
-                g_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=1.0)
-                u_s = tl.load(s_base + ((I + offs_n) // SBN) * stride_sn, mask=n_mask, other=1.0)
-            else:  # the tile lies in one scale row block: one scale each (fewer registers)
-                g_s = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn)
-                u_s = tl.load(s_base + ((I + pid_n * BLOCK_N) // SBN) * stride_sn)
+            kc, kn = k0 // SBK, tl.minimum(k0 + BLOCK_K, H - 1) // SBK  # the last step's kn is its own group
             if RUNNING:
-                g_s, u_s = tl.maximum(g_s, MIN_SCALE), tl.maximum(u_s, MIN_SCALE)
-                acc_g = tl.dot(a, g, _rescale(acc_g, prev_a, a_s, prev_g, g_s, PER_COL))
-                acc_u = tl.dot(a, u, _rescale(acc_u, prev_a, a_s, prev_u, u_s, PER_COL))
-                prev_a, prev_g, prev_u = a_s, g_s, u_s
+                acc_g = tl.dot(a, g, _scaled(acc_g, r_a, r_g, PER_COL))
+                acc_u = tl.dot(a, u, _scaled(acc_u, r_a, r_u, PER_COL))
+                r_a = (tl.load(a_s_ptrs + kc, mask=row_mask, other=1.0)
+                       / tl.load(a_s_ptrs + kn, mask=row_mask, other=1.0))
+                r_g = _w_scale_at(g_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
+                    g_s_ptrs, kn, stride_sk, n_mask, PER_COL)
+                r_u = _w_scale_at(u_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
+                    u_s_ptrs, kn, stride_sk, n_mask, PER_COL)
             else:
+                a_s, g_s, u_s = next_a, next_g, next_u
+                next_a = tl.load(a_s_ptrs + kn, mask=row_mask, other=1.0)
+                next_g = _load_w_scale(g_s_ptrs + kn * stride_sk, n_mask, PER_COL)
+                next_u = _load_w_scale(u_s_ptrs + kn * stride_sk, n_mask, PER_COL)
                 acc_g += _scaled(tl.dot(a, g), a_s, g_s, PER_COL)
                 acc_u += _scaled(tl.dot(a, u), a_s, u_s, PER_COL)
         else:
@@ -205,8 +234,10 @@ def _gemm1_kernel(
             acc_u = tl.dot(a, u, acc_u)
     if PDL:
         gdc_launch_dependents()  # GEMM 2 may start launching; it waits for this grid before reading
-    if FP8 and RUNNING:
-        acc_g, acc_u = _scaled(acc_g, prev_a, prev_g, PER_COL), _scaled(acc_u, prev_a, prev_u, PER_COL)
+    if FP8 and RUNNING:  # from units of the last step's scales to values
+        last_a = tl.load(a_s_ptrs + (H - 1) // SBK, mask=row_mask, other=1.0)
+        acc_g = _scaled(acc_g, last_a, _w_scale_at(g_s_ptrs, (H - 1) // SBK, stride_sk, n_mask, PER_COL), PER_COL)
+        acc_u = _scaled(acc_u, last_a, _w_scale_at(u_s_ptrs, (H - 1) // SBK, stride_sk, n_mask, PER_COL), PER_COL)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # padding rows: a = 0, so act = 0
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # sorted position: GEMM 2 reads row blocks
     out_ptrs = out_ptr + rows[:, None] * I + offs_n[None, :]
@@ -250,8 +281,15 @@ def _gemm2_kernel(
     w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)  # TMA: w2 viewed as [E * H, I]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
-    prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # RUNNING: the previous K step's scales
-    prev_w = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
+    if FP8:  # as in GEMM 1; GEMM 1 wrote every row's activation scale (> 0), padding rows included
+        a_s_ptrs = as_ptr + sorted_rows * (I // SBK)
+        w_s_ptrs = ws_ptr + e * stride_se + _scale_rows(pid_n, offs_n, 0, SBN, BLOCK_N, PER_COL) * stride_sn
+        if RUNNING:
+            r_a = tl.full([BLOCK_M], 1.0, tl.float32)
+            r_w = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
+        else:
+            next_a = tl.load(a_s_ptrs)
+            next_w = _load_w_scale(w_s_ptrs, n_mask, PER_COL)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         if TMA:
@@ -261,24 +299,24 @@ def _gemm2_kernel(
             a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
-            a_s = tl.load(as_ptr + sorted_rows * (I // SBK) + k0 // SBK)  # GEMM 1 wrote every row's (> 0)
-            s_base = ws_ptr + e * stride_se + (k0 // SBK) * stride_sk
-            if PER_COL:
-                w_s = tl.load(s_base + (offs_n // SBN) * stride_sn, mask=n_mask, other=1.0)
-            else:  # the tile lies in one scale row block: one scale (fewer registers)
-                w_s = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn)
+            kc, kn = k0 // SBK, tl.minimum(k0 + BLOCK_K, I - 1) // SBK
             if RUNNING:
-                w_s = tl.maximum(w_s, MIN_SCALE)
-                acc = tl.dot(a, w, _rescale(acc, prev_a, a_s, prev_w, w_s, PER_COL))
-                prev_a, prev_w = a_s, w_s
+                acc = tl.dot(a, w, _scaled(acc, r_a, r_w, PER_COL))
+                r_a = tl.load(a_s_ptrs + kc) / tl.load(a_s_ptrs + kn)
+                r_w = _w_scale_at(w_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
+                    w_s_ptrs, kn, stride_sk, n_mask, PER_COL)
             else:
+                a_s, w_s = next_a, next_w
+                next_a = tl.load(a_s_ptrs + kn)
+                next_w = _load_w_scale(w_s_ptrs + kn * stride_sk, n_mask, PER_COL)
                 acc += _scaled(tl.dot(a, w), a_s, w_s, PER_COL)
         else:
             if INTERPRET:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc)
     if FP8 and RUNNING:
-        acc = _scaled(acc, prev_a, prev_w, PER_COL)
+        last = (I - 1) // SBK
+        acc = _scaled(acc, tl.load(a_s_ptrs + last), _w_scale_at(w_s_ptrs, last, stride_sk, n_mask, PER_COL), PER_COL)
     acc = acc * tl.load(tw_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rows[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
