@@ -186,8 +186,8 @@ def main() -> None:
             if os.environ.get("OUT"):
                 Path(os.environ["OUT"], "moe_sweep.json").write_text(json.dumps({**result, "sweep": res}, indent=1))
 
-        result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick, checkpoint=save,
-                                sweep_ms=sweep_ms)
+        result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick,
+                                checkpoint=save, sweep_ms=sweep_ms)
         print_sweep(result["sweep"])
         return
 
@@ -266,7 +266,8 @@ def main() -> None:
             result["rows"].append(row)
             print(f"{dt} M={m} done ({time.time() - t0:.0f}s)", flush=True)
     if args.sweep:
-        result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick, sweep_ms=sweep_ms)
+        result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick,
+                                sweep_ms=sweep_ms)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe.json").write_text(json.dumps(result, indent=1))
     if args.sweep:
@@ -344,9 +345,14 @@ def grouped_candidates(dt: str, ms: tuple[int, ...], e: int, k: int, block) -> l
                 w1, w2 = (8, 8) if bm == 128 else (c1.num_warps, c2.num_warps)
                 refs.append(normalize_tiles(replace(c1, block_m=bm, num_warps=w1, running=running),
                                             replace(c2, block_m=bm, num_warps=w2, running=running), block))
-    refs.sort(key=lambda r: (r[0].running, r[0].block_m), reverse=True)
+    refs = sorted(dict.fromkeys(refs), key=lambda r: (r[0].running, r[0].block_m), reverse=True)
     out = [("ref", pair) for pair in refs]
     seen = set(refs)
+    for r1, r2 in refs:  # GEMM 2 warp-specialized (4 warps asked, 12 run) first: the newest switch
+        pair = normalize_tiles(r1, replace(r2, ws=True, num_warps=4), block)
+        if pair not in seen:
+            seen.add(pair)
+            out.append(("2", pair))
     for field, values in GROUPED_AXES.items():
         for v in values:
             for r1, r2 in refs:
@@ -432,6 +438,7 @@ def tiles_text(kind: str, tiles: tuple) -> str:
                 + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
                       + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") + (" run" if c.running else "")
+                      + (" ws" if c.ws else "")
                       for i, c in enumerate(tiles))
 
 

@@ -4,7 +4,7 @@
 # (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
 #                                                        #   gpu-tests backend-tests calibrate calibrate-fp8 moe-profile
-#                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-fp8
+#                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -49,12 +49,12 @@ for s in "${stages[@]}"; do
             --dtypes bf16 --sweep-ms "grouped=1024;gemv=" ;;
         backend-tests) run_stage backend-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_backends_grouped.py \
             tests/test_backends_gemv.py tests/test_backends_torch_grouped.py tests/test_moe_op.py ;;
-        moe-sweep-fp8) run_stage moe-sweep-fp8 280 python3 bench/moe.py --sweep-only --sweep-budget 220 \
-            --dtypes fp8 --sweep-ms "grouped=1024,4096;gemv=" ;;
+        moe-sweep-grouped) run_stage moe-sweep-grouped 280 python3 bench/moe.py --sweep-only --sweep-budget 220 \
+            --sweep-ms "grouped=1024,4096;gemv=" ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-fp8)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
     esac
 done
 rm -rf "$RES/inductor"
