@@ -348,11 +348,6 @@ def grouped_candidates(dt: str, ms: tuple[int, ...], e: int, k: int, block) -> l
     refs = sorted(dict.fromkeys(refs), key=lambda r: (r[0].running, r[0].block_m), reverse=True)
     out = [("ref", pair) for pair in refs]
     seen = set(refs)
-    for r1, r2 in refs:  # GEMM 2 warp-specialized (4 warps asked, 12 run) first: the newest switch
-        pair = normalize_tiles(r1, replace(r2, ws=True, num_warps=4), block)
-        if pair not in seen:
-            seen.add(pair)
-            out.append(("2", pair))
     for field, values in GROUPED_AXES.items():
         for v in values:
             for r1, r2 in refs:
@@ -438,7 +433,6 @@ def tiles_text(kind: str, tiles: tuple) -> str:
                 + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
                       + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") + (" run" if c.running else "")
-                      + (" ws" if c.ws else "")
                       for i, c in enumerate(tiles))
 
 

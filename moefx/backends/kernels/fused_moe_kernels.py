@@ -62,7 +62,6 @@ class GemmConfig:
     tma: bool = False  # weight (and GEMM 2 activation) tiles through TMA descriptors; CUDA capability >= 9
     pdl: bool = True  # launched as a programmatic dependent of the kernel before it (capability >= 9)
     running: bool = False  # FP8: a running-scale accumulator (one dot into it per K step, no dot result tile)
-    ws: bool = False  # GEMM 2: warp-specialized K loop (Hopper: TMA producer warps + two consumer warpgroups)
 
 
 _C = GemmConfig
@@ -170,19 +169,17 @@ def _gemm1_kernel(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, WS: tl.constexpr = False,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     if PDL:
         gdc_wait()  # the align (and activation quant) results are visible from here on
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    valid = pid_m * BLOCK_M < tl.load(num_post_ptr)
-    if not WS:  # warp specialization takes no early return: there a block past the last runs no K steps
-        if not valid:
-            return
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = (pairs < num_pairs) & valid
+    row_mask = pairs < num_pairs
     tok = (pairs // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -202,7 +199,7 @@ def _gemm1_kernel(
             r_a = tl.full([BLOCK_M], 1.0, tl.float32)
             r_g = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
             r_u = r_g
-    for k0 in tl.range(0, valid.to(tl.int32) * H if WS else H, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:  # columns past I read the next rows (up, next expert) or TMA's zero fill: never stored
@@ -260,19 +257,17 @@ def _gemm2_kernel(
     H: tl.constexpr, I: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, WS: tl.constexpr = False,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     if PDL:
         gdc_wait()  # GEMM 1's intermediate is visible from here on
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    valid = pid_m * BLOCK_M < tl.load(num_post_ptr)
-    if not WS:  # warp specialization takes no early return: there a block past the last runs no K steps
-        if not valid:
-            return
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = (pairs < num_pairs) & valid
+    row_mask = pairs < num_pairs
     rows = pairs.to(tl.int64)
     sorted_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # GEMM 1 wrote the intermediate here
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,7 +284,7 @@ def _gemm2_kernel(
         if RUNNING:
             r_a = tl.full([BLOCK_M], 1.0, tl.float32)
             r_w = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
-    for k0 in tl.range(0, valid.to(tl.int32) * I if WS else I, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         if TMA:
             a = a_desc.load([pid_m * BLOCK_M, k0])
@@ -456,7 +451,7 @@ def fused_moe(
         w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk,
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running, WS=cfg2.ws,
+        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running,
         num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
         **pdl_launch(pdl2),
     )
