@@ -122,6 +122,7 @@ def _scale_rows(pid_n, offs_n, row0, SBN: tl.constexpr, BLOCK_N: tl.constexpr, P
 
 @triton.jit
 def _load_w_scale(ptrs, n_mask, PER_COL: tl.constexpr):
+    """The weight scales at `ptrs`: one per tile column when PER_COL, else the tile's one scale."""
     if PER_COL:
         s = tl.load(ptrs, mask=n_mask, other=1.0)
     else:
@@ -210,8 +211,9 @@ def _gemm1_kernel(
             g = tl.load(g_ptrs + k0, mask=w_mask, other=0.0)
             u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0)
         if FP8:
-            kc, kn = k0 // SBK, tl.minimum(k0 + BLOCK_K, H - 1) // SBK  # the last step's kn is its own group
+            kc = k0 // SBK
             if RUNNING:
+                kn = tl.minimum(k0 + BLOCK_K, H - 1) // SBK  # the next step's group (the last step: its own)
                 acc_g = tl.dot(a, g, _scaled(acc_g, r_a, r_g, PER_COL))
                 acc_u = tl.dot(a, u, _scaled(acc_u, r_a, r_u, PER_COL))
                 r_a = (tl.load(a_s_ptrs + kc, mask=row_mask, other=1.0)
@@ -293,15 +295,16 @@ def _gemm2_kernel(
             a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
-            kc, kn = k0 // SBK, tl.minimum(k0 + BLOCK_K, I - 1) // SBK
+            kc = k0 // SBK
             if RUNNING:
+                kn = tl.minimum(k0 + BLOCK_K, I - 1) // SBK
                 acc = tl.dot(a, w, _scaled(acc, r_a, r_w, PER_COL))
                 r_a = tl.load(a_s_ptrs + kc) / tl.load(a_s_ptrs + kn)
                 r_w = _w_scale_at(w_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
                     w_s_ptrs, kn, stride_sk, n_mask, PER_COL)
             else:
-                acc += _scaled(tl.dot(a, w), tl.load(a_s_ptrs + kc), _load_w_scale(w_s_ptrs + kc * stride_sk, n_mask,
-                                                                                  PER_COL), PER_COL)
+                acc += _scaled(tl.dot(a, w), tl.load(a_s_ptrs + kc),
+                               _load_w_scale(w_s_ptrs + kc * stride_sk, n_mask, PER_COL), PER_COL)
         else:
             if INTERPRET:
                 a, w = a.to(tl.float32), w.to(tl.float32)
