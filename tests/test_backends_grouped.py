@@ -211,6 +211,17 @@ def test_fit_shared_memory_trims_stages_then_block_k() -> None:
     assert fit_shared_memory(big, 2, 1, 1024, min_k=32).block_k == 32  # never below the FP8 dot's K
 
 
+def test_fp8_at_large_m_takes_the_running_scale_tiles() -> None:
+    """FP8 above 128 rows per expert runs the default BLOCK_M 128 running-scale tiles, and matches legacy."""
+    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe
+
+    dev = kernel_device()
+    inp = make_inputs(300, torch.float32, device=dev, fp8=True)
+    assert all(cfg.running and cfg.block_m == 128 for cfg in default_tiles(300, K, E, fp8=True))
+    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
+
+
 def test_fp32_weights_at_large_m_with_default_tiles() -> None:
     """fp32 rows at > 128 rows per expert take the widest default tiles (on a GPU: trimmed to its shared memory)."""
     from moefx.backends.kernels.fused_moe_kernels import fused_moe
