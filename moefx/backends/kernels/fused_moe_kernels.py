@@ -196,7 +196,10 @@ def _gemm1_kernel(
         a_s_ptrs = as_ptr + tok * (H // SBK)
         g_s_ptrs = ws_ptr + e * stride_se + _scale_rows(pid_n, offs_n, 0, SBN, BLOCK_N, PER_COL) * stride_sn
         u_s_ptrs = ws_ptr + e * stride_se + _scale_rows(pid_n, offs_n, I, SBN, BLOCK_N, PER_COL) * stride_sn
-        if RUNNING:  # step k's scale over step k+1's, per row and per weight tile (any value while acc = 0)
+        # RUNNING: step k's scale over step k+1's, per row and per weight tile (any value while acc = 0). Each step
+        # loads both scales of the ratio it needs next, so every scale is read twice: carrying a loaded scale into
+        # the step after next made Triton 3.6 give up pipelining the tiles (sm_90a: 40 KB of shared memory, not 164).
+        if RUNNING:
             r_a = tl.full([BLOCK_M], 1.0, tl.float32)
             r_g = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
             r_u = r_g
