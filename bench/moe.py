@@ -316,8 +316,8 @@ GROUPED_AXES = {"num_warps": (8, 4), "block_n": (256, 64, 128), "group_m": (16, 
                 "block_k": (128, 64, 32), "tma": (True, False), "pdl": (False,)}  # a budget cut drops the tail
 GEMV_AXES = {1: {"block_k1": (1024, 2048, 512, 256), "block_n1": (4, 8, 16, 2, 32), "num_warps1": (4, 8, 2)},
              2: {"block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8), "num_warps2": (4, 8, 2)},
-             "f": {"block_n1": (32, 16, 64), "block_k1": (512, 1024, 256), "block_h": (256, 512, 128),
-                   "num_warps1": (4, 8)}}  # "f": the one-launch kernel (GemvConfig.fused), timed first
+             "f": {"block_n1": (16, 32, 8), "block_k1": (2048, 1024, 512), "block_h": (2048, 1024, 512),
+                   "num_warps1": (8, 16, 4)}}  # "f": the one-launch kernel (GemvConfig.fused), timed first
 
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:

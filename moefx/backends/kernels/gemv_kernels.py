@@ -105,23 +105,27 @@ def _gemv_fused_kernel(
     # Both stages in one launch: the program's BLOCK_I activations are complete after its gate/up rows, so it
     # multiplies them into w2's matching BLOCK_I columns at once and adds the [H] partial into token m's fp32 row
     # (atomics at L2). The token's last program to finish converts the row to the output dtype.
+    # Each w2 tile is loaded one step ahead, the first before the gate/up rows: with BLOCK_K = BLOCK_H = H a
+    # program has all its bytes in flight at once.
     pair = tl.program_id(0)
     row0 = tl.program_id(1) * BLOCK_I
     m = pair // TOP_K
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_i = row0 + tl.arange(0, BLOCK_I)
+    offs_h = tl.arange(0, BLOCK_H)
+    w_ptrs = w2_ptr + e * stride_w2e + offs_h[:, None] * stride_w2n + offs_i[None, :]
+    i_mask = (offs_i < I)[None, :]
+    w = tl.load(w_ptrs, mask=(offs_h < H)[:, None] & i_mask, other=0.0, eviction_policy="evict_first")
     acc_g, acc_u = _gate_up_dots(x_ptr, m, e, w13_ptr, s13_ptr, row0,
                                  stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_s13k,
                                  H, I, FP8, SBN, SBK, BLOCK_I, BLOCK_K)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * tl.load(tw_ptr + pair).to(tl.float32)
-    offs_i = row0 + tl.arange(0, BLOCK_I)
-    offs_h = tl.arange(0, BLOCK_H)
-    w_ptrs = w2_ptr + e * stride_w2e + offs_h[:, None] * stride_w2n + offs_i[None, :]
     acc_row = acc_ptr + m * H + offs_h
     for h0 in range(0, H, BLOCK_H):
         h_mask = offs_h < H - h0
-        w = tl.load(w_ptrs + h0 * stride_w2n, mask=h_mask[:, None] & (offs_i < I)[None, :], other=0.0,
-                    eviction_policy="evict_first")
         part = tl.sum(w.to(tl.float32) * act[None, :], axis=1)
+        w = tl.load(w_ptrs + (h0 + BLOCK_H) * stride_w2n, mask=(offs_h < H - h0 - BLOCK_H)[:, None] & i_mask,
+                    other=0.0, eviction_policy="evict_first")
         if FP8:  # the program's columns lie inside one SBK column block: one scale per w2 row
             s_ptrs = s2_ptr + e * stride_s2e + ((h0 + offs_h) // SBN) * stride_s2n + (row0 // SBK) * stride_s2k
             part = part * tl.load(s_ptrs, mask=h_mask, other=0.0)
