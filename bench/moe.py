@@ -315,9 +315,7 @@ TRIALS = 3
 GROUPED_AXES = {"num_warps": (8, 4), "block_n": (256, 64, 128), "group_m": (16, 1, 8), "num_stages": (4, 3, 5),
                 "block_k": (128, 64, 32), "tma": (True, False), "pdl": (False,)}  # a budget cut drops the tail
 GEMV_AXES = {1: {"block_k1": (1024, 2048, 512, 256), "block_n1": (4, 8, 16, 2, 32), "num_warps1": (4, 8, 2)},
-             2: {"block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8), "num_warps2": (4, 8, 2)},
-             "f": {"block_n1": (16, 32, 8), "block_k1": (2048, 1024, 512), "block_h": (2048, 1024, 512),
-                   "num_warps1": (8, 16, 4)}}  # "f": the one-launch kernel (GemvConfig.fused), timed first
+             2: {"block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8), "num_warps2": (4, 8, 2)}}
 
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
@@ -374,15 +372,13 @@ def gemv_effective(cfg, h: int, inter: int, k: int, block):
     bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
     if fp8:
         bn1, bn2 = math.gcd(bn1, block[0]), math.gcd(bn2, block[0])
-        bn1 = math.gcd(bn1, block[1]) if cfg.fused else bn1
     return replace(cfg, block_n1=bn1, rows2=bn2 * kp, block_k1=block_k_for(h, cfg.block_k1),
                    block_k2=block_k_for(inter, cfg.block_k2))
 
 
 def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> list[tuple[str, tuple]]:
-    """(part, (GemvConfig,)): the defaults at `ms`, every combination of the one-launch kernel's axes ('f'), then
-    for stage 2 ('2') and stage 1 ('1') in turn every combination of that stage's GEMV_AXES, the other stage as in
-    the default (the two are separate launches)."""
+    """(part, (GemvConfig,)): the defaults at `ms`, then for stage 2 ('2') and stage 1 ('1') in turn every
+    combination of that stage's GEMV_AXES, the other stage as in the default (the two are separate launches)."""
     import itertools
     from dataclasses import replace
 
@@ -392,14 +388,13 @@ def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> l
     refs = list(dict.fromkeys(gemv_effective(default_gemv_config(m, fp8), h, inter, k, block) for m in ms))
     out = [("ref", (r,)) for r in refs]
     seen = set(refs)
-    for stage in ("f", 2, 1):
+    for stage in (2, 1):
         axes = GEMV_AXES[stage]
         for values in itertools.product(*axes.values()):
-            for r in refs[:1] if stage == "f" else refs:
-                c = gemv_effective(replace(r, fused=stage == "f", **dict(zip(axes, values))), h, inter, k, block)
+            for r in refs:
+                c = gemv_effective(replace(r, **dict(zip(axes, values))), h, inter, k, block)
                 elems1 = 2 * c.block_n1 * c.block_k1 // (32 * c.num_warps1)
-                elems2 = (c.block_h * c.block_n1 // (32 * c.num_warps1)) if c.fused else \
-                    c.rows2 * c.block_k2 // (32 * c.num_warps2)
+                elems2 = c.rows2 * c.block_k2 // (32 * c.num_warps2)
                 if c not in seen and max(elems1, elems2) <= GEMV_TILE_ELEMS:
                     seen.add(c)
                     out.append((str(stage), (c,)))
@@ -422,8 +417,6 @@ def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
               and (kind == "gemv" or cands[i][1][0].block_m == best[0].block_m)]
         return cands[min(ok)[1]][1] if ok else best
 
-    if kind == "gemv" and best[0].fused:  # one launch: nothing to combine
-        return None
     b1, b2 = best_of("1"), best_of("2")
     if kind == "grouped":
         tiles = normalize_tiles(b1[0], b2[1], None)
@@ -436,8 +429,6 @@ def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
 def tiles_text(kind: str, tiles: tuple) -> str:
     if kind == "gemv":
         c = tiles[0]
-        if c.fused:
-            return f"fused i{c.block_n1} k{c.block_k1} h{c.block_h} w{c.num_warps1}"
         return (f"s1 n{c.block_n1} k{c.block_k1} w{c.num_warps1} | s2 rows{c.rows2} k{c.block_k2} w{c.num_warps2}"
                 + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
@@ -601,14 +592,12 @@ def profile_variants(dt: str, m: int, wt: dict) -> dict:
     """name -> call(x, ids, tw) for the backends worth a breakdown at this M, at their default tiles (a tile
     experiment adds a variant here: `fused_moe(..., config=, config2=)`, `gemv_moe(..., config=)`)."""
     from moefx.backends.kernels.fused_moe_kernels import fused_moe
-    from moefx.backends.kernels.gemv_kernels import GemvConfig, gemv_moe
+    from moefx.backends.kernels.gemv_kernels import gemv_moe
 
     s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
     out = {"grouped": lambda x, i, w: fused_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)}
     if m <= 16:
         out["gemv"] = lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)
-        fused = GemvConfig(fused=True, block_n1=32, block_k1=512)
-        out["gemv_fused"] = lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs, config=fused)
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out

@@ -40,14 +40,18 @@ from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 
 @triton.jit
-def _gate_up_dots(
-    x_ptr, m, e, w_ptr, ws_ptr, row0,
+def _gemv_gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """fp32 dots of token m's hidden row with gate rows row0..row0+BLOCK_N of expert e and the matching up rows."""
-    offs_n = row0 + tl.arange(0, BLOCK_N)
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pair // TOP_K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -62,81 +66,17 @@ def _gate_up_dots(
         u = tl.load(u_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if FP8:
             s_base = ws_ptr + e * stride_se + ((k0 + offs_k) // SBK) * stride_sk
-            sg = tl.load(s_base + (row0 // SBN) * stride_sn, mask=k_mask, other=0.0)
-            su = tl.load(s_base + ((I + row0) // SBN) * stride_sn, mask=k_mask, other=0.0)
+            sg = tl.load(s_base + ((pid_n * BLOCK_N) // SBN) * stride_sn, mask=k_mask, other=0.0)
+            su = tl.load(s_base + ((I + pid_n * BLOCK_N) // SBN) * stride_sn, mask=k_mask, other=0.0)
             acc_g += tl.sum(g * (x * sg)[None, :], axis=1)
             acc_u += tl.sum(u * (x * su)[None, :], axis=1)
         else:
             acc_g += tl.sum(g * x[None, :], axis=1)
             acc_u += tl.sum(u * x[None, :], axis=1)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _gemv_gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    row0 = tl.program_id(1) * BLOCK_N
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    acc_g, acc_u = _gate_up_dots(x_ptr, pair // TOP_K, e, w_ptr, ws_ptr, row0,
-                                 stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-                                 H, I, FP8, SBN, SBK, BLOCK_N, BLOCK_K)
     if PDL:
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    offs_n = row0 + tl.arange(0, BLOCK_N)
-    tl.store(act_ptr + pair * I + offs_n, act, mask=offs_n < I)
-
-
-@triton.jit
-def _gemv_fused_kernel(
-    x_ptr, ids_ptr, tw_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, acc_ptr, done_ptr, out_ptr,
-    stride_xm, stride_om, stride_w13e, stride_w13n, stride_w2e, stride_w2n,
-    stride_s13e, stride_s13n, stride_s13k, stride_s2e, stride_s2n, stride_s2k,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    # Both stages in one launch: the program's BLOCK_I activations are complete after its gate/up rows, so it
-    # multiplies them into w2's matching BLOCK_I columns at once and adds the [H] partial into token m's fp32 row
-    # (atomics at L2). The token's last program to finish converts the row to the output dtype.
-    # Each w2 tile is loaded one step ahead, the first before the gate/up rows: with BLOCK_K = BLOCK_H = H a
-    # program has all its bytes in flight at once.
-    pair = tl.program_id(0)
-    row0 = tl.program_id(1) * BLOCK_I
-    m = pair // TOP_K
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    offs_i = row0 + tl.arange(0, BLOCK_I)
-    offs_h = tl.arange(0, BLOCK_H)
-    w_ptrs = w2_ptr + e * stride_w2e + offs_h[:, None] * stride_w2n + offs_i[None, :]
-    i_mask = (offs_i < I)[None, :]
-    w = tl.load(w_ptrs, mask=(offs_h < H)[:, None] & i_mask, other=0.0, eviction_policy="evict_first")
-    acc_g, acc_u = _gate_up_dots(x_ptr, m, e, w13_ptr, s13_ptr, row0,
-                                 stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_s13k,
-                                 H, I, FP8, SBN, SBK, BLOCK_I, BLOCK_K)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * tl.load(tw_ptr + pair).to(tl.float32)
-    acc_row = acc_ptr + m * H + offs_h
-    for h0 in range(0, H, BLOCK_H):
-        h_mask = offs_h < H - h0
-        part = tl.sum(w.to(tl.float32) * act[None, :], axis=1)
-        w = tl.load(w_ptrs + (h0 + BLOCK_H) * stride_w2n, mask=(offs_h < H - h0 - BLOCK_H)[:, None] & i_mask,
-                    other=0.0, eviction_policy="evict_first")
-        if FP8:  # the program's columns lie inside one SBK column block: one scale per w2 row
-            s_ptrs = s2_ptr + e * stride_s2e + ((h0 + offs_h) // SBN) * stride_s2n + (row0 // SBK) * stride_s2k
-            part = part * tl.load(s_ptrs, mask=h_mask, other=0.0)
-        tl.atomic_add(acc_row + h0, part, mask=h_mask, sem="relaxed")
-    tl.debug_barrier()  # every thread's adds are issued before the release below
-    done = tl.atomic_add(done_ptr + m, 1, sem="acq_rel")
-    if done == TOP_K * tl.cdiv(I, BLOCK_I) - 1:
-        for h0 in range(0, H, BLOCK_H):
-            h_mask = offs_h < H - h0
-            v = tl.load(acc_row + h0, mask=h_mask, other=0.0, cache_modifier=".cg")  # from L2, where the adds are
-            tl.store(out_ptr + m * stride_om + h0 + offs_h, v.to(out_ptr.dtype.element_ty), mask=h_mask)
+    tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
 
 
 @triton.jit
@@ -188,11 +128,6 @@ class GemvConfig:
     num_warps1: int = 4
     num_warps2: int = 4
     pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
-    # One launch instead of two (_gemv_fused_kernel): block_n1 is then BLOCK_I (rows of I per program, and the
-    # same columns of w2), block_k1 and num_warps1 its stage-1 K step and warps, block_h its w2 rows per step;
-    # the stage-2 fields and pdl are unused. Its fp32 sums of the k experts are atomics, so their order varies.
-    fused: bool = False
-    block_h: int = 256
 
 
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
@@ -241,7 +176,7 @@ def gemv_moe(
     block_shape: tuple[int, int] | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """Launch both stages (or the fused kernel); `config` overrides DEFAULT_TILES."""
+    """Launch both stages; `config` overrides DEFAULT_TILES."""
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -249,31 +184,19 @@ def gemv_moe(
     sbn, sbk = block_shape if fp8 else (1, 1)
     kp = triton.next_power_of_2(top_k)
     cfg = config or default_gemv_config(m, fp8)
-    if any(v < 1 or v & (v - 1) for v in (cfg.block_n1, cfg.rows2, cfg.block_h)):
-        raise ValueError(f"gemv config {cfg}: block_n1, rows2 and block_h must be powers of two")
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n1, cfg.rows2)):
+        raise ValueError(f"gemv config {cfg}: block_n1 and rows2 must be powers of two")
     bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
     if fp8:  # a program's rows must lie inside one SBN row block: one weight scale row per program
         bn1, bn2 = math.gcd(bn1, sbn), math.gcd(bn2, sbn)
-    if cfg.fused and fp8:  # and the fused kernel's w2 columns inside one SBK column block
-        bn1 = math.gcd(bn1, sbk)
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
-    s13 = w13_scale if fp8 else w13
-    s2 = w2_scale if fp8 else w2
+    act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(m, h, dtype=hidden.dtype, device=hidden.device)
+    s13 = w13_scale if fp8 else act
+    s2 = w2_scale if fp8 else act
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
-    out = torch.empty(m, h, dtype=hidden.dtype, device=hidden.device)
-    if cfg.fused:  # one zeroed buffer holds the fp32 output rows and the per-token done counts
-        work = torch.zeros(m * h + m, dtype=torch.int32, device=hidden.device)
-        _gemv_fused_kernel[(m * top_k, triton.cdiv(inter, bn1))](
-            hidden, ids, tw, w13, w2, s13, s2, work[: m * h].view(torch.float32), work[m * h :], out,
-            hidden.stride(0), out.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-            *s13_strides, *s2_strides,
-            H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_I=bn1,
-            BLOCK_K=block_k_for(h, cfg.block_k1), BLOCK_H=cfg.block_h, num_warps=cfg.num_warps1,
-        )
-        return out
-    act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
     pdl = cfg.pdl and pdl_supported(hidden.device)
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
@@ -288,4 +211,3 @@ def gemv_moe(
         BLOCK_K=block_k_for(inter, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out
-
