@@ -5,6 +5,7 @@
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
 #                                                        #   gpu-tests backend-tests calibrate calibrate-fp8 moe-profile
 #                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped
+#                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -51,10 +52,16 @@ for s in "${stages[@]}"; do
             tests/test_backends_gemv.py tests/test_backends_torch_grouped.py tests/test_moe_op.py ;;
         moe-sweep-grouped) run_stage moe-sweep-grouped 280 python3 bench/moe.py --sweep-only --sweep-budget 220 \
             --sweep-ms "grouped=1024,4096;gemv=" ;;
+        moe-ncu) run_stage moe-ncu 300 bash -c 'for a in "bf16 1024" "fp8 1024" "fp8 4096"; do set -- $a
+            ncu --clock-control none -k "regex:_gemm[12]_kernel" --launch-skip 2 --launch-count 2 \
+                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+                --section SchedulerStats --section Occupancy --section LaunchStats --print-summary none \
+                -o "$OUT/ncu-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
+            ncu --import "$OUT/ncu-$1-$2.ncu-rep" --print-units base; done' ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-ncu moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
     esac
 done
 rm -rf "$RES/inductor"

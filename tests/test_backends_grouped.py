@@ -152,6 +152,32 @@ def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
     assert relerr(out, legacy_ref(inp)) < bound
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tile2", [dict(block_m=16), dict(block_m=32, half=True)], ids=["gemm2 sub-blocks", "gemm2 half"])
+def test_half_tiles_and_gemm2_sub_blocks(fp8: bool, tile2: dict) -> None:
+    """GEMM 1 at BLOCK_M 32 with half tiles: expert 1's 40 rows run one full tile and one 16-row tile (8 rows), the
+    other experts' ~13 rows half tiles. GEMM 2 either runs 16-row tiles inside the 32-row align blocks (skipping the
+    all-padding ones) or half tiles too, reading rows GEMM 1's half tiles never wrote only as padding. Every
+    variant matches legacy."""
+    from backends_util import quant_block
+
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+
+    dev = kernel_device()
+    inp = make_inputs(40, torch.float32, "one_expert", device=dev)
+    kw: dict = {}
+    if fp8:
+        inp["w13"], s13 = quant_block(inp["w13"])
+        inp["w2"], s2 = quant_block(inp["w2"])
+        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
+    base = dict(block_n=32, block_k=32, group_m=2, num_stages=2)
+    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
+                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"),
+                    config=GemmConfig(block_m=32, half=True, **base), config2=GemmConfig(**(base | tile2)))
+    bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
+    assert relerr(out, legacy_ref(inp)) < bound
+
+
 def test_fp8_running_scale_equals_per_step_scaling() -> None:
     """A running-scale accumulator (rescaled by previous / current scale each K step) gives the per-step scaled sum,
     also with a zero weight scale (an all-zero block): GEMM 1 with one scale per tile, GEMM 2 with a tile wider than

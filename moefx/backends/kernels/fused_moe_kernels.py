@@ -62,6 +62,8 @@ class GemmConfig:
     tma: bool = False  # weight (and GEMM 2 activation) tiles through TMA descriptors; CUDA capability >= 9
     pdl: bool = True  # launched as a programmatic dependent of the kernel before it (capability >= 9)
     running: bool = False  # FP8: a running-scale accumulator (one dot into it per K step, no dot result tile)
+    # a block with at most block_m / 2 rows (an expert's last, partly padded block) runs a block_m / 2-row tile
+    half: bool = False
 
 
 _C = GemmConfig
@@ -168,7 +170,7 @@ def _gemm1_kernel(
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_pid_m,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ALIGN_M: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
@@ -176,10 +178,38 @@ def _gemm1_kernel(
     if PDL:
         gdc_wait()  # the align (and activation quant) results are visible from here on
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    row0 = pid_m * BLOCK_M
+    if row0 >= tl.load(num_post_ptr):
         return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if tl.load(sorted_ptr + row0) >= num_pairs:  # BLOCK_M < ALIGN_M: a tile of its align block's padding only
+        return
+    e = tl.load(expert_ids_ptr + row0 // ALIGN_M).to(tl.int64)
+    if HALF:
+        n_rows = tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32))
+        if n_rows <= BLOCK_M // 2:
+            _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
+                        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
+                        BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
+        else:
+            _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
+                        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
+                        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
+    else:
+        _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
+                    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
+                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
+
+
+@triton.jit
+def _gemm1_tile(
+    a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
+):
+    """Rows row0 .. row0 + BLOCK_M of the sorted pairs (one expert, e) times gate/up column tile pid_n."""
+    pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     tok = (pairs // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,7 +271,7 @@ def _gemm1_kernel(
         acc_g = _scaled(acc_g, last_a, _w_scale_at(g_s_ptrs, (H - 1) // SBK, stride_sk, n_mask, PER_COL), PER_COL)
         acc_u = _scaled(acc_u, last_a, _w_scale_at(u_s_ptrs, (H - 1) // SBK, stride_sk, n_mask, PER_COL), PER_COL)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # padding rows: a = 0, so act = 0
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # sorted position: GEMM 2 reads row blocks
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # sorted position: GEMM 2 reads row blocks
     out_ptrs = out_ptr + rows[:, None] * I + offs_n[None, :]
     out_mask = n_mask[None, :]
     if FP8:
@@ -256,11 +286,11 @@ def _gemm1_kernel(
 
 @triton.jit
 def _gemm2_kernel(
-    a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr,
+    a_ptr, a_desc, a_desc_half, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr,
     sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_pid_m,
     stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr,
-    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ALIGN_M: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
@@ -268,13 +298,41 @@ def _gemm2_kernel(
     if PDL:
         gdc_wait()  # GEMM 1's intermediate is visible from here on
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    row0 = pid_m * BLOCK_M
+    if row0 >= tl.load(num_post_ptr):
         return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if tl.load(sorted_ptr + row0) >= num_pairs:  # as in GEMM 1
+        return
+    e = tl.load(expert_ids_ptr + row0 // ALIGN_M).to(tl.int64)
+    if HALF:
+        n_rows = tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32))
+        if n_rows <= BLOCK_M // 2:
+            _gemm2_tile(a_ptr, a_desc_half, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
+                        row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
+                        BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
+        else:
+            _gemm2_tile(a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
+                        row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
+                        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
+    else:
+        _gemm2_tile(a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
+                    row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
+                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
+
+
+@triton.jit
+def _gemm2_tile(
+    a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
+    stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, RUNNING: tl.constexpr,
+):
+    """Rows row0 .. row0 + BLOCK_M of the sorted intermediate (one expert, e) times w2 column tile pid_n."""
+    pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     rows = pairs.to(tl.int64)
-    sorted_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # GEMM 1 wrote the intermediate here
+    sorted_rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # GEMM 1 wrote the intermediate here
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
@@ -283,7 +341,10 @@ def _gemm2_kernel(
     w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)  # TMA: w2 viewed as [E * H, I]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
-    if FP8:  # as in GEMM 1; GEMM 1 wrote every row's activation scale (> 0), padding rows included
+    # FP8: as in GEMM 1. GEMM 1 wrote every row's activation scale (> 0), padding rows included, except in the rows
+    # its half tiles left out: those hold whatever was there, which (a row of the product depending only on its
+    # own row of A) reaches only padding rows' results, never stored.
+    if FP8:
         a_s_ptrs = as_ptr + sorted_rows * (I // SBK)
         w_s_ptrs = ws_ptr + e * stride_se + _scale_rows(pid_n, offs_n, 0, SBN, BLOCK_N, PER_COL) * stride_sn
         if RUNNING:
@@ -292,7 +353,7 @@ def _gemm2_kernel(
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         if TMA:
-            a = a_desc.load([pid_m * BLOCK_M, k0])
+            a = a_desc.load([row0, k0])
             w = w_desc.load([w_row, k0]).T
         else:
             a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
@@ -367,10 +428,12 @@ def default_tiles(m: int, top_k: int, num_experts: int, fp8: bool) -> tuple[Gemm
 def normalize_tiles(
     cfg1: GemmConfig, cfg2: GemmConfig, block_shape: tuple[int, int] | None
 ) -> tuple[GemmConfig, GemmConfig]:
-    """The tiles that actually run: GEMM 2 takes GEMM 1's BLOCK_M (one align); FP8: GEMM 1's BLOCK_N is the
-    quant block's k (one activation group per tile row) and BLOCK_K must divide it (one scale per K step) and be
-    at least 32 where the block allows."""
-    cfg2 = replace(cfg2, block_m=cfg1.block_m)
+    """The tiles that actually run: GEMM 1's BLOCK_M is the align block, GEMM 2's divides it (else it takes GEMM 1's);
+    `half` needs a half tile of at least 16 rows; FP8: GEMM 1's BLOCK_N is the quant block's k (one activation group
+    per tile row) and BLOCK_K must divide it (one scale per K step) and be at least 32 where the block allows."""
+    if cfg2.block_m > cfg1.block_m or cfg1.block_m % cfg2.block_m:
+        cfg2 = replace(cfg2, block_m=cfg1.block_m)
+    cfg1, cfg2 = (replace(c, half=c.half and c.block_m >= 32) for c in (cfg1, cfg2))
     if block_shape is None:
         return cfg1, cfg2
     sbk = block_shape[1]
@@ -415,7 +478,7 @@ def fused_moe(
         cfg2 = fit_shared_memory(cfg2, 1, w2.element_size(), limit, min_k)
     num_pairs = m * top_k
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
-    num_pid_m = expert_ids.numel()
+    align_m = cfg1.block_m
     rows = sorted_ids.numel()  # the intermediate is stored in sorted (padded) order
     dev = hidden.device
     tw = topk_weights.reshape(-1).contiguous()
@@ -433,12 +496,13 @@ def fused_moe(
         s13_strides = s2_strides = (0, 0, 0)
     pdl1, pdl2 = (cfg.pdl and pdl_supported(dev) for cfg in (cfg1, cfg2))
     w13_desc = _weight_desc(w13, cfg1.block_n, cfg1.block_k) if cfg1.tma else w13
+    num_pid_m = rows // cfg1.block_m
     grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
     _gemm1_kernel[grid1](
         a, a_s, w13, w13_desc, s13, inter_buf, inter_s,
         sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
         a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg1.half,
         BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
         INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
         num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
@@ -447,15 +511,18 @@ def fused_moe(
     pair_out = torch.empty(num_pairs, h, dtype=hidden.dtype, device=dev)
     if cfg2.tma:
         a2_desc = TensorDescriptor.from_tensor(inter_buf, [cfg2.block_m, cfg2.block_k])
+        a2_half = TensorDescriptor.from_tensor(inter_buf, [cfg2.block_m // 2, cfg2.block_k]) if cfg2.half else a2_desc
         w2_desc = _weight_desc(w2, cfg2.block_n, cfg2.block_k)
     else:
-        a2_desc, w2_desc = inter_buf, w2
+        a2_desc = a2_half = inter_buf
+        w2_desc = w2
+    num_pid_m = rows // cfg2.block_m
     grid2 = (num_pid_m * triton.cdiv(h, cfg2.block_n),)
     _gemm2_kernel[grid2](
-        inter_buf, a2_desc, inter_s, w2, w2_desc, s2, pair_out, tw,
+        inter_buf, a2_desc, a2_half, inter_s, w2, w2_desc, s2, pair_out, tw,
         sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
         w2.stride(0), w2.stride(1), *s2_strides,
-        H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk,
+        H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg2.half,
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
         INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running,
         num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
