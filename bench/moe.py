@@ -313,7 +313,8 @@ GEMV_TILE_ELEMS = 256  # weight elements per thread per K step above which a gem
 TRIAL_US = 30_000.0  # one timing trial replays the graph for about this long
 TRIALS = 3
 GROUPED_AXES = {"num_warps": (8, 4), "block_n": (256, 64, 128), "group_m": (16, 1, 8), "num_stages": (4, 3, 5),
-                "block_k": (128, 64, 32), "tma": (True, False), "pdl": (False,)}  # a budget cut drops the tail
+                "block_k": (128, 64, 32), "tma": (True, False), "pdl": (False,),
+                "half": (True, False)}  # a budget cut drops the tail
 GEMV_AXES = {1: {"block_k1": (1024, 2048, 512, 256), "block_n1": (4, 8, 16, 2, 32), "num_warps1": (4, 8, 2)},
              2: {"block_k2": (256, 512, 128, 1024), "rows2": (32, 64, 16, 128, 8), "num_warps2": (4, 8, 2)}}
 
@@ -433,6 +434,7 @@ def tiles_text(kind: str, tiles: tuple) -> str:
                 + ("" if c.pdl else " nopdl"))
     return " | ".join(f"g{i + 1} {c.block_m}x{c.block_n}x{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
                       + (" tma" if c.tma else "") + ("" if c.pdl else " nopdl") + (" run" if c.running else "")
+                      + (" half" if c.half else "")
                       for i, c in enumerate(tiles))
 
 

@@ -203,12 +203,12 @@ def test_fp8_running_scale_equals_per_step_scaling() -> None:
 def test_default_tiles_cover_every_m_and_fit_fp8_blocks() -> None:
     import math
 
-    from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES, default_tiles
+    from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES, default_tiles, normalize_tiles
 
     for kind, rows in DEFAULT_TILES.items():
         assert rows[-1][0] == math.inf and [r[0] for r in rows] == sorted(r[0] for r in rows)
         for _, cfg1, cfg2 in rows:
-            assert cfg1.block_m == cfg2.block_m
+            assert cfg1.block_m % cfg2.block_m == 0 and normalize_tiles(cfg1, cfg2, None) == (cfg1, cfg2)
             if kind == "fp8":
                 assert cfg1.block_n == 128 and 128 % cfg1.block_k == 0 and 128 % cfg2.block_k == 0
     assert default_tiles(1, 8, 128, fp8=False)[0].block_m == 16
@@ -246,6 +246,19 @@ def test_fp8_at_large_m_takes_the_running_scale_tiles() -> None:
     assert all(cfg.running and cfg.block_m == 128 for cfg in default_tiles(300, K, E, fp8=True))
     out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
     assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_default_tiles_between_32_and_128_rows_per_expert(fp8: bool) -> None:
+    """~50 rows per expert: GEMM 1 aligns at 128 with half tiles, GEMM 2 runs 64-row tiles inside; matches legacy."""
+    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe
+
+    dev = kernel_device()
+    cfg1, cfg2 = default_tiles(100, K, E, fp8)
+    assert (cfg1.block_m, cfg1.half, cfg2.block_m) == (128, True, 64)
+    inp = make_inputs(100, torch.float32, device=dev, fp8=fp8)
+    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    assert relerr(out, legacy_ref(inp)) < (FP8_VS_LEGACY if fp8 else 5e-3 if dev == "cuda" else 1e-5)
 
 
 def test_fp32_weights_at_large_m_with_default_tiles() -> None:
