@@ -153,7 +153,8 @@ def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("tile2", [dict(block_m=16), dict(block_m=32, half=True)], ids=["gemm2 sub-blocks", "gemm2 half"])
+@pytest.mark.parametrize("tile2", [dict(block_m=16), dict(block_m=32, half=True)],
+                         ids=["gemm2 sub-blocks", "gemm2 half"])
 def test_half_tiles_and_gemm2_sub_blocks(fp8: bool, tile2: dict) -> None:
     """GEMM 1 at BLOCK_M 32 with half tiles: expert 1's 40 rows run one full tile and one 16-row tile (8 rows), the
     other experts' ~13 rows half tiles. GEMM 2 either runs 16-row tiles inside the 32-row align blocks (skipping the

@@ -6,7 +6,9 @@ projection never reaches memory: it writes silu(gate) * up. GEMM 2 (down): same 
 each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (`topk_sum`: fp32
 accumulation, one write in hidden's dtype; H200: 6.5 µs at M=1024 and 37.5 at 4096, torch's sum 12.4 and 52.4). The
 [pairs, I] intermediate is stored in the padded sorted order (row = position in `sorted_ids`, padding rows
-written as zeros), so GEMM 2 reads contiguous row blocks.
+written as zeros except those a half tile leaves out), so GEMM 2 reads contiguous row blocks. GEMM 1's BLOCK_M is
+the align block; GEMM 2's may divide it (its tiles of only padding return at once), so GEMM 1 can take one block
+per expert while GEMM 2 keeps smaller tiles.
 GemmConfig switches (all off by default unless DEFAULT_TILES says otherwise; Hopper and later):
 `tma` loads weight tiles (and GEMM 2's intermediate tiles) through tensor descriptors; GEMM 1's activation rows
 are gathered by token, so they stay pointer loads. `pdl` launches each kernel as a programmatic dependent
@@ -15,6 +17,11 @@ dot's result tile live beside the accumulator (sm_90a: GEMM 1 at BLOCK_M 128 spi
 accumulator, `acc = dot(a, w, acc * s_{k-1} / s_k)` and one multiply by the last step's scales after the loop,
 needs no second tile, so BLOCK_M 128 fits (H200, M=4096: 708 -> 530 µs). The same tile is ~5% slower with it
 (the rescale must finish before the dot is issued), so the defaults use it only where the larger tile pays.
+`half`: a block with at most BLOCK_M/2 valid rows (an expert's last, mostly padding) runs a BLOCK_M/2-row tile,
+a second copy of the K loop behind a runtime branch (both pipelined; shared memory is shared between them), so
+padding rows cost fewer MMAs (H200, bf16 M=4096: ~3-5% per call). The rows it leaves out are never written;
+a row of the product depends only on its own row of A, so what they hold reaches only padding rows' results,
+which are never stored.
 Program order: GROUP_M consecutive blocks (mostly one expert) sweep all N tiles together, so a
 weight tile is fetched from HBM once and reused from L2 by the expert's other blocks, and an
 activation tile is reused across N tiles.
@@ -69,7 +76,7 @@ class GemmConfig:
 _C = GemmConfig
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
 # (largest average rows per expert = M * top_k / E, GEMM 1 tile, GEMM 2 tile), first match wins. Small
-# BLOCK_M while bandwidth-bound, larger tiles as the FLOPs grow. Both GEMMs share BLOCK_M (one align).
+# BLOCK_M while bandwidth-bound, larger tiles as the FLOPs grow. GEMM 2's BLOCK_M divides GEMM 1's (the align).
 # FP8: GEMM 1's BLOCK_N is the quant block's k (its epilogue writes one activation group per tile row) and
 # BLOCK_K must divide it (fused_moe enforces both). Picked from the H200 sweeps in bench/NOTES-moe.md:
 # adopting a `bench/moe.py --sweep` result is an edit of these rows.
