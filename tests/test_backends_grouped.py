@@ -128,28 +128,35 @@ TILE_CASES = {
 }
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("case", list(TILE_CASES))
-def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
-    """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it), and weight tiles through TMA
-    descriptors or pointer loads: all match legacy."""
+def _fused_relerr_and_bound(m: int, case: str, fp8: bool, config, config2) -> tuple[float, float]:
+    """fused_moe at the given tiles vs legacy on fresh inputs (block-quantized weights when fp8), and its bound."""
     from backends_util import quant_block
 
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+    from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
     dev = kernel_device()
-    inp = make_inputs(9, torch.float32, "zero_experts", device=dev)
+    inp = make_inputs(m, torch.float32, case, device=dev)
     kw: dict = {}
     if fp8:
         inp["w13"], s13 = quant_block(inp["w13"])
         inp["w2"], s2 = quant_block(inp["w2"])
         kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
-    tile1, tile2 = TILE_CASES[case]
     out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), config=GemmConfig(**tile1),
-                    config2=GemmConfig(**tile2) if tile2 else None)
-    bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
-    assert relerr(out, legacy_ref(inp)) < bound
+                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), config=config, config2=config2)
+    return relerr(out, legacy_ref(inp)), FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
+    """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it), and weight tiles through TMA
+    descriptors or pointer loads: all match legacy."""
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig
+
+    tile1, tile2 = TILE_CASES[case]
+    err, bound = _fused_relerr_and_bound(9, "zero_experts", fp8, GemmConfig(**tile1),
+                                         GemmConfig(**tile2) if tile2 else None)
+    assert err < bound
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -160,23 +167,12 @@ def test_half_tiles_and_gemm2_sub_blocks(fp8: bool, tile2: dict) -> None:
     other experts' ~13 rows half tiles. GEMM 2 either runs 16-row tiles inside the 32-row align blocks (skipping the
     all-padding ones) or half tiles too, reading rows GEMM 1's half tiles never wrote only as padding. Every
     variant matches legacy."""
-    from backends_util import quant_block
+    from moefx.backends.kernels.fused_moe_kernels import GemmConfig
 
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
-
-    dev = kernel_device()
-    inp = make_inputs(40, torch.float32, "one_expert", device=dev)
-    kw: dict = {}
-    if fp8:
-        inp["w13"], s13 = quant_block(inp["w13"])
-        inp["w2"], s2 = quant_block(inp["w2"])
-        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
     base = dict(block_n=32, block_k=32, group_m=2, num_stages=2)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"),
-                    config=GemmConfig(block_m=32, half=True, **base), config2=GemmConfig(**(base | tile2)))
-    bound = FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
-    assert relerr(out, legacy_ref(inp)) < bound
+    err, bound = _fused_relerr_and_bound(40, "one_expert", fp8, GemmConfig(block_m=32, half=True, **base),
+                                         GemmConfig(**(base | tile2)))
+    assert err < bound
 
 
 def test_fp8_running_scale_equals_per_step_scaling() -> None:
