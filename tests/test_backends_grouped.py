@@ -160,13 +160,13 @@ def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("tile2", [dict(block_m=16), dict(block_m=32, half=True)],
-                         ids=["gemm2 sub-blocks", "gemm2 half"])
+@pytest.mark.parametrize("tile2", [dict(block_m=16), dict(block_m=32, half=True), dict(block_m=32)],
+                         ids=["gemm2 sub-blocks", "gemm2 half", "gemm2 full blocks"])
 def test_half_tiles_and_gemm2_sub_blocks(fp8: bool, tile2: dict) -> None:
     """GEMM 1 at BLOCK_M 32 with half tiles: expert 1's 40 rows run one full tile and one 16-row tile (8 rows), the
     other experts' ~13 rows half tiles. GEMM 2 either runs 16-row tiles inside the 32-row align blocks (skipping the
-    all-padding ones) or half tiles too, reading rows GEMM 1's half tiles never wrote only as padding. Every
-    variant matches legacy."""
+    all-padding ones), half tiles too, or full 32-row tiles that read the rows GEMM 1's half tiles never wrote (as
+    padding only: their results are not stored). Every variant matches legacy."""
     from moefx.backends.kernels.fused_moe_kernels import GemmConfig
 
     base = dict(block_n=32, block_k=32, group_m=2, num_stages=2)
