@@ -153,6 +153,12 @@ def _w_scale_at(ptrs, kg, stride_sk, n_mask, PER_COL: tl.constexpr):
 
 
 @triton.jit
+def _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M: tl.constexpr):
+    """Whether the block at sorted row row0 holds at most BLOCK_M / 2 pairs (padding comes last in a block)."""
+    return tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32)) <= BLOCK_M // 2
+
+
+@triton.jit
 def _to_e4m3(x, EXACT: tl.constexpr):
     if EXACT:
         # round to nearest on the e4m3 grid (3 mantissa bits, min normal exponent -6) in fp32 first
@@ -198,16 +204,13 @@ def _gemm1_kernel(
     if tl.load(sorted_ptr + row0) >= num_pairs:  # BLOCK_M < ALIGN_M: a tile of its align block's padding only
         return
     e = tl.load(expert_ids_ptr + row0 // ALIGN_M).to(tl.int64)
+    half_tile = False  # a runtime branch only when HALF: without it the half-tile loop is not compiled at all
     if HALF:
-        n_rows = tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32))
-        if n_rows <= BLOCK_M // 2:
-            _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
-                        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
-                        BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
-        else:
-            _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
-                        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
-                        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
+        half_tile = _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M)
+    if half_tile:
+        _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
+                    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
     else:
         _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
@@ -318,16 +321,13 @@ def _gemm2_kernel(
     if tl.load(sorted_ptr + row0) >= num_pairs:  # as in GEMM 1
         return
     e = tl.load(expert_ids_ptr + row0 // ALIGN_M).to(tl.int64)
+    half_tile = False  # as in GEMM 1
     if HALF:
-        n_rows = tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32))
-        if n_rows <= BLOCK_M // 2:
-            _gemm2_tile(a_ptr, a_desc_half, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
-                        row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
-                        BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
-        else:
-            _gemm2_tile(a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
-                        row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
-                        BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
+        half_tile = _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M)
+    if half_tile:
+        _gemm2_tile(a_ptr, a_desc_half, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
+                    row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
     else:
         _gemm2_tile(a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
                     row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
