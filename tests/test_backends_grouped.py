@@ -266,3 +266,31 @@ def test_fp32_weights_at_large_m_with_default_tiles() -> None:
     inp = make_inputs(300, torch.float32, device=dev)
     out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
     assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_default_tiles_compile_for_sm90(kind: str) -> None:
+    """Every DEFAULT_TILES row's GEMM 1 and GEMM 2 compile for sm_90a (the H200) as fused_moe launches them, fit its
+    shared memory and spill no registers: the GPU compiler sees branches the interpreter never runs
+    (tests/compile_sm90.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton.backends
+
+    from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_sm90.py")
+    done = subprocess.run([sys.executable, str(script), kind], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(DEFAULT_TILES[kind])
+    h200_shared_memory = 227 * 1024
+    kernels = [r[g] for r in rows for g in ("gemm1", "gemm2")]
+    assert all(0 < k["smem"] <= h200_shared_memory and k["spill"] == 0 for k in kernels), rows

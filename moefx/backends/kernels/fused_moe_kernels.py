@@ -204,10 +204,10 @@ def _gemm1_kernel(
     if tl.load(sorted_ptr + row0) >= num_pairs:  # BLOCK_M < ALIGN_M: a tile of its align block's padding only
         return
     e = tl.load(expert_ids_ptr + row0 // ALIGN_M).to(tl.int64)
-    half_tile = False  # a runtime branch only when HALF: without it the half-tile loop is not compiled at all
-    if HALF:
-        half_tile = _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M)
-    if half_tile:
+    # HALF: a runtime branch between the two tiles. Without HALF the `and` stops at the constexpr and the half tile is
+    # not compiled at all (a `half_tile = False` variable would be a runtime value: both calls compiled, GEMM 2's
+    # with a descriptor of the wrong block, which the GPU compiler rejects and the interpreter never sees).
+    if HALF and _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M):
         _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
                     BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
@@ -321,10 +321,7 @@ def _gemm2_kernel(
     if tl.load(sorted_ptr + row0) >= num_pairs:  # as in GEMM 1
         return
     e = tl.load(expert_ids_ptr + row0 // ALIGN_M).to(tl.int64)
-    half_tile = False  # as in GEMM 1
-    if HALF:
-        half_tile = _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M)
-    if half_tile:
+    if HALF and _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M):  # as in GEMM 1
         _gemm2_tile(a_ptr, a_desc_half, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
                     row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
                     BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)

@@ -1,0 +1,91 @@
+"""Compile the grouped GEMM kernels at every DEFAULT_TILES row for sm_90a (H200) without a GPU; print one JSON line.
+
+The interpreter runs only the branches a test takes, so a branch that the GPU compiler rejects (a tile compiled
+with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe launches, with the same
+argument types and descriptor blocks. Run without TRITON_INTERPRET (test_backends_grouped.py starts it so).
+Usage: python tests/compile_sm90.py [bf16|fp8]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from moefx.backends.kernels import fused_moe_kernels as fmk
+
+# Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
+H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
+PTR_ARGS = ("sorted_ptr", "expert_ids_ptr", "num_post_ptr")
+# what the JIT sees at that geometry: 16-byte aligned tensors, row and expert strides divisible by 16
+DIVISIBLE = re.compile(r"_ptr$|^stride_(am|we|wn)$")
+
+
+def _signature(fn, types: dict[str, str], consts: dict) -> dict[str, str]:
+    return {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+
+
+def _compile(fn, types: dict[str, str], consts: dict, cfg: fmk.GemmConfig) -> dict:
+    """Shared memory, registers and spilled bytes (ptxas -v) of one kernel."""
+    names = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and DIVISIBLE.search(n)}
+    src = ASTSource(fn, _signature(fn, types, consts), constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, check=True).stderr
+    return dict(smem=kernel.metadata.shared, regs=int(re.search(r"Used (\d+) registers", info)[1]),
+                spill=int(re.search(r"(\d+) bytes spill stores", info)[1]))
+
+
+def _common(cfg: fmk.GemmConfig, fp8: bool, align_m: int) -> dict:
+    return dict(FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], ALIGN_M=align_m, HALF=cfg.half, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, INTERPRET=False, TMA=cfg.tma,
+                PDL=cfg.pdl, RUNNING=cfg.running)
+
+
+def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[dict, dict]:
+    """GEMM 1's and GEMM 2's resources at these tiles, compiled as fused_moe launches them."""
+    fp8 = kind == "fp8"
+    cfg1, cfg2 = fmk.normalize_tiles(cfg1, cfg2, BLOCK_SHAPE if fp8 else None)
+    w = "fp8e4nv" if fp8 else "bf16"
+
+    def desc(cfg: fmk.GemmConfig, rows: int) -> str:
+        return f"tensordesc<{w}[{rows}, {cfg.block_k}]>" if cfg.tma else f"*{w}"
+
+    base = {n: "*i32" for n in PTR_ARGS}
+    types1 = base | dict(a_ptr=f"*{w}", as_ptr="*fp32", w_ptr=f"*{w}", w_desc=desc(cfg1, cfg1.block_n),
+                         ws_ptr="*fp32", out_ptr=f"*{w}", os_ptr="*fp32")
+    gemm1 = _compile(fmk._gemm1_kernel, types1, dict(H=H, I=I, TOP_K=TOP_K) | _common(cfg1, fp8, cfg1.block_m), cfg1)
+    # fused_moe passes the full-block descriptor as the half one when the tile has no half path
+    types2 = base | dict(a_ptr=f"*{w}", a_desc=desc(cfg2, cfg2.block_m),
+                         a_desc_half=desc(cfg2, cfg2.block_m // 2 if cfg2.half else cfg2.block_m), as_ptr="*fp32",
+                         w_ptr=f"*{w}", w_desc=desc(cfg2, cfg2.block_n), ws_ptr="*fp32", out_ptr="*bf16",
+                         tw_ptr="*fp32")
+    gemm2 = _compile(fmk._gemm2_kernel, types2, dict(H=H, I=I) | _common(cfg2, fp8, cfg1.block_m), cfg2)
+    return gemm1, gemm2
+
+
+def main() -> None:
+    kinds = sys.argv[1:] or list(fmk.DEFAULT_TILES)
+    rows = []
+    for kind in kinds:
+        for max_rows, cfg1, cfg2 in fmk.DEFAULT_TILES[kind]:
+            gemm1, gemm2 = compile_row(kind, cfg1, cfg2)
+            rows.append(dict(kind=kind, max_rows=str(max_rows), gemm1=gemm1, gemm2=gemm2))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
