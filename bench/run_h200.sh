@@ -6,6 +6,7 @@
 #                                                        #   gpu-tests backend-tests calibrate calibrate-fp8 moe-profile
 #                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
+#                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -58,10 +59,16 @@ for s in "${stages[@]}"; do
                 --section SchedulerStats --section Occupancy --section LaunchStats --print-summary none \
                 -o "$OUT/ncu-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
             ncu --import "$OUT/ncu-$1-$2.ncu-rep" --print-units base; done' ;;
+        moe-ncu-stalls) run_stage moe-ncu-stalls 400 bash -c 'for a in "fp8 4096" "bf16 4096" "fp8 1024"; do set -- $a
+            ncu --clock-control none -k "regex:_gemm1_kernel" --launch-skip 2 --launch-count 1 \
+                --section WarpStateStats --section SourceCounters --section SpeedOfLight --print-summary none \
+                --metrics "regex:smsp__average_warps?_.*issue_stalled_.*" --import-source no \
+                -o "$OUT/ncu-stalls-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
+            python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-ncu moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
     esac
 done
 rm -rf "$RES/inductor"

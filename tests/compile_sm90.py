@@ -3,7 +3,8 @@
 The interpreter runs only the branches a test takes, so a branch that the GPU compiler rejects (a tile compiled
 with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe launches, with the same
 argument types and descriptor blocks. Run without TRITON_INTERPRET (test_backends_grouped.py starts it so).
-Usage: python tests/compile_sm90.py [bf16|fp8]
+Also the Gluon FP8 GEMM 1 (gluon_fp8.py), which has no interpreter at all, and whether ptxas had to serialize its
+wgmmas (C7514: the waits it cannot follow). Usage: python tests/compile_sm90.py [bf16|fp8|gluon]
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
 
 from moefx.backends.kernels import fused_moe_kernels as fmk
+from moefx.backends.kernels import gluon_fp8
 
 # Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
 H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
@@ -32,21 +39,21 @@ def _signature(fn, types: dict[str, str], consts: dict) -> dict[str, str]:
     return {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
 
 
-def _compile(fn, types: dict[str, str], consts: dict, cfg: fmk.GemmConfig) -> dict:
-    """Shared memory, registers and spilled bytes (ptxas -v) of one kernel."""
+def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int, source=ASTSource) -> dict:
+    """Shared memory, registers, spilled bytes and whether ptxas serialized the wgmmas (C7514) of one kernel."""
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and DIVISIBLE.search(n)}
-    src = ASTSource(fn, _signature(fn, types, consts), constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
+    src = source(fn, _signature(fn, types, consts), constexprs={(names.index(k),): v for k, v in consts.items()},
+                 attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
         info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
                               capture_output=True, text=True, check=True).stderr
     return dict(smem=kernel.metadata.shared, regs=int(re.search(r"Used (\d+) registers", info)[1]),
-                spill=int(re.search(r"(\d+) bytes spill stores", info)[1]))
+                spill=int(re.search(r"(\d+) bytes spill stores", info)[1]), serialized="C7514" in info)
 
 
 def _common(cfg: fmk.GemmConfig, fp8: bool, align_m: int) -> dict:
@@ -67,20 +74,36 @@ def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[
     base = {n: "*i32" for n in PTR_ARGS}
     types1 = base | dict(a_ptr=f"*{w}", as_ptr="*fp32", w_ptr=f"*{w}", w_desc=desc(cfg1, cfg1.block_n),
                          ws_ptr="*fp32", out_ptr=f"*{w}", os_ptr="*fp32")
-    gemm1 = _compile(fmk._gemm1_kernel, types1, dict(H=H, I=I, TOP_K=TOP_K) | _common(cfg1, fp8, cfg1.block_m), cfg1)
+    gemm1 = _compile(fmk._gemm1_kernel, types1, dict(H=H, I=I, TOP_K=TOP_K) | _common(cfg1, fp8, cfg1.block_m),
+                     cfg1.num_warps, cfg1.num_stages)
     # fused_moe passes the full-block descriptor as the half one when the tile has no half path
     types2 = base | dict(a_ptr=f"*{w}", a_desc=desc(cfg2, cfg2.block_m),
                          a_desc_half=desc(cfg2, cfg2.block_m // 2 if cfg2.half else cfg2.block_m), as_ptr="*fp32",
                          w_ptr=f"*{w}", w_desc=desc(cfg2, cfg2.block_n), ws_ptr="*fp32", out_ptr="*bf16",
                          tw_ptr="*fp32")
-    gemm2 = _compile(fmk._gemm2_kernel, types2, dict(H=H, I=I) | _common(cfg2, fp8, cfg1.block_m), cfg2)
+    gemm2 = _compile(fmk._gemm2_kernel, types2, dict(H=H, I=I) | _common(cfg2, fp8, cfg1.block_m),
+                     cfg2.num_warps, cfg2.num_stages)
     return gemm1, gemm2
 
 
+def compile_gluon(block_m: int, num_stages: int = 4) -> dict:
+    """The Gluon FP8 GEMM 1 (gluon_fp8.py) as gemm1_fp8 launches it."""
+    desc = TensorDescriptor.from_tensor(torch.empty(256, H, dtype=torch.float8_e4m3fn), [128, 128],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    types = {n: "*i32" for n in PTR_ARGS} | dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_desc=mangle_type(desc),
+                                                 ws_ptr="*fp32", out_ptr="*fp8e4nv", os_ptr="*fp32")
+    consts = dict(H=H, I=I, TOP_K=TOP_K, SBN=128, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
+                  STAGES=num_stages, num_warps=block_m // 16)
+    return _compile(gluon_fp8._gemm1_fp8_kernel, types, consts, block_m // 16, num_stages, GluonASTSource)
+
+
 def main() -> None:
-    kinds = sys.argv[1:] or list(fmk.DEFAULT_TILES)
+    kinds = sys.argv[1:] or [*fmk.DEFAULT_TILES, "gluon"]
     rows = []
     for kind in kinds:
+        if kind == "gluon":
+            rows += [dict(kind=kind, block_m=bm, gemm1=compile_gluon(bm)) for bm in (64, 128)]
+            continue
         for max_rows, cfg1, cfg2 in fmk.DEFAULT_TILES[kind]:
             gemm1, gemm2 = compile_row(kind, cfg1, cfg2)
             rows.append(dict(kind=kind, max_rows=str(max_rows), gemm1=gemm1, gemm2=gemm2))
