@@ -29,20 +29,24 @@ def main() -> None:
             for v, h in vals[:12]:
                 print(f"   {v:8.2f}  {h.split('issue_stalled_')[1]}")
     src = ncu_csv(rep, "--page", "source", "--print-source", "sass")
-    if not src:
-        print("no source page")
+    at = next((i for i, r in enumerate(src) if any(h.startswith("Warp Stall Sampling (All") for h in r)), None)
+    if at is None:
+        print("no stall samples on the source page; its first rows:", src[:3])
         return
-    head = src[0]
-    print("source page columns:", head[:14])
-    col = next((i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All")), None)
-    if col is None:
-        return
-    body = [r for r in src[1:] if len(r) == len(head) and r[col].replace(",", "").replace(".", "").isdigit()]
-    total = sum(float(r[col].replace(",", "")) for r in body) or 1.0
-    print(f"== top {top} SASS lines by stall samples (of {total:.0f})")
-    for r in sorted(body, key=lambda r: -float(r[col].replace(",", "")))[:top]:
-        print(f"  {100 * float(r[col].replace(',', '')) / total:5.1f}%  {r[0][:10]}  {r[1][:90]}")
+    head = src[at]
+    col = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
+    text = head.index("Source") if "Source" in head else 1
 
+    def samples(r: list[str]) -> float:
+        try:
+            return float(r[col].replace(",", ""))
+        except (ValueError, IndexError):
+            return 0.0
+    body = [r for r in src[at + 1:] if len(r) == len(head)]
+    total = sum(map(samples, body)) or 1.0
+    print(f"== top {top} SASS lines by stall samples (of {total:.0f})")
+    for r in sorted(body, key=samples, reverse=True)[:top]:
+        print(f"  {100 * samples(r) / total:5.1f}%  {r[0][:10]}  {r[text][:100]}")
 
 if __name__ == "__main__":
     main()

@@ -3,8 +3,8 @@
 The interpreter runs only the branches a test takes, so a branch that the GPU compiler rejects (a tile compiled
 with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe launches, with the same
 argument types and descriptor blocks. Run without TRITON_INTERPRET (test_backends_grouped.py starts it so).
-Also the Gluon FP8 GEMM 1 (gluon_fp8.py), which has no interpreter at all, and whether ptxas had to serialize its
-wgmmas (C7514: the waits it cannot follow). Usage: python tests/compile_sm90.py [bf16|fp8|gluon]
+It also reports whether ptxas had to serialize a kernel's wgmmas (C7514: accumulator registers touched while a wgmma
+it cannot prove finished may still write them). Usage: python tests/compile_sm90.py [bf16|fp8]
 """
 
 from __future__ import annotations
@@ -15,18 +15,12 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.jit import mangle_type
 
 from moefx.backends.kernels import fused_moe_kernels as fmk
-from moefx.backends.kernels import gluon_fp8
 
 # Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
 H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
@@ -39,12 +33,12 @@ def _signature(fn, types: dict[str, str], consts: dict) -> dict[str, str]:
     return {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
 
 
-def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int, source=ASTSource) -> dict:
+def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int) -> dict:
     """Shared memory, registers, spilled bytes and whether ptxas serialized the wgmmas (C7514) of one kernel."""
     names = fn.arg_names
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and DIVISIBLE.search(n)}
-    src = source(fn, _signature(fn, types, consts), constexprs={(names.index(k),): v for k, v in consts.items()},
-                 attrs=attrs)
+    src = ASTSource(fn, _signature(fn, types, consts), constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -86,24 +80,10 @@ def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[
     return gemm1, gemm2
 
 
-def compile_gluon(block_m: int, num_stages: int = 4) -> dict:
-    """The Gluon FP8 GEMM 1 (gluon_fp8.py) as gemm1_fp8 launches it."""
-    desc = TensorDescriptor.from_tensor(torch.empty(256, H, dtype=torch.float8_e4m3fn), [128, 128],
-                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    types = {n: "*i32" for n in PTR_ARGS} | dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_desc=mangle_type(desc),
-                                                 ws_ptr="*fp32", out_ptr="*fp8e4nv", os_ptr="*fp32")
-    consts = dict(H=H, I=I, TOP_K=TOP_K, SBN=128, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
-                  STAGES=num_stages, num_warps=block_m // 16)
-    return _compile(gluon_fp8._gemm1_fp8_kernel, types, consts, block_m // 16, num_stages, GluonASTSource)
-
-
 def main() -> None:
-    kinds = sys.argv[1:] or [*fmk.DEFAULT_TILES, "gluon"]
+    kinds = sys.argv[1:] or list(fmk.DEFAULT_TILES)
     rows = []
     for kind in kinds:
-        if kind == "gluon":
-            rows += [dict(kind=kind, block_m=bm, gemm1=compile_gluon(bm)) for bm in (64, 128)]
-            continue
         for max_rows, cfg1, cfg2 in fmk.DEFAULT_TILES[kind]:
             gemm1, gemm2 = compile_row(kind, cfg1, cfg2)
             rows.append(dict(kind=kind, max_rows=str(max_rows), gemm1=gemm1, gemm2=gemm2))

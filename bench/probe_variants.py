@@ -1,0 +1,72 @@
+"""Probe: grouped tile variants against the defaults, A B C A B C in one run, at the M given (default 4096) and
+dtypes (default bf16,fp8); CUDA-graph replay plus the kernel breakdown. The variants are the current experiment's.
+Usage: python3 bench/probe_variants.py [Ms] [dtypes]"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from moe import BACKENDS, kernel_times, quant_block, relerr, routing, time_graph
+
+from moefx.backends.kernels.fused_moe_kernels import GemmConfig, default_tiles, fused_moe, normalize_tiles
+
+E, H, I, K = 128, 2048, 768, 8
+
+
+def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here the eighth session's last one)."""
+    stages = 4 if c1.num_stages == 3 else 3
+    return {"default": (c1, c2), f"g1 s{stages}": (replace(c1, num_stages=stages), c2),
+            "g1 tma " + ("off" if c1.tma else "on"): (replace(c1, tma=not c1.tma), c2),
+            "g1 group 16": (replace(c1, group_m=16), c2)}
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).bfloat16()
+    q13, s13 = quant_block(w13, (128, 128))
+    q2, s2 = quant_block(w2, (128, 128))
+    weights = {"bf16": (w13, w2, None, None, None), "fp8": (q13, q2, s13, s2, (128, 128))}
+    rows = []
+    for m in (int(a) for a in (sys.argv[1] if len(sys.argv) > 1 else "4096").split(",")):
+        for dt, (a13, a2, sc13, sc2, bs) in weights.items():
+            if dt not in (sys.argv[2] if len(sys.argv) > 2 else "bf16,fp8").split(","):
+                continue
+            sets = [(torch.randn(m, H, device="cuda", generator=gen, dtype=torch.bfloat16),
+                     *routing(m, E, K, "cuda", gen)) for _ in range(4)]
+            ref = BACKENDS["legacy"](*sets[0], a13, a2, **({} if bs is None else dict(w13_scale=sc13, w2_scale=sc2,
+                                                                                        block_shape=bs)))
+            vs = variants(*default_tiles(m, K, E, dt == "fp8"))
+            for name in [n for _ in range(2) for n in vs]:
+                t1, t2 = normalize_tiles(*vs[name], bs)
+
+                def call(x, ids, tw, t1=t1, t2=t2, a13=a13, a2=a2, sc13=sc13, sc2=sc2, bs=bs):
+                    return fused_moe(x, ids, tw, a13, a2, sc13, sc2, bs, config=t1, config2=t2)
+                row = dict(M=m, dtype=dt, variant=name)
+                try:
+                    row["relerr"] = relerr(call(*sets[0]), ref)
+                    row["us"] = round(time_graph(lambda c=call, s=sets: [c(*a) for a in s], reps=10, trials=5) / 4, 1)
+                    row |= {k: round(v, 1) for k, v in kernel_times(call, sets).items() if "gemm" in k}
+                except Exception as exc:  # a failure is a result
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                rows.append(row)
+                print(row, flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "probe_variants.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\n{'M':>5} {'dtype':5} {'variant':16} {'us':>7} {'gemm1':>7} {'gemm2':>7} {'relerr':>8}")
+    for r in rows:
+        g1 = next((v for k, v in r.items() if "gemm1" in k), 0)
+        g2 = next((v for k, v in r.items() if "gemm2" in k), 0)
+        print(f"{r['M']:5d} {r['dtype']:5} {r['variant']:16} {r.get('us', 0):7.1f} {g1:7.1f} {g2:7.1f} "
+              f"{r.get('relerr', 0):8.2e} {r.get('error', '')}")
+
+
+if __name__ == "__main__":
+    main()
