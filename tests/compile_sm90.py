@@ -1,4 +1,5 @@
-"""Compile the grouped GEMM kernels at every DEFAULT_TILES row for sm_90a (H200) without a GPU; print one JSON line.
+"""Compile the MoE kernels at every DEFAULT_TILES row (grouped GEMMs, gemv stages) for sm_90a (H200) without a GPU;
+print one JSON line.
 
 The interpreter runs only the branches a test takes, so a branch that the GPU compiler rejects (a tile compiled
 with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe launches, with the same
@@ -21,12 +22,14 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from moefx.backends.kernels import fused_moe_kernels as fmk
+from moefx.backends.kernels import gemv_kernels as gemv
 
 # Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
 H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
 PTR_ARGS = ("sorted_ptr", "expert_ids_ptr", "num_post_ptr")
 # what the JIT sees at that geometry: 16-byte aligned tensors, row and expert strides divisible by 16
-DIVISIBLE = re.compile(r"_ptr$|^stride_(am|we|wn)$")
+LAUNCH_DEFAULT_STAGES = 3  # gemv_moe passes no num_stages: Triton's CUDA default
+DIVISIBLE = re.compile(r"_ptr$|^stride_(am|we|wn|xm|om)$")
 
 
 def _signature(fn, types: dict[str, str], consts: dict) -> dict[str, str]:
@@ -80,10 +83,29 @@ def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[
     return gemm1, gemm2
 
 
+def compile_gemv(kind: str, cfg: gemv.GemvConfig) -> tuple[dict, dict]:
+    """Stage 1's and stage 2's resources at this GemvConfig, compiled as gemv_moe launches it (bf16 hidden, int64 ids,
+    fp32 routing weights and activations)."""
+    fp8 = kind == "fp8"
+    bn1, bk1, bn2, bk2, kp = gemv.stage_tiles(cfg, H, I, TOP_K, BLOCK_SHAPE if fp8 else None)
+    w = "*fp8e4nv" if fp8 else "*bf16"
+    common = dict(H=H, I=I, TOP_K=TOP_K, FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], PDL=cfg.pdl)
+    stage1 = _compile(gemv._gemv_gate_up_kernel,
+                      dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, ws_ptr="*fp32", act_ptr="*fp32"),
+                      common | dict(BLOCK_N=bn1, BLOCK_K=bk1), cfg.num_warps1, LAUNCH_DEFAULT_STAGES)
+    stage2 = _compile(gemv._gemv_down_kernel,
+                      dict(act_ptr="*fp32", ids_ptr="*i64", tw_ptr="*fp32", w_ptr=w, ws_ptr="*fp32", out_ptr="*bf16"),
+                      common | dict(KP=kp, BLOCK_N=bn2, BLOCK_K=bk2), cfg.num_warps2, LAUNCH_DEFAULT_STAGES)
+    return stage1, stage2
+
+
 def main() -> None:
     kinds = sys.argv[1:] or list(fmk.DEFAULT_TILES)
     rows = []
     for kind in kinds:
+        for max_m, cfg in gemv.DEFAULT_TILES[kind]:
+            stage1, stage2 = compile_gemv(kind, cfg)
+            rows.append(dict(kind=f"gemv {kind}", max_rows=str(max_m), gemm1=stage1, gemm2=stage2))
         for max_rows, cfg1, cfg2 in fmk.DEFAULT_TILES[kind]:
             gemm1, gemm2 = compile_row(kind, cfg1, cfg2)
             rows.append(dict(kind=kind, max_rows=str(max_rows), gemm1=gemm1, gemm2=gemm2))

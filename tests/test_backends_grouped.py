@@ -270,9 +270,9 @@ def test_fp32_weights_at_large_m_with_default_tiles() -> None:
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_default_tiles_compile_for_sm90(kind: str) -> None:
-    """Every DEFAULT_TILES row's GEMM 1 and GEMM 2 compile for sm_90a (the H200) as fused_moe launches them, fit its
-    shared memory, spill no registers and keep their wgmmas asynchronous: the GPU compiler sees branches the
-    interpreter never runs (tests/compile_sm90.py)."""
+    """Every DEFAULT_TILES row's GEMM 1 and GEMM 2 (and the gemv stages at theirs) compile for sm_90a (the H200) as
+    fused_moe and gemv_moe launch them, fit its shared memory, spill no registers and keep their wgmmas asynchronous:
+    the GPU compiler sees branches the interpreter never runs (tests/compile_sm90.py)."""
     import json
     import os
     import subprocess
@@ -281,6 +281,7 @@ def test_default_tiles_compile_for_sm90(kind: str) -> None:
 
     import triton.backends
 
+    from moefx.backends.kernels import gemv_kernels
     from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES
 
     if "nvidia" not in triton.backends.backends:
@@ -290,7 +291,7 @@ def test_default_tiles_compile_for_sm90(kind: str) -> None:
     done = subprocess.run([sys.executable, str(script), kind], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(DEFAULT_TILES[kind])
+    assert len(rows) == len(DEFAULT_TILES[kind]) + len(gemv_kernels.DEFAULT_TILES[kind])
     h200_shared_memory = 227 * 1024
     kernels = [r[g] for r in rows for g in ("gemm1", "gemm2")]
     assert all(0 < k["smem"] <= h200_shared_memory and k["spill"] == 0 and not k["serialized"] for k in kernels), rows

@@ -165,6 +165,19 @@ def block_k_for(k: int, wanted: int = 0) -> int:
     return min(triton.next_power_of_2(k), 128)
 
 
+def stage_tiles(
+    cfg: GemvConfig, h: int, inter: int, top_k: int, block_shape: tuple[int, int] | None
+) -> tuple[int, int, int, int, int]:
+    """(stage 1 BLOCK_N, BLOCK_K, stage 2 BLOCK_N, BLOCK_K, KP) as gemv_moe launches `cfg`."""
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n1, cfg.rows2)):
+        raise ValueError(f"gemv config {cfg}: block_n1 and rows2 must be powers of two")
+    kp = triton.next_power_of_2(top_k)
+    bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
+    if block_shape is not None:  # a program's rows must lie inside one SBN row block: one weight scale row each
+        bn1, bn2 = math.gcd(bn1, block_shape[0]), math.gcd(bn2, block_shape[0])
+    return bn1, block_k_for(h, cfg.block_k1), bn2, block_k_for(inter, cfg.block_k2), kp
+
+
 def gemv_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -182,13 +195,8 @@ def gemv_moe(
     inter = w2.shape[2]
     fp8 = w13_scale is not None
     sbn, sbk = block_shape if fp8 else (1, 1)
-    kp = triton.next_power_of_2(top_k)
     cfg = config or default_gemv_config(m, fp8)
-    if any(v < 1 or v & (v - 1) for v in (cfg.block_n1, cfg.rows2)):
-        raise ValueError(f"gemv config {cfg}: block_n1 and rows2 must be powers of two")
-    bn1, bn2 = cfg.block_n1, max(1, cfg.rows2 // kp)
-    if fp8:  # a program's rows must lie inside one SBN row block: one weight scale row per program
-        bn1, bn2 = math.gcd(bn1, sbn), math.gcd(bn2, sbn)
+    bn1, bk1, bn2, bk2, kp = stage_tiles(cfg, h, inter, top_k, block_shape if fp8 else None)
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
@@ -201,13 +209,13 @@ def gemv_moe(
     _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=block_k_for(h, cfg.block_k1),
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1,
         PDL=pdl, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
         out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=block_k_for(inter, cfg.block_k2), PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
+        BLOCK_K=bk2, PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
     )
     return out
