@@ -20,11 +20,11 @@ E, H, I, K = 128, 2048, 768, 8
 
 
 def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
-    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here the eighth session's last one)."""
-    stages = 4 if c1.num_stages == 3 else 3
-    return {"default": (c1, c2), f"g1 s{stages}": (replace(c1, num_stages=stages), c2),
-            "g1 tma " + ("off" if c1.tma else "on"): (replace(c1, tma=not c1.tma), c2),
-            "g1 group 16": (replace(c1, group_m=16), c2)}
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here the eighth session's last one: GEMM 2
+    in 64-row tiles inside GEMM 1's 128-row align blocks, as at M=1024)."""
+    sub = replace(c2, block_m=64, half=False)
+    return {"default": (c1, c2), "g2 64 rows": (c1, sub),
+            "g2 64x128 w4": (c1, replace(sub, block_n=128, num_warps=4, num_stages=3, running=False))}
 
 
 def main() -> None:
