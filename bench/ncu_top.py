@@ -42,11 +42,13 @@ def main() -> None:
             return float(r[col].replace(",", ""))
         except (ValueError, IndexError):
             return 0.0
+
     body = [r for r in src[at + 1:] if len(r) == len(head)]
     total = sum(map(samples, body)) or 1.0
     print(f"== top {top} SASS lines by stall samples (of {total:.0f})")
     for r in sorted(body, key=samples, reverse=True)[:top]:
         print(f"  {100 * samples(r) / total:5.1f}%  {r[0][:10]}  {r[text][:100]}")
+
 
 if __name__ == "__main__":
     main()

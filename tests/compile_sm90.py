@@ -2,10 +2,11 @@
 print one JSON line.
 
 The interpreter runs only the branches a test takes, so a branch that the GPU compiler rejects (a tile compiled
-with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe launches, with the same
-argument types and descriptor blocks. Run without TRITON_INTERPRET (test_backends_grouped.py starts it so).
-It also reports whether ptxas had to serialize a kernel's wgmmas (C7514: accumulator registers touched while a wgmma
-it cannot prove finished may still write them). Usage: python tests/compile_sm90.py [bf16|fp8]
+with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe and gemv_moe launch, with
+the same argument types and descriptor blocks (each row's "gemm1"/"gemm2" are its first and second launch). Run
+without TRITON_INTERPRET (test_backends_grouped.py starts it so). It also reports whether ptxas had to serialize a
+kernel's wgmmas (C7514: accumulator registers touched while a wgmma it cannot prove finished may still write them).
+Usage: python tests/compile_sm90.py [bf16|fp8]
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from moefx.backends.kernels import gemv_kernels as gemv
 # Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
 H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
 PTR_ARGS = ("sorted_ptr", "expert_ids_ptr", "num_post_ptr")
-# what the JIT sees at that geometry: 16-byte aligned tensors, row and expert strides divisible by 16
 LAUNCH_DEFAULT_STAGES = 3  # gemv_moe passes no num_stages: Triton's CUDA default
+# what the JIT sees at that geometry: 16-byte aligned tensors, row and expert strides divisible by 16
 DIVISIBLE = re.compile(r"_ptr$|^stride_(am|we|wn|xm|om)$")
 
 
