@@ -20,11 +20,10 @@ E, H, I, K = 128, 2048, 768, 8
 
 
 def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
-    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here the eighth session's last one: GEMM 2
-    in 64-row tiles inside GEMM 1's 128-row align blocks, as at M=1024)."""
-    sub = replace(c2, block_m=64, half=False)
-    return {"default": (c1, c2), "g2 64 rows": (c1, sub),
-            "g2 64x128 w4": (c1, replace(sub, block_n=128, num_warps=4, num_stages=3, running=False))}
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here: the warp-specialized Gluon GEMM 1
+    against the Triton GEMM 1 at the same 128-row tile)."""
+    t128 = replace(c1, block_m=128, half=False, running=True, tma=False, num_warps=8, num_stages=4)
+    return {"default": (c1, c2), "triton 128": (t128, c2), "gluon ws": (replace(t128, gluon=True), c2)}
 
 
 def main() -> None:
