@@ -20,10 +20,12 @@ E, H, I, K = 128, 2048, 768, 8
 
 
 def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
-    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here: the warp-specialized Gluon GEMM 1
-    against the Triton GEMM 1 at the same 128-row tile)."""
-    t128 = replace(c1, block_m=128, half=False, running=True, tma=False, num_warps=8, num_stages=4)
-    return {"default": (c1, c2), "triton 128": (t128, c2), "gluon ws": (replace(t128, gluon=True), c2)}
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here: GEMM 1 at M=4096 with stages +-1, TMA
+    toggled and GROUP_M 16, one of the eighth session's probes)."""
+    stages = 4 if c1.num_stages == 3 else 3
+    return {"default": (c1, c2), f"g1 s{stages}": (replace(c1, num_stages=stages), c2),
+            "g1 tma " + ("off" if c1.tma else "on"): (replace(c1, tma=not c1.tma), c2),
+            "g1 group 16": (replace(c1, group_m=16), c2)}
 
 
 def main() -> None:

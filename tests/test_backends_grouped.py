@@ -295,37 +295,3 @@ def test_default_tiles_compile_for_sm90(kind: str) -> None:
     h200_shared_memory = 227 * 1024
     kernels = [r[g] for r in rows for g in ("gemm1", "gemm2")]
     assert all(0 < k["smem"] <= h200_shared_memory and k["spill"] == 0 and not k["serialized"] for k in kernels), rows
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="the Gluon FP8 GEMM 1 needs a Hopper GPU")
-@pytest.mark.parametrize("m,case", [(1, "random"), (7, "one_expert"), (300, "random"), (2000, "zero_experts")])
-def test_gluon_fp8_gemm1_matches_the_triton_kernel(m: int, case: str) -> None:
-    """GemmConfig.gluon (the warp-specialized FP8 GEMM 1 in Gluon) against the Triton GEMM 1 at the same tiles and
-    against legacy, at shapes of 128-multiples (the kernel's contract), including experts with no rows and one expert
-    with them all."""
-    from dataclasses import replace
-
-    from backends_util import quant_block
-
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
-
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    e, h, inter, k = 8, 384, 256, 2
-    x = torch.randn(m, h, device="cuda", generator=gen).bfloat16()
-    w13, s13 = quant_block((torch.randn(e, 2 * inter, h, device="cuda", generator=gen) / h**0.5).bfloat16(), (128, 128))
-    w2, s2 = quant_block((torch.randn(e, h, inter, device="cuda", generator=gen) / inter**0.5).bfloat16(), (128, 128))
-    used = {"random": e, "zero_experts": k + 1, "one_expert": e}[case]
-    ids = torch.stack([torch.randperm(used, device="cuda", generator=gen)[:k] for _ in range(m)])
-    if case == "one_expert":
-        ids[:, 0] = 1
-        ids[:, 1] = torch.where(ids[:, 1] == 1, 2, ids[:, 1])
-    tw = torch.softmax(torch.randn(m, k, device="cuda", generator=gen), -1)
-    cfg = GemmConfig(128, 128, 128, 8, 8, 4, running=True)
-    args = (x, ids, tw, w13, w2, s13, s2, (128, 128))
-    triton_out = fused_moe(*args, config=cfg, config2=GemmConfig(128, 128, 128, 8, 8, 3))
-    gluon_out = fused_moe(*args, config=replace(cfg, gluon=True), config2=GemmConfig(128, 128, 128, 8, 8, 3))
-    ref = BACKENDS["legacy"](x, ids, tw, w13, w2, w13_scale=s13, w2_scale=s2, block_shape=(128, 128))
-    assert relerr(gluon_out, triton_out) < 1e-2
-    assert relerr(gluon_out, ref) < FP8_VS_LEGACY

@@ -45,7 +45,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moefx.backends.kernels.align import moe_align
-from moefx.backends.kernels.gluon_fp8 import gemm1_fp8, gluon_problem
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
@@ -72,7 +71,6 @@ class GemmConfig:
     running: bool = False  # FP8: a running-scale accumulator (one dot into it per K step, no dot result tile)
     # a block with at most block_m / 2 rows (an expert's last, partly padded block) runs a block_m / 2-row tile
     half: bool = False
-    gluon: bool = False  # FP8 GEMM 1 on Hopper: the Gluon kernel (gluon_fp8.py; BLOCK_N = BLOCK_K = 128, no half tiles)
 
 
 _C = GemmConfig
@@ -508,12 +506,19 @@ def fused_moe(
         s13 = s2 = hidden
         s13_strides = s2_strides = (0, 0, 0)
     pdl1, pdl2 = (cfg.pdl and pdl_supported(dev) for cfg in (cfg1, cfg2))
-    if cfg1.gluon and fp8 and gluon_problem(h, inter, block_shape, cfg1.block_m, dev) is None:
-        gemm1_fp8(a, a_s, w13, w13_scale, inter_buf, inter_s, sorted_ids, expert_ids, num_post, num_pairs, top_k,
-                  cfg1.block_m, cfg1.group_m, cfg1.num_stages)
-    else:
-        _gemm1(a, a_s, w13, s13, s13_strides, inter_buf, inter_s, sorted_ids, expert_ids, num_post, num_pairs, top_k,
-               fp8, sbn, sbk, cfg1, pdl1)
+    w13_desc = _weight_desc(w13, cfg1.block_n, cfg1.block_k) if cfg1.tma else w13
+    num_pid_m = rows // cfg1.block_m
+    grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
+    _gemm1_kernel[grid1](
+        a, a_s, w13, w13_desc, s13, inter_buf, inter_s,
+        sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
+        a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
+        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg1.half,
+        BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
+        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
+        num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
+        **pdl_launch(pdl1),
+    )
     pair_out = torch.empty(num_pairs, h, dtype=hidden.dtype, device=dev)
     if cfg2.tma:
         a2_desc = TensorDescriptor.from_tensor(inter_buf, [cfg2.block_m, cfg2.block_k])
@@ -535,25 +540,6 @@ def fused_moe(
         **pdl_launch(pdl2),
     )
     return topk_sum(pair_out, top_k)
-
-
-def _gemm1(a, a_s, w13, s13, s13_strides, inter_buf, inter_s, sorted_ids, expert_ids, num_post, num_pairs, top_k,
-           fp8, sbn, sbk, cfg1, pdl1) -> None:
-    """The Triton GEMM 1 launch (see _gemm1_kernel)."""
-    h, inter = a.shape[1], w13.shape[1] // 2
-    w13_desc = _weight_desc(w13, cfg1.block_n, cfg1.block_k) if cfg1.tma else w13
-    num_pid_m = sorted_ids.numel() // cfg1.block_m
-    grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
-    _gemm1_kernel[grid1](
-        a, a_s, w13, w13_desc, s13, inter_buf, inter_s,
-        sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
-        a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=cfg1.block_m, HALF=cfg1.half,
-        BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
-        num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
-        **pdl_launch(pdl1),
-    )
 
 
 def tile_smem_bytes(cfg: GemmConfig, weight_tiles: int, elem: int) -> int:
