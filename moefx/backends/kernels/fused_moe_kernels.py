@@ -153,6 +153,12 @@ def _w_scale_at(ptrs, kg, stride_sk, n_mask, PER_COL: tl.constexpr):
 
 
 @triton.jit
+def _w_scale_ratio(ptrs, kc, kn, stride_sk, n_mask, PER_COL: tl.constexpr):
+    """Running scales: the weight scale of K group `kc` over that of group `kn` (clamped, per column when PER_COL)."""
+    return _w_scale_at(ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(ptrs, kn, stride_sk, n_mask, PER_COL)
+
+
+@triton.jit
 def _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M: tl.constexpr):
     """Whether the block at sorted row row0 holds at most BLOCK_M / 2 pairs (padding comes last in a block)."""
     return tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32)) <= BLOCK_M // 2
@@ -268,10 +274,8 @@ def _gemm1_tile(
                 acc_u = tl.dot(a, u, _scaled(acc_u, r_a, r_u, PER_COL))
                 r_a = (tl.load(a_s_ptrs + kc, mask=row_mask, other=1.0)
                        / tl.load(a_s_ptrs + kn, mask=row_mask, other=1.0))
-                r_g = _w_scale_at(g_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
-                    g_s_ptrs, kn, stride_sk, n_mask, PER_COL)
-                r_u = _w_scale_at(u_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
-                    u_s_ptrs, kn, stride_sk, n_mask, PER_COL)
+                r_g = _w_scale_ratio(g_s_ptrs, kc, kn, stride_sk, n_mask, PER_COL)
+                r_u = _w_scale_ratio(u_s_ptrs, kc, kn, stride_sk, n_mask, PER_COL)
             else:
                 a_s = tl.load(a_s_ptrs + kc, mask=row_mask, other=1.0)
                 acc_g += _scaled(tl.dot(a, g), a_s, _load_w_scale(g_s_ptrs + kc * stride_sk, n_mask, PER_COL), PER_COL)
@@ -375,8 +379,7 @@ def _gemm2_tile(
                 kn = tl.minimum(k0 + BLOCK_K, I - 1) // SBK
                 acc = tl.dot(a, w, _scaled(acc, r_a, r_w, PER_COL))
                 r_a = tl.load(a_s_ptrs + kc) / tl.load(a_s_ptrs + kn)
-                r_w = _w_scale_at(w_s_ptrs, kc, stride_sk, n_mask, PER_COL) / _w_scale_at(
-                    w_s_ptrs, kn, stride_sk, n_mask, PER_COL)
+                r_w = _w_scale_ratio(w_s_ptrs, kc, kn, stride_sk, n_mask, PER_COL)
             else:
                 acc += _scaled(tl.dot(a, w), tl.load(a_s_ptrs + kc),
                                _load_w_scale(w_s_ptrs + kc * stride_sk, n_mask, PER_COL), PER_COL)
