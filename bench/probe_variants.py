@@ -1,6 +1,6 @@
-"""Probe: grouped tile variants against the defaults, A B C A B C in one run, at the M given (default 4096) and
-dtypes (default bf16,fp8); CUDA-graph replay plus the kernel breakdown. The variants are the current experiment's.
-Usage: python3 bench/probe_variants.py [Ms] [dtypes]"""
+"""Probe: tile variants of one backend against its defaults, A B C A B C in one run, at the M given (default 4096)
+and dtypes (default bf16,fp8); CUDA-graph replay plus the kernel breakdown. The variants are the current experiment's.
+Usage: python3 bench/probe_variants.py [Ms] [dtypes] [grouped|gemv]"""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from moe import BACKENDS, kernel_times, quant_block, relerr, routing, time_graph
 
 from moefx.backends.kernels.fused_moe_kernels import GemmConfig, default_tiles, fused_moe, normalize_tiles
+from moefx.backends.kernels.gemv_kernels import GemvConfig, default_gemv_config, gemv_moe
 
 E, H, I, K = 128, 2048, 768, 8
 
@@ -26,6 +27,20 @@ def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, Gemm
     return {"default": (c1, c2), f"g1 s{stages}": (replace(c1, num_stages=stages), c2),
             "g1 tma " + ("off" if c1.tma else "on"): (replace(c1, tma=not c1.tma), c2),
             "g1 group 16": (replace(c1, group_m=16), c2)}
+
+
+def gemv_variants(cfg: GemvConfig) -> dict[str, GemvConfig]:
+    """The gemv experiment (ninth session): stage 1 asks L2 for stage 2's w2 bytes, at its start or its end."""
+    return {"default": cfg, "l2 prefetch start": replace(cfg, l2_prefetch=1),
+            "l2 prefetch end": replace(cfg, l2_prefetch=2)}
+
+
+def calls(kind: str, m: int, fp8: bool, bs) -> dict:
+    """name -> fused_moe / gemv_moe keyword arguments of each variant."""
+    if kind == "gemv":
+        return {n: dict(config=c) for n, c in gemv_variants(default_gemv_config(m, fp8)).items()}
+    return {n: dict(zip(("config", "config2"), normalize_tiles(*v, bs)))
+            for n, v in variants(*default_tiles(m, K, E, fp8)).items()}
 
 
 def main() -> None:
@@ -44,28 +59,28 @@ def main() -> None:
                      *routing(m, E, K, "cuda", gen)) for _ in range(4)]
             ref = BACKENDS["legacy"](*sets[0], a13, a2, **({} if bs is None else dict(w13_scale=sc13, w2_scale=sc2,
                                                                                         block_shape=bs)))
-            vs = variants(*default_tiles(m, K, E, dt == "fp8"))
+            kind = sys.argv[3] if len(sys.argv) > 3 else "grouped"
+            fn = gemv_moe if kind == "gemv" else fused_moe
+            vs = calls(kind, m, dt == "fp8", bs)
             for name in [n for _ in range(2) for n in vs]:
-                t1, t2 = normalize_tiles(*vs[name], bs)
-
-                def call(x, ids, tw, t1=t1, t2=t2, a13=a13, a2=a2, sc13=sc13, sc2=sc2, bs=bs):
-                    return fused_moe(x, ids, tw, a13, a2, sc13, sc2, bs, config=t1, config2=t2)
+                def call(x, ids, tw, kw=vs[name], a13=a13, a2=a2, sc13=sc13, sc2=sc2, bs=bs, fn=fn):
+                    return fn(x, ids, tw, a13, a2, sc13, sc2, bs, **kw)
                 row = dict(M=m, dtype=dt, variant=name)
                 try:
                     row["relerr"] = relerr(call(*sets[0]), ref)
                     row["us"] = round(time_graph(lambda c=call, s=sets: [c(*a) for a in s], reps=10, trials=5) / 4, 1)
-                    row |= {k: round(v, 1) for k, v in kernel_times(call, sets).items() if "gemm" in k}
+                    row |= {k: round(v, 1) for k, v in kernel_times(call, sets).items() if "gem" in k}
                 except Exception as exc:  # a failure is a result
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 rows.append(row)
                 print(row, flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "probe_variants.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"\n{'M':>5} {'dtype':5} {'variant':16} {'us':>7} {'gemm1':>7} {'gemm2':>7} {'relerr':>8}")
+    print(f"\n{'M':>5} {'dtype':5} {'variant':18} {'us':>7} {'k1':>7} {'k2':>7} {'relerr':>8}")
     for r in rows:
-        g1 = next((v for k, v in r.items() if "gemm1" in k), 0)
-        g2 = next((v for k, v in r.items() if "gemm2" in k), 0)
-        print(f"{r['M']:5d} {r['dtype']:5} {r['variant']:16} {r.get('us', 0):7.1f} {g1:7.1f} {g2:7.1f} "
+        g1 = next((v for k, v in r.items() if "gemm1" in k or "gate_up" in k), 0)
+        g2 = next((v for k, v in r.items() if "gemm2" in k or "down" in k), 0)
+        print(f"{r['M']:5d} {r['dtype']:5} {r['variant']:18} {r.get('us', 0):7.1f} {g1:7.1f} {g2:7.1f} "
               f"{r.get('relerr', 0):8.2e} {r.get('error', '')}")
 
 

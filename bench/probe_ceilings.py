@@ -1,0 +1,124 @@
+"""Probe: what library GEMMs reach at the MoE's large-M shapes, next to our grouped GEMMs, in one run.
+
+At M tokens (top-8) GEMM 1 is [8M, H] x [H, 2I] and GEMM 2 [8M, I] x [I, H] in FLOPs. Timed (CUDA-graph replay,
+median): cuBLAS dense bf16 and FP8 (rowwise scales, and block-128 scales where torch's `_scaled_mm` takes them) at
+those shapes; CUTLASS grouped bf16 (`torch._grouped_mm`) over the 128 experts with real routing on rows already
+sorted by expert; our GEMM 1 / GEMM 2 kernels (profiler) with the same routing, and with "dense-like" routing (8
+experts, every token to all 8: full blocks, weights from L2). The floor's matmul rates come from an 8192^3 matmul;
+this says how close a library gets at these shapes. Usage: python3 bench/probe_ceilings.py [Ms]; JSON to
+$OUT/probe_ceilings.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from moe import ceilings, kernel_times, quant_block, routing, time_graph
+
+from moefx.backends.kernels.fused_moe_kernels import fused_moe
+
+E, H, I, K = 128, 2048, 768, 8
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def timed(name: str, flops: float, fn, rows: list[dict], **info) -> None:
+    row = dict(name=name, **info)
+    try:
+        us = time_graph(fn, reps=10)
+        row |= dict(us=round(us, 1), tflops=round(flops / us * 1e-6, 1))
+    except Exception as exc:  # a library call this torch does not take is a result too
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    rows.append(row)
+    print(row, flush=True)
+
+
+def dense(m: int, gen: torch.Generator, rows: list[dict]) -> None:
+    r = m * K
+    for gemm, (k, n) in (("gemm1", (H, 2 * I)), ("gemm2", (I, H))):
+        flops = 2 * r * k * n
+        a = torch.randn(r, k, device="cuda", generator=gen).to(BF16)
+        b = torch.randn(n, k, device="cuda", generator=gen).to(BF16)
+        timed(f"cublas bf16 {gemm}", flops, lambda a=a, b=b: a @ b.t(), rows, M=m)
+        a8, b8 = a.to(FP8), b.to(FP8)
+        sa, sb = torch.ones(r, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        timed(f"cublas fp8 rowwise {gemm}", flops,
+              lambda a8=a8, b8=b8, sa=sa, sb=sb: torch._scaled_mm(a8, b8.t(), sa, sb, out_dtype=BF16), rows, M=m)
+        # block-128 (DeepSeek) scales: A 1x128 per row and K group, B 128x128; cuBLAS wants them outer-dim major
+        sa_blk = torch.ones(k // 128, r, device="cuda").t()
+        sb_blk = torch.ones(n // 128, k // 128, device="cuda").t()
+        timed(f"cublas fp8 block128 {gemm}", flops,
+              lambda a8=a8, b8=b8, sa=sa_blk, sb=sb_blk: torch._scaled_mm(a8, b8.t(), sa, sb, out_dtype=BF16),
+              rows, M=m)
+
+
+def grouped(m: int, gen: torch.Generator, weights: dict, rows: list[dict]) -> None:
+    """CUTLASS grouped bf16 on expert-sorted rows (the sort itself untimed), and our kernels on the same routing."""
+    w13, w2 = weights["bf16"][:2]
+    x = torch.randn(m, H, device="cuda", generator=gen).to(BF16)
+    ids, tw = routing(m, E, K, "cuda", gen)
+    order = ids.flatten().argsort()
+    offs = torch.bincount(ids.flatten(), minlength=E).cumsum(0).to(torch.int32)
+    xs = x[order // K]
+    inter = torch.randn(m * K, I, device="cuda", generator=gen).to(BF16)
+    r = m * K
+    timed("cutlass grouped bf16 gemm1", 2 * r * H * 2 * I,
+          lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), rows, M=m)
+    timed("cutlass grouped bf16 gemm2", 2 * r * I * H,
+          lambda: torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs), rows, M=m)
+    for dt, (a13, a2, s13, s2, bs) in weights.items():
+        kt = kernel_times(lambda x, i, w, a13=a13, a2=a2, s13=s13, s2=s2, bs=bs:
+                          fused_moe(x, i, w, a13, a2, s13, s2, bs), [(x, ids, tw)])
+        for gemm, flops in (("gemm1", 2 * r * H * 2 * I), ("gemm2", 2 * r * I * H)):
+            us = next(v for k_, v in kt.items() if gemm in k_)
+            rows.append(dict(name=f"ours {dt} {gemm}", M=m, us=round(us, 1), tflops=round(flops / us * 1e-6, 1)))
+            print(rows[-1], flush=True)
+
+
+def dense_like(m: int, gen: torch.Generator, rows: list[dict]) -> None:
+    """Our kernels with 8 experts and every token routed to all 8: full blocks, no padding, weights reused from L2."""
+    e = 8
+    w13 = (torch.randn(e, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(BF16)
+    w2 = (torch.randn(e, H, I, device="cuda", generator=gen) / I**0.5).to(BF16)
+    q13, s13 = quant_block(w13, (128, 128))
+    q2, s2 = quant_block(w2, (128, 128))
+    x = torch.randn(m, H, device="cuda", generator=gen).to(BF16)
+    ids = torch.arange(e, device="cuda").repeat(m, 1)
+    tw = torch.full((m, e), 1.0 / e, device="cuda")
+    r = m * e
+    for dt, args in (("bf16", (w13, w2, None, None, None)), ("fp8", (q13, q2, s13, s2, (128, 128)))):
+        kt = kernel_times(lambda x, i, w, args=args: fused_moe(x, i, w, *args), [(x, ids, tw)])
+        for gemm, flops in (("gemm1", 2 * r * H * 2 * I), ("gemm2", 2 * r * I * H)):
+            us = next(v for k_, v in kt.items() if gemm in k_)
+            rows.append(dict(name=f"ours dense-like {dt} {gemm}", M=m, us=round(us, 1),
+                             tflops=round(flops / us * 1e-6, 1)))
+            print(rows[-1], flush=True)
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ceil = ceilings()
+    print({k: round(v / 1e12, 1) for k, v in ceil.items()}, "(TFLOP/s, TB/s)", flush=True)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(BF16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).to(BF16)
+    q13, s13 = quant_block(w13, (128, 128))
+    q2, s2 = quant_block(w2, (128, 128))
+    weights = {"bf16": (w13, w2, None, None, None), "fp8": (q13, q2, s13, s2, (128, 128))}
+    rows: list[dict] = []
+    for m in (int(a) for a in (sys.argv[1] if len(sys.argv) > 1 else "1024,4096").split(",")):
+        dense(m, gen, rows)
+        grouped(m, gen, weights, rows)
+        dense_like(m, gen, rows)
+    with open(os.path.join(os.environ.get("OUT", "."), "probe_ceilings.json"), "w") as f:
+        json.dump(dict(ceilings=ceil, rows=rows), f, indent=1)
+    print(f"\nceilings: bf16 {ceil['bf16_flops'] / 1e12:.0f}, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3)")
+    print(f"{'M':>5} {'name':34} {'us':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['M']:5d} {r['name']:34} {r.get('us', 0):8.1f} {r.get('tflops', 0):8.1f} {r.get('error', '')[:60]}")
+
+
+if __name__ == "__main__":
+    main()
