@@ -30,9 +30,9 @@ def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, Gemm
 
 
 def gemv_variants(cfg: GemvConfig) -> dict[str, GemvConfig]:
-    """The gemv experiment (ninth session): stage 1 asks L2 for stage 2's w2 bytes, at its start or its end."""
-    return {"default": cfg, "l2 prefetch start": replace(cfg, l2_prefetch=1),
-            "l2 prefetch end": replace(cfg, l2_prefetch=2)}
+    """The gemv experiment: named GemvConfigs next to the default (here: PDL off; the ninth session's stage-1 L2
+    prefetch of w2, `GemvConfig.l2_prefetch`, is in git at 2fd0eda)."""
+    return {"default": cfg, "no pdl": replace(cfg, pdl=False)}
 
 
 def calls(kind: str, m: int, fp8: bool, bs) -> dict:

@@ -91,12 +91,9 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig) -> tuple[dict, dict]:
     bn1, bk1, bn2, bk2, kp = gemv.stage_tiles(cfg, H, I, TOP_K, BLOCK_SHAPE if fp8 else None)
     w = "*fp8e4nv" if fp8 else "*bf16"
     common = dict(H=H, I=I, TOP_K=TOP_K, FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], PDL=cfg.pdl)
-    elem = 1 if fp8 else 2
-    pf_at, lanes, piece = gemv.prefetch_plan(cfg, H * I * elem, -(-I // bn1))
     stage1 = _compile(gemv._gemv_gate_up_kernel,
-                      dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, ws_ptr="*fp32", act_ptr="*fp32", w2_ptr=w),
-                      common | dict(BLOCK_N=bn1, BLOCK_K=bk1, PF_AT=pf_at, W2_ELEM=elem, PF_LANES=lanes,
-                                    PF_PIECE=piece), cfg.num_warps1, LAUNCH_DEFAULT_STAGES)
+                      dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, ws_ptr="*fp32", act_ptr="*fp32"),
+                      common | dict(BLOCK_N=bn1, BLOCK_K=bk1), cfg.num_warps1, LAUNCH_DEFAULT_STAGES)
     stage2 = _compile(gemv._gemv_down_kernel,
                       dict(act_ptr="*fp32", ids_ptr="*i64", tw_ptr="*fp32", w_ptr=w, ws_ptr="*fp32", out_ptr="*bf16"),
                       common | dict(KP=kp, BLOCK_N=bn2, BLOCK_K=bk2), cfg.num_warps2, LAUNCH_DEFAULT_STAGES)

@@ -29,7 +29,7 @@ stage 2 as one K step whose whole w2 tile is loaded before the wait while stage 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,31 +40,17 @@ from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 
 @triton.jit
-def _prefetch_w2_slice(w2_ptr, expert_byte_off, pid_n, EXPERT_BYTES: tl.constexpr, LANES: tl.constexpr,
-                       PIECE: tl.constexpr):
-    """Ask L2 for slice pid_n (LANES x PIECE bytes) of one expert's w2 (bulk prefetch: no registers, no wait)."""
-    base = w2_ptr.to(tl.pointer_type(tl.uint8)) + expert_byte_off
-    off = tl.minimum(pid_n * (LANES * PIECE) + tl.arange(0, LANES) * PIECE, EXPERT_BYTES - PIECE)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-        [base + off, tl.full([LANES], PIECE, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr, w2_ptr,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_w2e,
+    x_ptr, ids_ptr, w_ptr, ws_ptr, act_ptr,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PF_AT: tl.constexpr, W2_ELEM: tl.constexpr, PF_LANES: tl.constexpr, PF_PIECE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pair // TOP_K
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    if PF_AT == 1:
-        _prefetch_w2_slice(w2_ptr, e * stride_w2e * W2_ELEM, pid_n, H * I * W2_ELEM, PF_LANES, PF_PIECE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -87,8 +73,6 @@ def _gemv_gate_up_kernel(
         else:
             acc_g += tl.sum(g * x[None, :], axis=1)
             acc_u += tl.sum(u * x[None, :], axis=1)
-    if PF_AT == 2:
-        _prefetch_w2_slice(w2_ptr, e * stride_w2e * W2_ELEM, pid_n, H * I * W2_ELEM, PF_LANES, PF_PIECE)
     if PDL:
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -144,7 +128,6 @@ class GemvConfig:
     num_warps1: int = 4
     num_warps2: int = 4
     pdl: bool = True  # stage 2 as a programmatic dependent launch where the GPU has it (capability >= 9)
-    l2_prefetch: int = 0  # stage 1 asks L2 for stage 2's w2 bytes (capability >= 9): 0 off, 1 at its start, 2 at its end
 
 
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
@@ -195,17 +178,6 @@ def stage_tiles(
     return bn1, block_k_for(h, cfg.block_k1), bn2, block_k_for(inter, cfg.block_k2), kp
 
 
-def prefetch_plan(cfg: GemvConfig, expert_bytes: int, progs1: int) -> tuple[int, int, int]:
-    """(where, lanes, bytes per lane) of stage 1's L2 prefetch of w2: each of a pair's `progs1` programs asks for an
-    equal slice of that pair's expert (`expert_bytes` of w2), one 16-byte-multiple piece per lane; (0, 1, 16) when
-    off."""
-    if not cfg.l2_prefetch:
-        return 0, 1, 16
-    lanes = 32 * cfg.num_warps1
-    piece = triton.cdiv(triton.cdiv(expert_bytes, progs1 * lanes), 16) * 16
-    return cfg.l2_prefetch, lanes, min(piece, expert_bytes)
-
-
 def gemv_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -234,14 +206,11 @@ def gemv_moe(
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
     pdl = cfg.pdl and pdl_supported(hidden.device)
-    progs1 = triton.cdiv(inter, bn1)
-    pf_ok = pdl_supported(hidden.device) and w2.is_contiguous()  # bulk prefetch: Hopper PTX, off in the interpreter
-    pf_at, lanes, piece = prefetch_plan(cfg if pf_ok else replace(cfg, l2_prefetch=0), w2[0].nbytes, progs1)
-    _gemv_gate_up_kernel[(m * top_k, progs1)](
-        hidden, ids, w13, s13, act, w2,
-        hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides, w2.stride(0),
+    _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
+        hidden, ids, w13, s13, act,
+        hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1,
-        PDL=pdl, PF_AT=pf_at, W2_ELEM=w2.element_size(), PF_LANES=lanes, PF_PIECE=piece, num_warps=cfg.num_warps1,
+        PDL=pdl, num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
