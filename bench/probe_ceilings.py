@@ -40,7 +40,7 @@ def timed(name: str, flops: float, fn, rows: list[dict], **info) -> None:
 
 
 @triton.jit
-def _dense_mm_kernel(a_desc, b_desc, c_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dense_mm_kernel(a_desc, b_desc, c_desc, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C = A @ B^T, both operands through TMA (no gather, no scales): what Triton reaches on a plain GEMM."""
     pid = tl.program_id(0)
