@@ -21,12 +21,10 @@ E, H, I, K = 128, 2048, 768, 8
 
 
 def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
-    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here: GEMM 1 at M=4096 with stages +-1, TMA
-    toggled and GROUP_M 16, one of the eighth session's probes)."""
-    stages = 4 if c1.num_stages == 3 else 3
-    return {"default": (c1, c2), f"g1 s{stages}": (replace(c1, num_stages=stages), c2),
-            "g1 tma " + ("off" if c1.tma else "on"): (replace(c1, tma=not c1.tma), c2),
-            "g1 group 16": (replace(c1, group_m=16), c2)}
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here, ninth session: weight tile rows
+    prefetched into L2 some K steps ahead of the pipeline, in both GEMMs)."""
+    return {"default": (c1, c2), **{f"l2 ahead {a}": (replace(c1, l2_ahead=a), replace(c2, l2_ahead=a))
+                                    for a in (4, 8)}}
 
 
 def gemv_variants(cfg: GemvConfig) -> dict[str, GemvConfig]:
