@@ -57,7 +57,7 @@ def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages
 def _common(cfg: fmk.GemmConfig, fp8: bool, align_m: int) -> dict:
     return dict(FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], ALIGN_M=align_m, HALF=cfg.half, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, INTERPRET=False, TMA=cfg.tma,
-                PDL=cfg.pdl, RUNNING=cfg.running, AHEAD=cfg.l2_ahead, ROW_BYTES=cfg.block_k * (1 if fp8 else 2))
+                PDL=cfg.pdl, RUNNING=cfg.running)
 
 
 def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[dict, dict]:

@@ -71,7 +71,6 @@ class GemmConfig:
     running: bool = False  # FP8: a running-scale accumulator (one dot into it per K step, no dot result tile)
     # a block with at most block_m / 2 rows (an expert's last, partly padded block) runs a block_m / 2-row tile
     half: bool = False
-    l2_ahead: int = 0  # weight tile rows are prefetched into L2 this many K steps ahead (capability >= 9; 0: off)
 
 
 _C = GemmConfig
@@ -160,13 +159,6 @@ def _w_scale_ratio(ptrs, kc, kn, stride_sk, n_mask, PER_COL: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(ptrs, NBYTES: tl.constexpr):
-    """Ask L2 for NBYTES at each address (bulk prefetch: no registers, nothing to wait for)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M: tl.constexpr):
     """Whether the block at sorted row row0 holds at most BLOCK_M / 2 pairs (padding comes last in a block)."""
     return tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < num_pairs).to(tl.int32)) <= BLOCK_M // 2
@@ -206,8 +198,7 @@ def _gemm1_kernel(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ALIGN_M: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, AHEAD: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     if PDL:
@@ -225,11 +216,11 @@ def _gemm1_kernel(
     if HALF and _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M):
         _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
-                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING, AHEAD, ROW_BYTES)
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
     else:
         _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
-                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING, AHEAD, ROW_BYTES)
+                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
 
 
 @triton.jit
@@ -238,8 +229,7 @@ def _gemm1_tile(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, AHEAD: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     """Rows row0 .. row0 + BLOCK_M of the sorted pairs (one expert, e) times gate/up column tile pid_n."""
     pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
@@ -252,11 +242,6 @@ def _gemm1_tile(
     g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + I * stride_wn
     g_row = (e * (2 * I) + pid_n * BLOCK_N).to(tl.int32)  # TMA: w13 viewed as [E * 2I, H]
-    if AHEAD:  # the gate and up tiles' rows: their first AHEAD K steps now, step k + AHEAD at step k
-        pf_rows = (w_ptr + e * stride_we
-                   + (tl.minimum(offs_n, I - 1)[None, :] + (tl.arange(0, 2) * I)[:, None]) * stride_wn)
-        for j in tl.static_range(AHEAD):
-            _l2_prefetch(pf_rows + j * BLOCK_K, ROW_BYTES)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
@@ -273,8 +258,6 @@ def _gemm1_tile(
             r_u = r_g
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
-        if AHEAD:
-            _l2_prefetch(pf_rows + tl.minimum(k0 + AHEAD * BLOCK_K, H - BLOCK_K), ROW_BYTES)
         a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if TMA:  # columns past I read the next rows (up, next expert) or TMA's zero fill: never stored
             g = w_desc.load([g_row, k0]).T
@@ -330,8 +313,7 @@ def _gemm2_kernel(
     H: tl.constexpr, I: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ALIGN_M: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, AHEAD: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
     if PDL:
@@ -346,11 +328,11 @@ def _gemm2_kernel(
     if HALF and _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M):  # as in GEMM 1
         _gemm2_tile(a_ptr, a_desc_half, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
                     row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
-                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING, AHEAD, ROW_BYTES)
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
     else:
         _gemm2_tile(a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, tw_ptr, sorted_ptr, num_pairs,
                     row0, e, pid_n, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, FP8, SBN, SBK,
-                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING, AHEAD, ROW_BYTES)
+                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, RUNNING)
 
 
 @triton.jit
@@ -359,7 +341,7 @@ def _gemm2_tile(
     stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, RUNNING: tl.constexpr, AHEAD: tl.constexpr, ROW_BYTES: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, RUNNING: tl.constexpr,
 ):
     """Rows row0 .. row0 + BLOCK_M of the sorted intermediate (one expert, e) times w2 column tile pid_n."""
     pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
@@ -372,10 +354,6 @@ def _gemm2_tile(
     a_ptrs = a_ptr + sorted_rows[:, None] * I + offs_k[None, :]
     w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     w_row = (e * H + pid_n * BLOCK_N).to(tl.int32)  # TMA: w2 viewed as [E * H, I]
-    if AHEAD:  # as in GEMM 1
-        pf_rows = w_ptr + e * stride_we + tl.minimum(offs_n, H - 1) * stride_wn
-        for j in tl.static_range(AHEAD):
-            _l2_prefetch(pf_rows + j * BLOCK_K, ROW_BYTES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     PER_COL: tl.constexpr = SBN % BLOCK_N != 0  # FP8: the tile spans weight scale row blocks
     # FP8: as in GEMM 1. GEMM 1 wrote every row's activation scale (> 0), padding rows included, except in the rows
@@ -389,8 +367,6 @@ def _gemm2_tile(
             r_w = tl.full([BLOCK_N] if PER_COL else [], 1.0, tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        if AHEAD:
-            _l2_prefetch(pf_rows + tl.minimum(k0 + AHEAD * BLOCK_K, I - BLOCK_K), ROW_BYTES)
         if TMA:
             a = a_desc.load([row0, k0])
             w = w_desc.load([w_row, k0]).T
@@ -532,9 +508,7 @@ def fused_moe(
         inter_s = inter_buf
         s13 = s2 = hidden
         s13_strides = s2_strides = (0, 0, 0)
-    hopper = pdl_supported(dev)  # PDL and the bulk L2 prefetch: Hopper PTX, off in the interpreter
-    pdl1, pdl2 = (cfg.pdl and hopper for cfg in (cfg1, cfg2))
-    ahead1, ahead2 = (cfg.l2_ahead if hopper else 0 for cfg in (cfg1, cfg2))
+    pdl1, pdl2 = (cfg.pdl and pdl_supported(dev) for cfg in (cfg1, cfg2))
     w13_desc = _weight_desc(w13, cfg1.block_n, cfg1.block_k) if cfg1.tma else w13
     num_pid_m = rows // cfg1.block_m
     grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
@@ -544,8 +518,7 @@ def fused_moe(
         a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg1.half,
         BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running, AHEAD=ahead1,
-        ROW_BYTES=cfg1.block_k * w13.element_size(),
+        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
         num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
         **pdl_launch(pdl1),
     )
@@ -565,8 +538,7 @@ def fused_moe(
         w2.stride(0), w2.stride(1), *s2_strides,
         H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg2.half,
         BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running, AHEAD=ahead2,
-        ROW_BYTES=cfg2.block_k * w2.element_size(),
+        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running,
         num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
         **pdl_launch(pdl2),
     )
