@@ -21,10 +21,12 @@ E, H, I, K = 128, 2048, 768, 8
 
 
 def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
-    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here: GEMM 1 with one stage more or less;
-    the ninth session's L2 prefetch of the weight tiles, `GemmConfig.l2_ahead`, is in git at 9fe0743)."""
-    stages = 4 if c1.num_stages == 3 else 3
-    return {"default": (c1, c2), f"g1 s{stages}": (replace(c1, num_stages=stages), c2)}
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here, the ninth session's last: the plain
+    Triton GEMM's best tile at these shapes, 128x128 with 4 warps and 4 stages, as GEMM 1 (gate 64 + up 64 columns)
+    and as GEMM 2; bf16 only, FP8 GEMM 1's BLOCK_N is the quant block)."""
+    g1 = replace(c1, block_n=64, num_warps=4, num_stages=4)
+    g2 = replace(c2, block_m=c1.block_m, block_n=128, num_warps=4, num_stages=4)
+    return {"default": (c1, c2), "g1 64n w4 s4": (g1, c2), "g2 128x128 w4 s4": (c1, g2), "both": (g1, g2)}
 
 
 def gemv_variants(cfg: GemvConfig) -> dict[str, GemvConfig]:
