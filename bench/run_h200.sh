@@ -67,7 +67,7 @@ for s in "${stages[@]}"; do
                 --metrics "regex:smsp__average_warps?_.*issue_stalled_.*" --import-source no \
                 -o "$OUT/ncu-stalls-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
-        moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py && python3 bench/probe_ceilings.py" ;;
+        moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
