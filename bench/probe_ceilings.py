@@ -26,6 +26,28 @@ from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
 E, H, I, K = 128, 2048, 768, 8
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+GEMMS = (("gemm1", H, 2 * I), ("gemm2", I, H))  # (name, K, N) of each expert GEMM
+
+
+def expert_weights(e: int, gen: torch.Generator) -> dict[str, tuple]:
+    """Random experts as fused_moe takes them: bf16 (w13, w2) and their FP8 block-128 quantization with scales."""
+    w13 = (torch.randn(e, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(BF16)
+    w2 = (torch.randn(e, H, I, device="cuda", generator=gen) / I**0.5).to(BF16)
+    q13, s13 = quant_block(w13, (128, 128))
+    q2, s2 = quant_block(w2, (128, 128))
+    return {"bf16": (w13, w2, None, None, None), "fp8": (q13, q2, s13, s2, (128, 128))}
+
+
+def ours(label: str, m: int, weights: dict, inputs: tuple, rows: list[dict]) -> None:
+    """Our GEMM 1 and GEMM 2 kernel times (profiler) for both weight kinds on one (hidden, ids, weights) input."""
+    r = m * inputs[1].shape[1]
+    for dt, args in weights.items():
+        kt = kernel_times(lambda x, i, w, args=args: fused_moe(x, i, w, *args), [inputs])
+        for gemm, k, n in GEMMS:
+            us = next(v for name, v in kt.items() if gemm in name)
+            rows.append(dict(name=f"{label} {dt} {gemm}", M=m, us=round(us, 1),
+                             tflops=round(2 * r * k * n / us * 1e-6, 1)))
+            print(rows[-1], flush=True)
 
 
 def timed(name: str, flops: float, fn, rows: list[dict], **info) -> None:
@@ -92,7 +114,7 @@ def triton_dense(a: torch.Tensor, b: torch.Tensor, flops: float, m: int, gemm: s
 
 def dense(m: int, gen: torch.Generator, rows: list[dict]) -> None:
     r = m * K
-    for gemm, (k, n) in (("gemm1", (H, 2 * I)), ("gemm2", (I, H))):
+    for gemm, k, n in GEMMS:
         flops = 2 * r * k * n
         a = torch.randn(r, k, device="cuda", generator=gen).to(BF16)
         b = torch.randn(n, k, device="cuda", generator=gen).to(BF16)
@@ -120,49 +142,26 @@ def grouped(m: int, gen: torch.Generator, weights: dict, rows: list[dict]) -> No
     offs = torch.bincount(ids.flatten(), minlength=E).cumsum(0).to(torch.int32)
     xs = x[order // K]
     inter = torch.randn(m * K, I, device="cuda", generator=gen).to(BF16)
-    r = m * K
-    timed("cutlass grouped bf16 gemm1", 2 * r * H * 2 * I,
-          lambda: torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), rows, M=m)
-    timed("cutlass grouped bf16 gemm2", 2 * r * I * H,
-          lambda: torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs), rows, M=m)
-    for dt, (a13, a2, s13, s2, bs) in weights.items():
-        kt = kernel_times(lambda x, i, w, a13=a13, a2=a2, s13=s13, s2=s2, bs=bs:
-                          fused_moe(x, i, w, a13, a2, s13, s2, bs), [(x, ids, tw)])
-        for gemm, flops in (("gemm1", 2 * r * H * 2 * I), ("gemm2", 2 * r * I * H)):
-            us = next(v for k_, v in kt.items() if gemm in k_)
-            rows.append(dict(name=f"ours {dt} {gemm}", M=m, us=round(us, 1), tflops=round(flops / us * 1e-6, 1)))
-            print(rows[-1], flush=True)
+    for (gemm, k, n), a, w in zip(GEMMS, (xs, inter), (w13, w2)):
+        timed(f"cutlass grouped bf16 {gemm}", 2 * m * K * k * n,
+              lambda a=a, w=w: torch._grouped_mm(a, w.transpose(1, 2), offs=offs), rows, M=m)
+    ours("ours", m, weights, (x, ids, tw), rows)
 
 
 def dense_like(m: int, gen: torch.Generator, rows: list[dict]) -> None:
     """Our kernels with 8 experts and every token routed to all 8: full blocks, no padding, weights reused from L2."""
-    e = 8
-    w13 = (torch.randn(e, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(BF16)
-    w2 = (torch.randn(e, H, I, device="cuda", generator=gen) / I**0.5).to(BF16)
-    q13, s13 = quant_block(w13, (128, 128))
-    q2, s2 = quant_block(w2, (128, 128))
+    e = K
     x = torch.randn(m, H, device="cuda", generator=gen).to(BF16)
     ids = torch.arange(e, device="cuda").repeat(m, 1)
     tw = torch.full((m, e), 1.0 / e, device="cuda")
-    r = m * e
-    for dt, args in (("bf16", (w13, w2, None, None, None)), ("fp8", (q13, q2, s13, s2, (128, 128)))):
-        kt = kernel_times(lambda x, i, w, args=args: fused_moe(x, i, w, *args), [(x, ids, tw)])
-        for gemm, flops in (("gemm1", 2 * r * H * 2 * I), ("gemm2", 2 * r * I * H)):
-            us = next(v for k_, v in kt.items() if gemm in k_)
-            rows.append(dict(name=f"ours dense-like {dt} {gemm}", M=m, us=round(us, 1),
-                             tflops=round(flops / us * 1e-6, 1)))
-            print(rows[-1], flush=True)
+    ours("ours dense-like", m, expert_weights(e, gen), (x, ids, tw), rows)
 
 
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     ceil = ceilings()
     print({k: round(v / 1e12, 1) for k, v in ceil.items()}, "(TFLOP/s, TB/s)", flush=True)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(BF16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).to(BF16)
-    q13, s13 = quant_block(w13, (128, 128))
-    q2, s2 = quant_block(w2, (128, 128))
-    weights = {"bf16": (w13, w2, None, None, None), "fp8": (q13, q2, s13, s2, (128, 128))}
+    weights = expert_weights(E, gen)
     rows: list[dict] = []
     for m in (int(a) for a in (sys.argv[1] if len(sys.argv) > 1 else "1024,4096").split(",")):
         dense(m, gen, rows)
