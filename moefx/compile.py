@@ -12,16 +12,20 @@ from moefx.passes import PassManager
 from moefx.signatures import ExecutionSignature, ModelSignature, Plan, resolve
 
 
-def backend(config: Any = None, plan: Plan | None = None) -> Callable[..., Any]:
+def backend(config: Any = None, plan: Plan | None = None, cudagraphs: bool | None = None) -> Callable[..., Any]:
     """A `torch.compile` backend. Without a plan, one is resolved for an unknown model on this machine,
-    so only what the user's config asks for (and the machine supports) runs."""
+    so only what the user's config asks for (and the machine supports) runs. In mode capture on CUDA,
+    inductor wraps each graph in CUDA graphs unless `cudagraphs=False` (for callers that capture
+    themselves, like moefx's decode engine)."""
     cfg = CompilationConfig.from_any(config)
     if plan is None:
         es = ExecutionSignature.detect(mode=cfg.mode, max_batch_size=cfg.max_batch_size)
         plan = resolve(ModelSignature.unknown(), es, cfg)
     manager = PassManager(cfg, plan.enabled_passes(), plan)
     patches: dict[str, Any] = {"post_grad_custom_post_pass": manager}
-    if cfg.mode == "capture" and plan.execution.device_type == "cuda":
+    if cudagraphs is None:
+        cudagraphs = cfg.mode == "capture" and plan.execution.device_type == "cuda"
+    if cudagraphs:
         patches["triton.cudagraphs"] = True
 
     def moefx_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -31,4 +35,5 @@ def backend(config: Any = None, plan: Plan | None = None) -> Callable[..., Any]:
 
     moefx_backend.pass_manager = manager  # type: ignore[attr-defined]
     moefx_backend.plan = plan  # type: ignore[attr-defined]
+    moefx_backend.cudagraphs = cudagraphs  # type: ignore[attr-defined]
     return moefx_backend

@@ -52,7 +52,8 @@ class OffloadConfig:
 class CompilationConfig:
     pass_config: PassConfig = field(default_factory=PassConfig)
     moe_backend: str = field(default="auto", metadata=_choices(*MOE_BACKENDS))
-    mode: str = field(default="compile", metadata=_choices(*MODES))
+    # capture: compiled, with CUDA graphs where the device has them (compile and eager opt out of those steps).
+    mode: str = field(default="capture", metadata=_choices(*MODES))
     max_batch_size: int = 1
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     calibration: list[str] = field(default_factory=list)

@@ -53,7 +53,10 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         applied = transform.fn(model, plan, cfg)
         plan.provenance.extend(f"{transform.name}: {line}" for line in applied)
     if cfg.mode != "eager":
-        compiled = torch.compile(model.forward, backend=backend(cfg, plan), dynamic=cfg.dynamic)
+        # A model whose generate() runs on moefx's engine gets its decode graphs from the engine; its own
+        # forward (direct calls, transformers' loop for other requests) is compiled without CUDA graphs.
+        graphs = False if hasattr(model, "moefx_generate") else None
+        compiled = torch.compile(model.forward, backend=backend(cfg, plan, cudagraphs=graphs), dynamic=cfg.dynamic)
         # Model code keeps constants (eps, FP8 max, min scale) in float attributes and globals; traced as
         # runtime values they could not be matched by the fusions (which must reproduce them exactly).
         model.forward = torch._dynamo.config.patch(specialize_float=True)(compiled)

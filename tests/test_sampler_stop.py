@@ -68,15 +68,18 @@ def test_transform_turns_it_on_for_cuda_only(models):
 
     from moefx.sampling.transform import sampling_transform
 
+    from moefx.config import CompilationConfig
+
     stock, _ = models
     model = copy.deepcopy(stock)
-    cpu_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cpu"))
-    assert "off" in sampling_transform(model, cpu_plan, None)[0]
+    eager = CompilationConfig.from_any({"mode": "eager"})
+    cpu_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cpu"), serving={})
+    assert "off" in sampling_transform(model, cpu_plan, eager)[0]
     assert getattr(model, "_moefx_deferred_stop", None) is None
-    cuda_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cuda"))
-    assert "on" in sampling_transform(model, cuda_plan, None)[0]
+    cuda_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cuda"), serving={})
+    assert "on" in sampling_transform(model, cuda_plan, eager)[0]
     assert model._moefx_deferred_stop == ("cuda",)
-    assert "no transformers generate" in sampling_transform(torch.nn.Linear(2, 2), cuda_plan, None)[0]
+    assert "no transformers generate" in sampling_transform(torch.nn.Linear(2, 2), cuda_plan, eager)[0]
 
 
 def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
@@ -99,13 +102,15 @@ def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
 
 
 def test_decode_loop_cuda_graphs_option(models):
-    """cuda_graphs with compile_kwargs is refused; on CPU inputs it runs the eager forward (same tokens)."""
+    """cuda_graphs over a backend that adds inductor's own CUDA graphs is refused; on CPU inputs it runs the
+    steps without graphs (same tokens)."""
+    import moefx
     from moefx.sampling.decode import DecodeLoop
     from moefx.sampling.sampler import SamplingParams
 
     stock, _ = models
     with pytest.raises(ValueError, match="cuda_graphs"):
-        DecodeLoop(stock, max_len=32, compile_kwargs={}, cuda_graphs=True)
+        DecodeLoop(stock, max_len=32, compile_kwargs={"backend": moefx.backend(cudagraphs=True)}, cuda_graphs=True)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(7))
     greedy = SamplingParams(temperature=0)
     assert torch.equal(DecodeLoop(stock, 32, cuda_graphs=True).generate(ids, 6, greedy),
@@ -129,4 +134,5 @@ def test_optimize_records_the_sampling_decision(models):
     stock, _ = models
     model = moefx.optimize(copy.deepcopy(stock), config={"mode": "eager"})
     lines = [p for p in model.moefx_plan.provenance if p.startswith("sampling:")]
-    assert lines == ["sampling: deferred stop check off: device cpu (on for cuda only)"]
+    assert lines[0] == "sampling: deferred stop check off: device cpu (on for cuda only)"
+    assert "generate() on moefx's engine" in lines[1] and len(lines) == 2

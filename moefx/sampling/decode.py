@@ -1,37 +1,73 @@
-"""moefx's decode loop for transformers causal LMs: static cache, compiled step, no host sync per token.
+"""moefx's decode engine for transformers causal LMs: static KV cache, compiled steps, CUDA graphs per bucket.
 
-Each step is two compiled graphs: the model forward (one new token per sequence, `logits_to_keep=1`)
-and the sampler with the EOS bookkeeping. Neither reads anything back to the host. The only host
-read is the "all finished?" flag, copied asynchronously into pinned memory and read one step late
-(the extra token is dropped), so the host keeps queueing work while the GPU runs.
+A request (prompt [B, T], new tokens, sampling params, EOS/pad ids, optional left-padding mask and stopping
+criteria) runs as:
+- prefill: the model forward over the whole prompt into a StaticCache (compiled with a dynamic prompt length,
+  `logits_to_keep=1`, so the LM head reads one row per sequence), then the first token is picked;
+- decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
+  and writing static per-bucket buffers. On CUDA the whole step is captured once per (bucket, sampling
+  params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
+The only host read is the "every row finished?" flag, copied to pinned memory and read one step late (the
+step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
+as finished from the start; a batch above the largest bucket runs the same steps without graphs.
 
-`cuda_graphs=True` instead captures the eager forward in a CUDA graph once per batch size (no compile):
-each step is one replay, so no Python runs per layer. Offloaded experts take part as host-function nodes
-(`moefx.offload.stream_host`). A forward that cannot be captured runs eagerly for that batch size, with a
-warning saying why.
+Each engine compiles its own copy of the step functions (`_own_code`): dynamo keeps compiled entries per
+code object and stops compiling one after `recompile_limit` entries, so models must not share them.
+Compiles are counted per function (`compiles`); a batch size or cache length the step has not seen yet
+recompiles it once, then dynamo marks that dimension dynamic, so the count stays bounded.
 """
 
 from __future__ import annotations
 
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from moefx.log import warn_once
+from moefx.log import get_logger, warn_once
 from moefx.sampling.sampler import SamplingParams, sample
 
+log = get_logger("moefx.sampling")
 
-def _step_tokens(
-    logits: torch.Tensor, finished: torch.Tensor, params: SamplingParams, eos: int, pad: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    nxt = sample(logits[:, -1, :], params)
-    nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
-    finished = finished | (nxt == eos)
-    return nxt, finished, finished.all()
+CACHE_LEN_STEP = 256  # static cache lengths are rounded up to this, so nearby requests share graphs
+MAX_EOS_IDS = 8  # EOS ids live in a fixed-size buffer (padded with -1) so graphs survive a change of EOS
+
+
+def cache_kwarg(forward: Callable[..., Any]) -> str:
+    """The name this transformers version gives the cache argument (`past_key_values` became `cache`)."""
+    try:
+        names = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own (see the module docstring)."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _advance(logits: torch.Tensor, state: dict[str, torch.Tensor], params: SamplingParams) -> None:
+    """Pick the next token of every row and move the static buffers one position on, in place."""
+    nxt = sample(logits, params)
+    finished = state["finished"]
+    # Like transformers: finished rows emit the pad id only when EOS ids are set (`pad_finished`).
+    nxt = torch.where(finished & state["pad_finished"], state["pad"], nxt)
+    now = finished | torch.isin(nxt, state["eos"])
+    state["tokens"].copy_(nxt[:, None])
+    state["seq"].index_copy_(1, state["cache_position"] + 1, nxt[:, None])
+    state["position_ids"].add_(1)
+    state["cache_position"].add_(1)
+    finished.copy_(now)
+    state["done"].copy_(now.all())
 
 
 def _uncapturable_cache(cache: Any) -> str | None:
-    """Why replaying a captured forward could go wrong with this cache (None: every layer keeps its state on
+    """Why replaying a captured step could go wrong with this cache (None: every layer keeps its state on
     the device, like transformers' StaticLayer; sliding-window layers keep a host-side length)."""
     kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", None) or []})
     if kinds != ["StaticLayer"]:
@@ -39,86 +75,209 @@ def _uncapturable_cache(cache: Any) -> str | None:
     return None
 
 
-class DecodeLoop:
-    """Generate with `model` (a transformers causal LM) using a StaticCache of `max_len` positions.
+@dataclass
+class _Slot:
+    """A bucket's static cache and buffers, and the graphs captured over them."""
 
-    `compile_kwargs` go to `torch.compile` for both graphs (e.g. `{"backend": moefx.backend(cfg)}`);
-    None runs eagerly. `cuda_graphs=True` (eager forward only, CUDA inputs) replays a captured forward per
-    batch size.
+    batch: int
+    max_len: int
+    cache: Any
+    state: dict[str, torch.Tensor]
+    mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
+    graphs: dict[tuple, Any] = field(default_factory=dict)  # (params, masked) -> CUDAGraph, None = no graph
+    logits: dict[tuple, torch.Tensor] = field(default_factory=dict)  # the captured step's logits output
+
+
+@dataclass
+class EngineStats:
+    """What the engine did in this process: compiles per function, graphs captured, why steps ran without one."""
+
+    compiles: dict[str, int] = field(default_factory=dict)
+    captures: int = 0
+    uncaptured: list[str] = field(default_factory=list)
+    requests: int = 0
+
+
+class DecodeLoop:
+    """Generate with `model` (a transformers causal LM) over a StaticCache.
+
+    `compile_kwargs` go to `torch.compile` for the prefill, the decode step and the sampler (e.g.
+    `{"backend": moefx.backend(cfg, cudagraphs=False)}`); None runs them eagerly. `cuda_graphs=True` (CUDA
+    inputs) captures each decode step once per batch bucket and sampling params and replays it; the backend
+    must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets (None: every batch size is
+    its own bucket); batches above the largest run without graphs. `max_len` fixes the cache length (None:
+    the request's prompt + new tokens, rounded up to `CACHE_LEN_STEP`). `forward` is the model forward to
+    call (default `model.forward`; `optimize` passes the uncompiled one).
     """
 
-    def __init__(self, model: Any, max_len: int, compile_kwargs: dict[str, Any] | None = None,
-                 cuda_graphs: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        max_len: int | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        cuda_graphs: bool = False,
+        capture_sizes: Sequence[int] | None = None,
+        forward: Callable[..., Any] | None = None,
+    ) -> None:
         from transformers import StaticCache
 
-        if cuda_graphs and compile_kwargs is not None:
-            raise ValueError("DecodeLoop: 'cuda_graphs' captures the eager forward; with 'compile_kwargs' use the "
-                             "moefx backend's mode='capture' instead")
+        backend = (compile_kwargs or {}).get("backend")
+        if cuda_graphs and getattr(backend, "cudagraphs", False):
+            raise ValueError("DecodeLoop(cuda_graphs=True) captures the steps itself; its backend must not add "
+                             "inductor's CUDA graphs (use moefx.backend(cfg, cudagraphs=False))")
         self.model, self.max_len = model, max_len
+        self._model_forward = forward or model.forward
+        self._cache_arg = cache_kwarg(self._model_forward)
         self._cache_cls = StaticCache
-        self._caches: dict[int, Any] = {}
-        self.compiled = compile_kwargs is not None
         self.cuda_graphs = cuda_graphs
-        self._graphs: dict[tuple[int, int], tuple | None] = {}  # (batch, cache id) -> captured step, None = eager
-        kw = compile_kwargs or {}
-        self.forward = torch.compile(self._forward, **kw) if self.compiled else self._forward
-        self.pick = torch.compile(_step_tokens, **kw) if self.compiled else _step_tokens
+        self.capture_sizes = sorted(set(capture_sizes)) if capture_sizes else []
+        self.compiled = compile_kwargs is not None
+        self.stats = EngineStats()
+        self._slots: dict[int, _Slot] = {}
+        self._pool: Any = None
+        kw = dict(compile_kwargs or {})
+        self._prefill = self._compile("prefill", self._prefill_forward, kw)
+        self._decode = self._compile("decode", self._decode_forward, kw)
+        self._pick = self._compile("sampler", _advance, kw)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.model(
-            input_ids=tokens, position_ids=positions, cache_position=positions[0], past_key_values=cache,
-            use_cache=True, logits_to_keep=1,
+    def _compile(self, name: str, fn: Callable, kw: dict[str, Any]) -> Callable:
+        if not self.compiled:
+            return fn
+        bound = getattr(fn, "__self__", None)
+        own = _own_code(fn.__func__ if bound is not None else fn)
+        target = types.MethodType(own, bound) if bound is not None else own
+        backend = kw.get("backend", "inductor")
+        stats = self.stats
+
+        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            stats.compiles[name] = stats.compiles.get(name, 0) + 1
+            if isinstance(backend, str):
+                from torch._dynamo import lookup_backend
+
+                return lookup_backend(backend)(gm, example_inputs)
+            return backend(gm, example_inputs)
+
+        compiled = torch.compile(target, **{**kw, "backend": counting_backend})
+        # Model code keeps constants (eps, FP8 max) in float attributes; traced as runtime values they could
+        # not be matched by the fusions, which must reproduce them exactly.
+        return torch._dynamo.config.patch(specialize_float=True)(compiled)
+
+    # -- the model calls -------------------------------------------------------------------------------------
+
+    def _prefill_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
+                         attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        return self._run(input_ids, position_ids, cache_position, attention_mask, cache)
+
+    def _decode_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
+                        attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        return self._run(input_ids, position_ids, cache_position, attention_mask, cache)
+
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        """Last-position logits [rows, V] of one forward (two entry points so prefill and decode compile apart)."""
+        out = self._model_forward(
+            input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
+            attention_mask=attention_mask, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
         )
-        return out.logits
+        return out.logits[:, -1]
 
-    def _graph_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        """One decode step by graph replay (captured on first use for this batch size and cache)."""
-        key = (tokens.shape[0], id(cache))
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(tokens, positions, cache)
-        step = self._graphs[key]
-        if step is None:
-            return self._forward(tokens, positions, cache)
-        graph, static_tokens, static_positions, logits = step
-        static_tokens.copy_(tokens)
-        static_positions.copy_(positions)
-        graph.replay()
+    def _step(self, slot: _Slot, params: SamplingParams, masked: bool) -> torch.Tensor:
+        st = slot.state
+        logits = self._decode(st["tokens"], st["position_ids"], st["cache_position"],
+                              slot.mask if masked else None, slot.cache)
+        self._pick(logits, st, params)
         return logits
 
-    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Any) -> tuple | None:
-        """Capture the forward for these shapes. The warm-up runs use a cache of their own: a static cache layer
-        advances its write position on the device at every forward, so warming up on the real one would shift
-        every later write."""
-        why = _uncapturable_cache(cache)
+    # -- buckets, caches and graphs --------------------------------------------------------------------------
+
+    def bucket(self, batch: int) -> tuple[int, bool]:
+        """(rows the step runs with, whether a graph may be captured for it)."""
+        if not self.capture_sizes:
+            return batch, self.cuda_graphs
+        for size in self.capture_sizes:
+            if size >= batch:
+                return size, self.cuda_graphs
+        return batch, False
+
+    def _slot(self, rows: int, needed: int, device: torch.device) -> _Slot:
+        slot = self._slots.get(rows)
+        if slot is not None and slot.max_len >= needed and slot.state["seq"].device == device:
+            return slot
+        max_len = self.max_len or -(-needed // CACHE_LEN_STEP) * CACHE_LEN_STEP
+        if needed > max_len:
+            raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the cache length max_len={max_len}")
+        self._slots.pop(rows, None)  # free the old cache (and its graphs) before allocating the new one
+        cache = self._cache_cls(config=self.model.config, max_cache_len=max_len)
+        long = {"dtype": torch.long, "device": device}
+        state = {
+            "tokens": torch.zeros(rows, 1, **long),
+            "position_ids": torch.zeros(rows, 1, **long),
+            "cache_position": torch.zeros(1, **long),
+            "seq": torch.zeros(rows, max_len, **long),
+            "finished": torch.zeros(rows, dtype=torch.bool, device=device),
+            "done": torch.zeros((), dtype=torch.bool, device=device),
+            "eos": torch.full((MAX_EOS_IDS,), -1, **long),
+            "pad": torch.zeros((), **long),
+            "pad_finished": torch.zeros((), dtype=torch.bool, device=device),
+        }
+        slot = _Slot(rows, max_len, cache, state, torch.ones(rows, max_len, **long))
+        # The cache's layers allocate their tensors on the first update: do it eagerly, with one token, so no
+        # compiled graph ever allocates them (their addresses must stay static for the graphs).
+        with torch.no_grad():
+            self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
+        cache.reset()
+        self._slots[rows] = slot
+        return slot
+
+    def _graph(self, slot: _Slot, params: SamplingParams, masked: bool) -> tuple[Any, torch.Tensor | None]:
+        """The captured step for these params (captured on first use), or (None, None) to run it directly."""
+        key = (params, masked)
+        if key in slot.graphs:
+            return slot.graphs[key], slot.logits.get(key)
+        graph, logits = self._capture(slot, params, masked)
+        slot.graphs[key] = graph
+        if logits is not None:
+            slot.logits[key] = logits
+        return graph, logits
+
+    def _capture(self, slot: _Slot, params: SamplingParams, masked: bool) -> tuple[Any, torch.Tensor | None]:
+        why = _uncapturable_cache(slot.cache)
         if why is not None:
-            warn_once(f"DecodeLoop: batch {tokens.shape[0]} runs eagerly: {why}")
-            return None
-        static_tokens, static_positions = tokens.clone(), positions.clone()
-        side = torch.cuda.Stream(tokens.device)
-        side.wait_stream(torch.cuda.current_stream(tokens.device))
+            return self._uncaptured(slot, why)
+        device = slot.state["seq"].device
+        # Warm-up steps compile the functions and advance the state; the state and each layer's write
+        # position are put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
+        saved = {k: v.clone() for k, v in slot.state.items()}
+        lengths = [layer.cumulative_length.clone() for layer in slot.cache.layers]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            scratch = self._cache_cls(config=self.model.config, max_cache_len=self.max_len)
             for _ in range(2):
-                self._forward(static_tokens, static_positions, scratch)
-            del scratch
-        torch.cuda.current_stream(tokens.device).wait_stream(side)
+                self._step(slot, params, masked)
+        torch.cuda.current_stream(device).wait_stream(side)
+        for name, value in saved.items():
+            slot.state[name].copy_(value)
+        for layer, length in zip(slot.cache.layers, lengths):
+            layer.cumulative_length.copy_(length)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                logits = self._forward(static_tokens, static_positions, cache)
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._step(slot, params, masked)
         except RuntimeError as exc:
-            warn_once(f"DecodeLoop: batch {tokens.shape[0]} runs eagerly, its forward cannot be captured: {exc}")
-            return None
-        return graph, static_tokens, static_positions, logits
+            return self._uncaptured(slot, f"its step cannot be captured: {exc}")
+        self.stats.captures += 1
+        log.info("decode step captured for batch %d, cache length %d", slot.batch, slot.max_len)
+        return graph, logits
 
-    def cache_for(self, batch: int) -> Any:
-        """One StaticCache per batch size, reset between calls: compiled graphs keep its static addresses."""
-        cache = self._caches.get(batch)
-        if cache is None:
-            cache = self._caches[batch] = self._cache_cls(config=self.model.config, max_cache_len=self.max_len)
-        elif cache.is_initialized:
-            cache.reset()
-        return cache
+    def _uncaptured(self, slot: _Slot, why: str) -> tuple[None, None]:
+        message = f"batch {slot.batch} decodes without a CUDA graph: {why}"
+        self.stats.uncaptured.append(message)
+        warn_once(f"moefx generate(): {message}")
+        return None, None
+
+    # -- a request -------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def generate(
@@ -126,50 +285,109 @@ class DecodeLoop:
         input_ids: torch.Tensor,
         max_new_tokens: int,
         params: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        stopping_criteria: Sequence[Callable[..., Any]] = (),
     ) -> torch.Tensor:
-        """Prompt + new tokens [B, T + n]; rows that hit EOS are padded, like transformers' generate()."""
+        """Prompt + new tokens [B, T + n]. Rows that finished are padded with `pad_token_id`, like transformers'
+        generate() (when EOS ids are set; otherwise a row a criterion stopped goes on until all have stopped, as
+        there); `attention_mask` (left padding only) marks prompt positions to ignore; each stopping
+        criterion is called as `criterion(input_ids_so_far, logits)` and returns a bool per row."""
         batch, prompt = input_ids.shape
-        if prompt + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} exceeds max_len {self.max_len}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if len(eos) > MAX_EOS_IDS:
+            raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(eos)}")
         device = input_ids.device
-        cache = self.cache_for(batch)
-        positions = torch.arange(prompt, device=device).expand(batch, prompt)
-        logits = self.model(
-            input_ids=input_ids, position_ids=positions, cache_position=positions[0], past_key_values=cache,
-            use_cache=True, logits_to_keep=1,
-        ).logits
-        eos = -1 if eos_token_id is None else eos_token_id
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        pinned = device.type == "cuda"
-        flags = [torch.zeros((), dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
-        events = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        out: list[torch.Tensor] = []
-        position = torch.full((batch, 1), prompt, dtype=torch.long, device=device)
-        graphs = self.compiled and device.type == "cuda"
-        forward = self._graph_forward if self.cuda_graphs and device.type == "cuda" else self.forward
+        rows, graphs = self.bucket(batch)
+        graphs = graphs and device.type == "cuda"
+        slot = self._slot(rows, prompt + max_new_tokens, device)
+        self.stats.requests += 1
+        st = slot.state
+        masked = attention_mask is not None
+        pad_rows = [0] * (rows - batch)
+        ids = torch.cat([input_ids, input_ids[pad_rows]]) if pad_rows else input_ids
+        st["seq"][:, :prompt].copy_(ids)
+        slot.mask.fill_(1)
+        if masked:
+            mask = attention_mask.to(device=device, dtype=torch.long)
+            slot.mask[:, :prompt].copy_(torch.cat([mask, mask[pad_rows]]) if pad_rows else mask)
+            positions = (slot.mask[:, :prompt].cumsum(-1) - 1).clamp(min=0)
+        else:
+            positions = torch.arange(prompt, device=device).expand(rows, prompt)
+        st["eos"].fill_(-1)
+        if eos:
+            st["eos"][: len(eos)].copy_(torch.tensor(eos, device=device))
+        st["pad"].fill_(pad_token_id)
+        st["pad_finished"].fill_(bool(eos))
+        st["finished"].fill_(False)
+        st["finished"][batch:] = True
+        slot.cache.reset()
+
+        prefill_ids = st["seq"][:, :prompt]
+        cache_position = torch.arange(prompt, device=device)
+        if self.compiled:
+            for t in (prefill_ids, positions):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(cache_position, 0)
+        logits = self._prefill(prefill_ids, positions, cache_position, slot.mask if masked else None, slot.cache)
+        st["position_ids"].copy_(positions[:, -1:])
+        st["cache_position"].fill_(prompt - 1)
+        self._pick(logits, st, params)
+
+        stopper = _LateStop(device, enabled=bool(eos) or bool(stopping_criteria))
+        graph, graph_logits = self._graph(slot, params, masked) if graphs and max_new_tokens > 1 else (None, None)
+        produced = max_new_tokens
         for step in range(max_new_tokens):
             if step > 0:
-                if graphs:  # a new step: CUDA-graph outputs of the previous one may be overwritten
-                    torch.compiler.cudagraph_mark_step_begin()
-                logits = forward(out[-1][:, None], position, cache)
-                position = position + 1
-            nxt, finished, done = self.pick(logits, finished, params, eos, pad_token_id)
-            if self.compiled:
-                nxt, finished = nxt.clone(), finished.clone()
-            out.append(nxt)
-            if eos_token_id is None:
-                continue
-            slot = step % 2
-            flags[slot].copy_(done, non_blocking=pinned)
-            if pinned:
-                events[slot].record()
-            if step > 0:
-                prev = (step - 1) % 2
-                if pinned:
-                    events[prev].synchronize()
-                if bool(flags[prev]):
-                    out.pop()  # read one step late: this token came after every row had finished
-                    break
-        return torch.cat([input_ids, torch.stack(out, dim=1)], dim=1)
+                if graph is not None:
+                    graph.replay()
+                    logits = graph_logits
+                else:
+                    logits = self._step(slot, params, masked)
+            if stopping_criteria:
+                self._apply_criteria(slot, stopping_criteria, batch, prompt + step + 1, logits)
+            if stopper.finished_before(step, st["done"]):
+                produced = step
+                break
+        return st["seq"][:batch, : prompt + produced].clone()
+
+    @staticmethod
+    def _apply_criteria(slot: _Slot, criteria: Sequence[Callable[..., Any]], batch: int, length: int,
+                        logits: torch.Tensor) -> None:
+        st = slot.state
+        so_far = st["seq"][:batch, :length]
+        for criterion in criteria:
+            hit = criterion(so_far, logits[:batch].float())
+            hit = torch.as_tensor(hit, device=so_far.device).to(torch.bool).expand(batch)
+            st["finished"][:batch] |= hit
+        st["done"].copy_(st["finished"].all())
+
+
+class _LateStop:
+    """"Every row finished?" read one step late: the flag is copied to pinned memory as the step is queued
+    and read when the next one has been queued, so the host never waits for the step it just launched."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        if enabled:
+            self.flags = [torch.zeros((), dtype=torch.bool, pin_memory=self.cuda) for _ in range(2)]
+            self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+
+    def finished_before(self, step: int, done: torch.Tensor) -> bool:
+        """Queue the copy of this step's flag; True when the previous step had finished every row."""
+        if not self.enabled:
+            return False
+        slot = step % 2
+        self.flags[slot].copy_(done, non_blocking=self.cuda)
+        if self.cuda:
+            self.events[slot].record()
+        if step == 0:
+            return False
+        prev = (step - 1) % 2
+        if self.cuda:
+            self.events[prev].synchronize()
+        return bool(self.flags[prev])

@@ -1,4 +1,11 @@
-"""The `optimize` transform for sampling: on CUDA, `generate()` reads its stop flag one step late."""
+"""The `optimize` transform for generation: `generate()` on moefx's decode engine, stop flag read late.
+
+On every device a transformers causal LM's `generate()` runs on the engine (`moefx/sampling/decode.py`) for
+the requests it reproduces (`moefx/sampling/generate.py`): static KV cache, prefill and decode step compiled
+with the moefx backend (mode compile or capture), and in mode capture on CUDA each decode step replayed from a
+CUDA graph per capture bucket. Other requests run transformers' loop, which on CUDA reads its stop flag one
+step late (`moefx/sampling/stop.py`).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,43 @@ from moefx.sampling.stop import enable_deferred_stop
 from moefx.transforms import register_model_transform
 
 
+def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
+    from moefx.compile import backend
+    from moefx.sampling.decode import DecodeLoop
+    from moefx.sampling.generate import install_generate
+
+    mode = getattr(config, "mode", "compile")
+    device = getattr(getattr(plan, "execution", None), "device_type", None)
+    sizes = list(getattr(plan, "serving", {}).get("capture_sizes") or [])
+    graphs = mode == "capture" and device == "cuda" and bool(sizes)
+    compile_kwargs = None if mode == "eager" else {"backend": backend(config, plan, cudagraphs=False)}
+    engine = DecodeLoop(model, compile_kwargs=compile_kwargs, cuda_graphs=graphs, capture_sizes=sizes or None,
+                        forward=model.forward)
+    install_generate(model, engine)
+    steps = "eager steps (mode eager)" if compile_kwargs is None else "compiled prefill and decode step"
+    where = (f"decode steps replayed from CUDA graphs for batches {sizes} (padded to the bucket; larger "
+             f"batches without graphs)" if graphs else f"no CUDA graphs (mode {mode} on {device})")
+    return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
+            f"loop (model.moefx_generate.fallbacks says why)"]
+
+
 @register_model_transform("sampling", order=50)
 def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
     device = getattr(getattr(plan, "execution", None), "device_type", None)
     if device != "cuda":
-        return [f"deferred stop check off: device {device or 'unknown'} (on for cuda only)"]
-    why = enable_deferred_stop(model, devices=("cuda",))
-    if why is not None:
-        return [f"deferred stop check off: {why}"]
-    return ["deferred stop check on for generate() (host reads the stop flag one step late)"]
+        lines = [f"deferred stop check off: device {device or 'unknown'} (on for cuda only)"]
+    else:
+        why = enable_deferred_stop(model, devices=("cuda",))
+        lines = [f"deferred stop check off: {why}" if why is not None
+                 else "deferred stop check on for transformers' generate() (stop flag read one step late)"]
+    if why_not := _engine_reason(model):
+        return [*lines, f"generate() engine off: {why_not}"]
+    return [*lines, *_engine_lines(model, plan, config)]
+
+
+def _engine_reason(model: Any) -> str | None:
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "_sample"):
+        return "the model has no transformers generate()"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "encoder-decoder models keep transformers' loop"
+    return None

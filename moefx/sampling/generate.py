@@ -1,0 +1,175 @@
+"""transformers' `generate()` on moefx's decode engine, for the requests the engine reproduces exactly.
+
+`install_generate(model, engine)` wraps `model.generate`. Each call is read with transformers' own helpers
+(`_prepare_generation_config`, `_prepare_special_tokens`, `_get_logits_processor`), so defaults and the
+model's generation config apply as in the stock loop. A request runs on the engine when everything it asks
+for is something the engine does: greedy, or sampling with temperature / top-k / top-p / min-p; EOS and pad
+ids; `max_new_tokens` / `max_length`; user stopping criteria (called each step with the tokens so far and
+the step's raw logits); a left-padded attention mask. Anything else — beam search, other logits
+processors, streamers, returned scores or dicts, a cache passed in, assisted decoding — runs transformers'
+own loop, and the reason is logged once and kept in `model.moefx_generate.fallbacks`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moefx.log import get_logger
+from moefx.sampling.decode import DecodeLoop
+from moefx.sampling.sampler import SamplingParams
+
+log = get_logger("moefx.sampling")
+
+# Processors transformers builds that the engine's sampler reproduces (moefx/sampling/sampler.py).
+ENGINE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+# generate() arguments that the engine takes when unset / falsy.
+_UNSUPPORTED_ARGS = (
+    "logits_processor", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "streamer",
+    "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "inputs_embeds", "past_key_values",
+    "cache", "assistant_tokenizer", "tokenizer",
+)
+# GenerationConfig fields, with the value the engine needs (None: unset or falsy).
+_CONFIG_NEEDS: dict[str, Any] = {
+    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "return_dict_in_generate": None,
+    "output_scores": None, "output_logits": None, "output_attentions": None, "output_hidden_states": None,
+    "penalty_alpha": None, "dola_layers": None, "prompt_lookup_num_tokens": None, "assistant_early_exit": None,
+    "max_time": None, "stop_strings": None, "watermarking_config": None,
+}
+_MODEL_KWARGS_OK = {"attention_mask", "use_cache", "output_attentions", "output_hidden_states"}
+
+
+@dataclass
+class EngineRequest:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    max_new_tokens: int
+    params: SamplingParams
+    eos: list[int]
+    pad: int
+    criteria: list[Callable[..., Any]]
+
+
+@dataclass
+class GenerateFront:
+    """What `optimize` puts on `model.moefx_generate`: the engine, and why requests went elsewhere."""
+
+    engine: DecodeLoop
+    original: Callable[..., Any]
+    fallbacks: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        s = self.engine.stats
+        return (f"{s.requests} requests on the engine, {len(self.fallbacks)} in transformers' loop; "
+                f"compiles {s.compiles or 'none'}; {s.captures} CUDA graphs captured")
+
+
+def _fallback(front: GenerateFront, why: str) -> None:
+    if why not in front.fallbacks:
+        log.warning("generate() runs transformers' own loop: %s", why)
+    front.fallbacks.append(why)
+
+
+def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[EngineRequest | None, str]:
+    """The engine request for this generate() call, or (None, why the engine cannot run it)."""
+    kwargs = dict(kwargs)
+    if len(args) > 2:
+        return None, "positional arguments after generation_config"
+    inputs = args[0] if args else kwargs.pop("inputs", None)
+    if inputs is None:
+        inputs = kwargs.pop("input_ids", None)
+    if len(args) > 1:
+        kwargs["generation_config"] = args[1]
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.dtype != torch.long:
+        return None, "input ids are not one [batch, length] LongTensor"
+    for name in _UNSUPPORTED_ARGS:
+        value = kwargs.pop(name, None)
+        if value is not None and value is not False and not (hasattr(value, "__len__") and len(value) == 0):
+            return None, f"argument {name!r}"
+    criteria = list(kwargs.pop("stopping_criteria", None) or [])
+    gen_config = kwargs.pop("generation_config", None)
+    try:
+        gc, model_kwargs = model._prepare_generation_config(gen_config, **kwargs)
+    except (AttributeError, TypeError) as exc:
+        return None, f"this transformers' generate() could not be read ({exc})"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS_OK and v is not None)
+    if extra:
+        return None, f"model arguments {extra}"
+    if model_kwargs.get("use_cache") is False or gc.use_cache is False:
+        return None, "use_cache=False"
+    for name, want in _CONFIG_NEEDS.items():
+        value = getattr(gc, name, None)
+        if value not in (None, False, want):
+            return None, f"generation config {name}={value!r}"
+    if getattr(gc, "cache_implementation", None) not in (None, "static", "dynamic"):
+        return None, f"cache_implementation={gc.cache_implementation!r}"
+    attention_mask = model_kwargs.get("attention_mask")
+    try:
+        model._prepare_special_tokens(gc, attention_mask is not None, device=inputs.device)
+        processors = model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=inputs.shape[1], encoder_input_ids=inputs,
+            logits_processor=None, device=inputs.device, model_kwargs=model_kwargs,
+        )
+    except (AttributeError, TypeError) as exc:
+        return None, f"this transformers' generate() could not be read ({exc})"
+    other = sorted({type(p).__name__ for p in processors} - set(ENGINE_PROCESSORS))
+    if other:
+        return None, f"logits processors {other}"
+    if gc.max_new_tokens is not None:
+        new = int(gc.max_new_tokens)
+    elif gc.max_length is not None:
+        new = int(gc.max_length) - inputs.shape[1]
+    else:
+        return None, "no max_new_tokens or max_length"
+    if new < 1:
+        return None, f"max_new_tokens={new}"
+    if gc.do_sample:
+        params = SamplingParams(
+            temperature=float(gc.temperature if gc.temperature is not None else 1.0),
+            top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+            min_p=float(gc.min_p or 0.0),
+        )
+        if params.greedy:
+            return None, "do_sample with temperature 0"
+    else:
+        params = SamplingParams(temperature=0.0)
+    eos_t, pad_t = gc._eos_token_tensor, gc._pad_token_tensor
+    eos = [] if eos_t is None else [int(t) for t in eos_t.reshape(-1).tolist()]
+    pad = int(pad_t) if pad_t is not None else (eos[0] if eos else 0)
+    if attention_mask is None and pad_t is not None and bool((inputs == pad).any()) and pad not in eos:
+        attention_mask = inputs.ne(pad).long()  # what transformers infers from pad tokens in the prompt
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(inputs.shape):
+            return None, f"attention_mask of shape {tuple(attention_mask.shape)} for inputs {tuple(inputs.shape)}"
+        if bool(attention_mask.all()):
+            attention_mask = None
+        elif not bool(attention_mask[:, -1].all()):
+            return None, "a right-padded attention_mask (the engine takes left padding)"
+    return EngineRequest(inputs, attention_mask, new, params, eos, pad, criteria), ""
+
+
+def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
+    """Wrap `model.generate` so the requests the engine reproduces run on it (the rest as before)."""
+    original = model.generate
+    front = GenerateFront(engine, original)
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        request, why = read_request(model, args, kwargs)
+        if request is None:
+            _fallback(front, why)
+            if len(args) < 2 and "generation_config" not in kwargs:
+                kwargs.setdefault("disable_compile", True)  # the forward is compiled already
+            return original(*args, **kwargs)
+        return engine.generate(
+            request.input_ids, request.max_new_tokens, request.params, eos_token_id=request.eos,
+            pad_token_id=request.pad, attention_mask=request.attention_mask, stopping_criteria=request.criteria,
+        )
+
+    model.generate = generate
+    model.moefx_generate = front
+    return front
