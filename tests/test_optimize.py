@@ -1,4 +1,3 @@
-import copy
 
 import pytest
 import torch
@@ -7,7 +6,6 @@ import torch._inductor.config as inductor_config
 
 import moefx
 from moefx.cli import main as cli_main
-from moefx.models import build_model, tiny_qwen3_moe_config
 
 NOOPS_ON = {"pass_config": {"eliminate_noops": True}}
 
