@@ -66,9 +66,8 @@ def test_max_length_without_eos_and_stock_model_untouched(models):
 def test_transform_turns_it_on_for_cuda_only(models):
     from types import SimpleNamespace
 
-    from moefx.sampling.transform import sampling_transform
-
     from moefx.config import CompilationConfig
+    from moefx.sampling.transform import sampling_transform
 
     stock, _ = models
     model = copy.deepcopy(stock)
