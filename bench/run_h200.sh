@@ -8,6 +8,8 @@
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
+#                                                        #   e2e-quick e2e-8 e2e-48a e2e-48b (optimize + generate()
+#                                                        #   vs transformers, bench/e2e.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -67,6 +69,12 @@ for s in "${stages[@]}"; do
                 --metrics "regex:smsp__average_warps?_.*issue_stalled_.*" --import-source no \
                 -o "$OUT/ncu-stalls-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
+        e2e-quick) run_stage e2e-quick 420 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
+            --profile --tag _quick ;;
+        e2e-8) run_stage e2e-8 540 python3 bench/e2e.py --layers 8 --batches 1,16,64 --fp8 --profile ;;
+        e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 ;;
+        e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --arms hf_eager,hf_static,moefx \
+            --tag _b16_64 ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;

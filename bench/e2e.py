@@ -1,0 +1,304 @@
+"""End to end: a transformers Qwen3-MoE through `moefx.optimize` + `generate()` against transformers alone.
+
+Qwen3-MoE at Qwen3-30B-A3B widths (E=128, H=2048, I=768, top-8), `--layers` deep, seeded random weights, bf16,
+a `--prompt`-token prompt, greedy. Arms, all in this process on one model (the transformers arms first, on the
+plain model; `optimize` then rewrites it in place):
+  hf_eager     model.generate() as shipped (dynamic cache, eager)
+  hf_static    model.generate(cache_implementation="static"): transformers compiles its own decode step
+  moefx        moefx.optimize(model, max_batch_size) then model.generate(): moefx's engine (static cache, compiled
+               prefill and decode step replayed from CUDA graphs)
+  moefx_fp8    a second model, moefx.quantize(model, "fp8_block128") then the same (`--fp8`)
+Decode tok/s = B * (n2 - n1) / (t(n2) - t(n1)), t = median wall time of generate(max_new_tokens=n); the prefill
+cancels out. First call = the first generate() of the arm at that batch (compiles and captures included).
+Floor = weight bytes one decode step must read (every non-expert weight, the experts a batch of B tokens
+touches under uniform routing, B embedding rows) / the measured HBM copy rate. Greedy agreement = share of the
+first 8 new tokens equal to hf_eager's (bf16: near-tied logits of random weights flip some; reported, not
+required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager forward, hf_compiled
+(`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor = (2 x active
+parameters x T + causal attention) / the measured bf16 matmul rate.
+Writes JSON (the `e2e` schema of bench/report.py) to $OUT and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moefx
+from moefx.integrations.transformers import is_experts_module
+from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
+
+AGREE_TOKENS = 8
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def step_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Bytes of weights one decode step of `batch` tokens must read (see the module docstring)."""
+    cfg = model.config
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - 1 / e) ** (batch * k)) / e
+    expert_params = {id(p) for m in model.modules() if is_experts_module(m) for p in m.parameters()}
+    total = 0.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if id(p) in expert_params:
+            total += nbytes * touched
+        elif "embed_tokens" in name:
+            total += batch * p.shape[-1] * p.element_size()
+        else:
+            total += nbytes
+    return total
+
+
+def prefill_flops(model: torch.nn.Module, tokens: int) -> float:
+    cfg = model.config
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn_w = h * hd * (2 * heads + 2 * kv)
+    experts = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+    linear = layers * (attn_w + experts + h * cfg.num_experts) + cfg.vocab_size * h / tokens  # LM head: 1 row
+    causal = layers * 2 * 2 * heads * hd * tokens * tokens / 2
+    return 2 * linear * tokens + causal
+
+
+def greedy_kwargs(n: int) -> dict:
+    return dict(max_new_tokens=n, min_new_tokens=None, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def decode_row(arm: str, model, generate, ids, n1: int, n2: int, runs: int, floor_tok_s: float, layers: int,
+               dtype: str, ref: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    batch = ids.shape[0]
+    if ids.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    out = None
+
+    def first():
+        nonlocal out
+        out = generate(ids, n2)
+
+    first_s = wall(first)
+    generate(ids, n1)  # warm n1 too (a shorter request may recapture nothing, but keep both warm)
+    t1 = statistics.median(wall(lambda: generate(ids, n1)) for _ in range(runs))
+    t2 = statistics.median(wall(lambda: generate(ids, n2)) for _ in range(runs))
+    tok_s = batch * (n2 - n1) / max(t2 - t1, 1e-9)
+    new = out[:, ids.shape[1]:]
+    agree = None
+    if ref is not None:
+        m = min(AGREE_TOKENS, new.shape[1], ref.shape[1])
+        agree = float((new[:, :m] == ref[:, :m]).float().mean())
+    row = dict(layers=layers, B=batch, dtype=dtype, arm=arm, tok_s=round(tok_s, 1), step_ms=round(1e3 * (t2 - t1) /
+               (n2 - n1), 3), floor_tok_s=round(floor_tok_s, 1), pct_floor=round(100 * tok_s / floor_tok_s, 1),
+               first_call_s=round(first_s, 1), peak_mem_gib=round(_peak_gib(ids), 1),
+               agree_with_eager=agree)
+    print(f"  {arm:10s} B={batch:3d}: {tok_s:8.1f} tok/s ({row['pct_floor']}% of floor), first call "
+          f"{first_s:.1f} s, agree {agree}", flush=True)
+    return row, new
+
+
+def profile_step(model, ids, n: int = 8) -> list[dict]:
+    """Kernels of the decode steps (CUDA activity inside the graph replays), per step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = lambda m: model.generate(ids, **greedy_kwargs(m))  # noqa: E731
+    gen(n)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen(n)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof1:
+        gen(1)
+    per = {}
+    for sign, p in ((1, prof), (-1, prof1)):
+        for evt in p.key_averages():
+            if evt.device_type is not None and "CUDA" in str(evt.device_type):
+                d = per.setdefault(evt.key, [0.0, 0])
+                d[0] += sign * evt.device_time_total
+                d[1] += sign * evt.count
+    steps = n - 1
+    rows = [dict(kernel=k[:90], us_per_step=round(v[0] / steps, 2), calls_per_step=round(v[1] / steps, 1))
+            for k, v in per.items() if v[0] > 0]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"  profile: {total:.0f} us of kernels per decode step, "
+          f"{sum(r['calls_per_step'] for r in rows):.0f} launches; top kernels:")
+    for r in rows[:25]:
+        print(f"    {r['us_per_step']:8.2f} us  x{r['calls_per_step']:<6} {r['kernel']}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--arms", default="hf_eager,hf_static,moefx")
+    ap.add_argument("--fp8", action="store_true", help="add moefx_fp8 (at the same batches)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--n1", type=int, default=16)
+    ap.add_argument("--n2", type=int, default=48)
+    ap.add_argument("--eager-n", default="2,6", help="n1,n2 for hf_eager (slow)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill", type=int, default=0, help="prompt length of the prefill arms (0: none)")
+    ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    arms = args.arms.split(",")
+    e1, e2 = (int(x) for x in args.eager_n.split(","))
+    ceil = _ceilings(args.device)
+    hbm = ceil["copy_Bps"]
+    print(f"ceilings: copy {hbm / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    cfg = tiny_qwen3_moe_config(num_hidden_layers=args.layers) if args.tiny else qwen3_moe_config(args.layers)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(cfg, seed=0, dtype=dtype, device=args.device).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    gen = torch.Generator().manual_seed(1)
+    inputs = {b: torch.randint(1, cfg.vocab_size, (b, args.prompt), generator=gen).to(args.device) for b in batches}
+    floors = {b: b / (step_bytes(model, b) / hbm) for b in batches}
+    decode, prefill, refs, extra = [], [], {}, {}
+    stock_generate = type(model).generate.__get__(model)
+
+    if "hf_eager" in arms:
+        print("hf_eager", flush=True)
+        for b in batches:
+            row, new = decode_row("hf_eager", model, lambda x, n: stock_generate(x, **greedy_kwargs(n)),
+                                  inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None)
+            decode.append(row)
+            refs[b] = new
+    ptoks, fl_ms = None, 0.0
+
+    def prefill_row(arm: str, fn) -> None:
+        with torch.no_grad():
+            first = wall(fn)
+            ms = 1e3 * statistics.median(wall(fn) for _ in range(args.runs))
+        prefill.append(dict(layers=args.layers, tokens=args.prefill, arm=arm, ms=round(ms, 1),
+                            floor_ms=round(fl_ms, 1), x_floor=round(ms / fl_ms, 2), first_call_s=round(first, 1)))
+        print(f"  prefill {arm:11s}: {ms:.1f} ms ({ms / fl_ms:.2f}x floor), first call {first:.1f} s", flush=True)
+
+    if args.prefill:
+        ptoks = torch.randint(1, cfg.vocab_size, (1, args.prefill), generator=gen).to(args.device)
+        fl_ms = 1e3 * prefill_flops(model, args.prefill) / ceil["bf16_flops"]
+        print("prefill, transformers", flush=True)
+        prefill_row("hf_eager", lambda: model(input_ids=ptoks, logits_to_keep=1))
+        compiled_fwd = torch.compile(model.forward)
+        prefill_row("hf_compiled", lambda: compiled_fwd(input_ids=ptoks, logits_to_keep=1))
+        del compiled_fwd
+        torch._dynamo.reset()
+    if "hf_static" in arms:
+        print("hf_static", flush=True)
+        for b in batches:
+            fn = lambda x, n: stock_generate(x, cache_implementation="static", **greedy_kwargs(n))  # noqa: E731
+            row, _ = decode_row("hf_static", model, fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
+                                args.layers, "bf16", refs.get(b))
+            decode.append(row)
+        torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    def moefx_arm(name: str, mdl, dtype: str) -> None:
+        print(name, flush=True)
+        start = time.perf_counter()
+        opt = moefx.optimize(mdl, config={"max_batch_size": max(batches)})
+        extra[f"{name}_optimize_s"] = round(time.perf_counter() - start, 1)
+        fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
+        for b in batches:
+            row, _ = decode_row(name, opt, fn, inputs[b], args.n1, args.n2, args.runs, b / (step_bytes(opt, b) / hbm),
+                                args.layers, dtype, refs.get(b))
+            decode.append(row)
+        front = opt.moefx_generate
+        extra[f"{name}_engine"] = dict(compiles=front.engine.stats.compiles, captures=front.engine.stats.captures,
+                                       uncaptured=front.engine.stats.uncaptured, fallbacks=front.fallbacks)
+        extra[f"{name}_matches"] = _pass_matches()
+        print(f"  {front.describe()}; passes {extra[f'{name}_matches']}", flush=True)
+        if args.profile and name == "moefx":
+            extra["profile_B1"] = profile_step(opt, inputs[min(batches)])
+        if ptoks is not None and name == "moefx":
+            prefill_row("moefx", lambda: opt.generate(ptoks, **greedy_kwargs(1)))
+
+    if "moefx" in arms:
+        moefx_arm("moefx", model, "bf16")
+    if args.fp8:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device).eval()
+        fp8.generation_config.eos_token_id = None
+        moefx.quantize(fp8, "fp8_block128")
+        moefx_arm("moefx_fp8", fp8, "fp8_block128")
+
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)"
+    result = dict(stage="e2e", date=datetime.date.today().isoformat(), device=device_name,
+                  versions=dict(torch=torch.__version__, triton=_version("triton"),
+                                transformers=_version("transformers")),
+                  commit=os.environ.get("MOEFX_COMMIT", "unknown"), command=" ".join(["python3", *sys.argv]),
+                  ceilings=dict(hbm_copy_TBps=round(hbm / 1e12, 3),
+                                bf16_matmul_TFLOPs=round(ceil["bf16_flops"] / 1e12, 1)),
+                  decode=decode, prefill=prefill, extra=extra)
+    path = out_dir / f"e2e_{args.layers}l{args.tag}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}\n")
+    print("| layers | B | dtype | arm | tok/s | % floor | floor | first call s | peak GiB | agree |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in decode:
+        print(f"| {r['layers']} | {r['B']} | {r['dtype']} | {r['arm']} | {r['tok_s']} | {r['pct_floor']} | "
+              f"{r['floor_tok_s']} | {r['first_call_s']} | {r['peak_mem_gib']} | {r['agree_with_eager']} |")
+    for r in prefill:
+        print(f"| {r['layers']} | prefill {r['tokens']} | bf16 | {r['arm']} | {r['ms']} ms | {r['x_floor']}x floor | "
+              f"{r['floor_ms']} ms | {r['first_call_s']} | | |")
+    return 0
+
+
+def _peak_gib(t: torch.Tensor) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if t.is_cuda else 0.0
+
+
+def _ceilings(device: str) -> dict[str, float]:
+    if device == "cpu":  # --tiny smoke runs: nominal numbers, the floors mean nothing there
+        return {"copy_Bps": 1e10, "bf16_flops": 1e11}
+    from moe import ceilings  # bench/moe.py
+
+    return ceilings()
+
+
+def _pass_matches() -> dict[str, int]:
+    total: dict[str, int] = {}
+    for report in moefx.compile_reports():
+        for name, count in report.matches.items():
+            total[name] = total.get(name, 0) + count
+    return total
+
+
+def _version(name: str) -> str:
+    try:
+        return __import__(name).__version__
+    except ImportError:
+        return "absent"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
