@@ -302,7 +302,8 @@ def run_timed(quick: bool, fn) -> float:
 
 SWEEP_BUDGET_S = 150.0
 SWEEP_MS = {"grouped": (1024, 4096), "gemv": (1, 4)}  # where the gaps to the floor are (docs/PERFORMANCE.md)
-# µs per call in the final H200 run (bench/results/moe_h200_final_2026-11-29.json), for the sweep's estimate
+# µs per call on the H200 on 2026-11-29 (`git show 6d12c5a:bench/results/moe_h200_final_2026-11-29.json`), for the
+# sweep's time estimate only
 PRIOR_US = {("grouped", "bf16"): {1024: 396.0, 4096: 889.0}, ("grouped", "fp8"): {1024: 314.0, 4096: 843.0},
             ("gemv", "bf16"): {1: 25.6, 4: 75.1}, ("gemv", "fp8"): {1: 21.9, 4: 57.6}}
 COMPILE_S = {"grouped": 2.0, "gemv": 1.0}  # a new tile's first launch (one Triton compile), estimated
