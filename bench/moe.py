@@ -8,7 +8,7 @@ come from HBM, not L2. Floor = max(touched-expert bytes / copy bandwidth, FLOPs 
 experts touched counted on the very inputs timed. Prints a table last; JSON to $OUT/moe.json.
 `--quick`: tiny shapes on the CPU (smoke run for CI): correctness of every backend, no timing claims.
 `--sweep`: also run a budgeted tile sweep (grouped at M=1024/4096, gemv at M=1/4, bf16 and fp8; the best tiles
-per point next to the defaults' time, to adopt into the kernels' DEFAULT_TILES; see bench/NOTES-moe.md).
+per point next to the defaults' time, to adopt into the kernels' DEFAULT_TILES; docs/FINDINGS.md has what was tried).
 `--sweep-only`: just the ceilings and the sweep (JSON to $OUT/moe_sweep.json).
 `--profile`: just a per-kernel breakdown (torch.profiler, eager calls on the rotating sets) of each backend
 variant at `--ms`, next to its CUDA-graph time, so the gap between the two is launch/dependency overhead
