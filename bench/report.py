@@ -158,6 +158,10 @@ def _arm_order(arm: str) -> int:
     return keys.index(arm) if arm in keys else len(keys)
 
 
+def pct(row: dict[str, Any]) -> str:
+    return "–" if row.get("pct_floor") is None else f"{row['pct_floor']:.0f}%"
+
+
 def e2e_peers(decode: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
     """(layers, B) -> the peer's tok/s: the faster `hf_static` reading where it ran more than once."""
     peers: dict[tuple[int, int], float] = {}
@@ -172,7 +176,7 @@ def e2e_best(decode: list[dict[str, Any]], peers: dict[tuple[int, int], float]) 
     """The fastest moefx arm per (layers, B, dtype) that has a peer (HBM-floor arms only)."""
     out = []
     for (layers, b), peer in sorted(peers.items()):
-        for dt in ("bf16", "fp8"):
+        for dt in dict.fromkeys(x.get("dtype") for x in decode):
             ours = [x for x in decode if (x["layers"], x["B"], x.get("dtype")) == (layers, b, dt)
                     and x["arm"].startswith("moefx") and x.get("tok_s") and x.get("floor_kind") is None]
             if ours:
@@ -209,16 +213,16 @@ def render_e2e(r: dict[str, Any]) -> str:
     body.append("Arms:\n" + "\n".join(f"- `{a}`: {E2E_ARMS.get(a, a)}" for a in
                                        dict.fromkeys(row["arm"] for row in decode)))
     best = [f"{layers} layers, B={b}, {top['dtype']}: fastest moefx arm `{top['arm']}` {top['tok_s']:.0f} tok/s = "
-            f"{top['tok_s'] / peer:.2f}× the bf16 peer ({peer:.0f}), {top['pct_floor']:.0f}% of the floor"
+            f"{top['tok_s'] / peer:.2f}× the peer ({peer:.0f}), {pct(top)} of the floor"
             for layers, b, peer, top in e2e_best(decode, peers)]
     if best:
         body.append("\n".join(f"- {line}" for line in best))
     decode_md = section(
-        "Decode", r, what=r.get("workload", ""),
+        "Decode", r, what=r.get("workload") or "transformers MoE decode, greedy (`bench/e2e.py`).",
         peer="`hf_static` in the same run (where it ran twice at one size, the faster reading); `× peer` = tok/s "
              "over the peer's tok/s",
         floor=f"weight bytes one decode step must read / the measured HBM copy rate "
-              f"({r['ceilings']['hbm_copy_TBps']} TB/s)", body="\n\n".join(body))
+              f"({num((r.get('ceilings') or {}).get('hbm_copy_TBps'), 2)} TB/s)", body="\n\n".join(body))
     prefill = r.get("prefill") or []
     if not prefill:
         return decode_md
@@ -233,7 +237,7 @@ def render_e2e(r: dict[str, Any]) -> str:
         "Prefill", r, what="One forward over the prompt, B=1, same model family and run as the decode table.",
         peer="`hf_compiled` in the same run", body=pbody,
         floor=f"the forward's FLOPs / the measured bf16 matmul rate "
-              f"({r['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s)")
+              f"({num((r.get('ceilings') or {}).get('bf16_matmul_TFLOPs'), 0)} TFLOP/s)")
     return decode_md + "\n" + prefill_md
 
 
@@ -601,24 +605,48 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+HEADLINE_ARMS = {
+    "moefx_decodeloop": "`DecodeLoop(cuda_graphs=True)` after `moefx.optimize`",
+    "moefx_decodeloop_fp8": "the same after `moefx.quantize(model, 'fp8_block128')`",
+    "moefx": "`moefx.optimize(model)` + `generate()`",
+}
+
+
 def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     """The README's measured lines, end to end first, from the same data as the page."""
     out = []
     e2e = results.get("e2e")
     if e2e:
-        parts = [f"{layers} layers B={b} {top['dtype']}: {top['tok_s'] / peer:.2f}× (`{top['arm']}`, "
-                 f"{top['pct_floor']:.0f}% of the bytes floor)"
-                 for layers, b, peer, top in e2e_best(e2e["decode"], e2e_peers(e2e["decode"]))]
-        out.append(f"End to end, decode tok/s against transformers' static-cache compiled `generate()` (same run, "
-                   f"{e2e['date']}, Qwen3-30B-A3B widths, bf16): " + "; ".join(parts) + ".")
+        decode = [x for x in e2e["decode"] if x.get("tok_s") and x.get("floor_kind") is None]
+        peers = e2e_peers(decode)
+        lines = []
+        for arm, label in HEADLINE_ARMS.items():
+            rows = sorted((x for x in decode if x["arm"] == arm and (x["layers"], x["B"]) in peers),
+                          key=lambda x: (x["layers"], x["B"]))
+            if rows:
+                lines.append(f"  - {label}: " + ", ".join(
+                    f"{x['tok_s'] / peers[(x['layers'], x['B'])]:.2f}× at {x['layers']} layers B={x['B']}"
+                    for x in rows) + f" ({span((x['pct_floor'] for x in rows if x.get('pct_floor') is not None), 0)}%"
+                    " of the bytes floor)")
+        if not lines:  # arms this page has no label for: the fastest moefx arm per size
+            lines = [f"  - `{top['arm']}`: {top['tok_s'] / peer:.2f}× at {layers} layers B={b} ({pct(top)} of the "
+                     "bytes floor)" for layers, b, peer, top in e2e_best(decode, peers)]
+        out.append(f"End to end, decode tok/s over transformers' static-cache compiled `generate()` in the same run "
+                   f"({e2e['date']}, moefx at `{e2e['commit']}`; Qwen3-30B-A3B widths, random weights):")
+        out += lines
     moe = results.get("moe")
     if moe:
         s = moe_summary(moe)
-        out.append("MoE experts op (Qwen3-30B-A3B shapes): " + "; ".join(
-            f"{dt} {span(v)}× the time of a tuned Triton fused-MoE kernel" for dt, v in s["vs_triton"].items() if v)
-            + "; " + "; ".join(f"{dt} {span(v, 1)}× faster than transformers' compiled grouped_mm (same run)"
-                               for dt, v in s["vs_hf"].items() if v)
-            + "; within 1.3× of the bandwidth/FLOP floor at " + "; ".join(
+        peer = results.get("moe-vllm-peer")
+        same = (f"; in a same-run check against vLLM's Triton fused-MoE kernel ({peer['date']}) "
+                + ", ".join(f"{dt} {span(x['moefx_over_peer'] for x in peer['rows'] if x['dtype'] == dt)}×"
+                            for dt in dict.fromkeys(x["dtype"] for x in peer["rows"]))) if peer else ""
+        out.append("MoE experts op (Qwen3-30B-A3B shapes, M = 1–4096): " + ", ".join(
+            f"{dt} {span(v)}×" for dt, v in s["vs_triton"].items() if v)
+            + " the time of a tuned Triton fused-MoE kernel (timed separately on this machine kind)" + same
+            + "; bf16 " + ", ".join(
+                f"{span(v, 1)}×" for v in s["vs_hf"].values() if v) + " faster than transformers' compiled "
+            "grouped_mm (same run); within 1.3× of the bandwidth/FLOP floor at " + " and ".join(
                 f"{dt} M = {runs(v, s['grid'][dt])}" for dt, v in s["within"].items() if v) + ".")
     fus = results.get("fusions")
     if fus:
