@@ -136,13 +136,14 @@ E2E_ARMS = {
     "hf_eager": "transformers `generate()`, eager, dynamic cache",
     "hf_static": "transformers `generate()` with its static cache and auto-compile (the peer)",
     "moefx": "`moefx.optimize(model)` + `generate()`",
-    "moefx_static": "`moefx.optimize(model)` + `generate(cache_implementation='static')`",
+    "moefx_static": "`moefx.optimize(model)` with a static cache (the 2026-12-01 anchor does not record the call)",
     "moefx_decodeloop": "`moefx.sampling.DecodeLoop(model, cuda_graphs=True)` after `moefx.optimize`",
-    "moefx_decodeloop_fp8": "as `moefx_decodeloop`, after `moefx.quantize(model, 'fp8_block128')`",
+    "moefx_decodeloop_fp8": "as `moefx_decodeloop`, with FP8 block-128 weights (`moefx.quantize`)",
     "compiled_step_probe": "a probe, not a moefx API: `torch.compile(step, mode='reduce-overhead')` of a plain "
                            "decode step on a model after `moefx.optimize(model, config={'mode': 'eager'})`",
     "moefx_offload": "experts in host memory (`offload: {experts: cpu}`) + `generate()`",
-    "moefx_offload_decodeloop": "experts in host memory + `DecodeLoop(cuda_graphs=True)`",
+    "moefx_offload_loop": "experts in host memory, a decode loop without `generate()` (which one the 2026-12-01 "
+                          "anchor does not record)",
     "moefx_capture": "`moefx.optimize(model, config={'mode': 'capture'})` + `generate(cache_implementation='static')`",
 }
 PREFILL_ARMS = {
@@ -313,8 +314,9 @@ def render_moe(r: dict[str, Any]) -> str:
         "Experts op `moefx::moe_experts`", r,
         what=f"Qwen3-30B-A3B experts (E={geo.get('E', E)}, H={geo.get('H', H)}, I={geo.get('I', I)}, "
              f"top-{geo.get('top_k', TOP_K)}), random weights and routing, µs per call, CUDA-graph replay of four "
-             "rotating input sets (weights come from HBM). `auto` = the calibrated capture-mode policy "
-             "(`moefx/backends/tables/nvidia-h200.yaml`); `gemv`, `grouped`, `torch_grouped` = each backend forced. "
+             "rotating input sets (weights come from HBM). `auto` = the capture-mode policy from the calibration "
+             "rows that `bench/moe.py --calibrate` wrote in the same run (the shipped ones are in "
+             "`moefx/backends/tables/nvidia-h200.yaml`); `gemv`, `grouped`, `torch_grouped` = each backend forced. "
              f"Ceilings measured in the run: {_moe_ceilings(r['ceilings'])}.",
         peer="transformers' `grouped_mm` experts under `torch.compile`, graph-replayed, same run (HF). "
              "\"peer Triton\" = a tuned Triton fused-MoE kernel timed on this machine kind on 2026-11-29 "
@@ -607,7 +609,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
 
 HEADLINE_ARMS = {
     "moefx_decodeloop": "`DecodeLoop(cuda_graphs=True)` after `moefx.optimize`",
-    "moefx_decodeloop_fp8": "the same after `moefx.quantize(model, 'fp8_block128')`",
+    "moefx_decodeloop_fp8": "the same with FP8 block-128 weights",
     "moefx": "`moefx.optimize(model)` + `generate()`",
 }
 
