@@ -8,7 +8,7 @@ come from HBM, not L2. Floor = max(touched-expert bytes / copy bandwidth, FLOPs 
 experts touched counted on the very inputs timed. Prints a table last; JSON to $OUT/moe.json.
 `--quick`: tiny shapes on the CPU (smoke run for CI): correctness of every backend, no timing claims.
 `--sweep`: also run a budgeted tile sweep (grouped at M=1024/4096, gemv at M=1/4, bf16 and fp8; the best tiles
-per point next to the defaults' time, to adopt into the kernels' DEFAULT_TILES; see bench/NOTES-moe.md).
+per point next to the defaults' time, to adopt into the kernels' DEFAULT_TILES; docs/FINDINGS.md has what was tried).
 `--sweep-only`: just the ceilings and the sweep (JSON to $OUT/moe_sweep.json).
 `--profile`: just a per-kernel breakdown (torch.profiler, eager calls on the rotating sets) of each backend
 variant at `--ms`, next to its CUDA-graph time, so the gap between the two is launch/dependency overhead
@@ -302,7 +302,8 @@ def run_timed(quick: bool, fn) -> float:
 
 SWEEP_BUDGET_S = 150.0
 SWEEP_MS = {"grouped": (1024, 4096), "gemv": (1, 4)}  # where the gaps to the floor are (docs/PERFORMANCE.md)
-# µs per call in the final H200 run (bench/results/moe_h200_final_2026-11-29.json), for the sweep's estimate
+# µs per call on the H200 on 2026-11-29 (`git show 6d12c5a:bench/results/moe_h200_final_2026-11-29.json`), for the
+# sweep's time estimate only
 PRIOR_US = {("grouped", "bf16"): {1024: 396.0, 4096: 889.0}, ("grouped", "fp8"): {1024: 314.0, 4096: 843.0},
             ("gemv", "bf16"): {1: 25.6, 4: 75.1}, ("gemv", "fp8"): {1: 21.9, 4: 57.6}}
 COMPILE_S = {"grouped": 2.0, "gemv": 1.0}  # a new tile's first launch (one Triton compile), estimated

@@ -21,7 +21,7 @@ E, H, I, K = 128, 2048, 768, 8
 
 
 def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, GemmConfig]]:
-    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here, the ninth session's last: the plain
+    """The experiment: named (GEMM 1, GEMM 2) tiles next to the defaults (here, the last one run, 7fdb728: the plain
     Triton GEMM's best tile at these shapes, 128x128 with 4 warps and 4 stages, as GEMM 1 (gate 64 + up 64 columns)
     and as GEMM 2; bf16 only, FP8 GEMM 1's BLOCK_N is the quant block)."""
     g1 = replace(c1, block_n=64, num_warps=4, num_stages=4)
@@ -30,7 +30,7 @@ def variants(c1: GemmConfig, c2: GemmConfig) -> dict[str, tuple[GemmConfig, Gemm
 
 
 def gemv_variants(cfg: GemvConfig) -> dict[str, GemvConfig]:
-    """The gemv experiment: named GemvConfigs next to the default (here: PDL off; the ninth session's stage-1 L2
+    """The gemv experiment: named GemvConfigs next to the default (here: PDL off; the stage-1 L2
     prefetch of w2, `GemvConfig.l2_prefetch`, is in git at 2fd0eda)."""
     return {"default": cfg, "no pdl": replace(cfg, pdl=False)}
 

@@ -1,0 +1,223 @@
+"""The docs check: generated pages equal what their scripts produce, every PERFORMANCE table names its run, peer,
+floor and command, links resolve, blocks marked `<!-- runnable -->` run, no page speaks of work rounds, and the
+CHANGELOG's version is the one the package and `moefx --version` report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "examples").glob("*.md"))]
+
+
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report = _module(ROOT / "bench" / "report.py", "moefx_bench_report")
+
+
+# ------------------------------------------------------------------------------------------ PERFORMANCE.md
+
+
+def test_performance_page_is_what_report_generates():
+    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == report.render(report.load_results()), (
+        "docs/PERFORMANCE.md is stale or hand-edited: run `python bench/report.py`")
+
+
+def test_every_performance_table_names_its_run_peer_floor_and_command():
+    text = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    sections = re.split(r"^### ", text, flags=re.M)[1:]
+    assert len(sections) >= 6
+    for sec in sections:
+        title = sec.splitlines()[0]
+        head = sec.split("\n|", 1)[0]  # everything before the first table
+        assert "\n|" in sec, f"section {title!r} has no table"
+        run = re.search(r"^- \*\*Run\*\*: (\d{4}-\d{2}-\d{2}), ([^,]+), torch [^,]+, triton", head, re.M)
+        assert run, f"section {title!r}: no Run line with date, device and versions"
+        for key in ("Peer", "Floor", "Reproduce"):
+            assert re.search(rf"^- \*\*{key}\*\*: \S", head, re.M), f"section {title!r}: no {key} line"
+        reproduce = re.search(r"^- \*\*Reproduce\*\*: (.*)$", head, re.M)[1]
+        # A run this repository cannot reproduce must say where its numbers come from.
+        assert "`bash bench/run_h200.sh " in reproduce or (
+            "no command in this repository" in reproduce and "- **Source**: " in head), title
+
+
+def test_e2e_renders_with_null_fields_and_new_arms():
+    """The lead's bench/e2e.py writes this schema; every field but the keys may be null, arms may be new."""
+    row = {"layers": 8, "B": 1, "dtype": "bf16", "floor_tok_s": None, "pct_floor": None, "first_call_s": None,
+           "peak_mem_gib": None, "agree_with_eager": None}
+    r = {"stage": "e2e", "date": "2027-01-02", "device": "NVIDIA H200", "versions": {"torch": "2.11"}, "commit": None,
+         "command": "bash bench/run_h200.sh e2e", "_file": "bench/results/e2e_h200_2027-01-02.json",
+         "ceilings": {"hbm_copy_TBps": None, "bf16_matmul_TFLOPs": None},
+         "decode": [{**row, "arm": "hf_static", "tok_s": 500.0}, {**row, "arm": "moefx_new_path", "tok_s": 750.0}],
+         "prefill": [{"layers": 8, "tokens": 512, "arm": "hf_compiled", "ms": 9.0, "floor_ms": None, "x_floor": None}]}
+    page = report.render_e2e(r)
+    assert "| 8 | 1 | bf16 | `moefx_new_path` | 750.0 |" in page and "| 1.50 |" in page
+    lines = report.headline({"e2e": r})
+    assert any("`moefx_new_path`: 1.50× at 8 layers B=1" in line for line in lines)
+
+
+def test_kept_results_are_one_file_per_stage(tmp_path):
+    results = report.load_results()
+    assert {"e2e", "moe", "fusions", "sampler", "offload"} <= set(results)
+    for r in results.values():
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]) and r["_file"].endswith(f"_{r['date']}.json")
+    data = {"stage": "moe", "date": "2026-01-01", "device": "d", "versions": {}, "commit": None, "command": "c"}
+    for day in ("2026-01-01", "2026-01-02"):
+        (tmp_path / f"moe_h200_{day}.json").write_text(json.dumps({**data, "date": day}))
+    with pytest.raises(ValueError, match="keep the newest only"):
+        report.load_results(tmp_path)
+
+
+def test_ingest_stamps_a_run_and_replaces_the_stage_file(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    (results / "fusions_h200_2026-01-01.json").write_text("{}")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "versions.txt").write_text("torch 2.11.0+cu130 triton 3.6.0 transformers 5.17.0 NVIDIA H200\n")
+    (run / "fusions.json").write_text(json.dumps({"meta": {"copy_bw_Bps": 1.0}, "fusions": []}))
+    written = report.ingest(run, "abc1234", "2026-02-03")
+    assert [p.name for p in written] == ["fusions_h200_2026-02-03.json"]
+    assert sorted(p.name for p in results.iterdir()) == ["fusions_h200_2026-02-03.json"]
+    kept = json.loads(written[0].read_text())
+    assert kept["versions"] == {"torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.17.0"}
+    assert (kept["commit"], kept["device"], kept["command"]) == ("abc1234", "NVIDIA H200",
+                                                                 "bash bench/run_h200.sh fusions")
+
+
+# ------------------------------------------------------------------------------------------------- README
+
+
+def test_readme_generated_parts_are_current(isolated_moe_tables):
+    readme = _module(ROOT / "scripts" / "readme.py", "moefx_scripts_readme")
+    text = (ROOT / "README.md").read_text()
+    assert readme.render(text) == text, "README.md is stale: run `python scripts/readme.py`"
+    # every example snippet in the README is an example's code, and each marked region is used
+    used = set(re.findall(r"<!-- example: (examples/[\w.]+)#(\w+) -->", text))
+    for path in (ROOT / "examples").glob("*.py"):
+        for name in re.findall(r"# \[readme:(\w+)\]", path.read_text()):
+            assert (f"examples/{path.name}", name) in used, f"{path.name}#{name} is not in the README"
+    table = text.split("<!-- generated: supported -->")[1].split("<!-- /generated -->")[0]
+    assert "`qwen3-30b-a3b` | qwen3_moe" in table and "gemv 1–" in table  # the H200 calibration rows show up
+
+
+def _slug(heading: str) -> str:
+    text = re.sub(r"[`*_]", lambda m: "_" if m[0] == "_" else "", heading.strip().lower())
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"^#{1,6} (.*)$", line)
+        if m:
+            slug = _slug(m[1])
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_links_resolve():
+    bad = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # no links inside code blocks
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # external: not fetched (CI has no network guarantee)
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def _runnable_blocks() -> list[tuple[str, str, str]]:
+    blocks = []
+    for page in PAGES:
+        for lang, body in re.findall(r"<!-- runnable -->\n```(\w+)\n(.*?)```", page.read_text(), flags=re.S):
+            blocks.append((page.relative_to(ROOT).as_posix(), lang, body))
+    return blocks
+
+
+def test_runnable_blocks_run(capsys, isolated_moe_tables):
+    """`moefx ...` lines run in this process (the CLI's `main`), other bash lines in a shell, python blocks exec."""
+    from moefx.cli import main
+
+    blocks = _runnable_blocks()
+    assert any(page == "README.md" for page, _, _ in blocks)
+    for page, lang, body in blocks:
+        if lang == "python":
+            exec(compile(body, page, "exec"), {"__name__": "__docs__"})
+            continue
+        assert lang == "bash", f"{page}: runnable blocks are bash or python, not {lang}"
+        for line in body.splitlines():
+            argv = shlex.split(line, comments=True)
+            if not argv:
+                continue
+            if argv[0] == "moefx":
+                try:
+                    rc = main(argv[1:])
+                except SystemExit as exc:  # argparse actions such as --version exit
+                    rc = exc.code
+                assert rc in (0, None), f"{page}: `{line}` exited {rc}"
+            else:
+                proc = subprocess.run(line, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                assert proc.returncode == 0, f"{page}: `{line}`\n{proc.stdout}\n{proc.stderr}"
+    assert "profile = qwen3_moe" in capsys.readouterr().out  # the README's plan command planned something
+
+
+# ----------------------------------------------------------------------------------------- words and version
+
+ROUNDS = re.compile(
+    r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|previous|next|last|this) "
+    r"(?:session|round)s?\b|\b(?:session|round)s? ?\d+\b|\bcalls? \d+(?:[–-]\d+)?\)|\(calls? \d+\b|NOTES-moe",
+    re.I)
+
+
+def test_no_page_or_comment_speaks_of_work_rounds():
+    files = [*PAGES, *(ROOT / "bench").glob("*.py"), *(ROOT / "bench").glob("*.sh"), *(ROOT / "scripts").glob("*"),
+             *(ROOT / "moefx").rglob("*.py"), *(ROOT / "moefx").rglob("*.cpp"), *(ROOT / "moefx").rglob("*.yaml"),
+             *(ROOT / "examples").glob("*"), *(ROOT / "tests").glob("*.py")]
+    hits = []
+    for path in files:
+        if path.name == "test_docs.py" or not path.is_file():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if ROUNDS.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
+    assert not hits, "cite the measurement (date, commit), not the work round:\n" + "\n".join(hits)
+
+
+def test_changelog_version_is_the_package_version(capsys):
+    import moefx
+    from moefx.cli import main
+
+    version = re.search(r"^## (\d+\.\d+\.\d+)", (ROOT / "CHANGELOG.md").read_text(), re.M)[1]
+    assert moefx.__version__ == version
+    assert re.search(rf'^version = "{re.escape(version)}"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code in (0, None)
+    assert capsys.readouterr().out.split() == ["moefx", version]
