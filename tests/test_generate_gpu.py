@@ -22,10 +22,11 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
 
 
 def test_captured_greedy_equals_transformers_fp32():
-    """fp32 (no TF32): the compiled, graph-replayed engine gives transformers' eager tokens; batch 3 runs padded to
-    the bucket of 3 rows, batch 6 above max_batch_size 4 runs without a graph."""
+    """fp32 (no TF32): the compiled, graph-replayed engine gives transformers' eager tokens; batch 3 runs in its own
+    bucket, batch 6 above max_batch_size 4 runs without a graph. The experts run moefx's gemv (capturable in fp32;
+    the tiny shapes have no calibration row, and transformers' fp32 grouped_mm fallback reads offsets on the host)."""
     stock = build_model(tiny_qwen3_moe_config(), seed=2, device="cuda")
-    model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 4})
+    model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 4, "moe_backend": "gemv"})
     for batch in (1, 3, 6):
         ids = _ids(batch, 7, batch)
         want = stock.generate(ids, max_new_tokens=10, do_sample=False)
@@ -33,6 +34,19 @@ def test_captured_greedy_equals_transformers_fp32():
     stats = model.moefx_generate.engine.stats
     assert stats.captures == 2 and not stats.uncaptured, stats
     assert model.moefx_generate.fallbacks == []
+
+
+def test_a_step_that_syncs_the_host_is_not_captured_and_leaves_the_process_healthy():
+    """fp32 experts on transformers' path read their offsets on the host: the engine finds that before capturing,
+    says so, runs the steps without a graph (same tokens), and random numbers still work afterwards."""
+    stock = build_model(tiny_qwen3_moe_config(), seed=2, device="cuda")
+    model = moefx.optimize(copy.deepcopy(stock), config={"moe_backend": "upstream"})
+    ids = _ids(1, 7, 0)
+    want = stock.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    stats = model.moefx_generate.engine.stats
+    assert stats.captures == 0 and "syncs the host" in stats.uncaptured[0], stats
+    torch.randn(4, device="cuda").normal_()
 
 
 def test_capture_mode_with_a_static_cache_request_does_not_crash():

@@ -251,14 +251,26 @@ class DecodeLoop:
         lengths = [layer.cumulative_length.clone() for layer in slot.cache.layers]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        syncs = None
         with torch.cuda.stream(side):
-            for _ in range(2):
+            self._step(slot, params, masked)  # compiles, initializes lazy state
+            # A step that syncs the host cannot be captured, and a capture that fails half-way leaves the RNG and
+            # the graph memory pool unusable: find out first, with host syncs turned into errors.
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
                 self._step(slot, params, masked)
+            except RuntimeError as exc:
+                syncs = str(exc).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
         torch.cuda.current_stream(device).wait_stream(side)
         for name, value in saved.items():
             slot.state[name].copy_(value)
         for layer, length in zip(slot.cache.layers, lengths):
             layer.cumulative_length.copy_(length)
+        if syncs is not None:
+            return self._uncaptured(slot, f"its step syncs the host ({syncs})")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -266,6 +278,7 @@ class DecodeLoop:
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self._step(slot, params, masked)
         except RuntimeError as exc:
+            self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
         self.stats.captures += 1
         log.info("decode step captured for batch %d, cache length %d", slot.batch, slot.max_len)
@@ -325,14 +338,7 @@ class DecodeLoop:
         st["finished"].fill_(False)
         st["finished"][batch:] = True
         slot.cache.reset()
-
-        prefill_ids = st["seq"][:, :prompt]
-        cache_position = torch.arange(prompt, device=device)
-        if self.compiled:
-            for t in (prefill_ids, positions):
-                torch._dynamo.maybe_mark_dynamic(t, 1)
-            torch._dynamo.maybe_mark_dynamic(cache_position, 0)
-        logits = self._prefill(prefill_ids, positions, cache_position, slot.mask if masked else None, slot.cache)
+        logits = self._prompt(slot, prompt, positions, masked)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
         self._pick(logits, st, params)
@@ -353,6 +359,32 @@ class DecodeLoop:
                 produced = step
                 break
         return st["seq"][:batch, : prompt + produced].clone()
+
+    def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool) -> torch.Tensor:
+        """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
+        loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
+        then copied into the static cache; other caches take the prompt directly."""
+        from transformers import DynamicCache
+
+        st = slot.state
+        ids = st["seq"][:, :prompt]
+        cache_position = torch.arange(prompt, device=ids.device)
+        if self.compiled:
+            for t in (ids, positions):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(cache_position, 0)
+        if _uncapturable_cache(slot.cache) is not None:
+            return self._prefill(ids, positions, cache_position, slot.mask if masked else None, slot.cache)
+        prompt_cache = DynamicCache(config=self.model.config)
+        mask = slot.mask[:, :prompt] if masked else None
+        if mask is not None and self.compiled:
+            torch._dynamo.maybe_mark_dynamic(mask, 1)
+        logits = self._prefill(ids, positions, cache_position, mask, prompt_cache)
+        for static, dynamic in zip(slot.cache.layers, prompt_cache.layers):
+            static.keys[:, :, :prompt].copy_(dynamic.keys)
+            static.values[:, :, :prompt].copy_(dynamic.values)
+            static.cumulative_length.fill_(prompt)
+        return logits
 
     @staticmethod
     def _apply_criteria(slot: _Slot, criteria: Sequence[Callable[..., Any]], batch: int, length: int,

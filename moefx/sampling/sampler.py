@@ -58,10 +58,28 @@ def candidate_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
     return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)), ids
 
 
+ARGMAX_CHUNK = 1024  # greedy over a vocabulary longer than this reduces chunk by chunk first
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(x, -1)` for [B, V], in two reductions when V is long: compiled, one row of a 152k vocabulary
+    is otherwise one program's serial reduction (H200, Qwen3 vocabulary, B=1: 32.5 us of an 894 us step).
+    Same index: each chunk keeps its first maximum, and the first chunk holding the row's maximum wins (NaN
+    counts as the maximum in both, as in torch.argmax)."""
+    rows, v = x.shape
+    if v <= 4 * ARGMAX_CHUNK:
+        return torch.argmax(x, dim=-1)
+    chunks = -(-v // ARGMAX_CHUNK)
+    padded = torch.nn.functional.pad(x, (0, chunks * ARGMAX_CHUNK - v), value=float("-inf"))
+    best, where = padded.view(rows, chunks, ARGMAX_CHUNK).max(dim=-1)
+    chunk = torch.argmax(best, dim=-1, keepdim=True)
+    return (chunk * ARGMAX_CHUNK + torch.gather(where, -1, chunk)).squeeze(-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids [B] for logits [B, V], with no host sync."""
     if params.greedy:
-        return torch.argmax(logits, dim=-1)
+        return argmax_rows(logits)
     probs, ids = candidate_probs(logits, params)
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     choice = torch.argmax(probs / noise, dim=-1, keepdim=True)
