@@ -6,7 +6,7 @@ with a descriptor of the wrong block) passes every CPU test; this compiles what 
 the same argument types and descriptor blocks (each row's "gemm1"/"gemm2" are its first and second launch). Run
 without TRITON_INTERPRET (test_backends_grouped.py starts it so). It also reports whether ptxas had to serialize a
 kernel's wgmmas (C7514: accumulator registers touched while a wgmma it cannot prove finished may still write them).
-Usage: python tests/compile_sm90.py [bf16|fp8]
+Usage: python tests/compile_sm90.py [bf16|fp8] | attention (moefx::decode_attention's kernels)
 """
 
 from __future__ import annotations
@@ -100,7 +100,28 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig) -> tuple[dict, dict]:
     return stage1, stage2
 
 
+def compile_decode_attention() -> list[dict]:
+    """moefx::decode_attention's kernels at Qwen3-30B-A3B's attention (8 query heads per KV head, head_dim 128, bf16,
+    a bool mask), one slice and split, and the combine kernel."""
+    from moefx.ops import triton_attention as ta
+
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr="*i1", out_ptr="*bf16", part_ptr="*fp32",
+                 scale="fp32")
+    rows = []
+    for split in (False, True):
+        consts = dict(PER_SPLIT=512, G=8, G_PAD=16, D=128, BLOCK=ta.BLOCK_L, MASK=True, MASK_BOOL=True, SPLIT=split,
+                      IEEE=False)
+        rows.append(dict(kind="decode_attention", max_rows=f"split={split}",
+                         gemm1=_compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES),
+                         gemm2=_compile(ta._combine_kernel, dict(part_ptr="*fp32", out_ptr="*bf16"),
+                                        dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16), 1, LAUNCH_DEFAULT_STAGES)))
+    return rows
+
+
 def main() -> None:
+    if sys.argv[1:] == ["attention"]:
+        print(json.dumps(compile_decode_attention()))
+        return
     kinds = sys.argv[1:] or list(fmk.DEFAULT_TILES)
     rows = []
     for kind in kinds:

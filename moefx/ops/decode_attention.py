@@ -1,0 +1,73 @@
+"""`moefx::decode_attention`: attention of one query position per sequence over a KV cache, GQA without repeat_kv.
+
+    out [B, Hq, 1, D] = softmax(q k^T * scale (+ mask)) v,  q [B, Hq, 1, D],  k, v [B, Hkv, L, D],  Hq % Hkv == 0,
+    mask None | [B, L] bool (True: attend) | [B, L] float (added to the scores)
+
+What it replaces in a decode step (H200, Qwen3-30B-A3B widths, B=1, a 256-position static cache, compiled): the
+cuDNN SDPA kernel (7.9 us per layer) plus the kernels that expand K/V to every query head and lay the inputs out
+for it (about 6 us per layer). CUDA runs the Triton kernels of `moefx/ops/triton_attention.py` (fp32 accumulation;
+bf16/fp16 probabilities for the value product, as flash attention does); the CPU, and shapes the kernel does not
+take, run the reference: torch's SDPA over the expanded heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moefx.backends.kernels.common import triton_available
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+SPLIT_POSITIONS = 512  # key positions per program before the positions are split over several programs
+TARGET_PROGRAMS = 264  # two per SM on an H200: splitting further only adds combine work
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
+    """Why the kernel cannot take these inputs (None: it can)."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[2] != 1:
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (need one query position)"
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        return f"q {tuple(q.shape)} does not group over k {tuple(k.shape)}"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}"
+    if q.shape[3] not in HEAD_DIMS:
+        return f"head_dim {q.shape[3]} (the kernel takes {list(HEAD_DIMS)})"
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "a last dim that is not contiguous"
+    if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (q.shape[0], k.shape[2])):
+        return f"mask of shape {tuple(mask.shape)} (need [B, L])"
+    return None
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                               scale: float) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    attn_mask = None if mask is None else mask[:, None, None, :].to(q.dtype if mask.dtype != torch.bool else mask.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def splits_for(batch: int, kv_heads: int, length: int) -> int:
+    """Slices of the key positions: enough programs to fill the GPU, none shorter than SPLIT_POSITIONS / 2."""
+    if length <= SPLIT_POSITIONS:
+        return 1
+    want = -(-TARGET_PROGRAMS // (batch * kv_heads))
+    return max(1, min(want, -(-length // (SPLIT_POSITIONS // 2)), 64))
+
+
+@torch.library.custom_op("moefx::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    if q.is_cuda and triton_available() and unsupported_reason(q, k, v, mask) is None:
+        from moefx.ops.triton_attention import decode_attention_triton
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        decode_attention_triton(q, k, v, mask, scale, out, splits_for(q.shape[0], k.shape[1], k.shape[2]))
+        return out
+    return decode_attention_reference(q, k, v, mask, scale)
+
+
+@decode_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,139 @@
+"""Triton kernels of `moefx::decode_attention`: one query position per sequence against a KV cache, GQA-aware.
+
+Each program takes one (sequence, KV head) and one slice of the key positions (a compile-time length: static cache
+lengths come in steps of 256, so the variants stay few), holds the query rows of that head's
+group (Hq / Hkv heads, padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping
+blocks the mask rules out entirely (the unwritten tail of a static cache). With one slice the program writes the
+output; with several it writes (max, sum, weighted values) per slice and a second kernel combines them.
+The launcher accepts CPU tensors too, so the kernels run under TRITON_INTERPRET=1 in the tests.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK_L = 64
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb, stride_ml,
+    stride_ob, stride_oh, kv_heads, length, scale,
+    PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // kv_heads
+    kvh = pid % kv_heads
+    rows = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D)
+    row_ok = rows < G
+    heads = kvh * G + rows
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    start = split * PER_SPLIT
+    stop = tl.minimum(start + PER_SPLIT, length)
+    for offset in range(0, PER_SPLIT, BLOCK):
+        pos = start + offset + tl.arange(0, BLOCK)
+        ok = pos < stop
+        if MASK:
+            mvals = tl.load(mask_ptr + b * stride_mb + pos * stride_ml, mask=ok, other=0)
+            if MASK_BOOL:
+                keep = ok & (mvals != 0)
+                bias = tl.zeros([BLOCK], tl.float32)
+            else:
+                bias = mvals.to(tl.float32)
+                keep = ok & (bias > float("-inf"))
+        else:
+            keep = ok
+            bias = tl.zeros([BLOCK], tl.float32)
+        if tl.max(keep.to(tl.int32), axis=0) > 0:
+            k = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=keep[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale + bias[None, :]
+            s = tl.where(keep[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    if SPLIT:
+        slot = (pid * tl.num_programs(1) + split) * G_PAD + rows
+        width = D + 2
+        tl.store(part_ptr + slot[:, None] * width + dims[None, :], acc)
+        tl.store(part_ptr + slot * width + D, m_i)
+        tl.store(part_ptr + slot * width + D + 1, l_i)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, out_ptr, kv_heads, splits, stride_ob, stride_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    b = pid // kv_heads
+    head = (pid % kv_heads) * G + row
+    s = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, D)
+    ok = s < splits
+    width = D + 2
+    slot = (pid * splits + s) * G_PAD + row
+    m = tl.load(part_ptr + slot * width + D, mask=ok, other=float("-inf"))
+    l_s = tl.load(part_ptr + slot * width + D + 1, mask=ok, other=0.0)
+    acc = tl.load(part_ptr + slot[:, None] * width + dims[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(ok & (m > float("-inf")), tl.exp(m - m_all), 0.0)
+    total = tl.sum(l_s * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention_triton(q, k, v, mask, scale: float, out, splits: int) -> None:
+    """out [B, Hq, 1, D] = softmax(q k^T * scale + mask) v for q [B, Hq, 1, D], k/v [B, Hkv, L, D], mask None or
+    [B, L] (bool: keep; float: added), last dims contiguous. `splits` slices of the key positions (1: one kernel)."""
+    import torch
+
+    batch, hq, _, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    g = hq // kv_heads
+    g_pad = max(16, triton.next_power_of_2(g))
+    per_split = -(-length // splits)
+    per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
+    splits = -(-length // per_split)
+    part = (torch.empty(batch * kv_heads * splits * g_pad * (d + 2), dtype=torch.float32, device=q.device)
+            if splits > 1 else out)
+    mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
+    _decode_attn_kernel[(batch * kv_heads, splits)](
+        q, k, v, mask_args[0], out, part,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask_args[1], mask_args[2], out.stride(0), out.stride(1), kv_heads, length, scale,
+        PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask is not None,
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    if splits > 1:
+        _combine_kernel[(batch * kv_heads, g)](
+            part, out, kv_heads, splits, out.stride(0), out.stride(1),
+            G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1,
+        )

@@ -1,0 +1,143 @@
+"""moefx::decode_attention: the Triton kernels (interpreter, fp32) against torch SDPA over the expanded heads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moefx.ops.decode_attention import decode_attention_reference, splits_for, unsupported_reason
+
+CASES = [  # batch, q heads, kv heads, positions, head dim, splits
+    (1, 8, 1, 7, 16, 1),
+    (2, 8, 2, 130, 32, 1),
+    (3, 4, 4, 200, 16, 3),
+    (1, 16, 2, 300, 64, 4),
+]
+
+
+def _inputs(batch, hq, hkv, length, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, 1, d, generator=g)
+    k, v = (torch.randn(batch, hkv, length, d, generator=g) for _ in range(2))
+    return q, k, v
+
+
+def _run(case, mask_kind):
+    from moefx.ops.triton_attention import decode_attention_triton
+
+    batch, hq, hkv, length, d, splits = case
+    q, k, v = _inputs(batch, hq, hkv, length, d, seed=length)
+    g = torch.Generator().manual_seed(1)
+    if mask_kind == "none":
+        mask = None
+    elif mask_kind == "bool":  # a causal tail per row (a static cache's unwritten positions) and random holes
+        valid = torch.randint(1, length + 1, (batch,), generator=g)
+        mask = (torch.arange(length)[None, :] < valid[:, None]) & (torch.rand(batch, length, generator=g) > 0.2)
+        mask[:, 0] = True
+    else:
+        mask = torch.where(torch.rand(batch, length, generator=g) > 0.3, 0.0, float("-inf"))
+        mask[:, 0] = 0.0
+        mask = mask + torch.randn(batch, length, generator=g) * (mask == 0)
+    out = torch.full_like(q, float("nan"))
+    decode_attention_triton(q, k, v, mask, d ** -0.5, out, splits)
+    want = decode_attention_reference(q, k, v, mask, d ** -0.5)
+    return out, want
+
+
+def _check_cases() -> None:
+    for case in CASES:
+        for mask_kind in ("none", "bool", "float"):
+            out, want = _run(case, mask_kind)
+            err = ((out - want).norm() / want.norm()).item()
+            assert err < 1e-5, (case, mask_kind, err)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="needs triton")
+def test_kernels_match_sdpa_under_the_interpreter():
+    """One subprocess with TRITON_INTERPRET=1 (set before triton is imported) runs every case."""
+    code = "import tests.test_decode_attention as t; t._check_cases(); print('ok')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+def test_op_on_cpu_is_sdpa_and_shapes_are_checked():
+    q, k, v = _inputs(2, 8, 2, 40, 32, seed=0)
+    out = torch.ops.moefx.decode_attention(q, k, v, None, 0.2)
+    assert torch.allclose(out, decode_attention_reference(q, k, v, None, 0.2))
+    assert unsupported_reason(q, k, v, None) is None
+    assert "one query position" in unsupported_reason(torch.randn(2, 8, 3, 32), k, v, None)
+    assert "head_dim" in unsupported_reason(torch.randn(2, 8, 1, 24), torch.randn(2, 2, 4, 24),
+                                            torch.randn(2, 2, 4, 24), None)
+    assert "mask" in unsupported_reason(q, k, v, torch.ones(2, 39, dtype=torch.bool))
+    assert splits_for(1, 4, 256) == 1 and splits_for(1, 4, 4352) > 1 and splits_for(64, 4, 4352) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_on_the_gpu(dtype):
+    for batch, hq, hkv, length, d in ((1, 32, 4, 256, 128), (16, 32, 4, 4352, 128), (3, 8, 8, 77, 64)):
+        q, k, v = (t.to("cuda", dtype) for t in _inputs(batch, hq, hkv, length, d, seed=batch))
+        valid = torch.randint(1, length + 1, (batch,), device="cuda")
+        mask = torch.arange(length, device="cuda")[None, :] < valid[:, None]
+        out = torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5)
+        want = decode_attention_reference(q.float(), k.float(), v.float(), mask, d ** -0.5)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (batch, length, dtype, err)
+
+
+def test_kernels_compile_for_sm90():
+    """The kernels compile for sm_90a (the H200) at Qwen3-30B-A3B's attention shape, within shared memory and
+    without spills (tests/compile_sm90.py; the interpreter never compiles)."""
+    import json
+
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_sm90.py")
+    done = subprocess.run([sys.executable, script, "attention"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    kernels = [r[g] for r in rows for g in ("gemm1", "gemm2")]
+    assert len(kernels) == 4 and all(0 <= k["smem"] <= 227 * 1024 and k["spill"] == 0 for k in kernels), rows
+
+
+def test_attention_function_feeds_the_op_what_sdpa_sees(monkeypatch):
+    """Through a transformers model with a static cache (the decode mask [B, 1, 1, L]), left padding and GQA: the
+    moefx attention function, forced onto the op (its reference on the CPU), gives SDPA's tokens; on the CPU it
+    otherwise hands every call to SDPA and says why."""
+    import copy
+
+    import moefx.integrations.attention as attention
+    from moefx.models import build_model, tiny_qwen3_moe_config
+
+    stock = build_model(tiny_qwen3_moe_config(), seed=0)
+    model = copy.deepcopy(stock)
+    attention.register()
+    model.set_attn_implementation(attention.NAME)
+    q, k, v = _inputs(1, 4, 2, 5, 16, seed=0)
+    assert "device cpu" in attention.call_reason(None, q, k, v, None, 0.0, {})
+    calls = []
+
+    def on_cpu_too(module, query, key, value, attention_mask, dropout, kwargs):
+        if query.shape[2] != 1:
+            return "prefill"
+        calls.append(tuple(attention_mask.shape) if attention_mask is not None else None)
+        return None
+
+    monkeypatch.setattr(attention, "call_reason", on_cpu_too)
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(max_new_tokens=5, do_sample=False, attention_mask=mask, pad_token_id=0,
+                  cache_implementation="static")
+    assert torch.equal(model.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+    assert calls and all(c is not None and c[:3] == (2, 1, 1) for c in calls), calls
