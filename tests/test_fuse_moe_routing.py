@@ -29,11 +29,13 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 HID, T = 32, 9
 SOFTMAX_OPS = (aten.amax.default, aten.exp.default, aten._softmax.default, prims.prepare_softmax_online.default)
-UNSORTED = ("deepseek_v3", "glm4_moe")
+UNSORTED = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+GROUPED = ("deepseek_v3", "glm4_moe")
 
 
 def _families():
     from transformers import (
+        DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
         MixtralConfig,
@@ -41,6 +43,7 @@ def _families():
         Qwen2MoeConfig,
         Qwen3MoeConfig,
     )
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
@@ -64,6 +67,10 @@ def _families():
         "deepseek_v3": (DeepseekV3Config(**small, n_routed_experts=32, num_experts_per_tok=4, n_group=4,
                                          topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
                                          n_shared_experts=1), DeepseekV3TopkRouter, DeepseekV3MoE),
+        # DeepSeek-V2-Lite's "greedy": softmax -> unsorted top-6 -> * routed_scaling_factor
+        "deepseek_v2": (DeepseekV2Config(**small, n_routed_experts=16, num_experts_per_tok=6, topk_method="greedy",
+                                         n_group=1, topk_group=1, routed_scaling_factor=1.5),
+                        DeepseekV2TopkRouter, None),
         # one group (GLM-4.5's n_group=1), no renormalization: the scale is still folded
         "glm4_moe": (Glm4MoeConfig(**small, n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1,
                                    norm_topk_prob=False, routed_scaling_factor=1.5), Glm4MoeTopkRouter, None),
@@ -143,17 +150,18 @@ def _tie_free_rows(router: torch.nn.Module, x: torch.Tensor, rows: int) -> torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["qwen3", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3",
+                                    "glm4_moe"])
 def test_router_is_fused_and_matches_eager(family: str, dtype: torch.dtype) -> None:
     cfg, router_cls, _ = _families()[family]
     router = _init(router_cls(cfg)).to(dtype)
-    if family in UNSORTED:
+    if family in GROUPED:
         router.e_score_correction_bias.data = router.e_score_correction_bias.float()  # fp32, as transformers keeps it
     x = torch.randn(T, HID, dtype=dtype)
     gm = post_grad(router, x)
     topks = count_targets(gm.graph, aten.topk.default)
-    assert topks == (3 if family in UNSORTED else 1)
-    assert count_targets(gm.graph, *SOFTMAX_OPS) == (0 if family in UNSORTED else 2)
+    assert topks == (3 if family in GROUPED else 1)
+    assert count_targets(gm.graph, *SOFTMAX_OPS) == (0 if family in GROUPED else 2)
     n, skipped = run_pass(gm)
     assert (n, skipped) == (1, [])
     assert count_targets(gm.graph, aten.topk.default) == 0 and count_targets(gm.graph, *SOFTMAX_OPS) == 0
@@ -332,6 +340,18 @@ def test_unsupported_routers_are_reported(fn, shape: tuple, reason: str) -> None
     assert len(skipped) == 1 and reason in skipped[0], skipped
 
 
+def test_group_limited_greedy_softmax_is_reported() -> None:
+    """DeepSeek-V2's group-limited greedy: softmax scores, groups by their max, masked to 0.0."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = DeepseekV2Config(hidden_size=HID, n_routed_experts=16, num_experts_per_tok=4,
+                           topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    gm = post_grad(_init(DeepseekV2TopkRouter(cfg)), torch.randn(T, HID))
+    n, skipped = run_pass(gm)
+    assert n == 0 and len(skipped) == 1 and "group-limited greedy" in skipped[0], skipped
+
+
 def test_ties_go_to_the_lower_expert_id() -> None:
     """Experts 2, 5 and 11 have the same gate row: their logits tie exactly on every token. torch.topk promises
     no order among equals; the fused op takes the lower ids, with eager's weights."""
@@ -393,7 +413,7 @@ def test_inductor_compile_reports_the_rewrite(family: str, dynamic: bool) -> Non
 
     cfg, router_cls, _ = _families()[family]
     router = _init(router_cls(cfg)).to(torch.bfloat16)
-    if family in UNSORTED:
+    if family in GROUPED:
         router.e_score_correction_bias.data = router.e_score_correction_bias.float()
     moefx.clear_compile_reports()
     torch._dynamo.reset()

@@ -4,15 +4,15 @@ At B=1 decode of Qwen3-30B-A3B on the H200 the router's `torch.topk` alone costs
 (`gatherTopK` + `bitonicSortKVInPlace`) beside inductor's softmax kernel; the fused op does scores, top-k,
 renormalize and scale in one program per row. Matched by dataflow and constants in post-grad graphs:
 
-- softmax -> top-k [-> renormalize] [-> * c]  (Qwen2/3-MoE, OLMoE, Mixtral): the softmax over the last dim
-  decomposed (amax/sub/exp/sum/div, or div by a sum through `reciprocal` + mul), inductor's CUDA form
+- softmax -> top-k [-> renormalize] [-> * c]  (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V2 greedy): the softmax
+  over the last dim decomposed (amax/sub/exp/sum/div, or a multiply by the sum's `reciprocal`), inductor's CUDA form
   (`prepare_softmax_online`), or `aten._softmax`; computed in fp32 (an fp32 upcast of bf16/fp16 logits is
   dropped: the kernel upcasts the same way); renormalize = `v / v.sum(-1, keepdim=True)`.
 - top-k of the logits -> softmax over the k (the other Mixtral formulation).
 - sigmoid [+ e_score_correction_bias] [-> group top-k] -> top-k; weights gathered from the sigmoid scores
   [-> / (sum + 1e-20)] [-> * routed_scaling_factor] (DeepSeek-V3, GLM4-MoE): group scores are the sum of
-  each group's top-2, the topk_group best kept through scatter -> unsqueeze/expand/reshape -> bool -> masked
-  to -inf (the `masked_fill` spelling, either polarity).
+  each group's top-2, the topk_group best kept through scatter (or inductor's one-hot `where` when one group
+  is kept) -> unsqueeze/expand/reshape -> bool -> masked to -inf (`masked_fill`, either polarity).
 
 The op returns fp32 weights; the model's own cast (`.to(router_logits.dtype)`) stays after it. When the
 top-k values have readers other than the renormalization, the op returns them unnormalized and the graph's
@@ -401,6 +401,8 @@ def _classify(topk: torch.fx.Node, softmax_of: dict) -> _Rewrite | str | None:
         family = "topk_softmax"
     elif _is(x, prims.convert_element_type.default) and _softmax_input(x.args[0]) is not None:
         return f"the probabilities are rounded to {_dtype(x)} before the top-k; the kernel ranks fp32"
+    elif _is(x, aten.where.self) and "softmax" in _producers(x, 2):
+        return "softmax scores masked by group (group-limited greedy): the kernel's group top-k is sigmoid's"
     else:
         return None
     if not _arg(topk, 3, "largest", True) or not _last_dim(_arg(topk, 2, "dim", -1), x):
@@ -425,13 +427,16 @@ def _classify(topk: torch.fx.Node, softmax_of: dict) -> _Rewrite | str | None:
 
 
 def _producers(node: torch.fx.Node, depth: int = 3) -> set[str]:
-    """Names of the ops within `depth` producers of `node` (to tell a sigmoid router from other top-ks)."""
+    """The score functions (sigmoid, softmax) within `depth` producers of `node`, `node` included: what tells
+    a router's top-k from other top-ks."""
     seen, frontier = set(), [node]
     for _ in range(depth):
         nxt = []
         for n in frontier:
             if _is(n, aten.sigmoid.default):
                 seen.add("sigmoid")
+            elif _softmax_input(n) is not None:
+                seen.add("softmax")
             nxt.extend(a for a in n.all_input_nodes if a.op == "call_function")
         frontier = nxt
     return seen
