@@ -427,3 +427,16 @@ def test_inductor_compile_reports_the_rewrite(family: str, dynamic: bool) -> Non
     torch._dynamo.reset()
     assert [r.matches.get("fuse_moe_routing") for r in moefx.compile_reports()] == [1]
     _check_router_outputs(ref, got, unsorted=family in UNSORTED)
+
+
+@pytest.mark.parametrize("model, cuda_preferred", [("qwen3-30b-a3b", True), ("deepseek-v3", True),
+                                                   ("mixtral-8x7b", True), ("deepseek-v2", False)])
+def test_plan_prefers_the_pass_on_cuda_for_routers_the_kernel_computes(model: str, cuda_preferred: bool) -> None:
+    from moefx.models.catalog import catalog_config
+    from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+
+    ms = ModelSignature.from_config(catalog_config(model))
+    cuda = resolve(ms, ExecutionSignature.preset("h200", dtype="bfloat16")).passes["fuse_moe_routing"]
+    cpu = resolve(ms, ExecutionSignature(device_type="cpu", dtype="bfloat16")).passes["fuse_moe_routing"]
+    assert cuda.preferred is cuda_preferred and cpu.preferred is False
+    assert ms.routing in cuda.reason
