@@ -10,6 +10,7 @@
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
 #                                                        #   e2e-quick e2e-8 e2e-48a e2e-48b (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
+#                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -39,6 +40,7 @@ for s in "${stages[@]}"; do
         demo) run_stage demo 150 python3 -m moefx.cli demo --device cuda ;;
         moe) run_stage moe 240 python3 bench/moe.py --calibrate ;;
         fusions) run_stage fusions 150 python3 bench/fusions.py ;;
+        routing) run_stage routing 180 python3 bench/routing.py ;;
         sampler) run_stage sampler 200 python3 bench/sampler.py ;;
         offload) run_stage offload 420 python3 bench/offload.py --probe ;;
         offload-profile) run_stage offload-profile 360 python3 bench/offload.py --profile --skip-peer --mode eager ;;
@@ -79,7 +81,8 @@ for s in "${stages[@]}"; do
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped" \
+            "routing)" ;;
     esac
 done
 rm -rf "$RES/inductor"

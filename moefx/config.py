@@ -39,6 +39,7 @@ class PassConfig:
     # Sub-toggle of rewrite_sampler_syncs: multinomial -> exponential race changes the random stream.
     sampler_exponential_race: bool | None = None
     last_token_logits: bool | None = None
+    fuse_moe_routing: bool | None = None
     # Write each graph before/after the moefx passes into this folder (also MOEFX_DUMP_GRAPHS).
     dump_graph_dir: str | None = None
 

@@ -90,3 +90,67 @@ def test_bad_arguments_raise() -> None:
         fused_topk(logits, 2, kind="sigmoid", n_group=3, topk_group=1)
     with pytest.raises(ValueError, match="n_group"):
         fused_topk(logits, 2, kind="softmax", n_group=2, topk_group=1)
+
+
+def _canonical(key: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest along the last dim, equal values in ascending id order."""
+    return torch.sort(key, dim=-1, descending=True, stable=True)[1][:, :k]
+
+
+@pytest.mark.parametrize("e, k", [(16, 3), (12, 5), (16, 8)])
+@pytest.mark.parametrize("kind", ["softmax", "topk_softmax", "sigmoid"])
+def test_kernel_breaks_ties_to_the_lower_id_and_never_repeats_an_id(kind: str, e: int, k: int) -> None:
+    """Adversarial rows: a handful of distinct values (exact ties everywhere) and -inf logits; non-power-of-two
+    E and k. The kernel's ids equal the torch path's exactly, both equal the stable ranking, and stay distinct
+    when -inf scores are among the k."""
+    from moefx.backends.kernels.routing import fused_topk_triton
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(e * 10 + k)
+    logits = torch.randint(-2, 3, (11, e), generator=g).float()
+    logits[0] = 1.0  # one value everywhere
+    logits[1, : e - 2] = float("-inf")  # fewer finite scores than k
+    w, ids = fused_topk_triton(logits.to(dev), k, kind, True, None, 1, 1, 1.0)
+    rw, rids = fused_topk_torch(logits, k, kind)
+    ids, w = ids.cpu(), w.cpu()
+    assert torch.equal(ids, rids)
+    key = logits.sigmoid() if kind == "sigmoid" else logits
+    assert torch.equal(ids, _canonical(key, k))
+    assert all(row.unique().numel() == k for row in ids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.equal(ids[0], torch.arange(k))
+
+
+def test_kernel_reads_strided_logits() -> None:
+    from moefx.backends.kernels.routing import fused_topk_triton
+
+    dev = kernel_device()
+    base = torch.randn(6, 64)
+    w, ids = fused_topk_triton(base.to(dev)[:, ::2], 4, "softmax", True, None, 1, 1, 1.0)
+    rw, rids = fused_topk_torch(base[:, ::2].contiguous(), 4)
+    assert torch.equal(ids.cpu(), rids)
+    torch.testing.assert_close(w.cpu(), rw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "topk_softmax", "sigmoid"])
+def test_op_gradient_is_the_reference_gradient(kind: str) -> None:
+    """Autograd through the op: the weights' gradient with respect to the logits at the chosen ids (the
+    selection itself is piecewise constant)."""
+    logits = torch.randn(5, 16, requires_grad=True)
+    upstream = torch.randn(5, 4)
+    kw = dict(kind=kind, renormalize=kind != "topk_softmax", routed_scaling_factor=1.5)
+    w, ids = fused_topk(logits, 4, **kw)
+    (grad,) = torch.autograd.grad((w * upstream).sum(), logits)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    rw, rids = fused_topk_torch(ref_logits, 4, **kw)
+    (ref,) = torch.autograd.grad((rw * upstream).sum(), ref_logits)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_op_registration() -> None:
+    """Schema, fake impl (shapes, dtypes, strides), autograd registration and dynamic-shape tracing."""
+    bias = torch.randn(32)
+    torch.library.opcheck(torch.ops.moefx.fused_topk.default,
+                          (torch.randn(7, 32), 4, "sigmoid", True, bias, 4, 2, 2.5),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -3,6 +3,7 @@
 from moefx.passes import (
     eliminate_noops,  # noqa: F401
     fuse_act_quant,  # noqa: F401
+    fuse_moe_routing,  # noqa: F401
     fuse_norm_quant,  # noqa: F401
     last_token_logits,  # noqa: F401
     rewrite_sampler_syncs,  # noqa: F401

@@ -1,4 +1,10 @@
-"""Fused MoE routing in one Triton kernel: scores, (group) top-k, renormalize, scale; one row per program."""
+"""Fused MoE routing in one Triton kernel: scores, (group) top-k, renormalize, scale; one row per program.
+
+Selection is by repeated argmax with ties to the lower id. "softmax" ranks the fp32 logits themselves
+(softmax is monotone in them, so this is eager's choice without depending on the exp implementation);
+"sigmoid" ranks sigmoid + bias as computed here, `1 / (1 + exp(-x))` in fp32 (Triton's `tl.sigmoid`, which
+is also what inductor emits). TOP_K is any k >= 1; the k slots live in a power-of-two block K_BLOCK.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +17,14 @@ KIND_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
 
 @triton.jit
 def _fused_topk_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, scaling,
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scaling,
     E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
-    x = tl.load(logits_ptr + row * stride_t + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_t + cols * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
     if KIND == 2:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = scores
@@ -43,29 +49,37 @@ def _fused_topk_kernel(
     elif KIND == 0:
         ex = tl.exp(x - tl.max(x, axis=0))
         scores = ex / tl.sum(ex, axis=0)
-        choice = tl.where(valid, scores, float("-inf"))
+        choice = x
     else:
         scores = x
         choice = x
-    k_offs = tl.arange(0, TOP_K)
-    top_w = tl.zeros((TOP_K,), dtype=tl.float32)
-    top_i = tl.zeros((TOP_K,), dtype=tl.int32)
+    # Rank on an order-preserving int32 image of the fp32 choice: INT32_MIN (below -inf) marks padding and
+    # experts already taken, so the k ids are distinct even when -inf scores remain; NaN ranks highest, as in
+    # torch.topk.
+    bits = choice.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(choice != choice, 2147483647, key)
+    key = tl.where(valid, key, -2147483648)
+    k_offs = tl.arange(0, K_BLOCK)
+    k_valid = k_offs < TOP_K
+    top_w = tl.zeros((K_BLOCK,), dtype=tl.float32)
+    top_i = tl.zeros((K_BLOCK,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        i = tl.argmax(choice, axis=0, tie_break_left=True)
+        i = tl.argmax(key, axis=0, tie_break_left=True)
         w = tl.sum(tl.where(cols == i, scores, 0.0), axis=0)
         top_w = tl.where(k_offs == j, w, top_w)
         top_i = tl.where(k_offs == j, i, top_i)
-        choice = tl.where(cols == i, float("-inf"), choice)
+        key = tl.where(cols == i, -2147483648, key)
     if KIND == 1:
-        ex = tl.exp(top_w - tl.max(top_w, axis=0))
+        ex = tl.where(k_valid, tl.exp(top_w - tl.max(tl.where(k_valid, top_w, float("-inf")), axis=0)), 0.0)
         top_w = ex / tl.sum(ex, axis=0)
     elif RENORM:
         denom = tl.sum(top_w, axis=0)
         if KIND == 2:
             denom += 1e-20
         top_w = top_w / denom
-    tl.store(w_ptr + row * TOP_K + k_offs, top_w * scaling)
-    tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64))
+    tl.store(w_ptr + row * TOP_K + k_offs, top_w * scaling, mask=k_valid)
+    tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64), mask=k_valid)
 
 
 def fused_topk_triton(
@@ -78,14 +92,17 @@ def fused_topk_triton(
     topk_group: int,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch one program per row; outputs are allocated here (fixed sizes, so CUDA-graph capturable)."""
     t, e = router_logits.shape
     w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    bias = correction_bias.contiguous() if correction_bias is not None else w
     if t:
         _fused_topk_kernel[(t,)](
-            router_logits, correction_bias if correction_bias is not None else w, w, ids,
-            router_logits.stride(0), float(routed_scaling_factor),
+            router_logits, bias, w, ids, router_logits.stride(0), router_logits.stride(1),
+            float(routed_scaling_factor),
             E=e, TOP_K=top_k, KIND=KIND_CODES[kind], RENORM=renormalize, HAS_BIAS=correction_bias is not None,
             N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e),
+            K_BLOCK=triton.next_power_of_2(top_k),
         )
     return w, ids
