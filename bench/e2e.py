@@ -40,6 +40,9 @@ from moefx.integrations.transformers import is_experts_module
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 
 AGREE_TOKENS = 8
+# moefx's first two steps' logits against transformers' eager ones (bf16 through every layer: fusion and kernel
+# rounding move them by ~1e-2; a wrong kernel or a broken rewrite is O(1))
+LOGITS_BOUND = 0.1
 
 
 def sync() -> None:
@@ -118,6 +121,21 @@ def decode_row(arm: str, model, generate, ids, n1: int, n2: int, runs: int, floo
     return row, new
 
 
+def check_logits(engine, ids: torch.Tensor, ref_tokens: torch.Tensor, ref: list[torch.Tensor]) -> list[float]:
+    """Relative error of the engine's prefill and first decode-step logits against transformers' eager generate()
+    (the second only when both picked the same first token); exits when one is over LOGITS_BOUND."""
+    from moefx.sampling.sampler import SamplingParams
+
+    got: list[torch.Tensor] = []
+    tokens = engine.generate(ids, 2, SamplingParams(temperature=0), logits_out=got)[:, ids.shape[1]:]
+    steps = 2 if torch.equal(tokens[:, :1], ref_tokens[:, :1]) else 1
+    errs = [float((g.float() - r).norm() / r.norm()) for g, r in zip(got[:steps], ref[:steps])]
+    print(f"  logits vs transformers eager (prefill, step 1): {[f'{e:.3g}' for e in errs]}", flush=True)
+    if max(errs) > LOGITS_BOUND:
+        raise SystemExit(f"moefx logits differ from eager: {errs} > {LOGITS_BOUND}")
+    return errs
+
+
 def profile_step(model, ids, n: int = 8) -> list[dict]:
     """Kernels of the decode steps (CUDA activity inside the graph replays), per step, largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -136,7 +154,7 @@ def profile_step(model, ids, n: int = 8) -> list[dict]:
                 d[0] += sign * evt.device_time_total
                 d[1] += sign * evt.count
     steps = n - 1
-    rows = [dict(kernel=k[:90], us_per_step=round(v[0] / steps, 2), calls_per_step=round(v[1] / steps, 1))
+    rows = [dict(kernel=k[:160], us_per_step=round(v[0] / steps, 2), calls_per_step=round(v[1] / steps, 1))
             for k, v in per.items() if v[0] > 0]
     rows.sort(key=lambda r: -r["us_per_step"])
     total = sum(r["us_per_step"] for r in rows)
@@ -183,6 +201,7 @@ def main() -> int:
     decode, prefill, refs, extra = [], [], {}, {}
     stock_generate = type(model).generate.__get__(model)
 
+    ref_logits = None
     if "hf_eager" in arms:
         print("hf_eager", flush=True)
         for b in batches:
@@ -190,6 +209,10 @@ def main() -> int:
                                   inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None)
             decode.append(row)
             refs[b] = new
+        with torch.no_grad():
+            out = stock_generate(inputs[batches[0]], output_logits=True, return_dict_in_generate=True,
+                                 **greedy_kwargs(2))
+        ref_logits = (out.sequences[:, args.prompt:], [t.float() for t in out.logits])
     ptoks, fl_ms = None, 0.0
 
     def prefill_row(arm: str, fn) -> None:
@@ -231,6 +254,8 @@ def main() -> int:
                                 args.layers, dtype, refs.get(b))
             decode.append(row)
         front = opt.moefx_generate
+        if ref_logits is not None and name == "moefx":
+            extra["moefx_logits_rel_err"] = check_logits(front.engine, inputs[batches[0]], *ref_logits)
         extra[f"{name}_engine"] = dict(compiles=front.engine.stats.compiles, captures=front.engine.stats.captures,
                                        uncaptured=front.engine.stats.uncaptured, fallbacks=front.fallbacks)
         extra[f"{name}_matches"] = _pass_matches()

@@ -4,7 +4,7 @@ Model: 8-layer Qwen3-MoE at Qwen3-30B-A3B widths, seeded random weights, bf16 (t
 Decode arms (B=1 and B=16, top-k=50, top-p=0.9, temperature 0.8, and greedy):
   hf          transformers' generate(), static cache, its own torch.compile (reduce-overhead)
   hf+stop     the same, with moefx's deferred stop check (what moefx.optimize turns on for CUDA)
-  moefx       moefx.sampling.DecodeLoop: forward and sampler compiled with moefx.backend (CUDA graphs),
+  moefx       moefx.sampling.DecodeLoop: forward and sampler compiled with moefx.backend, each step one CUDA graph,
               rewrite_sampler_syncs + last_token_logits on, sync-free sampler, no per-step host read
 All arms run the same transformers model forward; what differs is the loop and the sampler.
 Decode throughput = (n - 1) / (t(n tokens) - t(1 token)), medians of runs; host syncs per decode step are
@@ -144,11 +144,11 @@ def decode_bytes(cfg, batch: int, dtype: torch.dtype) -> float:
 
 
 def check_correctness(model, ids, loop_eager: DecodeLoop, loop: DecodeLoop, device) -> dict:
-    """Eager moefx loop vs transformers greedy tokens; compiled step logits close to eager.
+    """Eager moefx loop vs transformers greedy tokens; the compiled loop's logits close to the eager loop's.
 
-    On the CPU the greedy tokens must be identical. In bf16 on the GPU, transformers' generate passes an
-    attention mask (another attention kernel), and random weights give near-tied logits, so the agreement
-    is reported rather than required; the compiled-vs-eager logits bound is required everywhere.
+    On the CPU the greedy tokens must be identical. In bf16 on the GPU, transformers' generate runs other attention
+    kernels, and random weights give near-tied logits, so the agreement is reported rather than required; the
+    compiled-vs-eager logits bound (prefill and the first decode step, same input tokens) is required everywhere.
     """
     ref = type(model).generate(
         model,
@@ -159,31 +159,26 @@ def check_correctness(model, ids, loop_eager: DecodeLoop, loop: DecodeLoop, devi
         cache_implementation="static",
         disable_compile=True,
     )
-    got = loop_eager.generate(ids, 4, GREEDY)
+    eager_logits: list[torch.Tensor] = []
+    got = loop_eager.generate(ids, 4, GREEDY, logits_out=eager_logits)
     agree = float((got == ref).float()[:, ids.shape[1] :].mean())
     if device.type == "cpu" and agree < 1:
         raise SystemExit(f"moefx eager loop differs from transformers greedy:\n{got}\n{ref}")
-    batch = ids.shape[0]
-    cache = loop.cache_for(batch)
-    pos = torch.arange(ids.shape[1], device=device).expand(batch, -1)
-    with torch.no_grad():
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        step_ids, step_pos = ids[:, -1:], torch.full((batch, 1), ids.shape[1], device=device)
-        compiled = loop.forward(step_ids, step_pos, cache).float().clone()
-        cache.reset()
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        eager = loop.model(input_ids=step_ids, position_ids=step_pos, past_key_values=cache, logits_to_keep=1)
-    rel = float((compiled - eager.logits.float()).norm() / eager.logits.float().norm())
+    compiled_logits: list[torch.Tensor] = []
+    fast = loop.generate(ids, 4, GREEDY, logits_out=compiled_logits)
+    steps = 2 if torch.equal(fast[:, : ids.shape[1] + 1], got[:, : ids.shape[1] + 1]) else 1
+    rel = max(float((c.float() - e.float()).norm() / e.float().norm())
+              for c, e in zip(compiled_logits[:steps], eager_logits[:steps]))
     if rel > REL_BOUND:
-        raise SystemExit(f"compiled decode step logits differ from eager: rel err {rel:.3g} > {REL_BOUND}")
-    return {"greedy_token_agreement": agree, "step_logits_rel_err": rel}
+        raise SystemExit(f"compiled decode logits differ from eager: rel err {rel:.3g} > {REL_BOUND}")
+    return {"greedy_token_agreement": agree, "step_logits_rel_err": rel, "steps_compared": steps}
 
 
 def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[list[dict], dict]:
     rows, checks = [], {}
-    backend_kwargs = {"backend": moefx.backend(DECODE_CFG)}
+    backend_kwargs = {"backend": moefx.backend(DECODE_CFG, cudagraphs=False)}
     max_len = prompt + n + 2
-    loop = DecodeLoop(model, max_len, compile_kwargs=backend_kwargs)
+    loop = DecodeLoop(model, max_len, compile_kwargs=backend_kwargs, cuda_graphs=device.type == "cuda")
     eager_loop = DecodeLoop(model, max_len)
     enable_deferred_stop(model, devices=(device.type,))
     floor_bw = bandwidth(device)

@@ -302,11 +302,13 @@ class DecodeLoop:
         pad_token_id: int = 0,
         attention_mask: torch.Tensor | None = None,
         stopping_criteria: Sequence[Callable[..., Any]] = (),
+        logits_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Prompt + new tokens [B, T + n]. Rows that finished are padded with `pad_token_id`, like transformers'
         generate() (when EOS ids are set; otherwise a row a criterion stopped goes on until all have stopped, as
         there); `attention_mask` (left padding only) marks prompt positions to ignore; each stopping
-        criterion is called as `criterion(input_ids_so_far, logits)` and returns a bool per row."""
+        criterion is called as `criterion(input_ids_so_far, logits)` and returns a bool per row. `logits_out`, when
+        given, receives a copy of each step's last-position logits [B, V] (checks and benchmarks)."""
         batch, prompt = input_ids.shape
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -353,6 +355,8 @@ class DecodeLoop:
                     logits = graph_logits
                 else:
                     logits = self._step(slot, params, masked)
+            if logits_out is not None:
+                logits_out.append(logits[:batch].clone())
             if stopping_criteria:
                 self._apply_criteria(slot, stopping_criteria, batch, prompt + step + 1, logits)
             if stopper.finished_before(step, st["done"]):
