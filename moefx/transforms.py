@@ -27,6 +27,7 @@ MODEL_TRANSFORMS: dict[str, ModelTransform] = {}
 TRANSFORM_MODULES: tuple[str, ...] = (
     "moefx.offload.transform",
     "moefx.integrations.transformers",
+    "moefx.parallel.transform",
     "moefx.sampling.transform",
 )
 
