@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_workers import NEW_TOKENS, PROMPT, spawn
+from tp_workers import COMPILE_ENV, NEW_TOKENS, PROMPT, spawn
 
 from moefx.models import tiny_deepseek_v3_config, tiny_qwen3_moe_config
 
@@ -163,6 +163,16 @@ def test_greedy_step_traces_into_one_graph_and_compiles(runs):
     # inductor: the same token as the full logits' argmax, ties included (row 1 is all zeros: index 0)
     assert torch.equal(res["compiled"], res["compiled_expected"]) and res["compiled"][1] == 0
     assert [c.op for c in res["compiled_collectives"]] == ["all_gather_into_tensor"]
+
+
+@pytest.mark.compile
+def test_compiled_optimize_on_shards(runs):
+    """Opt-in (MOEFX_TEST_TP_COMPILE=1, about a minute of inductor per rank): compile mode on the sharded model."""
+    res = runs(2)[0].get("compiled")
+    if res is None:
+        pytest.skip(f"set {COMPILE_ENV}=1 to compile the sharded model with inductor on each rank")
+    assert torch.equal(res["greedy"], res["ref_greedy"])
+    assert res["graphs"] >= 1 and res["noops"] > 0  # the moefx passes ran on the rank's graphs
 
 
 def test_transformers_tp_plan_auto(runs):

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 PROMPT = (2, 5)  # batch, prompt length
 NEW_TOKENS = 5
 SAMPLE_SEED = 1234
+COMPILE_ENV = "MOEFX_TEST_TP_COMPILE"  # =1: also compile the sharded model with inductor (about a minute)
 
 
 def free_port() -> int:
@@ -55,6 +56,8 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
             out["ep"] = family_run("qwen3_moe", rank, world, Path(out_dir), experts="ep")
             out["traced"] = traced_step(rank, world)
             out["transformers_tp"] = transformers_tp(rank, world, Path(out_dir))
+            if os.environ.get(COMPILE_ENV) == "1":
+                out["compiled"] = compiled_generate(world)
     except Exception:
         out["error"] = traceback.format_exc()
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
@@ -272,6 +275,27 @@ def traced_step(rank: int, world: int) -> dict[str, Any]:
                    compiled_collectives=graph_collectives(compiled_graphs[0]))
     torch._dynamo.reset()
     return out
+
+
+def compiled_generate(world: int) -> dict[str, Any]:
+    """The sharded Qwen3-MoE through `moefx.optimize` in compile mode (inductor, the moefx passes on each rank's
+    graph, functional collectives inside it): generate()'s greedy tokens against the unsharded model's."""
+    import moefx
+    from moefx.parallel import shard_model
+
+    torch._dynamo.reset()
+    moefx.clear_compile_reports()
+    ref = reference_model("qwen3_moe", world)
+    ids = torch.randint(0, 256, PROMPT, generator=torch.Generator().manual_seed(5))
+    cfg = {"mode": "compile", "moe_backend": "legacy", "pass_config": {"eliminate_noops": True}}
+    model = moefx.optimize(shard_model(copy.deepcopy(ref)), config=cfg)
+    with torch.no_grad():
+        ref_greedy = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        greedy = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    reports = moefx.compile_reports()
+    torch._dynamo.reset()
+    return dict(ref_greedy=ref_greedy, greedy=greedy, graphs=len(reports),
+                noops=sum(r.matches.get("eliminate_noops", 0) for r in reports))
 
 
 def transformers_tp(rank: int, world: int, out_dir: Path) -> dict[str, Any] | str:
