@@ -43,8 +43,8 @@ class ParallelInfo:
 
     def describe(self) -> str:
         where = f"rank {self.rank} of {self.world_size} ({self.backend})" if self.world_size > 1 else "one process"
-        return f"tp {self.tp_size} (rank {self.tp_rank}), ep {self.ep_size} (rank {self.ep_rank}), experts " \
-               f"{self.experts}, {where}"
+        return (f"tp {self.tp_size} (rank {self.tp_rank}), ep {self.ep_size} (rank {self.ep_rank}), "
+                f"experts {self.experts}, {where}")
 
 
 def _dist() -> tuple[int, int, str | None]:
