@@ -167,7 +167,7 @@ def test_greedy_step_traces_into_one_graph_and_compiles(runs):
 
 @pytest.mark.compile
 def test_compiled_optimize_on_shards(runs):
-    """Opt-in (MOEFX_TEST_TP_COMPILE=1, about a minute of inductor per rank): compile mode on the sharded model."""
+    """Opt-in (MOEFX_TEST_TP_COMPILE=1, about 60 s more CPU): compile mode on the sharded model, 2 ranks."""
     res = runs(2)[0].get("compiled")
     if res is None:
         pytest.skip(f"set {COMPILE_ENV}=1 to compile the sharded model with inductor on each rank")

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 PROMPT = (2, 5)  # batch, prompt length
 NEW_TOKENS = 5
 SAMPLE_SEED = 1234
-COMPILE_ENV = "MOEFX_TEST_TP_COMPILE"  # =1: also compile the sharded model with inductor (about a minute)
+COMPILE_ENV = "MOEFX_TEST_TP_COMPILE"  # =1: also compile the sharded model with inductor (about 60 s of CPU)
 
 
 def free_port() -> int:
