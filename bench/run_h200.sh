@@ -11,6 +11,8 @@
 #                                                        #   e2e-quick e2e-8 e2e-48a e2e-48b (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
 #                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
+#                                                        #   tp-calibrate (per-rank expert shapes of Qwen3-30B-A3B at
+#                                                        #   TP=2/4; one GPU), tp, tp-peer (2-4 GPUs: bench/tp.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,7 +30,7 @@ run_stage() {  # name, limit seconds, command...
     OUT=$RES timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
     echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
     # two stages in one call must not clash
-    for f in moe_sweep.json moe_profile.json calibrate_h200.json probe_read.json probe_ceilings.json; do
+    for f in moe_sweep.json moe_profile.json calibrate_h200.json probe_read.json probe_ceilings.json tp.json; do
         if [ -f "$RES/$f" ]; then mv "$RES/$f" "$RES/$name-$f"; fi
     done
 }
@@ -80,9 +82,13 @@ for s in "${stages[@]}"; do
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
+        tp-calibrate) run_stage tp-calibrate 300 bash -c 'for t in 2 4; do python3 -m moefx.cli calibrate \
+            --model qwen3-30b-a3b --tp $t --output "$OUT/nvidia-h200-tp.yaml" --plot none; done' ;;
+        tp) run_stage tp 540 python3 bench/tp.py ;;
+        tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped" \
-            "routing)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024" \
+            "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-48a e2e-48b)" ;;
     esac
 done
 rm -rf "$RES/inductor"

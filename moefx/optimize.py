@@ -47,6 +47,7 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         mode=cfg.mode,
         max_batch_size=cfg.max_batch_size,
         dtype=param.dtype if param is not None else None,
+        model=model,
     )
     plan = resolve(ModelSignature.from_module(model), es, cfg)
     for transform in ordered_transforms():

@@ -28,6 +28,7 @@ TRANSFORM_MODULES: tuple[str, ...] = (
     "moefx.offload.transform",
     "moefx.integrations.transformers",
     "moefx.integrations.attention",
+    "moefx.parallel.transform",
     "moefx.sampling.transform",
 )
 

@@ -215,10 +215,13 @@ def test_prefill_budget_user_override_and_unknown_model() -> None:
     assert unknown.serving["prefill_token_budget"] is None
 
 
-def test_vocab_parallel_lm_head_needs_tp_cuda_and_a_known_causal_lm() -> None:
+def test_vocab_parallel_lm_head_needs_tp_and_a_known_causal_lm() -> None:
     assert resolve(QWEN, H200.replace(tp_size=2)).serving["vocab_parallel_lm_head"] is True
     assert resolve(QWEN, H200).serving["vocab_parallel_lm_head"] is False
-    assert resolve(QWEN, CPU.replace(tp_size=2)).serving["vocab_parallel_lm_head"] is False
+    # Functional collectives run over gloo too: the CPU is eligible (tests/test_parallel.py runs it).
+    assert resolve(QWEN, CPU.replace(tp_size=2)).serving["vocab_parallel_lm_head"] is True
+    unknown = resolve(ModelSignature(model_type="llama"), CPU.replace(tp_size=2))
+    assert unknown.serving["vocab_parallel_lm_head"] is False
 
 
 def test_registered_passes_are_handled_generically(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -203,6 +203,21 @@ def _quant_block(ms: Any) -> tuple[tuple[int, int] | None, str]:
     return (int(block[0]), int(block[1])), ""
 
 
+def _expert_split(es: Any) -> tuple[int, int]:
+    """(ways the expert intermediate dim is split, ways the experts are placed) on this execution.
+
+    Experts are either sliced over the TP ranks (N = 2I / tp) or placed whole over the EP ranks (E / ep), as
+    transformers' and vLLM's plans shard them; the layout detected from the model's weights decides where known.
+    """
+    tp, ep = max(int(es.tp_size), 1), max(int(es.ep_size), 1)
+    layout = getattr(getattr(es, "parallel", None), "experts", None)
+    if layout == "replicated":
+        return 1, 1
+    if layout == "tp":
+        return tp, 1
+    return (1, ep) if ep > 1 else (tp, 1)
+
+
 def _row_key(ms: Any, es: Any, mode: str) -> tuple[CalibrationKey | None, str]:
     """The calibration key for this model on this execution, or None with the reason it cannot be formed."""
     needed = {"num_experts": ms.num_experts, "hidden_size": ms.hidden_size,
@@ -213,7 +228,7 @@ def _row_key(ms: Any, es: Any, mode: str) -> tuple[CalibrationKey | None, str]:
     dtype = es.dtype or ms.dtype
     if dtype is None:
         return None, "no dtype in the model or execution signature"
-    tp, ep = max(int(es.tp_size), 1), max(int(es.ep_size), 1)
+    tp, ep = _expert_split(es)
     inter, experts = int(ms.moe_intermediate_size), int(ms.num_experts)
     if inter % tp or experts % ep:
         return None, f"moe_intermediate_size {inter} / tp {tp} or experts {experts} / ep {ep} does not divide"
@@ -269,6 +284,10 @@ def moe_plan(ms: Any, es: Any, cfg: Any, pins: dict | None = None) -> MoePlan:
             continue
         if mode == "eager":
             plan.key = key.describe().replace(" mode=eager", "")
+            tp, ep = _expert_split(es)
+            if tp > 1 or ep > 1:
+                plan.key += (f"  (per rank: E = {ms.num_experts} / ep {ep}, "
+                             f"N = 2 x {ms.moe_intermediate_size} / tp {tp})")
         row = find_row(key, tuple(cfg.calibration))
         if row is None:
             policies[mode] = MoePolicy.single(UPSTREAM, f"no calibration row for {mode}")

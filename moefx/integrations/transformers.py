@@ -80,6 +80,14 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return _fp8_reason(module) if is_fp8_module(module) else None
 
 
+def _local_routes(module: nn.Module, top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
+    """Expert-parallel placement (transformers' `ep_dispatch_experts`, `moefx.parallel.shard_model(experts="ep")`)
+    routes a token to another rank's expert as id `experts` with weight 0; the op takes in-range ids only."""
+    if getattr(module, "_is_expert_parallel", False):
+        return top_k_index.clamp(max=experts - 1)
+    return top_k_index
+
+
 def moefx_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -94,6 +102,7 @@ def moefx_experts_forward(
     if self.is_transposed:
         w13, w2 = w13.transpose(-2, -1), w2.transpose(-2, -1)
     backend = getattr(self, "moefx_backend", "auto")
+    top_k_index = _local_routes(self, top_k_index, w13.shape[0])
     return moe_experts(hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers")
 
 
@@ -109,6 +118,7 @@ def moefx_fp8_experts_forward(
         warn_once(f"moefx experts: {type(self).__name__} uses {reason}; running transformers' own FP8 experts")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     backend = getattr(self, "moefx_backend", "auto")
+    top_k_index = _local_routes(self, top_k_index, self.gate_up_proj.shape[0])
     return moe_experts(
         hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, backend=backend,
         w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv,

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -56,10 +57,26 @@ def _current_model_signature() -> ModelSignature:
     return ModelSignature.from_config(model_config) if model_config is not None else ModelSignature.unknown()
 
 
+def _parallel_sizes() -> tuple[int | None, int | None]:
+    """(tp, ep) from the vLLM config being built: dense layers split over tensor_parallel_size; with
+    enable_expert_parallel, whole experts placed over tp x dp ranks (vLLM's FusedMoEParallelConfig)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        pc = get_current_vllm_config().parallel_config
+    except Exception:  # no vLLM config is being built in this process
+        return None, None
+    tp = int(pc.tensor_parallel_size)
+    return tp, tp * int(pc.data_parallel_size) if pc.enable_expert_parallel else 1
+
+
 def pass_manager(config: Any = None) -> Any:
     """moefx's pass manager as a vLLM `InductorPass` (config defaults to `MOEFX_CONFIG`)."""
     cfg = CompilationConfig.from_any(config) if config is not None else load_config()
-    es = ExecutionSignature.detect(mode=cfg.mode, max_batch_size=cfg.max_batch_size)
+    tp, ep = _parallel_sizes()
+    es = ExecutionSignature.detect(mode=cfg.mode, max_batch_size=cfg.max_batch_size, tp_size=tp, ep_size=ep)
+    if tp is not None and es.parallel is not None:
+        es = es.replace(parallel=dataclasses.replace(es.parallel, source="vLLM parallel_config"))
     plan = resolve(_current_model_signature(), es, cfg)
     return _vllm_pass_manager_class()(cfg, plan.enabled_passes(), plan)
 

@@ -1,11 +1,11 @@
-"""Qwen3-MoE models built from a transformers config with seeded random weights (no download)."""
+"""Qwen3-MoE (and DeepSeek-V3-layout) models built from a transformers config with seeded random weights."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
 def tiny_qwen3_moe_config(**overrides: Any) -> Qwen3MoeConfig:
@@ -27,6 +27,35 @@ def tiny_qwen3_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     )
     params.update(overrides)
     return Qwen3MoeConfig(**params)
+
+
+def tiny_deepseek_v3_config(**overrides: Any) -> DeepseekV3Config:
+    """A 2-layer DeepSeek-V3 layout (MLA attention, one dense layer then 8 routed + 1 shared expert, grouped
+    sigmoid routing) small enough for CPU tests."""
+    params: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    params.update(overrides)
+    return DeepseekV3Config(**params)
 
 
 def qwen3_moe_config(num_layers: int = 8, **overrides: Any) -> Qwen3MoeConfig:
@@ -54,8 +83,12 @@ def qwen3_moe_config(num_layers: int = 8, **overrides: Any) -> Qwen3MoeConfig:
 def build_model(
     config: Any, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """Instantiate `Qwen3MoeForCausalLM(config)` with weights drawn from a seeded generator."""
+    """Instantiate the causal LM of `config` (Qwen3MoeForCausalLM for a Qwen3MoeConfig) with weights drawn from a
+    seeded generator."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config)
+        if isinstance(config, Qwen3MoeConfig):
+            model = Qwen3MoeForCausalLM(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype=dtype).eval()

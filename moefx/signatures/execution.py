@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class ExecutionSignature:
     max_batch_size: int = 1
     cpu_isa: tuple[str, ...] = ()
     numa_nodes: int = 1
+    # Where tp_size/ep_size came from and this process's ranks (a moefx.parallel.ParallelInfo). Not part of the
+    # signature's identity: every rank of one model plans alike.
+    parallel: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.device_type not in DEVICE_TYPES:
@@ -91,18 +94,27 @@ class ExecutionSignature:
             from moefx.signatures.model import normalize_dtype
 
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        info = self.parallel
+        if info is not None and (info.tp_size, info.ep_size) != (self.tp_size, self.ep_size):
+            object.__setattr__(self, "parallel", None)  # sizes changed by hand (replace()): the source is stale
 
     @classmethod
     def detect(
         cls,
         device: str | torch.device | None = None,
         mode: str = "compile",
-        tp_size: int = 1,
-        ep_size: int = 1,
+        tp_size: int | None = None,
+        ep_size: int | None = None,
         max_batch_size: int = 1,
         dtype: torch.dtype | str | None = None,
+        model: torch.nn.Module | None = None,
     ) -> ExecutionSignature:
-        """This machine's facts for `device` (default: CUDA when available, else CPU)."""
+        """This machine's facts for `device` (default: CUDA when available, else CPU).
+
+        tp_size/ep_size left None are read from `model`'s sharding and the torch.distributed process group
+        (`moefx.parallel.detect_parallel`); the result's `parallel` says where they came from."""
+        from moefx.parallel.info import detect_parallel
+
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu"
         )
@@ -115,6 +127,7 @@ class ExecutionSignature:
                 )
             props = torch.cuda.get_device_properties(dev)
             name, capability, sms = props.name, (props.major, props.minor), props.multi_processor_count
+        info = detect_parallel(model, tp_size, ep_size)
         return cls(
             device_type=dev.type,
             device_name=name,
@@ -123,11 +136,12 @@ class ExecutionSignature:
             triton_version=_triton_version(),
             dtype=dtype,  # type: ignore[arg-type]  # normalized in __post_init__
             mode=mode,
-            tp_size=tp_size,
-            ep_size=ep_size,
+            tp_size=info.tp_size,
+            ep_size=info.ep_size,
             max_batch_size=max_batch_size,
             cpu_isa=read_cpu_isa(),
             numa_nodes=count_numa_nodes(),
+            parallel=info,
         )
 
     @classmethod
@@ -143,7 +157,7 @@ class ExecutionSignature:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ExecutionSignature:
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls) if f.compare}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown ExecutionSignature fields {unknown}; valid fields: {sorted(names)}")
@@ -153,7 +167,8 @@ class ExecutionSignature:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The identity fields (not `parallel`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
 
     def key(self) -> str:
         """Stable short hash of every field."""

@@ -46,6 +46,7 @@ class Plan:
         """One line per decision, `what = value  [source] (why)`."""
         lines = [f"profile = {self.profile}  [{self.profile_reason or 'no provider'}]"]
         lines.append(f"rule = {self.rule or 'none'}  [{'first matching rule' if self.rule else 'no rule matched'}]")
+        lines.append(self._parallel_line())
         for name, d in self.passes.items():
             state = "on" if d.enabled else "off"
             why = f" ({d.reason})" if d.reason else ""
@@ -56,6 +57,12 @@ class Plan:
         for key, value in self.serving.items():
             lines.append(f"serving {key} = {value}  [{self.serving_sources.get(key, 'unknown source')}]")
         return lines
+
+    def _parallel_line(self) -> str:
+        es, info = self.execution, self.execution.parallel
+        if info is None:
+            return f"parallel tp = {es.tp_size}, ep = {es.ep_size}  [set in the execution signature]"
+        return f"parallel tp = {es.tp_size}, ep = {es.ep_size}  [{info.source}] ({info.describe()})"
 
     def explain(self) -> str:
         head = [f"model: {self.model.describe()} (family {self.model.family or 'unknown'})",
@@ -83,6 +90,7 @@ class Plan:
         return {
             "model": self.model.to_dict(),
             "execution": self.execution.to_dict(),
+            "parallel": _parallel_dict(self.execution.parallel),
             "profile": self.profile,
             "profile_reason": self.profile_reason,
             "rule": self.rule,
@@ -93,6 +101,13 @@ class Plan:
             "serving_sources": dict(self.serving_sources),
             "provenance": list(self.provenance),
         }
+
+
+def _parallel_dict(info: Any) -> dict[str, Any] | None:
+    """Where the sizes came from, without this process's ranks (every rank's plan is the same)."""
+    if info is None:
+        return None
+    return {k: getattr(info, k) for k in ("tp_size", "ep_size", "world_size", "backend", "experts", "source")}
 
 
 def _jsonable(value: Any) -> bool:

@@ -59,11 +59,10 @@ def serving_hints(
         eligible, why = False, "needs a known causal-LM profile"
     elif es.tp_size < 2:
         eligible, why = False, f"tp_size {es.tp_size}: the LM head is not split"
-    elif es.device_type != "cuda":
-        eligible, why = False, f"distributed greedy runs on CUDA, device is {es.device_type}"
     else:
         eligible, why = True, (
-            f"tp_size {es.tp_size}: local argmax + gather of (value, index) for greedy; full logits otherwise"
+            f"tp_size {es.tp_size}: greedy by local (max, argmax) + one gather of 2 values per row; full logits "
+            f"(one gather of the vocab slices) for sampling and raw logits"
         )
     values["vocab_parallel_lm_head"] = eligible
     sources["vocab_parallel_lm_head"] = why

@@ -52,6 +52,16 @@ def _compute_dtype(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _unsharded(experts: torch.nn.Module, geometry: tuple[int, ...]) -> tuple[int, ...]:
+    """The model's (E, H, I) from one rank's shard (`moefx.parallel.shard_model` notes the split on the module;
+    transformers' DTensor weights already report the full shape)."""
+    spec = getattr(experts, "moefx_shard", {}).get("gate_up_proj")
+    if spec is None:
+        return geometry
+    e, h, i = geometry
+    return (spec.full, h, i) if spec.dim == 0 else (e, h, spec.full // 2)
+
+
 def infer_from_module(module: Any) -> dict[str, Any]:
     """Facts read from weights; empty when the module has no recognizable expert weights."""
     if not isinstance(module, torch.nn.Module):
@@ -68,7 +78,7 @@ def infer_from_module(module: Any) -> dict[str, Any]:
             continue
         geometry = _fused_geometry(child) or _list_geometry(child)
         if geometry is not None:
-            shapes.add(tuple(int(x) for x in geometry))
+            shapes.add(_unsharded(child, tuple(int(x) for x in geometry)))
     if len(shapes) == 1:  # mixed expert shapes: no single geometry to report
         (e, h, i) = shapes.pop()
         facts.update(num_experts=e, hidden_size=h, moe_intermediate_size=i)
