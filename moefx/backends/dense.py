@@ -210,7 +210,9 @@ def _(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, backen
 def _setup_context(ctx, inputs, output) -> None:
     x, weights, biases, _, weight_scales, _, _, _ = inputs
     ctx.fp8 = bool(weight_scales)
-    ctx.has_bias = [b is not None for b in biases]
+    # torch.library passes a bias list holding a None as one non-tensor input: its tensors get no gradient there
+    # (the `dense_linear` wrapper gives such calls zero biases when a bias needs one).
+    ctx.bias_grads = all(b is not None for b in biases)
     ctx.save_for_backward(x, *weights)
 
 
@@ -222,12 +224,12 @@ def _backward(ctx, grads):
     gx = None
     gws, gbs = [], []
     x2 = x.reshape(-1, x.shape[-1])
-    for w, g, has_b in zip(weights, grads, ctx.has_bias):
+    for w, g in zip(weights, grads):
         g2 = g.reshape(-1, g.shape[-1])
         gx = g2 @ w if gx is None else gx + g2 @ w
         gws.append(g2.t() @ x2)
-        gbs.append(g2.sum(0) if has_b else None)
-    return gx.reshape(x.shape), gws, gbs, None, [], None, None, None
+        gbs.append(g2.sum(0))
+    return gx.reshape(x.shape), gws, gbs if ctx.bias_grads else None, None, [], None, None, None
 
 
 _dense_linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -246,6 +248,10 @@ def dense_linear(
 ) -> list[torch.Tensor]:
     """[x @ w_i^T + b_i for each weight] through `moefx::dense_linear` (see the module docstring for both forms)."""
     biases = list(biases) if biases is not None else [None] * len(weights)
+    given = [b for b in biases if b is not None]
+    if torch.is_grad_enabled() and len(given) < len(biases) and any(b.requires_grad for b in given):
+        # exact (adding +0 to each sum), and it keeps the given biases differentiable (see _setup_context)
+        biases = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
     scales = list(weight_scales or [])
     bs = [int(b) for b in block_shape] if block_shape is not None else None
     check_args(x, weights, biases, x_scale, scales, bs, out_dtype, backend)
