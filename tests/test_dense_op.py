@@ -164,7 +164,7 @@ def test_plan_explains_each_projection_with_its_row(tmp_path):
     _write_row(table, key, "gemv@1-16,upstream@17-")
     plan = resolve(ms, es)
     text = plan.explain()
-    assert "dense q/k/v key = NVIDIA H200 cap=9.0 sms=132 N=4096,512,512 K=2048 bfloat16 quant=none" in text
+    assert "dense q/k/v key = NVIDIA H200 cap=9.0 sms=132 N=4096,512,512 K=2048 bfloat16 quant=none  [" in text
     assert "dense q/k/v capture M 1..16 = gemv  [dense.yaml#dense1]" in text
     assert "dense o eager M 1..inf = upstream  [no calibration row for eager]" in text
     assert "dense router key = NVIDIA H200 cap=9.0 sms=132 N=128 K=2048" in text

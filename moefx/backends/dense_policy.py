@@ -254,11 +254,11 @@ class DensePlan:
         return any(e.applies for e in self.entries)
 
     def explain_lines(self) -> list[str]:
-        lines = [f"dense backend = {self.backend}  [{self.source}]"]
+        lines = [f"dense backend = {self.backend}  [{self.source}] (calls of fuse_sibling_linears / dense_linears)"]
         if self.reason:
-            lines.append(f"dense projections: none listed ({self.reason})")
+            lines.append(f"dense projections = none  [{self.reason}]")
         for e in self.entries:
-            lines.append(f"dense {e.label} key = {e.key}")
+            lines.append(f"dense {e.label} key = {e.key}  [shape from the model signature]")
             for mode in MODES:
                 pol = e.policies[mode]
                 for r in pol.ranges:
@@ -287,7 +287,7 @@ def model_projections(ms: Any, es: Any) -> tuple[list[tuple[str, tuple[int, ...]
     if ms.num_experts:
         out.append(("router", (int(ms.num_experts),), h, False))
     for label, inter in (("shared experts", ms.shared_expert_intermediate_size if ms.num_shared_experts else None),
-                         ("dense mlp", ms.intermediate_size if ms.first_dense_layers else None)):
+                         ("mlp", ms.intermediate_size if ms.first_dense_layers else None)):
         if inter and inter % tp == 0:
             i = inter // tp
             out += [(f"{label} gate/up", (i, i), h, True), (f"{label} down", (h,), i, True)]

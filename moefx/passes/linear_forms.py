@@ -8,7 +8,7 @@ Forms matched (each is `out = x @ W^T (+ b)` with W [N, K]):
   `transpose(W, 0, 1)` count as the permute. An mm of two activations (attention scores) is not a linear here.
 - `moefx::fp8_block_gemm(a, a_scale, W, W_scale, bn, bk, b, out_dtype)`: `Fp8BlockLinear` (moefx.quantize). Its
   activation comes from `moefx::quant(x, scheme)` (or a fused norm/SiLU quant); two quant calls of one x with one
-  scheme give the same values, so they count as the same input.
+  scheme give the same values, so they count as the same input (so do two getitems of one output).
 - `moefx::dense_linear` itself (the op's own form): its outputs are its getitems.
 Two linears read the same input when they read the same node, or the same reshape of the same node.
 """
@@ -98,13 +98,14 @@ def _untransposed(node: Any) -> torch.fx.Node | None:
 
 
 def _tensor_key(node: torch.fx.Node) -> tuple:
-    """Equal keys = equal values: a node, a reshape of a node to one shape, or one output of moefx::quant(x, scheme)."""
+    """Equal keys = equal values: a node, a reshape of a node to one shape, one output of a node (getitems of one
+    output are not merged in post-grad graphs), or moefx::quant of one value with one scheme (a pure op)."""
     if node.op == "call_function" and node.target in _VIEWS:
         return ("view", _tensor_key(node.args[0]), str(tuple(meta_val(node).shape)))
-    if node.op == "call_function" and node.target is operator.getitem:
-        q = node.args[0]
-        if isinstance(q, torch.fx.Node) and q.target is QUANT:
-            return ("quant", node.args[1], _tensor_key(q.args[0]), tuple(q.args[1:]), tuple(sorted(q.kwargs.items())))
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return ("item", _tensor_key(node.args[0]), node.args[1])
+    if node.op == "call_function" and node.target is QUANT:
+        return ("quant", _tensor_key(node.args[0]), tuple(node.args[1:]), tuple(sorted(node.kwargs.items())))
     return ("node", node)
 
 

@@ -31,7 +31,7 @@ def causal_lm_preference(ms: ModelSignature, es: ExecutionSignature, gain: str) 
 def dense_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool, str]:
     """The dense-linear passes pay off where a calibration row runs the small-M GEMV for one of the model's
     projections on this device; elsewhere every call they emit would run upstream, one custom-op call more."""
-    on, why = causal_lm_preference(ms, es, "q/k/v and single projections at decode M through the dense GEMV")
+    on, why = causal_lm_preference(ms, es, "the dense GEMV for q/k/v and single projections at decode M")
     if not on:
         return on, why
     from moefx.backends.dense_policy import has_rows_for
