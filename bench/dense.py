@@ -110,9 +110,10 @@ def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dic
     cases += [("odd", odd[0], odd[1], False, True), ("odd", odd[0], odd[2], True, True)]
     for name, ns, k, fp8, bias in cases:
         prob = Problem(ns, k, fp8, dev, gen, bias=bias)
-        for m in ((1, 3, 5, 17) if quick else (1, 3, 8, 16, 33)):
+        for m in ((1, 3, 5, 17) if quick else (5, 33) if name == "odd" else (1, 3, 16)):
             x, xs = prob.x(m, gen)
-            for out_dtype in ((torch.float32, prob.dtype) if fp8 else (prob.dtype,)):
+            # fp32 outputs of the FP8 form (the summation-order bound) on the odd shapes; bf16 everywhere else
+            for out_dtype in ((torch.float32, prob.dtype) if fp8 and (name == "odd" or quick) else (prob.dtype,)):
                 outs = prob.call("gemv", x, xs, out_dtype=out_dtype)
                 refs = prob.reference(x, xs, out_dtype=out_dtype)
                 err = max(relerr(o, r) for o, r in zip(outs, refs))

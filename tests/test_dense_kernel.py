@@ -41,7 +41,7 @@ def _fp8_case(m, ns, k, block, device, column_major=False, seed=0):
 # (M, N per weight, K, config): sum path and tensor-core path, K and N not multiples of any tile, split-K forced
 FLOAT_CASES = [
     (1, (40, 24, 8), 200, None),
-    (3, (40, 24, 8), 200, K.DenseConfig(block_n=2, block_k=32, split_k=3)),
+    (3, (12, 6, 2), 200, K.DenseConfig(block_n=2, block_k=32, split_k=3)),
     (5, (33, 17), 72, None),  # the default tensor-core tile
     (17, (48,), 96, K.DenseConfig(dot=True, block_n=16, block_k=32, split_k=2)),
 ]
@@ -69,7 +69,7 @@ def test_fp8_kernel_matches_ref_fp8_block_gemm(m, block, cfg, column_major):
 
 
 def test_more_weights_than_one_launch_takes_and_counters_return_to_zero():
-    x, ws, bs = _float_case(2, tuple(8 + 4 * i for i in range(K.MAX_WEIGHTS + 2)), 64, torch.float32, "cpu")
+    x, ws, bs = _float_case(2, tuple(4 + 2 * i for i in range(K.MAX_WEIGHTS + 2)), 48, torch.float32, "cpu")
     cfg = K.DenseConfig(block_n=4, block_k=16, split_k=2)
     for _ in range(2):  # the second call finds the split-K counters left at zero by the first
         outs = K.dense_gemv(x, ws, bs, config=cfg)

@@ -102,7 +102,7 @@ def _dense_tile(
             tl.atomic_xchg(cnt, 0)  # the next call finds every counter at zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M only bounds masks: one compile serves every M of a tile
 def _dense_kernel(
     x_ptr, xs_ptr, part_ptr, cnt_ptr,
     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr,
