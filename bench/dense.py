@@ -324,7 +324,8 @@ def main() -> None:
                 ranges = crossover_ranges(ts)
                 key = dense_key(dev, ns, k, torch.bfloat16, BLOCK if fp8 else None, mode)
                 prov = dict(date=result["date"], device=result["device"], torch=str(torch.__version__),
-                            triton=_triton_version(), command=f"python bench/dense.py --calibrate --ms {args.ms}",
+                            triton=_triton_version(), moefx=_moefx_version(),
+                            command=f"python bench/dense.py --calibrate --ms {args.ms}",
                             shape=f"qwen3-30b-a3b {name}", grid=f"M {ms[0]}..{ms[-1]} ({len(ms)} points), median")
                 src = write_dense_row(calib, DenseRow(key, ranges, prov, "", ts))
                 print(f"calibrated {name} {'fp8' if fp8 else 'bf16'} {mode}: "
@@ -338,6 +339,12 @@ def _triton_version() -> str:
     import triton
 
     return str(triton.__version__)
+
+
+def _moefx_version() -> str:
+    from moefx import __version__
+
+    return __version__
 
 
 def print_table(result: dict) -> None:
