@@ -13,6 +13,7 @@
 #                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
 #                                                        #   tp-calibrate (per-rank expert shapes of Qwen3-30B-A3B at
 #                                                        #   TP=2/4; one GPU), tp, tp-peer (2-4 GPUs: bench/tp.py)
+#                                                        #   dense (dense-linear gemv vs cuBLAS + calibration rows) dense-sweep
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -80,6 +81,9 @@ for s in "${stages[@]}"; do
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --arms hf_eager,hf_static,moefx \
             --tag _b16_64 ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
+        dense) run_stage dense 150 python3 bench/dense.py --calibrate
+            cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
+        dense-sweep) run_stage dense-sweep 240 python3 bench/dense.py --sweep --sweep-budget 180 ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         tp-calibrate) run_stage tp-calibrate 300 bash -c 'for t in 2 4; do python3 -m moefx.cli calibrate \
@@ -88,7 +92,7 @@ for s in "${stages[@]}"; do
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024" \
-            "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-48a e2e-48b)" ;;
+            "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-48a e2e-48b dense dense-sweep)" ;;
     esac
 done
 rm -rf "$RES/inductor"

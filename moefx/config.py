@@ -20,6 +20,7 @@ from typing import Any, Union
 import yaml
 
 MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
+DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
 OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 
@@ -40,6 +41,9 @@ class PassConfig:
     sampler_exponential_race: bool | None = None
     last_token_logits: bool | None = None
     fuse_moe_routing: bool | None = None
+    fuse_sibling_linears: bool | None = None
+    # Send the remaining single linears to moefx::dense_linear too, so the dense policy picks per call.
+    dense_linears: bool | None = None
     # Write each graph before/after the moefx passes into this folder (also MOEFX_DUMP_GRAPHS).
     dump_graph_dir: str | None = None
 
@@ -53,6 +57,7 @@ class OffloadConfig:
 class CompilationConfig:
     pass_config: PassConfig = field(default_factory=PassConfig)
     moe_backend: str = field(default="auto", metadata=_choices(*MOE_BACKENDS))
+    dense_backend: str = field(default="auto", metadata=_choices(*DENSE_BACKENDS))
     # capture: compiled, with CUDA graphs where the device has them (compile and eager opt out of those steps).
     mode: str = field(default="capture", metadata=_choices(*MODES))
     max_batch_size: int = 1

@@ -6,7 +6,8 @@ with a descriptor of the wrong block) passes every CPU test; this compiles what 
 the same argument types and descriptor blocks (each row's "gemm1"/"gemm2" are its first and second launch). Run
 without TRITON_INTERPRET (test_backends_grouped.py starts it so). It also reports whether ptxas had to serialize a
 kernel's wgmmas (C7514: accumulator registers touched while a wgmma it cannot prove finished may still write them).
-Usage: python tests/compile_sm90.py [bf16|fp8] | attention (moefx::decode_attention's kernels)
+Usage: python tests/compile_sm90.py [bf16|fp8]   (or `dense`: the dense-linear kernel at its DEFAULT_TILES rows, both
+kinds, at the q/k/v shape with the SM count's split-K; or `attention`: moefx::decode_attention's kernels)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
+from moefx.backends.kernels import dense_kernels as dense
 from moefx.backends.kernels import fused_moe_kernels as fmk
 from moefx.backends.kernels import gemv_kernels as gemv
 
@@ -37,10 +39,11 @@ def _signature(fn, types: dict[str, str], consts: dict) -> dict[str, str]:
     return {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
 
 
-def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int) -> dict:
+def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int,
+             divisible: re.Pattern = DIVISIBLE) -> dict:
     """Shared memory, registers, spilled bytes and whether ptxas serialized the wgmmas (C7514) of one kernel."""
     names = fn.arg_names
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and DIVISIBLE.search(n)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in consts and divisible.search(n)}
     src = ASTSource(fn, _signature(fn, types, consts), constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -118,9 +121,36 @@ def compile_decode_attention() -> list[dict]:
     return rows
 
 
+def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
+    """The dense kernel's resources at one DEFAULT_TILES row, launched as dense_gemv would for q/k/v (N 4096/512/512,
+    K = H) at M = min(max_m, 16) on 132 SMs (bf16 activations and outputs, fp32 scales and split-K partials)."""
+    fp8 = kind == "fp8"
+    m = int(min(max_m, 16))
+    ns = (4096, 512, 512)
+    lp = dense.plan_launch(cfg, m, ns, H, BLOCK_SHAPE if fp8 else None, 132)
+    w, split = ("*fp8e4nv" if fp8 else "*bf16"), lp.split_k > 1
+    types = dict(x_ptr=w, xs_ptr="*fp32" if fp8 else "*bf16", part_ptr="*fp32" if split else "*bf16",
+                 cnt_ptr="*i32" if split else "*bf16")
+    for i in range(dense.MAX_WEIGHTS):
+        types |= {f"w{i}_ptr": w, f"ws{i}_ptr": "*fp32" if fp8 else "*bf16", f"b{i}_ptr": "*bf16", f"y{i}_ptr": "*bf16"}
+    starts = [0, lp.tiles[0], lp.tiles[0] + lp.tiles[1], sum(lp.tiles)]
+    consts = dict(N0=ns[0], N1=ns[1], N2=ns[2], N3=1, T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=3,
+                  HB0=False, HB1=False, HB2=False, HB3=False, K=H, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=fp8,
+                  SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, BLOCK_M=lp.block_m,
+                  BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
+                  DOT=cfg.dot, IEEE=False)
+    out = _compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages,
+                   re.compile(r"_ptr$|^stride_(xm|wn\d)$"))
+    return dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k, kernel=out)
+
+
 def main() -> None:
     if sys.argv[1:] == ["attention"]:
         print(json.dumps(compile_decode_attention()))
+        return
+    if sys.argv[1:] == ["dense"]:
+        print(json.dumps([compile_dense(kind, max_m, cfg) for kind in dense.DEFAULT_TILES
+                          for max_m, cfg in dense.DEFAULT_TILES[kind]]))
         return
     kinds = sys.argv[1:] or list(fmk.DEFAULT_TILES)
     rows = []

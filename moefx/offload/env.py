@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.config import MOE_BACKENDS, OFFLOAD_DEVICES
+from moefx.config import DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES
 from moefx.log import warn_once
 
 _TRUE = ("1", "true", "on", "yes")
@@ -119,6 +119,12 @@ SETTINGS: tuple[EnvSetting, ...] = (
         _choice_parser(MOE_BACKENDS),
         "auto",
         "force one MoE backend for every call (safety checks still apply)",
+    ),
+    EnvSetting(
+        "MOEFX_DENSE_BACKEND",
+        _choice_parser(DENSE_BACKENDS),
+        "auto",
+        "force the backend of every moefx::dense_linear call: upstream (torch linear) or gemv (safety checks apply)",
     ),
 )
 

@@ -28,6 +28,7 @@ class Plan:
     profile: str  # provider name, or "unknown"
     passes: dict[str, PassDecision] = field(default_factory=dict)
     moe: Any = None  # moefx.backends.policy.MoePlan
+    dense: Any = None  # moefx.backends.dense_policy.DensePlan
     offload: Any = None  # moefx.offload.plan.OffloadPlan
     serving: dict[str, Any] = field(default_factory=dict)
     provenance: list[str] = field(default_factory=list)
@@ -51,7 +52,7 @@ class Plan:
             state = "on" if d.enabled else "off"
             why = f" ({d.reason})" if d.reason else ""
             lines.append(f"pass {name} = {state}  [{d.source}]{why}")
-        for section in (self.moe, self.offload):
+        for section in (self.moe, self.dense, self.offload):
             if section is not None:
                 lines.extend(section.explain_lines())
         for key, value in self.serving.items():
@@ -96,6 +97,7 @@ class Plan:
             "rule": self.rule,
             "passes": {name: dataclasses.asdict(d) for name, d in self.passes.items()},
             "moe": section(self.moe),
+            "dense": section(self.dense),
             "offload": section(self.offload),
             "serving": dict(self.serving),
             "serving_sources": dict(self.serving_sources),

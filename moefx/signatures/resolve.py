@@ -85,6 +85,7 @@ def resolve(
     rules: Sequence[Rule] | None = None,
 ) -> Plan:
     """The Plan for `ms` on `es` (default: this machine). `rules` are checked before the config's rule files."""
+    from moefx.backends.dense_policy import dense_plan
     from moefx.backends.policy import moe_plan
     from moefx.config import CompilationConfig
     from moefx.offload.plan import offload_plan
@@ -113,6 +114,7 @@ def resolve(
         # Fail closed: an unmatched model keeps its own experts code unless the user forces a backend.
         pins = {"backend": "upstream", "source": f"profile unknown ({why})"}
     plan.moe = moe_plan(ms, es, cfg, pins=pins)
+    plan.dense = dense_plan(ms, es, cfg)
     plan.offload = offload_plan(ms, es, cfg)
     plan.serving, plan.serving_sources = serving_hints(ms, es, cfg, fragment)
     return plan

@@ -40,8 +40,20 @@ def routing_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool
     )
 
 
+def dense_preference(ms: ModelSignature, es: ExecutionSignature) -> tuple[bool, str]:
+    """The dense-linear passes pay off where a calibration row runs the small-M GEMV for one of the model's
+    projections on this device; elsewhere every call they emit would run upstream, one custom-op call more."""
+    on, why = causal_lm_preference(ms, es, "the dense GEMV for q/k/v and single projections at decode M")
+    if not on:
+        return on, why
+    from moefx.backends.dense_policy import has_rows_for
+
+    return has_rows_for(ms, es)
+
+
 def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSignature) -> PlanFragment:
     quant = quant_preference(ms, es)
+    dense = dense_preference(ms, es)
     return PlanFragment(
         provider=provider,
         preferred={
@@ -51,6 +63,8 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
             "rewrite_sampler_syncs": causal_lm_preference(ms, es, "removing sampler host syncs"),
             "last_token_logits": causal_lm_preference(ms, es, "skipping LM-head rows nobody reads"),
             "fuse_moe_routing": routing_preference(ms, es),
+            "fuse_sibling_linears": dense,
+            "dense_linears": dense,
         },
         moe_family=True,
         causal_lm=ms.is_causal_lm,

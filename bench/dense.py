@@ -1,0 +1,361 @@
+"""Dense small-M linears: `moefx::dense_linear`'s gemv backend vs cuBLAS at Qwen3-30B-A3B's projection shapes.
+
+Shapes (bf16, and FP8 block-128 w8a8 where moefx.quantize makes them): q/k/v as 3 weights K=2048 N=4096/512/512
+(one gemv launch vs three cuBLAS calls), o K=4096 N=2048, router gate K=2048 N=128 (bf16 only: moefx.quantize
+leaves routers alone). The FP8 peer is `moefx::fp8_block_gemm` per weight (its Triton kernel at M <= 16, blockwise
+torch._scaled_mm above), both arms fed the same e4m3 activation and group scales.
+Order: the HBM copy rate (an SM copy kernel, read + write counted); correctness of every shape against torch on
+fresh random inputs (bf16: fp32 reference, bound 5e-3 relative; FP8: ref_fp8_block_gemm, bound 1e-5 with fp32
+output and 5e-3 with bf16), incl. shapes that are not multiples of any tile, a forced split-K, and CUDA-graph replay
+against eager; then time, at M = 1, 2, 4, 8, 16, 32, 64, CUDA-graph replays whose graph holds one call per weight
+set of a rotation larger than 3x L2 (so weights come from HBM), median of trials, and eager calls (CUDA events,
+launch overhead included). Floor = bytes moved (weights, scales, x, outputs) / copy rate.
+`--calibrate`: per shape and mode (capture = graph replay, eager = eager calls), the crossover M ranges of gemv vs
+upstream (calibration.crossover_ranges) as dense rows in $OUT/dense_calibration.yaml, to copy to
+moefx/backends/tables/. `--sweep`: a budgeted tile sweep at M = 1, 4, 16 (best DenseConfig per point vs the default).
+`--quick`: tiny shapes on the CPU under TRITON_INTERPRET=1 (correctness only). Table last; JSON to $OUT/dense.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moefx.backends import dense as D
+from moefx.backends.calibration import crossover_ranges
+from moefx.backends.dense_policy import DenseRow, dense_key, write_dense_row
+from moefx.backends.kernels import dense_kernels as K
+from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
+
+MS = (1, 2, 4, 8, 16, 32, 64)
+SHAPES = {  # name: (N per weight, K, quantized by moefx.quantize)
+    "qkv": ((4096, 512, 512), 2048, True),
+    "o": ((2048,), 4096, True),
+    "router": ((128,), 2048, False),
+}
+QUICK_SHAPES = {"qkv": ((48, 16, 16), 64, True), "o": ((32,), 96, True), "router": ((8,), 64, False)}
+BLOCK = (128, 128)
+# bf16 outputs: one rounding (half an ulp, <= 2^-8 relative per element) over an fp32 sum; fp32 outputs: sum order
+BOUND_BF16, BOUND_FP8_F32, BOUND_FP8_BF16 = 5e-3, 1e-5, 5e-3
+
+
+def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+
+
+class Problem:
+    """One shape's weights (bf16 or FP8 block), `sets` copies of them, and an x per set."""
+
+    def __init__(self, ns, k, fp8: bool, dev: str, gen: torch.Generator, sets: int = 1, bias: bool = False):
+        self.ns, self.k, self.fp8, self.dev = tuple(ns), k, fp8, dev
+        # the CPU smoke run is fp32: Triton's interpreter gets bf16 dots and bf16 rounding wrong
+        self.dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        self.sets = []
+        for _ in range(sets):
+            ws = [torch.randn(n, k, device=dev, generator=gen, dtype=self.dtype) * k**-0.5 for n in ns]
+            bs = [torch.randn(n, device=dev, generator=gen, dtype=self.dtype) if bias else None for n in ns]
+            scales = []
+            if fp8:
+                q = [quant_weight_fp8_block(w, *BLOCK) for w in ws]
+                ws, scales = [a for a, _ in q], [s for _, s in q]
+            self.sets.append((ws, bs, scales))
+        self.bias = bias
+
+    def x(self, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = torch.randn(m, self.k, device=self.dev, generator=gen, dtype=self.dtype)
+        if not self.fp8:
+            return x, None
+        return torch.ops.moefx.quant(x, *QuantScheme("fp8_group", BLOCK[1]).args())
+
+    def weight_bytes(self) -> int:
+        ws, _, scales = self.sets[0]
+        return sum(w.numel() * w.element_size() for w in ws) + sum(s.numel() * 4 for s in scales)
+
+    def call(self, backend: str, x, xs, i: int = 0, out_dtype=torch.bfloat16):
+        ws, bs, scales = self.sets[i]
+        if backend == "gemv" and not x.is_cuda:  # the CPU smoke run checks the kernel (interpreter), not the op
+            return K.dense_gemv(x, ws, bs, xs, scales or None, BLOCK if self.fp8 else None, out_dtype)
+        if self.fp8:
+            return D.dense_linear(x, ws, bs, x_scale=xs, weight_scales=scales, block_shape=BLOCK,
+                                  out_dtype=out_dtype, backend=backend)
+        return D.dense_linear(x, ws, bs, backend=backend)
+
+    def reference(self, x, xs, i: int = 0, out_dtype=torch.bfloat16):
+        ws, bs, scales = self.sets[i]
+        if self.fp8:
+            return D.reference(x, ws, bs, xs, scales, list(BLOCK), out_dtype)
+        # fp32 products and sums, output kept in fp32: the bound is the kernel's bf16 rounding
+        return [x.float() @ w.float().t() + (b.float() if b is not None else 0) for w, b in zip(ws, bs)]
+
+
+def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dict]:
+    """Every shape and kind against torch, at several M, plus non-tile shapes, forced split-K and graph replay."""
+    rows = []
+    cases = [(name, ns, k, fp8, False) for name, (ns, k, quant) in shapes.items() for fp8 in (False, True)
+             if quant or not fp8]
+    odd = ((40, 24, 8), 200, 256) if quick else ((1000, 72, 24), 1000, 1024)
+    cases += [("odd", odd[0], odd[1], False, True), ("odd", odd[0], odd[2], True, True)]
+    for name, ns, k, fp8, bias in cases:
+        prob = Problem(ns, k, fp8, dev, gen, bias=bias)
+        for m in ((1, 3, 5, 17) if quick else (5, 33) if name == "odd" else (1, 3, 16)):
+            x, xs = prob.x(m, gen)
+            # fp32 outputs of the FP8 form (the summation-order bound) on the odd shapes; bf16 everywhere else
+            for out_dtype in ((torch.float32, prob.dtype) if fp8 and (name == "odd" or quick) else (prob.dtype,)):
+                outs = prob.call("gemv", x, xs, out_dtype=out_dtype)
+                refs = prob.reference(x, xs, out_dtype=out_dtype)
+                err = max(relerr(o, r) for o, r in zip(outs, refs))
+                f32 = out_dtype == torch.float32
+                bound = (BOUND_FP8_F32 if f32 else BOUND_FP8_BF16) if fp8 else (1e-5 if f32 else BOUND_BF16)
+                rows.append(dict(shape=name, N=list(ns), K=k, fp8=fp8, M=m, out=str(out_dtype), relerr=err,
+                                 bound=bound, ok=err < bound))
+    # split-K on the device (counters, acq_rel): forced slices, repeated, counters back at zero
+    prob = Problem((16, 8), 256, False, dev, gen) if quick else Problem((128, 64), 2048, False, dev, gen)
+    x, _ = prob.x(4, gen)
+    refs = prob.reference(x, None)
+    ws, bs, _ = prob.sets[0]
+    cfg = K.DenseConfig(block_k=32 if quick else 128, split_k=8)
+    errs = [max(relerr(o, r) for o, r in zip(K.dense_gemv(x, ws, bs, config=cfg), refs))
+            for _ in range(2 if quick else 20)]
+    counters = K._COUNTERS.get((torch.device(dev).type, torch.device(dev).index))
+    zero = counters is None or int(counters.abs().sum()) == 0
+    ok = max(errs) < BOUND_BF16 and zero
+    rows.append(dict(shape="split_k8 repeated", M=4, relerr=max(errs), bound=BOUND_BF16, ok=ok, counters_zero=zero))
+    if dev == "cuda":
+        for fp8 in (False, True):
+            prob = Problem(SHAPES["qkv"][0], SHAPES["qkv"][1], fp8, dev, gen)
+            x, xs = prob.x(2, gen)
+            eager = prob.call("gemv", x, xs)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs = prob.call("gemv", x, xs)
+            g.replay()
+            same = all(torch.equal(a, b) for a, b in zip(outs, eager))
+            rows.append(dict(shape=f"qkv graph replay == eager ({'fp8' if fp8 else 'bf16'})", M=2, relerr=0.0,
+                             bound=0.0, ok=same))
+    return rows
+
+
+def time_graph(fn, reps: int = 10, trials: int = 5) -> float:
+    """Median µs of one replay of a CUDA graph of `fn()` (warmed up eagerly first)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(2):
+        g.replay()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def time_eager(fn, n: int, reps: int = 30) -> float:
+    """Median µs of one eager call (`fn(i)` over the n sets in turn), CUDA events around each call."""
+    for i in range(n):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(r % n)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def copy_rate() -> float:
+    n = 1 << 30
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    us = min(time_graph(lambda: torch.mul(src, 1.0, out=dst), reps=10) for _ in range(3))
+    return 2 * n / (us * 1e-6)
+
+
+def rotation(bytes_per_set: int) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(2, min(256, -(-3 * l2 // bytes_per_set)))
+
+
+def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float, eager: bool) -> dict:
+    n = len(prob.sets)
+    xs = [prob.x(m, gen) for _ in range(n)]
+    per_call = {}
+    for backend in ("gemv", "upstream"):
+        def graph_fn(backend=backend):
+            for i in range(n):
+                prob.call(backend, *xs[i], i)
+        per_call[backend] = time_graph(graph_fn) / n
+        if eager:
+            per_call[f"{backend}_eager"] = time_eager(lambda i, backend=backend: prob.call(backend, *xs[i], i), n)
+    x_bytes = m * prob.k * (1 if prob.fp8 else 2) + (m * (-(-prob.k // BLOCK[1])) * 4 if prob.fp8 else 0)
+    out_bytes = m * sum(prob.ns) * 2
+    floor = (prob.weight_bytes() + x_bytes + out_bytes) / copy_bps * 1e6
+    return dict(M=m, floor_us=floor, **per_call)
+
+
+def sweep(prob: Problem, gen: torch.Generator, budget_s: float) -> list[dict]:
+    """Graph-replay µs of candidate tiles at M = 1, 4, 16 (stops at the budget); the default first."""
+    cands = [K.DenseConfig(block_n=bn, block_k=bk, num_warps=w, split_k=s)
+             for bn in (1, 2, 4, 8) for bk in (256, 512, 1024) for w in (2, 4) for s in (0, 1)]
+    cands_dot = [K.DenseConfig(dot=True, block_n=bn, block_k=bk, num_stages=st, split_k=s)
+                 for bn in (16, 32) for bk in (64, 128) for st in (3, 5) for s in (0, 1)]
+    out, start = [], time.time()
+    n = len(prob.sets)
+    for m in (1, 4, 16):
+        xs = [prob.x(m, gen) for _ in range(n)]
+        default = K.default_config(m, prob.fp8)
+        pool = [default] + [c for c in (cands if m <= 4 else []) + cands_dot if c != default]
+        best = None
+        for cfg in pool:
+            if time.time() - start > budget_s:
+                break
+
+            def fn(cfg=cfg, xs=xs):
+                for i in range(n):
+                    ws, bs, scales = prob.sets[i]
+                    x, s = xs[i]
+                    K.dense_gemv(x, ws, bs, s, scales or None, BLOCK if prob.fp8 else None, torch.bfloat16, cfg)
+            try:
+                us = time_graph(fn, reps=5, trials=3) / n
+            except Exception as exc:  # a tile the compiler rejects is reported, not fatal
+                print(f"  sweep {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            if cfg is default:
+                default_us = us
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        if best is not None:
+            out.append(dict(M=m, default_us=default_us, best_us=best[0], best=asdict(best[1])))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no timing)")
+    ap.add_argument("--calibrate", action="store_true", help="write dense calibration rows to $OUT")
+    ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
+    ap.add_argument("--sweep-budget", type=float, default=60.0)
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    quick = args.quick or not torch.cuda.is_available()
+    dev = "cpu" if quick else "cuda"
+    out_dir = Path(os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = QUICK_SHAPES if quick else {s: SHAPES[s] for s in args.shapes.split(",")}
+    result = dict(device=torch.cuda.get_device_name() if not quick else "cpu", torch=torch.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    t0 = time.time()
+    if not args.sweep:
+        result["check"] = check(dev, shapes, gen, quick)
+        bad = [r for r in result["check"] if not r["ok"]]
+        for r in result["check"]:
+            print(f"check {r['shape']:>34} {'fp8' if r.get('fp8') else '   '} M={r['M']:3d} {r.get('out', ''):>14} "
+                  f"relerr {r['relerr']:.1e} (bound {r['bound']:.0e}) {'ok' if r['ok'] else 'FAIL'}", flush=True)
+        print(f"correctness: {len(result['check']) - len(bad)}/{len(result['check'])} ok ({time.time() - t0:.0f} s)")
+        if quick or bad:
+            (out_dir / "dense.json").write_text(json.dumps(result, indent=1, default=str))
+            sys.exit(1 if bad else 0)
+    copy_bps = copy_rate()
+    result["copy_TBps"] = copy_bps / 1e12
+    print(f"copy rate {copy_bps / 1e12:.2f} TB/s", flush=True)
+    ms = [int(m) for m in args.ms.split(",")]
+    kinds = [(name, fp8) for name, (_, _, quant) in shapes.items() for fp8 in (False, True) if quant or not fp8]
+    if args.sweep:
+        result["sweep"] = {}
+        for name, fp8 in kinds:
+            ns, k, _ = shapes[name]
+            prob = Problem(ns, k, fp8, dev, gen, sets=1)
+            prob = Problem(ns, k, fp8, dev, gen, sets=rotation(prob.weight_bytes()))
+            label = f"{name} {'fp8' if fp8 else 'bf16'}"
+            result["sweep"][label] = rows = sweep(prob, gen, args.sweep_budget / len(kinds))
+            for r in rows:
+                print(f"sweep {label:12} M={r['M']:3d} default {r['default_us']:7.2f} best {r['best_us']:7.2f} "
+                      f"{r['best']}", flush=True)
+        (out_dir / "dense_sweep.json").write_text(json.dumps(result, indent=1, default=str))
+        return
+    result["rows"] = []
+    calib = out_dir / "dense_calibration.yaml"
+    for name, fp8 in kinds:
+        ns, k, _ = shapes[name]
+        prob = Problem(ns, k, fp8, dev, gen, sets=1)
+        prob = Problem(ns, k, fp8, dev, gen, sets=rotation(prob.weight_bytes()))
+        timings = {"capture": {"gemv": {}, "upstream": {}}, "eager": {"gemv": {}, "upstream": {}}}
+        for m in ms:
+            r = measure(prob, m, gen, copy_bps, eager=args.calibrate)
+            r.update(shape=name, kind="fp8" if fp8 else "bf16", N=list(ns), K=k, sets=len(prob.sets))
+            result["rows"].append(r)
+            print(f"{name:6} {r['kind']:4} M={m:3d} floor {r['floor_us']:6.2f} gemv {r['gemv']:7.2f} "
+                  f"cuBLAS {r['upstream']:7.2f} us", flush=True)
+            for mode, suffix in (("capture", ""), ("eager", "_eager")):
+                for b in ("gemv", "upstream"):
+                    if f"{b}{suffix}" in r:
+                        timings[mode][b][m] = r[f"{b}{suffix}"]
+        if args.calibrate:
+            for mode, ts in timings.items():
+                ranges = crossover_ranges(ts)
+                key = dense_key(dev, ns, k, torch.bfloat16, BLOCK if fp8 else None, mode)
+                prov = dict(date=result["date"], device=result["device"], torch=str(torch.__version__),
+                            triton=_triton_version(), moefx=_moefx_version(),
+                            command=f"python bench/dense.py --calibrate --ms {args.ms}",
+                            shape=f"qwen3-30b-a3b {name}", grid=f"M {ms[0]}..{ms[-1]} ({len(ms)} points), median")
+                src = write_dense_row(calib, DenseRow(key, ranges, prov, "", ts))
+                print(f"calibrated {name} {'fp8' if fp8 else 'bf16'} {mode}: "
+                      f"{','.join(r.text() for r in ranges)} -> {calib.name} ({src})", flush=True)
+    result["elapsed_s"] = time.time() - t0
+    (out_dir / "dense.json").write_text(json.dumps(result, indent=1, default=str))
+    print_table(result)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(triton.__version__)
+
+
+def _moefx_version() -> str:
+    from moefx import __version__
+
+    return __version__
+
+
+def print_table(result: dict) -> None:
+    print(f"\ndense linears, {result['device']}, torch {result['torch']}, copy {result['copy_TBps']:.2f} TB/s "
+          f"(µs per call, CUDA-graph replay, weights rotated past L2; cuBLAS = F.linear / fp8_block_gemm per weight)")
+    print(f"{'shape':6} {'kind':4} {'M':>3} {'floor':>7} {'gemv':>7} {'cuBLAS':>7} {'gemv/floor':>10} "
+          f"{'cuBLAS/gemv':>11}")
+    for r in result["rows"]:
+        print(f"{r['shape']:6} {r['kind']:4} {r['M']:3d} {r['floor_us']:7.2f} {r['gemv']:7.2f} {r['upstream']:7.2f} "
+              f"{r['gemv'] / r['floor_us']:10.2f} {r['upstream'] / r['gemv']:11.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""dense: small-M GEMM/GEMV for dense and attention projections, behind one op, `moefx::dense_linear`.
+
+    moefx::dense_linear(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor? x_scale, Tensor[] weight_scales,
+                        SymInt[]? block_shape, ScalarType? out_dtype, str backend) -> Tensor[]
+
+returns [x @ w_i^T + b_i for each weight]: several linears that read the same x (q/k/v, gate/up) in one call.
+Float form: x [..., K] and weights [N_i, K] in one dtype (bf16/fp16/fp32), outputs in that dtype, weight_scales
+empty. FP8 form (weight_scales given): the `moefx::fp8_block_gemm` contract for each weight: x float8_e4m3fn
+[..., K] with per-token-group scales x_scale [..., ceil(K/bk)], weights float8_e4m3fn with `weight_scale_inv`
+[ceil(N_i/bn), ceil(K/bk)], block_shape [bn, bk], outputs in out_dtype. The activation quant stays a separate
+`moefx::quant` op in front, so fuse_act_quant / fuse_norm_quant still fold it into its producer.
+
+Backends, chosen per call by M (rows of x) through the dense policy (dense_policy.py; `backend` is "auto",
+"gemv" or "upstream"):
+- `upstream`: each linear as the unfused graph computes it (`F.linear`, or `moefx::fp8_block_gemm` for FP8):
+  bit for bit the computation the passes replaced. Every call the policy has no row for runs this.
+- `gemv`: on CUDA the Triton kernel (kernels/dense_kernels.py: one launch for up to four weights, bandwidth-bound
+  at M = 1..16); on CPU the same math in PyTorch (fp32 accumulation, one rounding per output), which is also the
+  reference the kernel is tested against.
+The choice depends on shapes only, and a call inside CUDA-graph capture uses the capture rows; neither backend
+syncs the host or allocates by data. Autograd: the float form differentiates as separate linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+import moefx.ops.block_gemm  # noqa: F401  (registers moefx::fp8_block_gemm, the FP8 upstream)
+from moefx.backends.dense_policy import GEMV, dense_key, requested
+from moefx.backends.policy import UPSTREAM
+from moefx.log import get_logger, warn_once
+from moefx.ops.block_gemm import ref_fp8_block_gemm
+
+log = get_logger("moefx.backends")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8 = torch.float8_e4m3fn
+BACKEND_CHOICES = ("auto", GEMV, UPSTREAM)
+
+
+def check_args(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    x_scale: torch.Tensor | None,
+    weight_scales: Sequence[torch.Tensor],
+    block_shape: Sequence[int] | None,
+    out_dtype: torch.dtype | None,
+    backend: str,
+) -> None:
+    """ValueError naming what is wrong with a dense_linear call (shapes, dtypes, FP8 arguments, backend)."""
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"dense_linear backend={backend!r} is invalid; valid choices: {list(BACKEND_CHOICES)}")
+    if not weights or len(biases) != len(weights):
+        raise ValueError(f"dense_linear needs at least one weight and one bias entry (or None) per weight; got "
+                         f"{len(weights)} weights, {len(biases)} biases")
+    k = x.shape[-1]
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != k:
+            raise ValueError(f"dense_linear weight {i} has shape {tuple(w.shape)}; expected [N, {k}] for x "
+                             f"{tuple(x.shape)}")
+        b = biases[i]
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"dense_linear bias {i} has shape {tuple(b.shape)}; expected ({w.shape[0]},)")
+    if not weight_scales:
+        if x_scale is not None or block_shape is not None:
+            raise ValueError("dense_linear: x_scale and block_shape belong to the FP8 form (give weight_scales too)")
+        if x.dtype not in FLOAT_DTYPES or any(w.dtype != x.dtype for w in weights):
+            raise ValueError(f"dense_linear float form: x and weights must share one of {list(FLOAT_DTYPES)}; got x "
+                             f"{x.dtype}, weights {sorted({str(w.dtype) for w in weights})}")
+        if out_dtype is not None and out_dtype != x.dtype:
+            raise ValueError(f"dense_linear float form writes x's dtype {x.dtype}; out_dtype={out_dtype} is invalid")
+        return
+    if len(weight_scales) != len(weights) or x_scale is None or block_shape is None or len(block_shape) != 2:
+        raise ValueError("dense_linear FP8 form needs x_scale, one weight scale per weight and block_shape [bn, bk]")
+    if x.dtype != FP8 or any(w.dtype != FP8 for w in weights):
+        raise ValueError(f"dense_linear FP8 form needs float8_e4m3fn x and weights; got x {x.dtype}, weights "
+                         f"{sorted({str(w.dtype) for w in weights})}")
+    bn, bk = (int(v) for v in block_shape)
+    kb = -(-k // bk)
+    if tuple(x_scale.shape) != (*x.shape[:-1], kb):
+        raise ValueError(f"dense_linear x_scale shape {tuple(x_scale.shape)} must be {(*x.shape[:-1], kb)}")
+    for i, (w, s) in enumerate(zip(weights, weight_scales)):
+        if tuple(s.shape) != (-(-w.shape[0] // bn), kb):
+            raise ValueError(f"dense_linear weight scale {i} has shape {tuple(s.shape)}; expected "
+                             f"{(-(-w.shape[0] // bn), kb)}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dense_linear FP8 form out_dtype={out_dtype} is invalid; valid: {list(FLOAT_DTYPES)}")
+
+
+def upstream(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
+    """The linears one by one, as the unfused graph runs them."""
+    if not weight_scales:
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    bn, bk = (int(v) for v in block_shape)
+    return [torch.ops.moefx.fp8_block_gemm(x, x_scale, w, s, bn, bk, b, out_dtype)
+            for w, s, b in zip(weights, weight_scales, biases)]
+
+
+def reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
+    """fp32 products and sums, bias added in fp32, one rounding per output: what the gemv kernel computes
+    (up to summation order). The CPU path of `gemv`, and the oracle its tests use."""
+    if weight_scales:
+        bn, bk = (int(v) for v in block_shape)
+        return [ref_fp8_block_gemm(x, x_scale, w, s, bn, bk, b, out_dtype)
+                for w, s, b in zip(weights, weight_scales, biases)]
+    x32 = x.float()
+    outs = []
+    for w, b in zip(weights, biases):
+        y = x32 @ w.float().t()
+        outs.append((y if b is None else y + b.float()).to(x.dtype))
+    return outs
+
+
+def gemv_unsupported_reason(x: torch.Tensor, weights: Sequence[torch.Tensor], weight_scales: Sequence[torch.Tensor],
+                            block_shape: Sequence[int] | None) -> str | None:
+    """None when the gemv backend can run this call, else why not (shown once in the log)."""
+    if x.device.type not in ("cuda", "cpu"):
+        return f"gemv does not run on {x.device.type}"
+    if any(w.device != x.device for w in weights):
+        return "weights and x are on different devices"
+    if any(w.stride(-1) != 1 or w.stride(0) < w.shape[1] for w in weights):
+        return "a weight is not contiguous in K (the kernel streams rows)"
+    if x.is_cuda:
+        if weight_scales:
+            bn, bk = (int(v) for v in block_shape)
+            if bk < 16 or bk & (bk - 1) or bn < 1:
+                return f"FP8 block_shape {tuple(block_shape)}: the kernel needs bk a power of two >= 16"
+            if torch.cuda.get_device_capability(x.device) < (8, 9):
+                return "FP8 dot needs compute capability >= 8.9"
+    return None
+
+
+def gemv(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
+    if not x.is_cuda:
+        return reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
+    from moefx.backends.kernels.dense_kernels import dense_gemv
+
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    xs2 = x_scale.reshape(-1, x_scale.shape[-1]) if x_scale is not None else None
+    bs = tuple(int(v) for v in block_shape) if block_shape is not None else None
+    with torch.cuda.device(x.device):
+        outs = dense_gemv(x2, list(weights), list(biases), xs2, list(weight_scales) or None, bs, out_dtype)
+    return [o.reshape(*lead, o.shape[-1]) for o in outs]
+
+
+RUNNERS = {GEMV: gemv, UPSTREAM: upstream}
+
+
+def select_backend(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    weight_scales: Sequence[torch.Tensor],
+    block_shape: Sequence[int] | None,
+    out_dtype: torch.dtype | None,
+    backend: str = "auto",
+    capturing: bool | None = None,
+) -> str:
+    """The backend one call runs: the policy's choice for its M, or upstream with a one-time warning why.
+
+    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run."""
+    if capturing is None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    mode = "capture" if capturing else "eager"
+    m = x.numel() // max(x.shape[-1], 1)
+    dtype = out_dtype if weight_scales else x.dtype
+    quant = tuple(block_shape) if weight_scales else None
+    key = dense_key(x.device, [w.shape[0] for w in weights], x.shape[-1], dtype, quant, mode)
+    name, source = requested(m, backend, key)
+    if name == GEMV:
+        reason = gemv_unsupported_reason(x, weights, weight_scales, block_shape)
+        if reason:
+            warn_once(f"dense backend gemv (from {source}) cannot run these inputs: {reason}; running upstream")
+            name = UPSTREAM
+    elif name not in RUNNERS:
+        warn_once(f"dense backend {name!r} (from {source}) is unknown; running upstream")
+        name = UPSTREAM
+    return name
+
+
+@torch.library.custom_op("moefx::dense_linear", mutates_args=())
+def _dense_linear_op(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    x_scale: torch.Tensor | None,
+    weight_scales: list[torch.Tensor],
+    block_shape: list[int] | None,
+    out_dtype: torch.dtype | None,
+    backend: str,
+) -> list[torch.Tensor]:
+    if x.numel() == 0:
+        return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype or x.dtype) for w in weights]
+    name = select_backend(x, weights, weight_scales, block_shape, out_dtype, backend)
+    log.debug("dense_linear M=%d N=%s -> %s", x.numel() // x.shape[-1], [w.shape[0] for w in weights], name)
+    return RUNNERS[name](x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
+
+
+@_dense_linear_op.register_fake
+def _(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, backend):
+    check_args(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, backend)
+    dtype = out_dtype if weight_scales else x.dtype
+    return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=dtype) for w in weights]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weights, biases, _, weight_scales, _, _, _ = inputs
+    ctx.fp8 = bool(weight_scales)
+    # torch.library passes a bias list holding a None as one non-tensor input: its tensors get no gradient there
+    # (the `dense_linear` wrapper gives such calls zero biases when a bias needs one).
+    ctx.bias_grads = all(b is not None for b in biases)
+    ctx.save_for_backward(x, *weights)
+
+
+def _backward(ctx, grads):
+    x, *weights = ctx.saved_tensors
+    n = len(weights)
+    if ctx.fp8:
+        return None, [None] * n, [None] * n, None, [None] * n, None, None, None
+    gx = None
+    gws, gbs = [], []
+    x2 = x.reshape(-1, x.shape[-1])
+    for w, g in zip(weights, grads):
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = g2 @ w if gx is None else gx + g2 @ w
+        gws.append(g2.t() @ x2)
+        gbs.append(g2.sum(0))
+    return gx.reshape(x.shape), gws, gbs if ctx.bias_grads else None, None, [], None, None, None
+
+
+_dense_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dense_linear(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    x_scale: torch.Tensor | None = None,
+    weight_scales: Sequence[torch.Tensor] | None = None,
+    block_shape: Sequence[int] | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> list[torch.Tensor]:
+    """[x @ w_i^T + b_i for each weight] through `moefx::dense_linear` (see the module docstring for both forms)."""
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    given = [b for b in biases if b is not None]
+    if torch.is_grad_enabled() and len(given) < len(biases) and any(b.requires_grad for b in given):
+        # exact (adding +0 to each sum), and it keeps the given biases differentiable (see _setup_context)
+        biases = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+    scales = list(weight_scales or [])
+    bs = [int(b) for b in block_shape] if block_shape is not None else None
+    check_args(x, weights, biases, x_scale, scales, bs, out_dtype, backend)
+    return torch.ops.moefx.dense_linear(x, list(weights), biases, x_scale, scales, bs, out_dtype, backend)

@@ -1,0 +1,345 @@
+"""Dense-linear policy: which backend runs each `moefx::dense_linear` call, from calibration rows of the device.
+
+Rows are keyed exactly like the MoE ones (device name, capability, multiprocessor count, N, K, dtype, quant block,
+mode), with N the list of the call's weight rows: q/k/v in one call (`N: [4096, 512, 512]`) is its own row, as its
+cuBLAS peer is three calls. dtype is the activation dtype (the output dtype for FP8 block weights, whose activations
+are e4m3). They live under `dense_rows:` in the same YAML table folders as the MoE rows (`calibration.table_paths`),
+usually a file of their own (`bench/dense.py --calibrate` writes one). A key with no row runs `upstream`: the call's
+linears one by one, exactly the unfused computation; a threshold is never guessed.
+
+Precedence per call, highest first: the op's `backend` argument when not "auto" (the config's `dense_backend`,
+which the passes write into every call), `MOEFX_DENSE_BACKEND`, the exact row, upstream. Eager and CUDA-graph
+capture calls have separate rows, and the choice depends on shapes only (M = rows of X), so a captured graph never
+switches backend on data.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moefx.backends import calibration
+from moefx.backends.calibration import MODES, MRange, device_identity, dtype_name, validate_ranges
+from moefx.backends.policy import UPSTREAM, MoePolicy
+
+GEMV = "gemv"
+RUNNERS = (GEMV, UPSTREAM)
+TABLE_KEY = "dense_rows"
+KEY_FIELDS = ("device", "capability", "multiprocessor_count", "N", "K", "dtype", "quant_block", "mode")
+ROW_FIELDS = ("key", "ranges", "provenance", "timings_us")
+ENV = "MOEFX_DENSE_BACKEND"
+
+
+@dataclass(frozen=True)
+class DenseKey:
+    device: str
+    capability: tuple[int, int] | None
+    multiprocessor_count: int | None
+    N: tuple[int, ...]
+    K: int
+    dtype: str
+    quant_block: tuple[int, int] | None
+    mode: str
+
+    def describe(self) -> str:
+        cap = "cap=none" if self.capability is None else f"cap={self.capability[0]}.{self.capability[1]}"
+        quant = "none" if self.quant_block is None else f"{self.quant_block[0]}x{self.quant_block[1]}"
+        n = ",".join(str(v) for v in self.N)
+        return (f"{self.device} {cap} sms={self.multiprocessor_count} N={n} K={self.K} {self.dtype} "
+                f"quant={quant} mode={self.mode}")
+
+    def to_yaml(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "capability": list(self.capability) if self.capability is not None else None,
+            "multiprocessor_count": self.multiprocessor_count,
+            "N": list(self.N),
+            "K": self.K,
+            "dtype": self.dtype,
+            "quant_block": list(self.quant_block) if self.quant_block is not None else None,
+            "mode": self.mode,
+        }
+
+    @classmethod
+    def from_yaml(cls, data: Any, where: str) -> DenseKey:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: 'key' must be a mapping with fields {list(KEY_FIELDS)}")
+        missing = [f for f in KEY_FIELDS if f not in data]
+        extra = [f for f in data if f not in KEY_FIELDS]
+        if missing or extra:
+            raise ValueError(
+                f"{where}: key fields missing {missing} / unknown {extra}; valid fields: {list(KEY_FIELDS)}"
+            )
+        if data["mode"] not in MODES:
+            raise ValueError(f"{where}: key mode {data['mode']!r} is invalid; valid choices: {list(MODES)}")
+        ns = data["N"]
+        if not isinstance(ns, list) or not ns or not all(_positive(v) for v in ns):
+            raise ValueError(f"{where}: key field 'N' must be a non-empty list of positive integers, got {ns!r}")
+        if not _positive(data["K"]):
+            raise ValueError(f"{where}: key field 'K' must be a positive integer, got {data['K']!r}")
+        return cls(
+            device=str(data["device"]),
+            capability=calibration._pair(data["capability"], "capability", where),
+            multiprocessor_count=data["multiprocessor_count"],
+            N=tuple(ns),
+            K=data["K"],
+            dtype=str(data["dtype"]),
+            quant_block=calibration._pair(data["quant_block"], "quant_block", where),
+            mode=data["mode"],
+        )
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+@dataclass(frozen=True)
+class DenseRow:
+    key: DenseKey
+    ranges: tuple[MRange, ...]
+    provenance: dict[str, Any]
+    source: str  # "file.yaml#dense3" (1-based row number)
+    timings_us: dict[str, dict[int, float]] = field(default_factory=dict, compare=False)
+
+    def to_yaml(self) -> dict[str, Any]:
+        return {
+            "key": self.key.to_yaml(),
+            "ranges": [{"backend": r.backend, "min_m": r.min_m, "max_m": r.max_m} for r in self.ranges],
+            "provenance": dict(self.provenance),
+            "timings_us": {b: {int(m): round(float(t), 2) for m, t in ts.items()} for b, ts in self.timings_us.items()},
+        }
+
+
+def _row_from_yaml(data: Any, where: str) -> DenseRow:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a dense row must be a mapping with fields {list(ROW_FIELDS)}")
+    extra = [f for f in data if f not in ROW_FIELDS]
+    if extra or "key" not in data or "ranges" not in data or "provenance" not in data:
+        raise ValueError(f"{where}: dense row needs 'key', 'ranges', 'provenance' (optional 'timings_us'); "
+                         f"unknown fields {extra}")
+    key = DenseKey.from_yaml(data["key"], where)
+    raw = data["ranges"]
+    fields = {"backend", "min_m", "max_m"}
+    if not isinstance(raw, list) or not all(isinstance(r, dict) and set(r) == fields for r in raw):
+        raise ValueError(f"{where}: 'ranges' must be a list of {{backend, min_m, max_m}} mappings")
+    ranges = validate_ranges([MRange(str(r["backend"]), r["min_m"], r["max_m"]) for r in raw], where)
+    bad = sorted({r.backend for r in ranges} - set(RUNNERS))
+    if bad:
+        raise ValueError(f"{where}: dense backend {bad} is invalid; valid choices: {list(RUNNERS)}")
+    prov = data["provenance"]
+    if not isinstance(prov, dict) or not prov.get("date"):
+        raise ValueError(f"{where}: 'provenance' must be a mapping with at least a 'date' (where the row came from)")
+    timings = {str(b): {int(m): float(t) for m, t in ts.items()} for b, ts in (data.get("timings_us") or {}).items()}
+    return DenseRow(key, ranges, prov, where, timings)
+
+
+def load_dense_table(path: str | os.PathLike[str]) -> list[DenseRow]:
+    """The `dense_rows` of one table file, validated (a file without them has none)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"calibration table {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    raw = data.get(TABLE_KEY) if isinstance(data, dict) else None
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"calibration table {str(p)!r}: {TABLE_KEY!r} must be a list")
+    rows = [_row_from_yaml(r, f"{p.name}#dense{i + 1}") for i, r in enumerate(raw)]
+    seen: dict[DenseKey, str] = {}
+    for row in rows:
+        if row.key in seen:
+            raise ValueError(f"calibration table {str(p)!r}: rows {seen[row.key]} and {row.source} have the same key")
+        seen[row.key] = row.source
+    return rows
+
+
+@functools.lru_cache(maxsize=64)
+def _index(extra: tuple[str, ...], generation: int) -> dict[DenseKey, DenseRow]:
+    index: dict[DenseKey, DenseRow] = {}
+    for path in calibration.table_paths(extra):
+        for row in load_dense_table(path):
+            index.setdefault(row.key, row)
+    return index
+
+
+def find_dense_row(key: DenseKey, extra: Sequence[str] = ()) -> DenseRow | None:
+    """The row with exactly this key (first in lookup order), or None. Cached until `calibration.invalidate()`."""
+    return _index(tuple(extra), calibration._generation).get(key)
+
+
+def write_dense_row(path: str | os.PathLike[str], row: DenseRow) -> str:
+    """Add `row` to the table at `path` (replacing one with the same key; other sections kept); returns its id."""
+    p = Path(path)
+    data = (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
+    rows = [r for r in load_dense_table(p) if r.key != row.key] if p.is_file() else []
+    rows.append(row)
+    data[TABLE_KEY] = [r.to_yaml() for r in rows]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    header = "# moefx dense-linear calibration rows (bench/dense.py --calibrate). Keyed exactly; see docs/DENSE.md.\n"
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    tmp.replace(p)
+    calibration.invalidate()
+    return f"{p.name}#dense{len(rows)}"
+
+
+def dense_key(
+    device: torch.device | str,
+    ns: Sequence[int],
+    k: int,
+    dtype: torch.dtype | str,
+    quant_block: Sequence[int] | None,
+    mode: str,
+) -> DenseKey:
+    name, cap, sms = device_identity(device)
+    return DenseKey(name, cap, sms, tuple(int(n) for n in ns), int(k), dtype_name(dtype),
+                    tuple(int(b) for b in quant_block) if quant_block is not None else None, mode)  # type: ignore[arg-type]
+
+
+def env_override() -> tuple[str | None, str]:
+    """(backend forced by MOEFX_DENSE_BACKEND or None, its source)."""
+    from moefx.offload.env import get_setting, setting_source
+
+    value = get_setting(ENV)
+    return (None, "") if value == "auto" else (value, setting_source(ENV))
+
+
+def requested(m: int, backend: str, key: DenseKey) -> tuple[str, str]:
+    """(backend name, where the choice came from) for one call of M rows."""
+    if backend != "auto":
+        return backend, "forced by the caller"
+    forced, source = env_override()
+    if forced:
+        return forced, source
+    row = find_dense_row(key)
+    if row is None:
+        return UPSTREAM, f"no calibration row ({key.mode})"
+    return MoePolicy(row.ranges, row.source).backend_for(m), row.source
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class DenseEntry:
+    """One projection shape of the model and, per mode, the M ranges its calls will run."""
+
+    label: str
+    key: str  # the eager key, described
+    policies: dict[str, MoePolicy] = field(default_factory=dict)
+
+    @property
+    def applies(self) -> bool:
+        return any(r.backend != UPSTREAM for p in self.policies.values() for r in p.ranges)
+
+
+@dataclass
+class DensePlan:
+    """The dense section of a Plan: the requested backend and each projection shape's per-mode ranges."""
+
+    backend: str = "auto"
+    source: str = "calibration"
+    entries: list[DenseEntry] = field(default_factory=list)
+    reason: str = ""  # why no projection shapes are listed
+
+    @property
+    def applies(self) -> bool:
+        return any(e.applies for e in self.entries)
+
+    def explain_lines(self) -> list[str]:
+        lines = [f"dense backend = {self.backend}  [{self.source}] (calls of fuse_sibling_linears / dense_linears)"]
+        if self.reason:
+            lines.append(f"dense projections = none  [{self.reason}]")
+        for e in self.entries:
+            lines.append(f"dense {e.label} key = {e.key}  [shape from the model signature]")
+            for mode in MODES:
+                pol = e.policies[mode]
+                for r in pol.ranges:
+                    hi = "inf" if r.max_m is None else str(r.max_m)
+                    lines.append(f"dense {e.label} {mode} M {r.min_m}..{hi} = {r.backend}  [{pol.source}]")
+        return lines
+
+
+def model_projections(ms: Any, es: Any) -> tuple[list[tuple[str, tuple[int, ...], int, bool]], str]:
+    """(label, N per weight, K, quantized?) of the linears a decode step of this model runs per device, or a reason.
+
+    Attention: q/k/v as one call and o; MoE: the router (never quantized by moefx.quantize); dense layers' and shared
+    experts' gate/up as one call and down. Tensor parallel: column-parallel N and row-parallel K divided by tp.
+    """
+    h, heads = ms.hidden_size, ms.num_heads
+    if not h or not heads:
+        return [], "model signature lacks hidden_size or num_heads"
+    tp = max(int(es.tp_size), 1)
+    out: list[tuple[str, tuple[int, ...], int, bool]] = []
+    if ms.attention != "mla":
+        hd = ms.head_dim or h // heads
+        kv = ms.num_kv_heads or heads
+        if heads % tp == 0 and (kv % tp == 0 or kv < tp):
+            q, kvn = heads * hd // tp, max(kv // tp, 1) * hd
+            out += [("q/k/v", (q, kvn, kvn), h, True), ("o", (h,), q, True)]
+    if ms.num_experts:
+        out.append(("router", (int(ms.num_experts),), h, False))
+    for label, inter in (("shared experts", ms.shared_expert_intermediate_size if ms.num_shared_experts else None),
+                         ("mlp", ms.intermediate_size if ms.first_dense_layers else None)):
+        if inter and inter % tp == 0:
+            i = inter // tp
+            out += [(f"{label} gate/up", (i, i), h, True), (f"{label} down", (h,), i, True)]
+    return out, "" if out else "no projection shape follows from the signature"
+
+
+def dense_plan(ms: Any, es: Any, cfg: Any) -> DensePlan:
+    """Resolve the dense section of the plan: what each projection's calls will run (module docstring: precedence)."""
+    from moefx.backends.policy import _quant_block
+
+    forced, env_source = env_override()
+    if cfg.dense_backend != "auto":
+        plan = DensePlan(cfg.dense_backend, "user config")
+    elif forced:
+        plan = DensePlan(forced, env_source)
+    else:
+        plan = DensePlan()
+    projections, why = model_projections(ms, es)
+    dtype = es.dtype or ms.dtype
+    if dtype is None:
+        projections, why = [], "no dtype in the model or execution signature"
+    quant, quant_why = _quant_block(ms)
+    if quant_why:
+        projections, why = [], quant_why
+    plan.reason = why
+    if es.device_type == "cuda":
+        ident = (str(es.device_name), tuple(es.capability) if es.capability else None, es.multiprocessor_count)
+    else:
+        ident = device_identity(es.device_type)
+    for label, ns, k, quantized in projections:
+        entry = DenseEntry(label, "")
+        for mode in MODES:
+            key = DenseKey(*ident, ns, k, str(dtype), quant if quantized else None, mode)  # type: ignore[arg-type]
+            if mode == "eager":
+                entry.key = key.describe().replace(" mode=eager", "")
+            if plan.backend != "auto":
+                entry.policies[mode] = MoePolicy.single(plan.backend, plan.source)
+                continue
+            row = find_dense_row(key, tuple(cfg.calibration))
+            entry.policies[mode] = (MoePolicy(row.ranges, row.source) if row is not None
+                                    else MoePolicy.single(UPSTREAM, f"no calibration row for {mode}"))
+        plan.entries.append(entry)
+    return plan
+
+
+def has_rows_for(ms: Any, es: Any) -> tuple[bool, str]:
+    """Whether a shipped or user table has a row that runs gemv for one of this model's projections here (the
+    providers' preference for the dense passes: without one they would only add a custom-op call per linear)."""
+    from moefx.config import CompilationConfig
+
+    plan = dense_plan(ms, es, CompilationConfig())
+    hits = [e.label for e in plan.entries if e.applies]
+    if hits:
+        return True, f"dense calibration rows for {', '.join(hits)} on this device"
+    return False, f"no dense calibration row runs gemv for this model's projections here ({plan.reason or 'no rows'})"

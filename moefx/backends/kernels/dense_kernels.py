@@ -1,0 +1,337 @@
+"""Triton small-M dense GEMM/GEMV: Y_i = X W_i^T (+ b_i) for up to four weights that read the same X, one launch.
+
+At decode M (1..16 rows) a linear reads every weight byte once and does almost no arithmetic per byte, so its time
+is the weight bytes over HBM bandwidth, reached only when every SM streams weights with wide loads. The grid is
+the N tiles of all the call's weights laid end to end (q, k and v of one attention: 4096 + 512 + 512 rows at
+Qwen3-30B-A3B widths) times SPLIT_K slices of K: a program reads BLOCK_N weight rows over its K slice (16-byte
+loads, evict_first: each byte is used once) and the matching X columns (small, L2-resident), and accumulates in
+fp32. Two inner products, chosen by M:
+- DOT=False (M <= 4): the [BLOCK_M, BLOCK_N, BLOCK_K] product summed over K on the CUDA cores; BLOCK_N can be as
+  small as one row, so even N=128 (a router) spreads over many programs without a tensor-core tile's 16-row floor.
+- DOT=True: tl.dot on the tensor cores with BLOCK_M >= 16 (rows past M are masked, never read), for M where the
+  CUDA-core product would cost more than the weight bytes.
+SPLIT_K > 1 (few N tiles for the SM count): each slice writes its fp32 partial tile to a workspace, then adds one
+to the tile's counter (acq_rel, GPU scope); the slice that arrives last sums the partials in a fixed order, adds
+the bias, writes Y once and resets the counter to zero. One launch, deterministic, and capturable: the counters
+live in a per-device buffer that every tile leaves at zero, allocated outside CUDA-graph capture (a call being
+captured before the buffer exists runs SPLIT_K = 1).
+FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block, e4m3 activations with per-token-
+group scales, the `moefx::fp8_block_gemm` contract): a program's rows lie inside one SBN row block, so the weight
+scale and the activation scale multiply the activations K-wise (DOT=False) or each per-K-block dot (DOT=True,
+BLOCK_K <= SBK); accumulation stays fp32 and Y is rounded once, as `ref_fp8_block_gemm` does.
+Launch contract (the dense op relies on it): fixed-shape work only, no host sync; buffers are sized from shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
+COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
+
+
+@triton.jit
+def _dense_tile(
+    pid_n, pid_k, pid_m, tile0, col0,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+    M, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
+    N: tl.constexpr, K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_lo = pid_k * K_PER_SPLIT
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    s_row = (pid_n * BLOCK_N) // SBN  # FP8: the weight-scale row of this program's rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k_mask = offs_k < K - (k_lo + kk)
+        x = tl.load(x_ptrs + kk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        if DOT:
+            if IEEE:
+                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w))
+            if FP8:
+                kb = (k_lo + kk) // SBK  # the whole K tile lies in one quant block (BLOCK_K <= SBK)
+                a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_mask, other=0.0)
+                w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk)
+                acc += part * (a_s * w_s)[:, None]
+            else:
+                acc += part
+        else:
+            xf = x.to(tl.float32)
+            if FP8:
+                kb = (k_lo + kk + offs_k) // SBK
+                a_s = tl.load(xs_ptr + offs_m[:, None] * stride_xsm + kb[None, :] * stride_xsk,
+                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk, mask=k_mask, other=0.0)
+                xf = xf * a_s * w_s[None, :]
+            acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N_TOTAL + (col0 + offs_n)[None, :]
+        tl.store(p_ptrs + pid_k.to(tl.int64) * M * N_TOTAL, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is issued before the release below
+        cnt = cnt_ptr + (tile0 + pid_n) * M_TILES + pid_m
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(p_ptrs + s * M * N_TOTAL, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt, 0)  # the next call finds every counter at zero
+
+
+@triton.jit(do_not_specialize=["M"])  # M only bounds masks: one compile serves every M of a tile
+def _dense_kernel(
+    x_ptr, xs_ptr, part_ptr, cnt_ptr,
+    w0_ptr, ws0_ptr, b0_ptr, y0_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr,
+    w2_ptr, ws2_ptr, b2_ptr, y2_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr,
+    M, stride_xm, stride_xsm, stride_xsk,
+    stride_wn0, stride_wn1, stride_wn2, stride_wn3, stride_wsn0, stride_wsn1, stride_wsn2, stride_wsn3, stride_wsk,
+    N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
+    T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NUM_W: tl.constexpr,
+    HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
+    K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+):
+    # Tiles of weight i are T_i .. T_{i+1}-1 of axis 0 (T0 = 0): one branch per weight, pruned past NUM_W.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    if pid < T1:
+        _dense_tile(pid, pid_k, pid_m, 0, 0,
+                    x_ptr, xs_ptr, w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
+                    M, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
+                    N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0,
+                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
+    elif NUM_W > 1:
+        if pid < T2:
+            _dense_tile(pid - T1, pid_k, pid_m, T1, N0,
+                        x_ptr, xs_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
+                        M, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
+                        N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
+        elif NUM_W > 2:
+            if pid < T3:
+                _dense_tile(pid - T2, pid_k, pid_m, T2, N0 + N1,
+                            x_ptr, xs_ptr, w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
+                            M, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
+                            N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2,
+                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
+            elif NUM_W > 3:
+                _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
+                            x_ptr, xs_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
+                            M, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
+                            N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3,
+                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """Launch tiles. block_m 0: next power of two of M (DOT=False) or max(16, that) (DOT=True); split_k 0: enough
+    K slices that N tiles x slices reach `programs_per_sm` x the SM count (each slice at least 2 x block_k long)."""
+
+    dot: bool = False
+    block_m: int = 0
+    block_n: int = 4
+    block_k: int = 512
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 2
+
+
+# Default tiles per weight kind ("bf16" serves every unquantized dtype): rows of (largest M, config), first match
+# wins. Adopting a `bench/dense.py --sweep` result is an edit of these rows.
+DEFAULT_TILES: dict[str, tuple[tuple[float, DenseConfig], ...]] = {
+    "bf16": (
+        (1, DenseConfig(block_n=4, block_k=1024)),
+        (4, DenseConfig(block_n=4, block_k=256)),
+        (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
+    ),
+    "fp8": (
+        (1, DenseConfig(block_n=4, block_k=1024)),
+        (4, DenseConfig(block_n=4, block_k=512)),
+        (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
+    ),
+}
+
+
+def default_config(m: int, fp8: bool) -> DenseConfig:
+    for max_m, cfg in DEFAULT_TILES["fp8" if fp8 else "bf16"]:
+        if m <= max_m:
+            return cfg
+    raise ValueError(f"dense DEFAULT_TILES has no row for M={m} (last bound must be inf)")
+
+
+def _pow2(v: int, name: str, lo: int = 1) -> None:
+    if v < lo or v & (v - 1):
+        raise ValueError(f"dense config {name}={v} must be a power of two >= {lo}")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one group's launch uses, derived from a DenseConfig and the shapes."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    m_tiles: int
+    tiles: tuple[int, ...]  # N tiles per weight
+
+
+def plan_launch(
+    cfg: DenseConfig, m: int, ns: tuple[int, ...], k: int, block_shape: tuple[int, int] | None, sms: int
+) -> Launch:
+    """Resolve the automatic fields of `cfg` for M=m, weights of ns rows each and K=k."""
+    bn, bk = cfg.block_n, cfg.block_k
+    _pow2(bn, "block_n")
+    _pow2(bk, "block_k", 16)
+    if block_shape is not None:
+        sbn, sbk = block_shape
+        bn = math.gcd(bn, sbn)  # a program's rows inside one scale row block
+        if cfg.dot:
+            bk = min(bk, sbk)  # one quant block per K step
+    if cfg.dot:
+        bn = max(bn, 16)
+    bk = min(bk, max(16, triton.next_power_of_2(k)))
+    bm = cfg.block_m or triton.next_power_of_2(max(m, 1))
+    if cfg.dot:
+        bm = max(bm, 16)
+    _pow2(bm, "block_m")
+    m_tiles = triton.cdiv(m, bm)
+    tiles = tuple(triton.cdiv(n, bn) for n in ns)
+    k_steps = triton.cdiv(k, bk)
+    split = cfg.split_k
+    if split == 0:
+        split, want = 1, cfg.programs_per_sm * sms
+        while sum(tiles) * m_tiles * split < want and k_steps // (2 * split) >= 2:
+            split *= 2
+    split = max(1, min(split, k_steps))
+    k_per_split = triton.cdiv(k_steps, split) * bk
+    split = triton.cdiv(k, k_per_split)  # no empty slices
+    return Launch(bm, bn, bk, split, k_per_split, m_tiles, tiles)
+
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's split-K counters (zeros), or None inside a CUDA-graph capture that would have to create them."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs per split suffice to test the split-K path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dense_gemv(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    x_scale: torch.Tensor | None = None,
+    weight_scales: list[torch.Tensor] | None = None,
+    block_shape: tuple[int, int] | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: DenseConfig | None = None,
+) -> list[torch.Tensor]:
+    """Y_i = X W_i^T + b_i for X [M, K] (fp8 with x_scale [M, ceil(K/SBK)] when weight_scales are given).
+
+    Weights [N_i, K] must be contiguous in K. Outputs are [M, N_i] in out_dtype (default: X's dtype). `config`
+    overrides DEFAULT_TILES."""
+    m, k = x.shape
+    fp8 = weight_scales is not None
+    dtype = out_dtype or x.dtype
+    outs = [torch.empty(m, w.shape[0], dtype=dtype, device=x.device) for w in weights]
+    if m == 0:
+        return outs
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or default_config(m, fp8)
+    sms = _sm_count(x.device)
+    for g0 in range(0, len(weights), MAX_WEIGHTS):
+        sl = slice(g0, g0 + MAX_WEIGHTS)
+        _launch_group(x, weights[sl], biases[sl], x_scale, weight_scales[sl] if fp8 else None, block_shape,
+                      outs[sl], cfg, sms)
+    return outs
+
+
+def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs, cfg, sms) -> None:
+    m, k = x.shape
+    fp8 = weight_scales is not None
+    ns = tuple(int(w.shape[0]) for w in weights)
+    lp = plan_launch(cfg, m, ns, k, block_shape if fp8 else None, sms)
+    counters = None
+    if lp.split_k > 1:
+        counters = _counters(x.device)
+        if counters is None or sum(lp.tiles) * lp.m_tiles > COUNTER_SLOTS:
+            lp = plan_launch(replace(cfg, split_k=1), m, ns, k, block_shape if fp8 else None, sms)
+    n_total = sum(ns)
+    part = torch.empty(lp.split_k, m, n_total, dtype=torch.float32, device=x.device) if lp.split_k > 1 else outs[0]
+    counters = counters if lp.split_k > 1 else outs[0]
+    pad = MAX_WEIGHTS - len(weights)
+    ws = list(weights) + [weights[0]] * pad
+    bs = [b if b is not None else outs[0] for b in biases] + [outs[0]] * pad
+    ys = list(outs) + [outs[0]] * pad
+    scales = list(weight_scales) + [weight_scales[0]] * pad if fp8 else [outs[0]] * MAX_WEIGHTS
+    nn = list(ns) + [1] * pad
+    hb = [b is not None for b in biases] + [False] * pad
+    starts = [0]
+    for t in lp.tiles:
+        starts.append(starts[-1] + t)
+    starts += [starts[-1]] * (MAX_WEIGHTS + 1 - len(starts))
+    sbn, sbk = block_shape if fp8 else (1, 1)
+    xs = x_scale if fp8 else x
+    xs_strides = (x_scale.stride(0), x_scale.stride(1)) if fp8 else (0, 0)
+    wsn = [s.stride(0) for s in scales] if fp8 else [0] * MAX_WEIGHTS
+    wsk = scales[0].stride(1) if fp8 else 0
+    if fp8 and any(s.stride(1) != wsk for s in scales):
+        scales = [s.contiguous() for s in scales]
+        wsn, wsk = [s.stride(0) for s in scales], 1
+    args = []
+    for i in range(MAX_WEIGHTS):
+        args += [ws[i], scales[i], bs[i], ys[i]]
+    grid = (starts[len(weights)], lp.split_k, lp.m_tiles)
+    _dense_kernel[grid](
+        x, xs, part, counters, *args,
+        m, x.stride(0), *xs_strides,
+        *[w.stride(0) for w in ws], *wsn, wsk,
+        N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(weights),
+        HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
+        K=k, N_TOTAL=n_total, M_TILES=lp.m_tiles, FP8=fp8, SBN=sbn, SBK=sbk,
+        BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
+        DOT=cfg.dot, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
