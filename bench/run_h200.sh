@@ -76,12 +76,15 @@ for s in "${stages[@]}"; do
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
         e2e-quick) run_stage e2e-quick 420 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
             --profile --tag _quick ;;
-        e2e-8) run_stage e2e-8 540 python3 bench/e2e.py --layers 8 --batches 1,16,64 --fp8 --profile ;;
+        e2e-8) run_stage e2e-8 300 python3 bench/e2e.py --layers 8 --batches 1,16 --fp8 --fp8-batches 16 --profile ;;
+        e2e-8-64) run_stage e2e-8-64 300 python3 bench/e2e.py --layers 8 --batches 64 --tag _b64 ;;
         e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 ;;
-        e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --arms hf_eager,hf_static,moefx \
-            --tag _b16_64 ;;
+        e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --eager-batches 16 --tag _b16_64 ;;
+        gpu-new) run_stage gpu-new 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
+            tests/test_dense_kernel.py tests/test_routing_gpu.py tests/test_generate_gpu.py tests/test_fuse_sibling_linears.py \
+            tests/test_sampler_gpu.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
-        dense) run_stage dense 150 python3 bench/dense.py --calibrate
+        dense) run_stage dense 130 python3 bench/dense.py --calibrate
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
         dense-sweep) run_stage dense-sweep 240 python3 bench/dense.py --sweep --sweep-budget 180 ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
@@ -92,11 +95,11 @@ for s in "${stages[@]}"; do
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024" \
-            "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-48a e2e-48b dense dense-sweep)" ;;
+            "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-64 e2e-48a e2e-48b dense dense-sweep" \
+            "gpu-new)" ;;
     esac
 done
-rm -rf "$RES/inductor"
-tar czf "$OUT/results-$(IFS=-; echo "${stages[*]}").tgz" -C "$RES" .
+pack
 for s in "${stages[@]}"; do
     echo "##### $s"
     tail -n 25 "$RES/$s.log" 2>/dev/null
