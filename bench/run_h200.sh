@@ -34,6 +34,11 @@ run_stage() {  # name, limit seconds, command...
     for f in moe_sweep.json moe_profile.json calibrate_h200.json probe_read.json probe_ceilings.json tp.json; do
         if [ -f "$RES/$f" ]; then mv "$RES/$f" "$RES/$name-$f"; fi
     done
+    pack  # after every stage, so a call stopped at its limit still returns what the finished stages wrote
+}
+
+pack() {
+    tar czf "$OUT/results-$(IFS=-; echo "${stages[*]}").tgz" --exclude=./inductor -C "$RES" .
 }
 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -78,13 +83,15 @@ for s in "${stages[@]}"; do
             --profile --tag _quick ;;
         e2e-8) run_stage e2e-8 300 python3 bench/e2e.py --layers 8 --batches 1,16 --fp8 --fp8-batches 16 --profile ;;
         e2e-8-64) run_stage e2e-8-64 300 python3 bench/e2e.py --layers 8 --batches 64 --tag _b64 ;;
-        e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 ;;
+        e2e-48a) run_stage e2e-48a 370 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --eager-batches 16 --tag _b16_64 ;;
-        gpu-new) run_stage gpu-new 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
+        gpu-gen) run_stage gpu-gen 75 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
+            tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
+        gpu-new) run_stage gpu-new 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
             tests/test_dense_kernel.py tests/test_routing_gpu.py tests/test_generate_gpu.py tests/test_fuse_sibling_linears.py \
             tests/test_sampler_gpu.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
-        dense) run_stage dense 130 python3 bench/dense.py --calibrate
+        dense) run_stage dense 110 python3 bench/dense.py --calibrate
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
         dense-sweep) run_stage dense-sweep 240 python3 bench/dense.py --sweep --sweep-budget 180 ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
@@ -96,7 +103,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024" \
             "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-64 e2e-48a e2e-48b dense dense-sweep" \
-            "gpu-new)" ;;
+            "gpu-new gpu-gen)" ;;
     esac
 done
 pack
