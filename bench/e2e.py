@@ -182,6 +182,8 @@ def main() -> int:
     ap.add_argument("--eager-n", default="2,6", help="n1,n2 for hf_eager (slow)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill", type=int, default=0, help="prompt length of the prefill arms (0: none)")
+    ap.add_argument("--prefill-peers", default="hf_eager,hf_compiled",
+                    help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
     ap.add_argument("--tag", default="")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
@@ -268,11 +270,14 @@ def main() -> int:
         ptoks = torch.randint(1, cfg.vocab_size, (1, args.prefill), generator=gen).to(args.device)
         fl_ms = 1e3 * prefill_flops(model, args.prefill) / ceil["bf16_flops"]
         print("prefill, transformers", flush=True)
-        prefill_row("hf_eager", lambda: model(input_ids=ptoks, logits_to_keep=1))
-        compiled_fwd = torch.compile(model.forward)
-        prefill_row("hf_compiled", lambda: compiled_fwd(input_ids=ptoks, logits_to_keep=1))
-        del compiled_fwd
-        torch._dynamo.reset()
+        peers = args.prefill_peers.split(",")
+        if "hf_eager" in peers:
+            prefill_row("hf_eager", lambda: model(input_ids=ptoks, logits_to_keep=1))
+        if "hf_compiled" in peers:
+            compiled_fwd = torch.compile(model.forward)
+            prefill_row("hf_compiled", lambda: compiled_fwd(input_ids=ptoks, logits_to_keep=1))
+            del compiled_fwd
+            torch._dynamo.reset()
     if "hf_static" in arms:
         print("hf_static", flush=True)
 
