@@ -83,7 +83,7 @@ for s in "${stages[@]}"; do
             --profile --tag _quick ;;
         e2e-8) run_stage e2e-8 300 python3 bench/e2e.py --layers 8 --batches 1,16 --fp8 --fp8-batches 16 --profile ;;
         e2e-8-64) run_stage e2e-8-64 300 python3 bench/e2e.py --layers 8 --batches 64 --tag _b64 ;;
-        e2e-48a) run_stage e2e-48a 470 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 \
+        e2e-48a) run_stage e2e-48a 450 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 \
             --prefill-peers hf_eager ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --eager-batches 16 --tag _b16_64 ;;
         gpu-gen) run_stage gpu-gen 75 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
@@ -92,7 +92,7 @@ for s in "${stages[@]}"; do
             tests/test_dense_kernel.py tests/test_routing_gpu.py tests/test_generate_gpu.py tests/test_fuse_sibling_linears.py \
             tests/test_sampler_gpu.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
-        dense) run_stage dense 100 python3 bench/dense.py --calibrate
+        dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
         dense-sweep) run_stage dense-sweep 240 python3 bench/dense.py --sweep --sweep-budget 180 ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
