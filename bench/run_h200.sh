@@ -83,7 +83,7 @@ for s in "${stages[@]}"; do
             --profile --tag _quick ;;
         e2e-8) run_stage e2e-8 300 python3 bench/e2e.py --layers 8 --batches 1,16 --fp8 --fp8-batches 16 --profile ;;
         e2e-8-64) run_stage e2e-8-64 300 python3 bench/e2e.py --layers 8 --batches 64 --tag _b64 ;;
-        e2e-48a) run_stage e2e-48a 450 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 \
+        e2e-48a) run_stage e2e-48a 430 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 \
             --prefill-peers hf_eager ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --eager-batches 16 --tag _b16_64 ;;
         gpu-gen) run_stage gpu-gen 75 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
