@@ -48,6 +48,9 @@ QUICK_SHAPES = {"qkv": ((48, 16, 16), 64, True), "o": ((32,), 96, True), "router
 BLOCK = (128, 128)
 # bf16 outputs: one rounding (half an ulp, <= 2^-8 relative per element) over an fp32 sum; fp32 outputs: sum order
 BOUND_BF16, BOUND_FP8_F32, BOUND_FP8_BF16 = 5e-3, 1e-5, 5e-3
+# fp32 output above M=4 (tensor-core tiles): 9.9e-5 from the fp32 reference at M=33 on the H200, as far as cuBLAS's
+# block-FP8 GEMM (the upstream path) is from it, 2026-12-01; the cause is not isolated
+BOUND_FP8_F32_MMA = 2e-4
 
 
 def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -118,7 +121,8 @@ def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dic
                 refs = prob.reference(x, xs, out_dtype=out_dtype)
                 err = max(relerr(o, r) for o, r in zip(outs, refs))
                 f32 = out_dtype == torch.float32
-                bound = (BOUND_FP8_F32 if f32 else BOUND_FP8_BF16) if fp8 else (1e-5 if f32 else BOUND_BF16)
+                bound = ((BOUND_FP8_F32 if m <= 4 else BOUND_FP8_F32_MMA) if f32 else BOUND_FP8_BF16) if fp8 else \
+                    (1e-5 if f32 else BOUND_BF16)
                 rows.append(dict(shape=name, N=list(ns), K=k, fp8=fp8, M=m, out=str(out_dtype), relerr=err,
                                  bound=bound, ok=err < bound))
     # split-K on the device (counters, acq_rel): forced slices, repeated, counters back at zero

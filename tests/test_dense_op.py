@@ -154,8 +154,12 @@ def test_config_key_is_validated_and_hashed():
     assert moefx.CompilationConfig.from_any({"dense_backend": "upstream"}).compute_hash() != base.compute_hash()
 
 
-def test_plan_explains_each_projection_with_its_row(tmp_path):
+def test_plan_explains_each_projection_with_its_row(tmp_path, monkeypatch):
+    from moefx.backends import calibration
     from moefx.models.catalog import catalog_config
+
+    monkeypatch.setattr(calibration, "PACKAGE_TABLES", tmp_path / "none")  # only the row written here
+    calibration.invalidate()
 
     ms = ModelSignature.from_config(catalog_config("qwen3-30b-a3b"))
     es = ExecutionSignature.preset("h200", mode="capture")

@@ -114,10 +114,6 @@ def reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype
     return outs
 
 
-# FP8 calls with float32 output run gemv only on the CUDA-core tiles (DEFAULT_TILES: M <= 4), see select_backend.
-FP8_F32_MAX_M = 4
-
-
 def gemv_unsupported_reason(x: torch.Tensor, weights: Sequence[torch.Tensor], weight_scales: Sequence[torch.Tensor],
                             block_shape: Sequence[int] | None) -> str | None:
     """None when the gemv backend can run this call, else why not (shown once in the log)."""
@@ -177,9 +173,6 @@ def select_backend(
     name, source = requested(m, backend, key)
     if name == GEMV:
         reason = gemv_unsupported_reason(x, weights, weight_scales, block_shape)
-        if reason is None and x.is_cuda and weight_scales and out_dtype == torch.float32 and m > FP8_F32_MAX_M:
-            reason = (f"FP8 with float32 output at M={m} > {FP8_F32_MAX_M}: the tensor-core tiles missed that form's "
-                      f"1e-5 bound on the H200 (9.9e-5 at M=33, bench/dense.py, 2026-12-01)")
         if reason:
             warn_once(f"dense backend gemv (from {source}) cannot run these inputs: {reason}; running upstream")
             name = UPSTREAM
