@@ -206,6 +206,78 @@ def textbook_fp8_token(y):
     return (y.float() / scale).clamp(-448.0, 448.0).to(FP8), scale
 
 
+def vllm033_group_quant_ue8m0(y, group=64):
+    """vLLM 0.33 `QuantFP8._quantize_group_native` with UE8M0: the min-scale clamp BEFORE the power of two."""
+    fp8_max = torch.finfo(FP8).max
+    x_grouped = y.view(-1, y.shape[-1] // group, group)
+    absmax = x_grouped.abs().max(dim=-1, keepdim=True)[0].float()
+    scales_raw = (absmax / fp8_max).clamp(min=1.0 / (fp8_max * 512.0))
+    scales = torch.exp2(torch.ceil(torch.log2(scales_raw)))
+    x_quant = (x_grouped / scales).clamp(-fp8_max, fp8_max).to(FP8)
+    return x_quant.view(y.shape), scales.squeeze(-1).reshape(y.shape[:-1] + (y.shape[-1] // group,))
+
+
+def deepseek_v32_act_quant_pow2(y, block_size=128):
+    """DeepSeek-V3.2-style act_quant with power-of-two scales, in torch: eps clamp, / 448, `pow(2, ceil(log2))`."""
+    x = y.float().view(-1, block_size)
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+    s = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
+    return (x / s).clamp(-448.0, 448.0).to(FP8).view(y.shape), s.view(*y.shape[:-1], -1)
+
+
+def torchao_token_absmax_native_dtype(t):
+    """torchao `quantize_activation_per_token_absmax` on a bf16 input: the scale stays in bf16."""
+    min_val_neg = torch.min(torch.amin(t, dim=-1), torch.zeros(t.shape[:-1], dtype=t.dtype))
+    max_val_pos = torch.max(torch.amax(t, dim=-1), torch.zeros(t.shape[:-1], dtype=t.dtype))
+    scale = torch.clamp(torch.max(-min_val_neg, max_val_pos) / 127.0, min=1e-5)
+    quant = torch.clamp(torch.round(t * (1.0 / scale.unsqueeze(-1))), -127, 127).to(torch.int8)
+    return quant, scale
+
+
+def per_tensor_fp8(y):
+    """vLLM `QuantFP8` PER_TENSOR dynamic: one scale for the whole tensor."""
+    scale = (y.abs().max().unsqueeze(-1).to(torch.float32) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    return (y.to(torch.float32) * scale.reciprocal()).clamp(-448.0, 448.0).to(FP8), scale
+
+
+def ceil_to_ue8m0_bits(x):
+    """DeepGEMM's bitwise `ceil_to_ue8m0`."""
+    bits = x.abs().float().view(torch.int)
+    exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+    return (exp.clamp(1, 254) << 23).view(torch.float)
+
+
+def deepgemm_cast_ue8m0_bits(x):
+    """DeepGEMM's current `per_token_cast_to_fp8(use_ue8m0=True)`."""
+    m, n = x.shape
+    x_view = x.view(m, n // 128, 128)
+    x_amax = x_view.abs().float().amax(dim=2).view(m, n // 128).clamp(1e-4)
+    sf = ceil_to_ue8m0_bits(x_amax / 448.0)
+    return (x_view * (1.0 / sf.unsqueeze(2))).to(FP8).view(m, n), sf
+
+
+def sigmoid_silu_and_mul(x):
+    """SiLU spelled out as `g * torch.sigmoid(g)` (sigmoid rounded to the input dtype on its own)."""
+    d = x.shape[-1] // 2
+    g = x[..., :d]
+    return g * torch.sigmoid(g) * x[..., d:]
+
+
+def sqrt_rms_norm(x, weight, eps=1e-6):
+    """RMSNorm with a division by sqrt instead of a product with rsqrt."""
+    h = x.float()
+    h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fp32_weight_rms_norm(x, weight, eps=1e-6):
+    """transformers RMSNorm with its weight kept in fp32 and bf16 activations: `weight * h.to(bf16)` promotes
+    the output to fp32."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * h.to(x.dtype)
+
+
 # ------------------------------------------------------------------------------------------------ variants
 @dataclass(frozen=True)
 class Variant:
@@ -268,6 +340,29 @@ VARIANTS = [
     Variant("hf_add_norm+vllm_group128_ue8m0", _add_norm_then(hf_rms_norm, lambda y: vllm_group_quant(y, 128, True)),
             "add_norm", bf16, True),
     Variant("hf_mlp+int8_token_eps", lambda x, a, b: int8_token_quant_eps(hf_mlp_act(x, a, b)), "split", fp32, True),
+    # written after the matcher changed
+    Variant("vllm_norm+vllm_group128", _norm_then(vllm_rms_norm, vllm_group_quant), "norm", bf16, False),
+    Variant("vllm_silu+vllm033_group64_ue8m0", lambda x: vllm033_group_quant_ue8m0(vllm_silu_and_mul(x)), "cat",
+            bf16, False),
+    Variant("f_rms_norm_add+sglang_native_group64", _add_norm_then(f_rms_norm, lambda y: sglang_native_group_quant(
+        y, 64)), "add_norm", fp16, False),
+    Variant("hf_mlp+fp8_token", lambda x, a, b: textbook_fp8_token(hf_mlp_act(x, a, b)), "split", fp16, False),
+    Variant("vllm_silu+int8_group128", lambda x: textbook_int8_group(vllm_silu_and_mul(x), 128), "cat", fp32, False),
+    Variant("fp32_weight_norm+vllm_group128", _norm_then(fp32_weight_rms_norm, vllm_group_quant), "norm", bf16, False),
+    Variant("hf_mlp+deepseek_v32_pow2", lambda x, a, b: deepseek_v32_act_quant_pow2(hf_mlp_act(x, a, b)), "split",
+            bf16, False),
+    Variant("f_rms_norm_default_eps+int8_token", _norm_then(lambda x, w: F.rms_norm(x, x.shape[-1:], w),
+                                                            int8_token_quant_eps), "norm", bf16, False),
+    Variant("vllm_add_norm+deepgemm_recip_sf", _vllm_add_norm_then(deepgemm_cast_recip_sf), "add_norm", fp16, False),
+    Variant("sigmoid_silu+fp8_token", lambda x: textbook_fp8_token(sigmoid_silu_and_mul(x)), "cat", bf16, False,
+            "x * sigmoid(x)"),
+    Variant("hf_norm+torchao_bf16_scale", _norm_then(hf_rms_norm, torchao_token_absmax_native_dtype), "norm", bf16,
+            False, "is torch.bfloat16, not fp32"),
+    Variant("sqrt_norm+vllm_group128", _norm_then(sqrt_rms_norm, vllm_group_quant), "norm", bf16, False, "sqrt"),
+    Variant("vllm_silu+per_tensor", lambda x: per_tensor_fp8(vllm_silu_and_mul(x)), "cat", bf16, False,
+            "one per tensor"),
+    Variant("hf_mlp+deepgemm_ue8m0_bits", lambda x, a, b: deepgemm_cast_ue8m0_bits(hf_mlp_act(x, a, b)), "split",
+            bf16, False, "does not come from an amax"),
 ]
 
 

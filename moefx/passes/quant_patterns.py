@@ -256,7 +256,7 @@ def _parse_amax(node: Any, taken: set) -> _Amax:
         raise Reject(node, "the scale is one per tensor (max over all elements); the fused ops scale per token or "
                            "per group")
     else:
-        found = node.target if is_call(node) else node
+        found = node.target if isinstance(node, torch.fx.Node) and node.op == "call_function" else node
         raise Reject(node, f"the scale does not come from an amax per token or group (found {found})")
     local.add(red)
     x = red.args[0]
@@ -382,7 +382,7 @@ def _is_low_precision_amax(node: Any) -> bool:
     node = strip_views(node)
     if is_call(node, operator.getitem):
         node = node.args[0]
-    return is_call(node, aten.amax.default, aten.max.dim) and dtype_of(node) in LOW_DTYPES + (None,)
+    return is_call(node, aten.amax.default, aten.max.dim, aten.max.default) and dtype_of(node) in LOW_DTYPES + (None,)
 
 
 def _merge_max(steps: list[tuple]) -> list[tuple]:
@@ -522,6 +522,11 @@ def recognize_quant(cast: torch.fx.Node) -> QuantMatch:
     return QuantMatch(cast, source, scheme, quant_label(scheme), outputs, taken, cast)
 
 
+def _cast_label(cast: torch.fx.Node) -> str:
+    names = {FP8: "fp8", torch.int8: "int8"}
+    return f"{names.get(cast.args[1], str(cast.args[1]).replace('torch.', ''))} quant ({cast.name})"
+
+
 def _qmax_of(mult: Any) -> float | None:
     m = strip_views(mult)
     while is_call(m, aten.mul.Tensor) and scalar(m.args[1]) == 1.0:
@@ -550,19 +555,17 @@ def recognize_moefx_quant(node: torch.fx.Node) -> list[QuantMatch]:
     return [QuantMatch(q, node.args[0], scheme, quant_label(scheme), outs, {node, *items.values()}, node)]
 
 
-def looks_like_quant(cast: torch.fx.Node, depth: int = 12) -> bool:
-    """A cast to an 8-bit type whose input depends, within a few ops, on a max reduction."""
+def looks_like_quant(cast: torch.fx.Node, budget: int = 64) -> bool:
+    """A cast to an 8-bit type whose input depends, within its nearest `budget` ops, on a max reduction."""
     frontier, seen = [cast.args[0]], set()
-    for _ in range(depth):
-        nxt = []
-        for n in frontier:
-            if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function":
-                continue
-            seen.add(n)
-            if n.target in REDUCTIONS:
-                return True
-            nxt += [a for a in n.all_input_nodes]
-        frontier = nxt
+    while frontier and len(seen) < budget:
+        n = frontier.pop(0)
+        if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target in REDUCTIONS:
+            return True
+        frontier += n.all_input_nodes
     return False
 
 
@@ -692,8 +695,7 @@ class QuantFusionPass(MoefxPass):
                 matches = recognize_moefx_quant(cand) if cand.target is QUANT else [recognize_quant(cand)]
             except Reject as r:
                 if orphans:
-                    ctx.skip(f"{location(cand)}: {cand.args[1] if cand.target is CAST else 'quant'} quant "
-                             f"({cand.name}) left alone: {r.reason} ({describe(r.node)})")
+                    ctx.skip(f"{location(cand)}: {_cast_label(cand)} left alone: {r.reason} ({describe(r.node)})")
                 continue
             for m in matches:
                 by_source.setdefault(m.source, []).append(m)
