@@ -237,7 +237,6 @@ class _Amax:
     node: torch.fx.Node  # the reduction's output (fp32 or low precision, exact)
     data: torch.fx.Node  # the tensor reduced (base after views/upcasts)
     shape: tuple  # shape of the reduced view (last dim = group)
-    taken: set[torch.fx.Node]
 
 
 def _parse_amax(node: Any, taken: set) -> _Amax:
@@ -269,7 +268,7 @@ def _parse_amax(node: Any, taken: set) -> _Amax:
         raise Reject(red, f"the amax reduces dims {dims} of a {len(rshape)}-d view, not its last dim")
     data = strip_exact(xin.args[0], local)
     taken |= local
-    return _Amax(node, data, rshape, local)
+    return _Amax(node, data, rshape)
 
 
 def _parse_minmax(node: torch.fx.Node, taken: set) -> _Amax:
@@ -300,7 +299,7 @@ def _parse_minmax(node: torch.fx.Node, taken: set) -> _Amax:
     if bases[0] is not bases[1]:
         raise Reject(node, "amin and amax are taken of different tensors")
     taken |= local
-    return _Amax(node, bases[0], shapes[0], local)
+    return _Amax(node, bases[0], shapes[0])
 
 
 def _scale_steps(node: Any, taken: set) -> tuple[list[tuple], _Amax, torch.fx.Node]:
@@ -407,8 +406,9 @@ def _scale_params(steps: list[tuple], node: Any) -> dict[str, Any]:
     p["qmax"] = steps[d][1]
     if d == 1:
         p["eps"] = steps[0][1]
-    if kinds[d + 1:].startswith("m") or kinds[d + 1:].endswith("m"):
-        p["min_scale"] = next(s[1] for s in steps[d + 1:] if s[0] == "max")
+    after = [s[1] for s in steps[d + 1:] if s[0] == "max"]  # at most one (the pattern above)
+    if after:
+        p["min_scale"] = after[0]
     if p["eps"] < 0 or p["min_scale"] < 0:
         raise Reject(node, f"negative eps {p['eps']} / min scale {p['min_scale']}")
     return p
