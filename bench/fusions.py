@@ -1,16 +1,17 @@
-"""Fused activation quant on the GPU: SiLU-mul -> quant and residual-add + RMSNorm -> quant, FP8 e4m3 per-token-
-group-128 (vLLM QuantFP8 native form) and INT8 per-token (torch.round form).
-
-Columns, all measured in this run with CUDA-graph replay (launch overhead excluded, medians of 7 replays, rotating
-input copies so small problems do not sit in L2): eager PyTorch (the user's code), torch.compile default,
-torch.compile with the moefx passes (`moefx.backend`) -- both compiled per shape, dynamic=False --, the moefx
-fused op called directly, and the bytes floor
-(bytes read + written / device-to-device copy bandwidth measured here). Before timing, every Triton kernel is
-checked against the eager reference on this GPU (FP8 codes: < 0.1% elements off by one last bit, scales 1e-6).
+"""Fused activation quant on the GPU, one row per fused variant class: the user's SiLU-mul / RMSNorm -> quant code
+(the forms of vLLM, SGLang, DeepGEMM, torchao, transformers, DeepSeek-V3 that tests/test_fusion_corpus.py checks
+at the FX level) timed three ways in the same run: eager PyTorch, inductor alone (`torch.compile` default) and
+inductor with the moefx passes (`moefx.backend`, both fusion passes on). Both compiled arms keep the token
+dimension dynamic (one graph for every M, as a serving graph) and float constants specialized (as
+`moefx.optimize`). Timing: CUDA-graph replay of many calls, medians of 7 replays, rotating input copies so the
+working set exceeds L2. Floor: bytes the class must move (inputs read + outputs written) / the best of the
+measured device-copy and read-only bandwidths. Before timing, every Triton kernel variant (each scaling mode
+included) is checked against the reference on this GPU, and every compiled moefx arm against eager
+(FP8 codes: < 0.1% off by one last bit, INT8 off by at most one code in < 0.1%, scales 1e-6, residual exact).
 Also measured: the FP8 block-scaled GEMM (Triton) against `torch._scaled_mm` blockwise where this torch has it.
 
-    python bench/fusions.py            # on the H200: correctness, GEMM table, fusion table last; JSON to $OUT
-    python bench/fusions.py --quick    # CPU smoke run, tiny shapes, no compile columns
+    python bench/fusions.py            # on the H200: checks, GEMM table, fusion table last; JSON to $OUT
+    python bench/fusions.py --quick    # CPU smoke run: tiny shapes, the FX-level fusion check, eager only
 """
 
 from __future__ import annotations
@@ -37,69 +38,117 @@ from moefx.ops.quant import QuantScheme
 ops = torch.ops.moefx
 FP8 = torch.float8_e4m3fn
 MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's _FP8_MIN_SCALING_FACTOR
-FP8_G128 = QuantScheme("fp8_group", 128, 0.0, MIN_SCALE, 448.0).args()
-INT8_TOK = QuantScheme("int8_token", 0, 0.0, 0.0, 127.0).args()
 NORM_EPS = 1e-6
 
 
-# --- the user's eager code (what the passes match and what the ops must reproduce) ------------------------------
+# --- the user's eager code: one function per fused variant class ----------------------------------------------
 
-def group_quant_fp8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM QuantFP8 native group path (group 128, scale clamped after dividing)."""
-    g = y.shape[-1] // 128
-    yg = y.view(-1, g, 128)
-    s = yg.abs().max(dim=-1, keepdim=True)[0].float() / 448.0
-    s = torch.clamp(s, min=MIN_SCALE)
-    q = (yg / s).clamp(-448.0, 448.0).to(FP8)
-    return q.view(y.shape), s.squeeze(-1).reshape(*y.shape[:-1], g)
-
-
-def token_quant_int8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = y.float().abs().amax(dim=-1, keepdim=True) / 127.0
-    return torch.round(y.float() / s).clamp(-128, 127).to(torch.int8), s
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """vLLM SiluAndMul.forward_native (transformers' act_fn(gate) * up rounds the same way)."""
+def silu_cat(x):
+    """vLLM SiluAndMul.forward_native."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers decoder layer: residual add in the model dtype, then Qwen3 RMSNorm."""
+def hf_add_rms_norm(x, res, w):
+    """transformers decoder layer: residual add in the model dtype, then Llama/Qwen3 RMSNorm."""
     s = res + x
     h = s.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
     return w * h.to(s.dtype), s
 
 
-def silu_fp8(x):
-    return group_quant_fp8(silu_mul(x))
+def vllm_add_rms_norm(x, res, w):
+    """vLLM RMSNorm.forward_native with a residual: fp32 sum feeds the norm."""
+    h = x.float() + res.float()
+    new_res = h.to(x.dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    return h.to(x.dtype) * w, new_res
 
 
-def silu_int8(x):
-    return token_quant_int8(silu_mul(x))
+def gemma_add_rms_norm(x, res, w):
+    """vLLM GemmaRMSNorm.forward_static with a residual: `x * (1 + w)` in fp32, one downcast."""
+    s = x + res
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    return (h * (1.0 + w.float())).to(x.dtype), s
 
 
-def add_norm_fp8(x, res, w):
-    y, s = add_rms_norm(x, res, w)
-    return (*group_quant_fp8(y), s)
+def vllm_group_fp8(y, ue8m0_late=False):
+    """vLLM QuantFP8 native group-128 path (0.33 order when ue8m0_late: clamp, then power of two)."""
+    g = y.shape[-1] // 128
+    yg = y.view(-1, g, 128)
+    s = (yg.abs().max(dim=-1, keepdim=True)[0].float() / 448.0).clamp(min=MIN_SCALE)
+    if ue8m0_late:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    q = (yg / s).clamp(-448.0, 448.0).to(FP8)
+    return q.view(y.shape), s.squeeze(-1).reshape(*y.shape[:-1], g)
 
 
-def add_norm_int8(x, res, w):
-    y, s = add_rms_norm(x, res, w)
-    return (*token_quant_int8(y), s)
+def deepseek_act_quant(y):
+    """DeepSeek-V3 act_quant semantics in torch (no eps, no clamp)."""
+    x = y.reshape(-1, 128).float()
+    s = x.abs().amax(-1, keepdim=True) / 448.0
+    return (x / s).to(FP8).view(y.shape), s.view(*y.shape[:-1], -1)
 
 
-CASES = {
-    # name: (eager fn, fused op call, kind, dims label)
-    "silu_mul->fp8_g128": (silu_fp8, lambda x: ops.silu_mul_quant(x, *FP8_G128), "silu"),
-    "silu_mul->int8_tok": (silu_int8, lambda x: ops.silu_mul_quant(x, *INT8_TOK), "silu"),
-    "add_rmsnorm->fp8_g128": (
-        add_norm_fp8, lambda x, r, w: ops.add_rms_norm_quant(x, r, w, NORM_EPS, False, False, *FP8_G128), "norm"),
-    "add_rmsnorm->int8_tok": (
-        add_norm_int8, lambda x, r, w: ops.add_rms_norm_quant(x, r, w, NORM_EPS, False, False, *INT8_TOK), "norm"),
+def deepgemm_recip(y):
+    """DeepGEMM per_token_cast_to_fp8: sf = amax / 448, multiplies by 1.0 / sf."""
+    m, n = y.shape
+    v = y.view(m, n // 128, 128)
+    sf = v.abs().float().amax(dim=2).view(m, n // 128).clamp(1e-4) / 448.0
+    return (v * (1.0 / sf.unsqueeze(2))).to(FP8).view(m, n), sf
+
+
+def deepgemm_qmax_over_amax(y):
+    """DeepGEMM's early per_token_cast_to_fp8: multiplies by 448 / amax."""
+    m, n = y.shape
+    v = y.view(m, -1, 128)
+    amax = v.abs().float().amax(dim=2).view(m, -1).clamp(1e-4)
+    return (v * (448.0 / amax.unsqueeze(2))).to(FP8).view(m, n), (amax / 448.0).view(m, -1)
+
+
+def vllm_token_fp8(y):
+    """vLLM QuantFP8 dynamic per-token: multiplies by scale.reciprocal()."""
+    x_max = y.abs().max(dim=-1)[0].unsqueeze(-1).to(torch.float32)
+    s = (x_max / 448.0).clamp(min=MIN_SCALE)
+    return (y.to(torch.float32) * s.reciprocal()).clamp(-448.0, 448.0).to(FP8), s
+
+
+def int8_token(y):
+    s = y.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-5) / 127.0
+    return torch.round(y.float() / s).clamp(-128, 127).to(torch.int8), s
+
+
+def sglang_group_fp8(y):
+    """SGLang native_per_token_group_quant_fp8: the eps clamp in the input dtype."""
+    x_ = y.reshape(y.numel() // 128, 128)
+    amax = x_.abs().max(dim=-1, keepdim=True)[0].clamp(min=1e-10).to(torch.float32)
+    s = amax / 448.0
+    return (x_ / s).clamp(-448.0, 448.0).to(FP8).reshape(y.shape), s.reshape(*y.shape[:-1], -1)
+
+
+def _with_residual(norm, q):
+    def fn(x, res, w):
+        y, s = norm(x, res, w)
+        return (*q(y), s)
+
+    return fn
+
+
+CLASSES: dict[str, tuple[Callable, str]] = {
+    # name: (user code, inputs: "silu" x [M, 2N] | "split" gate, up [M, N] | "norm" x, res [M, H], w [H])
+    "silu cat -> vLLM group128": (lambda x: vllm_group_fp8(silu_cat(x)), "silu"),
+    "silu split -> DeepSeek act_quant": (lambda g, u: deepseek_act_quant(F.silu(g) * u), "split"),
+    "silu cat -> DeepGEMM 1/sf": (lambda x: deepgemm_recip(silu_cat(x)), "silu"),
+    "silu cat -> INT8 token": (lambda x: int8_token(silu_cat(x)), "silu"),
+    "silu cat -> vLLM 0.33 UE8M0": (lambda x: vllm_group_fp8(silu_cat(x), ue8m0_late=True), "silu"),
+    "HF add+norm -> vLLM group128": (_with_residual(hf_add_rms_norm, vllm_group_fp8), "norm"),
+    "HF add+norm -> SGLang group128": (_with_residual(hf_add_rms_norm, sglang_group_fp8), "norm"),
+    "vLLM add+norm -> vLLM token": (_with_residual(vllm_add_rms_norm, vllm_token_fp8), "norm"),
+    "Gemma add+norm -> DeepGEMM 448/amax": (_with_residual(gemma_add_rms_norm, deepgemm_qmax_over_amax), "norm"),
+    "HF add+norm -> INT8 token": (_with_residual(hf_add_rms_norm, int8_token), "norm"),
 }
+WIDTH = {"silu": 12288, "split": 6144, "norm": 4096}
 
 
 def make_args(kind: str, m: int, width: int, device: str, copies: int) -> list[tuple]:
@@ -108,16 +157,17 @@ def make_args(kind: str, m: int, width: int, device: str, copies: int) -> list[t
     sets = []
     for _ in range(copies):
         x = (torch.randn(m, width, device=device, generator=g) * 2).to(torch.bfloat16)
-        sets.append((x,) if kind == "silu" else (x, torch.randn_like(x), w))
+        if kind == "silu":
+            sets.append((x,))
+        elif kind == "split":
+            sets.append((x, torch.randn_like(x)))
+        else:
+            sets.append((x, torch.randn_like(x), w))
     return sets
 
 
-def floor_bytes(case: str, m: int, width: int) -> int:
-    int8 = case.endswith("int8_tok")
-    if case.startswith("silu"):
-        n = width // 2
-        return m * width * 2 + m * n + m * (4 if int8 else n // 128 * 4)
-    return 2 * m * width * 2 + width * 2 + m * width * 2 + m * width + m * (4 if int8 else width // 128 * 4)
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 # --- correctness ----------------------------------------------------------------------------------------------
@@ -141,26 +191,31 @@ def exact_enough(c: dict, frac: float = 1e-3) -> bool:
     return c["q_mismatch"] < frac and c["q_max_code_diff"] <= 1 and c["scale_rel"] <= 1e-6 and c["residual_equal"]
 
 
-def check_kernels(device: str) -> list[dict]:
-    """Every Triton quant kernel variant against the eager reference, plus the GEMMs."""
+def check_kernels(device: str, quick: bool = False) -> list[dict]:
+    """Every Triton quant kernel variant against the eager reference, plus the GEMMs (small shapes if quick)."""
     from moefx.ops import triton_gemm
 
     rows = []
     schemes = [QuantScheme("fp8_group", 128), QuantScheme("fp8_group", 64, scale_ue8m0=True, column_major_scales=True),
                QuantScheme("fp8_token", 0), QuantScheme("int8_token", 0),
                QuantScheme("int8_group", 128, tma_aligned_scales=True),
-               QuantScheme("fp8_group", 128, 0.0, MIN_SCALE)]
+               QuantScheme("fp8_group", 128, 0.0, MIN_SCALE),
+               QuantScheme("fp8_token", 0, 0.0, MIN_SCALE, scaling="reciprocal"),
+               QuantScheme("fp8_group", 128, 1e-4, 0.0, scaling="qmax_over_amax"),
+               QuantScheme("fp8_group", 128, 0.0, MIN_SCALE, scale_ue8m0=True, ue8m0_after_min_scale=True)]
     torch.manual_seed(0)
-    x = torch.randn(300, 2 * 1536, device=device, dtype=torch.bfloat16) * 3
-    r = torch.randn(300, 1536, device=device, dtype=torch.bfloat16)
-    w = torch.randn(1536, device=device, dtype=torch.bfloat16)
-    g, u = x[:, :1536], x[:, 1536:]
+    m, h = (24, 256) if quick else (300, 1536)
+    x = torch.randn(m, 2 * h, device=device, dtype=torch.bfloat16) * 3
+    r = torch.randn(m, h, device=device, dtype=torch.bfloat16)
+    w = torch.randn(h, device=device, dtype=torch.bfloat16)
+    g, u = x[:, :h], x[:, h:]
     for sc in schemes:
         a = sc.args()
         qm = quant.check_scheme(*a)
 
         def ref(y, sc=sc, qm=qm):
-            return quant.ref_quant(y, sc.kind, sc.group_size, sc.eps, sc.min_scale, qm, sc.scale_ue8m0)
+            return quant.ref_quant(y, sc.kind, sc.group_size, sc.eps, sc.min_scale, qm, sc.scale_ue8m0, sc.scaling,
+                                   sc.ue8m0_after_min_scale)
 
         variants = {
             "quant": (ops.quant(g, *a), ref(g)),
@@ -178,9 +233,10 @@ def check_kernels(device: str) -> list[dict]:
                 ops.add_rms_norm_quant(g, r, w, NORM_EPS, wf, fs, *a), (*ref(y), nr))
         for name, (out, rf) in variants.items():
             c = compare(out, rf)
-            rows.append({"kernel": name, "scheme": f"{sc.kind}/{sc.group_size}", **c, "ok": exact_enough(c)})
+            rows.append({"kernel": name, "scheme": f"{sc.kind}/{sc.group_size}/{sc.scaling}", **c,
+                         "ok": exact_enough(c)})
     # GEMMs
-    for m, n, k in [(5, 4096, 512), (300, 1024, 2048)]:
+    for m, n, k in [(5, 256, 256)] if quick else [(5, 4096, 512), (300, 1024, 2048)]:
         a_q, a_s = ops.quant(torch.randn(m, k, device=device), *QuantScheme(column_major_scales=True).args())
         wq, ws = quant.quant_weight_fp8_block(torch.randn(n, k, device=device) * 0.05)
         ref = block_gemm.ref_fp8_block_gemm(a_q, a_s, wq, ws, 128, 128, None, torch.float32)
@@ -254,12 +310,23 @@ def copy_bandwidth(device: str) -> float:
     return best
 
 
-def compile_static(fn: Callable, backend, example: tuple) -> Callable:
-    """torch.compile for this one shape (dynamic=False, as the PERF-NOTES baseline); warmed up once."""
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=backend, dynamic=False) if backend else torch.compile(fn, dynamic=False)
-    # Both compile columns keep float constants as constants, as moefx.optimize does (torch 2.11 otherwise
-    # traces module-level floats such as the norm eps as graph inputs, which no exact fusion can match).
+def read_bandwidth(device: str) -> float:
+    """Bytes/s of a read-only pass (amax of a large bf16 tensor): the ceiling for read-heavy kernels."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    src = torch.randn(n // 2, device=device).to(torch.bfloat16)
+    timer = time_gpu if device == "cuda" else time_cpu
+    us = timer(lambda t: t.abs().amax(), [(src,)], 10 if device == "cuda" else 3)
+    del src
+    return n / (us * 1e-6)
+
+
+def compile_arm(fn: Callable, backend, example: tuple) -> Callable:
+    """torch.compile with the token dimension dynamic (one graph for every M, as serving) and float constants
+    specialized (as moefx.optimize); compiled and warmed up on `example`."""
+    for t in example:
+        if t.dim() >= 2:
+            torch._dynamo.mark_dynamic(t, 0)
+    compiled = torch.compile(fn, backend=backend) if backend else torch.compile(fn)
     compiled = torch._dynamo.config.patch(specialize_float=True)(compiled)
     compiled(*example)
     return compiled
@@ -269,36 +336,44 @@ def moefx_backend():
     return moefx.backend({"pass_config": {"fuse_act_quant": True, "fuse_norm_quant": True}})
 
 
-def run_case(case: str, shapes: list[tuple[int, int]], device: str, quick: bool) -> list[dict]:
-    eager, fused, kind = CASES[case]
-    timer = time_gpu if device == "cuda" else time_cpu
+def run_class(name: str, ms: list[int], device: str, quick: bool) -> list[dict]:
+    """One fused variant class: compile both arms once (dynamic M), then check and time every M."""
+    fn, kind = CLASSES[name]
+    width = WIDTH[kind] if not quick else {"silu": 512, "split": 256, "norm": 256}[kind]
     rows = []
-    for m, width in shapes:
+    arms: dict[str, Callable] = {}
+    info: dict = {}
+    torch._dynamo.reset()
+    if quick:
+        from moefx.explain import explain_fusions
+
+        expl = explain_fusions(fn, *make_args(kind, 8, width, device, 1)[0], dynamic_rows=True)
+        info["moefx_fused"] = [c.detail for c in expl.fused]
+        info["moefx_skipped"] = [c.detail for c in expl.left_alone]
+    else:
+        example = make_args(kind, 64, width, device, 1)[0]
+        arms["inductor"] = compile_arm(fn, None, tuple(t.clone() for t in example))
+        moefx.clear_compile_reports()
+        try:
+            arms["moefx"] = compile_arm(fn, moefx_backend(), tuple(t.clone() for t in example))
+            reps = moefx.compile_reports()
+            info["moefx_matches"] = {k: v for r in reps for k, v in r.matches.items() if v}
+            info["moefx_skipped"] = [x for r in reps for v in r.skipped.values() for x in v][:3]
+        except Exception as e:  # report it and keep measuring the other arms
+            info["moefx_error"] = f"{type(e).__name__}: {e}"[:300]
+    timer = time_gpu if device == "cuda" else time_cpu
+    for m in ms:
         one = make_args(kind, m, width, device, 1)[0]
-        per_set = sum(t.numel() * t.element_size() for t in one)
+        per_set = nbytes(one)
         copies = 1 if quick else max(1, min(16, math.ceil(150e6 / per_set)))
         arg_sets = make_args(kind, m, width, device, copies)
         calls = 5 if quick else (10 if m >= 4096 else 40)
-        ref = eager(*arg_sets[0])
-        row = {"case": case, "M": m, "width": width, "bytes": floor_bytes(case, m, width)}
-        row["eager_us"] = timer(eager, arg_sets, calls)
-        row["fused_op_us"] = timer(fused, arg_sets, calls)
-        row["fused_op_check"] = compare(fused(*arg_sets[0]), ref)
-        if not quick:
-            compiled = compile_static(eager, None, arg_sets[0])
-            row["compile_us"] = timer(compiled, arg_sets, calls)
-            row["compile_check"] = compare(compiled(*arg_sets[0]), ref)
-            moefx.clear_compile_reports()
-            try:
-                with_pass = compile_static(eager, moefx_backend(), arg_sets[0])
-                reps = moefx.compile_reports()
-                row["moefx_matches"] = {k: v for rep in reps for k, v in rep.matches.items() if v}
-                row["moefx_skipped"] = [x for rep in reps for v in rep.skipped.values() for x in v][:3]
-                if row["moefx_matches"]:
-                    row["moefx_us"] = timer(with_pass, arg_sets, calls)
-                    row["moefx_check"] = compare(with_pass(*arg_sets[0]), ref)
-            except Exception as e:  # report it and keep measuring the other columns
-                row["moefx_error"] = f"{type(e).__name__}: {e}"[:300]
+        ref = fn(*arg_sets[0])
+        row = {"class": name, "M": m, "width": width, "bytes": per_set + nbytes(ref), **info}
+        row["eager_us"] = timer(fn, arg_sets, calls)
+        for arm, compiled in arms.items():
+            row[f"{arm}_check"] = compare(compiled(*arg_sets[0]), ref)
+            row[f"{arm}_us"] = timer(compiled, arg_sets, calls)
         rows.append(row)
     return rows
 
@@ -359,21 +434,23 @@ def fmt(v) -> str:
 def main() -> None:
     global BW, FP8_RATE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, no compile columns")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, FX-level fusion check, eager")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                     help="cpu: the same table on the host CPU (M = 16 and 512), where inductor may already fuse")
+    ap.add_argument("--classes", default="", help="comma-separated substrings: only the classes whose name has one")
     args = ap.parse_args()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         device = "cpu"
     t0 = time.time()
-    checks = check_kernels(device)
+    checks = check_kernels(device, args.quick)
     bad = [c for c in checks if not c["ok"]]
     print(f"kernel checks on {device}: {len(checks) - len(bad)}/{len(checks)} within bounds", flush=True)
     for c in bad:
         print("  OUT OF BOUNDS:", c, flush=True)
-    BW = copy_bandwidth(device)
-    print(f"copy bandwidth: {BW / 1e12:.2f} TB/s", flush=True)
+    copy_bw, read_bw = copy_bandwidth(device), read_bandwidth(device)
+    BW = max(copy_bw, read_bw)
+    print(f"bandwidth: copy {copy_bw / 1e12:.2f} TB/s, read-only {read_bw / 1e12:.2f} TB/s", flush=True)
     if device == "cuda":
         try:
             FP8_RATE = fp8_matmul_rate(device)
@@ -381,21 +458,21 @@ def main() -> None:
         except RuntimeError as e:
             print(f"fp8 matmul rate not measured ({e}); GEMM floors count bytes only", flush=True)
     gemms = gemm_rows(device) if device == "cuda" else []
-    shapes = {"silu": [(16, 12288), (512, 12288), (8192, 12288)], "norm": [(16, 4096), (512, 4096), (8192, 4096)]}
-    if args.quick:
-        shapes = {"silu": [(4, 512)], "norm": [(4, 256)]}
-    elif device == "cpu":
-        shapes = {k: v[:2] for k, v in shapes.items()}
+    ms = [4] if args.quick else ([16, 512, 8192] if device == "cuda" else [16, 512])
+    wanted = [w for w in args.classes.split(",") if w]
     rows = []
-    for case, (_, _, kind) in CASES.items():
-        for r in run_case(case, shapes[kind], device, args.quick):
+    for name in CLASSES:
+        if wanted and not any(w in name for w in wanted):
+            continue
+        for r in run_class(name, ms, device, args.quick):
             rows.append(r)
-            print(f"  {case} M={r['M']}: eager {fmt(r['eager_us'])} compile {fmt(r.get('compile_us'))} "
-                  f"moefx {fmt(r.get('moefx_us'))} op {fmt(r['fused_op_us'])} µs", flush=True)
+            print(f"  {name} M={r['M']}: eager {fmt(r['eager_us'])} inductor {fmt(r.get('inductor_us'))} "
+                  f"moefx {fmt(r.get('moefx_us'))} µs", flush=True)
     for r in rows:
         r["floor_us"] = r["bytes"] / BW * 1e6
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "copy_bw_Bps": BW, "fp8_flops": FP8_RATE, "seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d")}
+            "copy_bw_Bps": copy_bw, "read_bw_Bps": read_bw, "fp8_flops": FP8_RATE, "seconds": time.time() - t0,
+            "date": time.strftime("%Y-%m-%d")}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "fusions.json").write_text(
             json.dumps({"meta": meta, "checks": checks, "gemm": gemms, "fusions": rows}, indent=1, default=str))
@@ -409,18 +486,19 @@ def main() -> None:
         errs = {g.get("scaled_mm_error") for g in gemms} - {None}
         if errs:
             print("  _scaled_mm blockwise unavailable:", "; ".join(errs))
-    print(f"\nFusions on {meta['device']} (torch {meta['torch']}), µs per call; floor = bytes / {BW / 1e12:.2f} TB/s")
-    print(f"{'case':<22} {'M':>5} {'width':>6} {'eager':>8} {'compile':>8} {'c+moefx':>8} {'op':>7} {'floor':>7} "
-          f"{'best/floor':>10} {'exact':>6}")
+    print(f"\nFused variant classes on {meta['device']} (torch {meta['torch']}), µs per call, dynamic M; "
+          f"floor = bytes / {BW / 1e9:.0f} GB/s; 'fused' = the moefx arm holds the fused op")
+    print(f"{'class':<36} {'M':>5} {'eager':>8} {'inductor':>8} {'+moefx':>8} {'floor':>7} {'ind/moefx':>9} "
+          f"{'moefx/floor':>11} {'exact':>5} {'fused':>5}")
     for r in rows:
-        best = min(v for v in (r.get("moefx_us"), r["fused_op_us"]) if v is not None)
-        chk = r.get("moefx_check", r["fused_op_check"])
-        print(f"{r['case']:<22} {r['M']:>5} {r['width']:>6} {r['eager_us']:>8.1f} {fmt(r.get('compile_us')):>8} "
-              f"{fmt(r.get('moefx_us')):>8} {r['fused_op_us']:>7.1f} {r['floor_us']:>7.1f} "
-              f"{best / r['floor_us']:>10.2f} {('yes' if exact_enough(chk) else 'NO'):>6}")
-    if not args.quick and not any("moefx_us" in r for r in rows):
-        print("c+moefx: the moefx passes made no rewrite here (see JSON moefx_matches/moefx_skipped/moefx_error); "
-              "'op' times the fused op called directly")
+        fused = bool(r.get("moefx_matches") or r.get("moefx_fused"))
+        chk = r.get("moefx_check")
+        exact = "-" if chk is None else ("yes" if exact_enough(chk) else "NO")
+        speed = f"{r['inductor_us'] / r['moefx_us']:.2f}" if "moefx_us" in r and "inductor_us" in r else "-"
+        vs_floor = f"{r['moefx_us'] / r['floor_us']:.2f}" if "moefx_us" in r else "-"
+        print(f"{r['class']:<36} {r['M']:>5} {r['eager_us']:>8.1f} {fmt(r.get('inductor_us')):>8} "
+              f"{fmt(r.get('moefx_us')):>8} {r['floor_us']:>7.1f} {speed:>9} {vs_floor:>11} {exact:>5} "
+              f"{('yes' if fused else 'NO'):>5}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ for s in "${stages[@]}"; do
     case $s in
         demo) run_stage demo 150 python3 -m moefx.cli demo --device cuda ;;
         moe) run_stage moe 240 python3 bench/moe.py --calibrate ;;
-        fusions) run_stage fusions 150 python3 bench/fusions.py ;;
+        fusions) run_stage fusions 170 python3 bench/fusions.py ;;  # 10 variant classes x M 16/512/8192
         routing) run_stage routing 180 python3 bench/routing.py ;;
         sampler) run_stage sampler 200 python3 bench/sampler.py ;;
         offload) run_stage offload 420 python3 bench/offload.py --probe ;;

@@ -3,6 +3,7 @@
 from moefx.audit import audit_syncs
 from moefx.compile import backend
 from moefx.config import CompilationConfig, OffloadConfig, PassConfig
+from moefx.explain import explain_fusions
 from moefx.integrations import transformers as _transformers  # noqa: F401  registers experts_implementation="moefx"
 from moefx.optimize import optimize
 from moefx.quantize import quantize
@@ -20,6 +21,7 @@ __all__ = [
     "backend",
     "clear_compile_reports",
     "compile_reports",
+    "explain_fusions",
     "optimize",
     "quantize",
 ]

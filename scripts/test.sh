@@ -51,4 +51,4 @@ echo "== pytest in the vLLM venv"
 MOEFX_REQUIRE_VLLM=1 TORCHINDUCTOR_CACHE_DIR="$TORCHINDUCTOR_CACHE_DIR-vllm" "$VLLM_VENV/bin/python" -m pytest -q -ra \
     --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_VLLM_TESTS:-tests/test_vllm_integration.py tests/test_config.py \
     tests/test_eliminate_noops.py tests/test_pass_manager.py tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py \
-    tests/test_last_token_logits.py tests/test_sampler_syncs.py}
+    tests/test_last_token_logits.py tests/test_sampler_syncs.py tests/test_fusion_corpus.py}

@@ -175,11 +175,23 @@ def test_constants_come_from_the_match():
     _assert_close_quant(run_graph(graph, args), fn(*args))
 
 
-def test_reciprocal_form_left_alone_with_reason():
-    graph, n, ctx = _run_pass(lambda x: vllm_token_quant(vllm_silu_and_mul(x)), _inputs("cat", torch.bfloat16))
-    assert n == 0
-    assert count_targets(graph, ops.silu_mul_quant.default, ops.quant.default) == 0
-    assert any("reciprocal" in r for r in ctx.skipped), ctx.skipped
+def test_reciprocal_form_fuses_with_the_reciprocal_rounding():
+    """vLLM's per-token path multiplies by scale.reciprocal(): the op reproduces that rounding, not a division."""
+    fn = lambda x: vllm_token_quant(vllm_silu_and_mul(x))  # noqa: E731
+    _check(fn, "cat", torch.bfloat16, ops.silu_mul_quant.default)
+    graph, _, _ = _run_pass(fn, _inputs("cat", torch.bfloat16))
+    (node,) = graph.find_nodes(op="call_function", target=ops.silu_mul_quant.default)
+    assert node.args[-2:] == ("reciprocal", False)
+
+
+def test_sigmoid_form_left_alone_with_reason():
+    def fn(x):
+        g, u = x.chunk(2, -1)
+        return fp8_token_quant(g * torch.sigmoid(g) * u)
+
+    graph, n, ctx = _run_pass(fn, _inputs("cat", torch.bfloat16))
+    assert n == 0 and _casts_to_quant(graph) == 1
+    assert any("sigmoid" in r and "test_fuse_act_quant.py:" in r for r in ctx.skipped), ctx.skipped
 
 
 def test_fp8_max_out_of_range_left_alone_with_reason():
@@ -214,9 +226,14 @@ def test_skip_reason_reaches_the_compile_report():
     from moefx.config import CompilationConfig
     from moefx.passes import PassManager
 
-    graph = post_grad_graph(lambda x: vllm_token_quant(vllm_silu_and_mul(x)), _inputs("cat", torch.bfloat16))
+    def fn(x):
+        y = vllm_silu_and_mul(x)
+        scale = y.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 500.0
+        return (y.float() / scale).clamp(-500.0, 500.0).to(FP8), scale
+
+    graph = post_grad_graph(fn, _inputs("cat", torch.bfloat16))
     moefx.clear_compile_reports()
     PassManager(CompilationConfig(), ["fuse_act_quant"])(graph)
     (report,) = moefx.compile_reports()
     assert report.matches == {"fuse_act_quant": 0}
-    assert any("reciprocal" in r for r in report.skipped["fuse_act_quant"])
+    assert any("500.0" in r for r in report.skipped["fuse_act_quant"])

@@ -1,4 +1,5 @@
-"""bench/fusions.py --quick: the CPU smoke run finishes, checks every kernel and prints the table last."""
+"""bench/fusions.py --quick: the CPU smoke run finishes, checks every kernel, and every fused variant class it
+times fuses (FX-level check), with the table printed last."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def test_fusions_bench_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert "within bounds" in proc.stdout and "OUT OF BOUNDS" not in proc.stdout
-    table = lines[-4:]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from fusions import CLASSES
+    finally:
+        sys.path.pop(0)
+    table = lines[-len(CLASSES):]
     assert all(line.split()[-1] == "yes" for line in table), table
     assert (tmp_path / "fusions.json").exists()

@@ -124,3 +124,44 @@ def test_kernel_cuda_scale_semantics_and_exact_division(scheme):
              else torch.round(y).clamp(-qmax, qmax).to(torch.int8)).view(8, 256)
     assert torch.equal(s, s_ref.squeeze(-1))
     assert torch.equal(q.view(torch.uint8) if qmax == 448.0 else q, q_ref.view(torch.uint8) if qmax == 448.0 else q_ref)
+
+
+NEW_MODES = [
+    QuantScheme("int8_token", 0, 0.0, 1e-5, 127.0, scaling="reciprocal"),  # torchao / vLLM per-token
+    QuantScheme("fp8_group", 128, 1e-4, 0.0, 448.0, scaling="qmax_over_amax"),  # DeepGEMM's early cast
+    QuantScheme("fp8_group", 64, 0.0, 1 / (448 * 512), 448.0, True, ue8m0_after_min_scale=True),  # vLLM 0.33
+]
+
+
+@pytest.mark.parametrize("scheme", NEW_MODES, ids=["reciprocal", "qmax_over_amax", "ue8m0_after_min"])
+def test_scaling_modes_in_every_kernel(scheme):
+    x = torch.randn(6, 2 * 256, dtype=torch.bfloat16, device=DEV) * 3
+    q, s = _launch(T.MODE_PLAIN, x[:, :256], scheme)
+    _assert_close_quant(q, s, *ops.quant(x[:, :256], *scheme.args()))
+    q, s = _launch(T.MODE_SILU, x[:, :256], scheme, x[:, 256:])
+    _assert_close_quant(q, s, *ops.silu_mul_quant(x, *scheme.args()))
+    r, w, nr = torch.randn_like(x[:, :256]), torch.randn(256, dtype=torch.bfloat16, device=DEV), x.new_empty(6, 256)
+    q, s = _launch(T.MODE_ADD_NORM, x[:, :256], scheme, r, weight=w, norm_eps=1e-6, y_dtype=torch.bfloat16,
+                   fp32_residual_sum=True, new_residual=nr)
+    q_ref, s_ref, nr_ref = ops.add_rms_norm_quant(x[:, :256], r, w, 1e-6, False, True, *scheme.args())
+    _assert_close_quant(q, s, q_ref, s_ref)
+    assert torch.equal(nr, nr_ref)
+
+
+def test_kernel_cuda_semantics_of_the_reciprocal_forms():
+    """CUDA path in the interpreter: scale = amax * fl32(1/qmax), then one IEEE reciprocal and one product."""
+    x = (torch.randn(8, 256) * 3).to(torch.bfloat16)
+    inv = torch.tensor(1.0) / 448.0
+    xg = x.float().view(8, 2, 128)
+    amax = xg.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    sc = QuantScheme("fp8_group", 128, 1e-4, 0.0, 448.0, scaling="reciprocal")
+    q, s = _launch(T.MODE_PLAIN, x, sc, cuda_semantics=True)
+    s_ref = amax * inv
+    assert torch.equal(s, s_ref.squeeze(-1))
+    assert torch.equal(q.view(torch.uint8), (xg * s_ref.reciprocal()).to(torch.float8_e4m3fn).view(torch.uint8)
+                       .view(8, 256))
+    sc = QuantScheme("fp8_group", 128, 1e-4, 0.0, 448.0, scaling="qmax_over_amax")
+    q, s = _launch(T.MODE_PLAIN, x, sc, cuda_semantics=True)
+    assert torch.equal(s, s_ref.squeeze(-1))
+    assert torch.equal(q.view(torch.uint8), (xg * (amax.reciprocal() * 448.0)).to(torch.float8_e4m3fn)
+                       .view(torch.uint8).view(8, 256))

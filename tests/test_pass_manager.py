@@ -68,9 +68,58 @@ def test_cache_never_serves_a_graph_built_with_other_passes(tmp_path, monkeypatc
         return moefx.compile_reports()
 
     first = compile_with(on)
-    assert [r.passes for r in first] == [["eliminate_noops"]]
-    # Same toggles: inductor's FX graph cache serves the graph, so the pass manager does not run again.
-    assert compile_with(on) == []
+    assert [r.passes for r in first] == [["eliminate_noops"]] and not first[0].from_cache
+    # Same toggles: inductor's FX graph cache serves the graph; the passes do not run again, the report
+    # stored with the cache entry comes back.
+    (cached,) = compile_with(on)
+    assert cached.from_cache and cached.content() == first[0].content()
     # Other toggles: a different cache key, so the graph is rebuilt and the manager runs with them.
     rebuilt = compile_with(off)
-    assert [r.passes for r in rebuilt] == [[]]
+    assert [r.passes for r in rebuilt] == [[]] and not rebuilt[0].from_cache
+
+
+def _silu_quant(x):
+    d = x.shape[-1] // 2
+    y = torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    yg = y.float().view(-1, 128)
+    s = yg.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
+    return (yg / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+
+
+def _two_compiles(tmp_path, monkeypatch, device):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cfg = {"pass_config": {"fuse_act_quant": True}}
+    x = torch.randn(16, 512, dtype=torch.bfloat16, device=device)
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        moefx.clear_compile_reports()
+        with inductor_config.patch(fx_graph_cache=True):
+            out = torch.compile(_silu_quant, backend=moefx.backend(cfg))(x)
+        runs.append((moefx.compile_reports(), out))
+    return runs, _silu_quant(x)
+
+
+@pytest.mark.compile
+def test_warm_fx_cache_gives_the_same_report(tmp_path, monkeypatch):
+    """Compile the same function twice: the second compile is an FX graph cache hit and reports exactly what
+    the first did (fused, with the rewrite line), marked as coming from the cache."""
+    (first, out1), (second, out2) = _two_compiles(tmp_path, monkeypatch, "cpu")[0]
+    assert len(first) == len(second) == 1
+    assert first[0].matches == {"fuse_act_quant": 1} and first[0].rewrites["fuse_act_quant"]
+    assert not first[0].from_cache and second[0].from_cache
+    assert second[0].content() == first[0].content()
+    assert "from the FX graph cache" in second[0].summary()
+    assert torch.equal(out1[0].view(torch.uint8), out2[0].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warm_fx_cache_gives_the_same_report_on_cuda(tmp_path, monkeypatch):
+    runs, ref = _two_compiles(tmp_path, monkeypatch, "cuda")
+    (first, out1), (second, out2) = runs
+    assert first[0].matches == {"fuse_act_quant": 1} and second[0].from_cache
+    assert second[0].content() == first[0].content()
+    assert (out1[0].float() != ref[0].float()).float().mean().item() < 1e-3
+    assert ((out1[1] - ref[1]).abs() <= 1e-6 * ref[1].abs()).all()

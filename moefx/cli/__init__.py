@@ -9,7 +9,7 @@ import sys
 from moefx import __version__
 
 # Subcommand modules, in the order `moefx --help` lists them.
-COMMANDS = ("demo", "plan", "bench", "calibrate", "audit_syncs")
+COMMANDS = ("demo", "plan", "bench", "calibrate", "audit_syncs", "explain_fusions")
 
 
 def build_parser() -> argparse.ArgumentParser:

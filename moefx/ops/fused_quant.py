@@ -14,15 +14,21 @@ Scheme arguments, shared by every quant op, always last and in this order (`Quan
   scale_ue8m0: bool    scale = exp2(ceil(log2(scale))) (power-of-two scales, still stored as fp32)
   column_major_scales: bool   scales [..., G] stored with the last two dims transposed (vLLM layout)
   tma_aligned_scales: bool    2-D only: scales [M, G] with stride (1, ceil(M/4)*4) (DeepGEMM/SGLang layout)
+  scaling: str         how y meets the scale (default "divide"): "divide" q = y / scale; "reciprocal"
+                       q = y * (1 / scale) (vLLM per-token, torchao, DeepGEMM); "qmax_over_amax"
+                       q = y * ((1 / amax) * qmax) (DeepGEMM's early cast), the stored scale still amax / qmax
+  ue8m0_after_min_scale: bool   UE8M0 rounding after the min-scale clamp (vLLM 0.33) instead of before it
 
 Quant math (exactly what eager user code computes): amax = max|y| per group/token in fp32;
-scale = max(amax, eps) / qmax [-> ue8m0] [-> max(., min_scale)], the division done as eager PyTorch does
+scale = max(amax, eps) / qmax [-> ue8m0] [-> max(., min_scale)] (or the clamp before the UE8M0), the division
+done as eager PyTorch does
 `tensor / python_float` on that device: IEEE division on CPU, amax * fl32(1/qmax) on CUDA (scales differ by
 one ulp between the two in about half the groups; the op follows the device it runs on). So user code
 `amax / 448.0` matches on both devices; `amax * (1/448)` matches on CUDA only and `amax / tensor(448.)` on CPU
 only -- elsewhere ~0.1% of FP8 codes differ by one (exact fp8 ties are common, a one-ulp scale breaks them);
 FP8: q = clamp(y_fp32 / scale, -qmax, qmax).to(float8_e4m3fn)  (IEEE division, round to nearest even);
-INT8: q = clamp(torch.round(y_fp32 / scale), -qmax, qmax).to(int8)  (half to even). A clamp of (-128, 127) on
+INT8: q = clamp(torch.round(y_fp32 / scale), -qmax, qmax).to(int8)  (half to even); `/ scale` is replaced by the
+product the `scaling` argument names, each step rounded to fp32 as eager rounds it. A clamp of (-128, 127) on
 INT8 is equivalent because |y/scale| <= qmax whenever scale comes from amax.
 Outputs: q [..., H'] (float8_e4m3fn or int8, contiguous) and scales fp32 [..., G] (per token: [..., 1]).
 
@@ -59,7 +65,7 @@ from moefx.log import warn_once
 from moefx.ops import quant as R
 
 _SCHEME = "str kind, int group_size, float eps, float min_scale, float qmax, bool scale_ue8m0, " \
-    "bool column_major_scales, bool tma_aligned_scales"
+    "bool column_major_scales, bool tma_aligned_scales, str scaling=\"divide\", bool ue8m0_after_min_scale=False"
 
 
 _LIB = torch.library.Library("moefx", "FRAGMENT")  # other moefx files define more ops in the same namespace
@@ -86,7 +92,7 @@ _define("add_rms_norm",
 
 def _outputs(x_lead: tuple[int, ...], h: int, device: torch.device, scheme: tuple) -> tuple[torch.Tensor, ...]:
     """Allocate (q, scales) with the layouts the scheme asks for; validates the scheme."""
-    kind, group_size, _, _, _, _, col, tma = scheme
+    kind, group_size, _, _, _, _, col, tma, _, _ = R.full_scheme(scheme)
     R.check_scheme(*scheme)
     q = torch.empty((*x_lead, h), dtype=R.out_dtype(kind), device=device)
     s = R.empty_scales(tuple(x_lead), R.num_groups(kind, group_size, h), device, col, tma)
@@ -125,8 +131,8 @@ def _norm_out_dtype(x: torch.Tensor, weight: torch.Tensor | None, weight_in_fp32
 
 
 def _ref_quant_into(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scheme: tuple) -> None:
-    kind, gs, eps, min_scale, _, ue8m0, _, _ = scheme
-    qv, sv = R.ref_quant(y, kind, gs, eps, min_scale, R.check_scheme(*scheme), ue8m0)
+    kind, gs, eps, min_scale, _, ue8m0, _, _, scaling, late = R.full_scheme(scheme)
+    qv, sv = R.ref_quant(y, kind, gs, eps, min_scale, R.check_scheme(*scheme), ue8m0, scaling, late)
     q.copy_(qv)
     s.copy_(sv)
 

@@ -12,6 +12,12 @@ import torch
 import torch.nn.functional as F
 
 KINDS = ("fp8_group", "fp8_token", "int8_token", "int8_group")
+# How the quantized value is formed from y and the scale (all fp32, each step rounded as eager rounds it):
+#   divide          q = y / scale                    (vLLM group path, SGLang, DeepSeek, textbook code)
+#   reciprocal      q = y * (1 / scale)              (vLLM per-token path, torchao, DeepGEMM's current cast)
+#   qmax_over_amax  q = y * (qmax / amax_clamped)    (DeepGEMM's early cast: `x * (448.0 / amax)`); the stored
+#                   scale is still amax_clamped / qmax
+SCALINGS = ("divide", "reciprocal", "qmax_over_amax")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 INT8_MAX = 127.0
@@ -29,6 +35,9 @@ class QuantScheme:
     scale_ue8m0: bool = False
     column_major_scales: bool = False
     tma_aligned_scales: bool = False
+    scaling: str = "divide"
+    # UE8M0 rounding after the min-scale clamp (vLLM >= 0.3x) instead of before it
+    ue8m0_after_min_scale: bool = False
 
     def args(self) -> tuple:
         return (
@@ -40,7 +49,16 @@ class QuantScheme:
             self.scale_ue8m0,
             self.column_major_scales,
             self.tma_aligned_scales,
+            self.scaling,
+            self.ue8m0_after_min_scale,
         )
+
+
+def full_scheme(scheme: tuple) -> tuple:
+    """The scheme tuple with the trailing optional arguments filled in (callers may pass the first 8 only;
+    the dispatcher hands Python kernels exactly what the caller passed)."""
+    defaults = QuantScheme().args()
+    return tuple(scheme) + defaults[len(scheme):]
 
 
 PRESETS: dict[str, QuantScheme] = {
@@ -61,10 +79,14 @@ def check_scheme(
     scale_ue8m0: bool,
     column_major_scales: bool,
     tma_aligned_scales: bool,
+    scaling: str = "divide",
+    ue8m0_after_min_scale: bool = False,
 ) -> float:
     """Validate the scheme arguments (ValueError naming the bad one); returns the effective qmax."""
     if kind not in KINDS:
         raise ValueError(f"quant kind={kind!r} is invalid; valid choices: {list(KINDS)}")
+    if scaling not in SCALINGS:
+        raise ValueError(f"quant scaling={scaling!r} is invalid; valid choices: {list(SCALINGS)}")
     grouped = kind.endswith("_group")
     if grouped and group_size <= 0:
         raise ValueError(f"group_size={group_size} is invalid for kind={kind!r}; it must be a positive integer")
@@ -123,12 +145,16 @@ def ref_quant(
     min_scale: float,
     qmax: float,
     scale_ue8m0: bool,
+    scaling: str = "divide",
+    ue8m0_after_min_scale: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference dynamic quant of `x` [..., H] -> (q [..., H], contiguous fp32 scales [..., G]).
 
     Per group (or per token): amax = max|x| (exact, in fp32); amax = max(amax, eps);
     scale = amax / qmax (IEEE fp32 division); UE8M0: scale = exp2(ceil(log2(scale)));
-    scale = max(scale, min_scale); y = x_fp32 / scale (IEEE division).
+    scale = max(scale, min_scale) (UE8M0 after this clamp when `ue8m0_after_min_scale`);
+    y = x_fp32 / scale (IEEE division), or x_fp32 * (1 / scale) (`scaling="reciprocal"`), or
+    x_fp32 * ((1 / amax) * qmax) (`scaling="qmax_over_amax"`), each operation rounded to fp32.
     FP8: q = clamp(y, -qmax, qmax).to(float8_e4m3fn) (round to nearest even).
     INT8: q = clamp(round(y), -qmax, qmax).to(int8), round = torch.round (half to even).
     A partial last group (H % group_size != 0) behaves as zero-padded, like vLLM's QuantFP8.
@@ -145,11 +171,18 @@ def ref_quant(
     if eps > 0:
         amax = amax.clamp(min=eps)
     scale = amax / qmax
-    if scale_ue8m0:
+    if scale_ue8m0 and not ue8m0_after_min_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     if min_scale > 0:
         scale = scale.clamp(min=min_scale)
-    y = xg / scale
+    if scale_ue8m0 and ue8m0_after_min_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if scaling == "divide":
+        y = xg / scale
+    elif scaling == "reciprocal":
+        y = xg * scale.reciprocal()
+    else:
+        y = xg * (amax.reciprocal() * qmax)
     if kind.startswith("fp8"):
         q = y.clamp(-qmax, qmax).to(FP8_DTYPE)
     else:

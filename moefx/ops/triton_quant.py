@@ -4,7 +4,9 @@ residual-add + RMSNorm), keeps each quant group in registers and writes q and it
 Bit-exactness with eager PyTorch: intermediates are rounded to the dtypes eager rounds to (moefx/ops/quant.py);
 the scale is formed as eager forms `amax / qmax` on that device (CUDA: amax * fl32(1/qmax)); q = y / scale is
 the correctly rounded quotient (Markstein: one IEEE reciprocal per group, two FMAs per element), which matters
-because exact fp8 ties are common. Rare last-bit differences remain from silu's exp (ex2.approx) and division
+because exact fp8 ties are common; the reciprocal forms (`y * (1 / scale)`, `y * (qmax / amax)`) are one IEEE
+reciprocal per group and one rounded product per element, as eager computes them.
+Rare last-bit differences remain from silu's exp (ex2.approx) and division
 (div.full) -- absorbed by the bf16 rounding that follows nearly always -- and the RMSNorm variance sum order.
 The launcher accepts CPU tensors too so the kernels are tested under TRITON_INTERPRET=1.
 """
@@ -138,7 +140,7 @@ def _quant_kernel(
     eps, min_scale, qmax, inv_qmax, norm_eps, inv_h,
     MODE: tl.constexpr, IN_DT: tl.constexpr, Y_DT: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_W: tl.constexpr, W_FP32: tl.constexpr, FP32_SUM: tl.constexpr, UE8M0: tl.constexpr,
-    RECIP_SCALE: tl.constexpr, CLAMP: tl.constexpr,
+    UE8M0_LATE: tl.constexpr, SCALING: tl.constexpr, RECIP_SCALE: tl.constexpr, CLAMP: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -185,14 +187,20 @@ def _quant_kernel(
         scale = amax * inv_qmax  # eager CUDA computes `tensor / python_float` as tensor * fl32(1 / float)
     else:
         scale = _div(amax, qmax)
-    if UE8M0:
+    if UE8M0 and not UE8M0_LATE:
         scale = _pow2_ceil(scale)
     scale = tl.maximum(scale, min_scale)
-    inv = _div(1.0, scale)
-    if NG == 1:
-        v = _exact_div(y, scale, inv)
-    else:
-        v = _exact_div(y, scale[:, :, None], inv[:, :, None])
+    if UE8M0 and UE8M0_LATE:
+        scale = _pow2_ceil(scale)
+    if SCALING == 0:  # y / scale
+        inv = _div(1.0, scale)
+        if NG == 1:
+            v = _exact_div(y, scale, inv)
+        else:
+            v = _exact_div(y, scale[:, :, None], inv[:, :, None])
+    else:  # y * (1 / scale), or y * ((1 / amax) * qmax): one rounded product, as eager computes it
+        inv = _div(1.0, scale) if SCALING == 1 else _div(1.0, amax) * qmax
+        v = y * inv if NG == 1 else y * inv[:, :, None]
     if CLAMP:  # FP8 at qmax = 448: the saturating conversion is the clamp
         v = tl.minimum(tl.maximum(v, -qmax), qmax)
     if IS_FP8:
@@ -252,9 +260,10 @@ def launch(
     (interpreter) or CUDA. `scheme` is the tuple of `QuantScheme.args()`; it must already be validated.
     `cuda_semantics` (default: x.is_cuda) computes scale = amax * fl32(1/qmax) as eager CUDA does; else IEEE
     amax / qmax as eager CPU does."""
-    from moefx.ops.quant import FP8_MAX, check_scheme
+    from moefx.ops.quant import FP8_MAX, SCALINGS, check_scheme, full_scheme
 
-    kind, group_size, eps, min_scale, _, ue8m0, _, _ = scheme
+    scheme = full_scheme(scheme)
+    kind, group_size, eps, min_scale, _, ue8m0, _, _, scaling, ue8m0_late = scheme
     qmax = check_scheme(*scheme)
     h = x.shape[-1]
     x2 = _rows(x)
@@ -282,6 +291,7 @@ def launch(
         float(eps), float(min_scale), qmax, inv_qmax, float(norm_eps), 1.0 / h,
         MODE=mode, IN_DT=in_dt, Y_DT=_TL_DTYPES[y_dtype or x.dtype], IS_FP8=kind.startswith("fp8"),
         HAS_W=weight is not None, W_FP32=weight_in_fp32, FP32_SUM=fp32_residual_sum, UE8M0=ue8m0,
+        UE8M0_LATE=ue8m0_late, SCALING=SCALINGS.index(scaling),
         RECIP_SCALE=x.is_cuda if cuda_semantics is None else cuda_semantics,
         CLAMP=not (kind.startswith("fp8") and qmax == FP8_MAX),
         GROUP=group, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,

@@ -27,9 +27,16 @@ class PassContext:
     config: object  # moefx.config.CompilationConfig
     plan: object | None = None  # moefx.signatures.Plan
     skipped: list[str] = field(default_factory=list)
+    # every pass the manager runs on this graph (passes that share candidates report each one once)
+    enabled: tuple[str, ...] = ()
+    # one line per rewrite made, for the compile report and `moefx.explain_fusions`
+    notes: list[str] = field(default_factory=list)
 
     def skip(self, reason: str) -> None:
         self.skipped.append(reason)
+
+    def note(self, rewrite: str) -> None:
+        self.notes.append(rewrite)
 
 
 class MoefxPass:

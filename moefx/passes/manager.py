@@ -2,6 +2,8 @@
 
 Its `uuid()` hashes the config, the plan, the enabled passes and their source files, so inductor's FX
 graph cache never serves a graph that was built with other passes, another plan or another version of a pass.
+Each graph's compile report is stored with its cache entry (`moefx.reports`), so a cache hit still reports
+what was fused and why other candidates were left alone.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from moefx.config import CompilationConfig
 from moefx.log import get_logger
 from moefx.passes.base import PASS_REGISTRY, PassContext
-from moefx.reports import new_report
+from moefx.reports import new_report, store_with_cache_entry
 
 log = get_logger("moefx.passes")
 
@@ -42,19 +44,22 @@ class PassManager(CustomGraphPass):
         report.nodes_before = len(graph.nodes)
         self._dump(graph, report.graph_index, "before")
         for p in self.passes:
-            ctx = PassContext(config=self.config, plan=self.plan)
+            ctx = PassContext(config=self.config, plan=self.plan, enabled=tuple(self.enabled))
             n = p.run(graph, ctx)
             report.matches[p.name] = n
             if ctx.skipped:
                 report.skipped[p.name] = ctx.skipped
                 for reason in ctx.skipped:
                     log.debug("%s left a candidate alone: %s", p.name, reason)
+            if ctx.notes:
+                report.rewrites[p.name] = ctx.notes
             if n:
                 log.debug("%s made %d rewrite(s) in graph %d", p.name, n, report.graph_index)
                 graph.eliminate_dead_code()
         graph.lint()
         report.nodes_after = len(graph.nodes)
         self._dump(graph, report.graph_index, "after")
+        store_with_cache_entry(report)
         log.info("%s", report.summary())
 
     def _dump(self, graph: torch.fx.Graph, index: int, stage: str) -> None:

@@ -1,24 +1,33 @@
-"""What fuse_act_quant and fuse_norm_quant share: the quant forms they recognise and the three-stage rewrite.
+"""What fuse_act_quant and fuse_norm_quant share: recognizing a dynamic activation quant by its dataflow and
+constants, and the rewrite of "producer -> quant" into one fused op.
 
-A fusion pass rewrites "producer -> dynamic quant" into one fused op in three stages, each exact:
-1. quant: a native quant expression (vLLM `QuantFP8` group path, DeepSeek-style amax quant, per-token
-   FP8/INT8) whose input comes from a producer this pass fuses becomes `moefx::quant` with the scheme read
-   from the match (qmax, eps, min scale); forms the op cannot reproduce bit for bit are left alone with
-   the reason recorded.
-2. producer: a native producer (SiLU-mul, RMSNorm, add + RMSNorm) whose output feeds only `moefx::quant`
-   nodes with one scheme becomes moefx's unfused op (`moefx::silu_mul`, `moefx::rms_norm`, ...).
-3. fuse: unfused op + `moefx::quant` -> the fused op (`moefx::silu_mul_quant`, `moefx::rms_norm_quant`, ...).
-Splitting it this way keeps the pattern count at producers + quant forms instead of their product.
+Recognition works on the post-grad graph as it is, whatever the spelling of the user's code:
+- Canonical views. Reshapes/views/unsqueezes (flat order kept) and exact upcasts (bf16/fp16 -> fp32) are
+  looked through in any order, so `y.float().view(-1, 128)` and `y.view(-1, 128).float()` are one form.
+  `amax(abs(x))`, `max(abs(x), dim)[0]`, `abs(x).float().amax()` and torchao's `max(-min(amin, 0), max(amax, 0))`
+  are one "amax per group". A clamp applied to a bf16/fp16 amax before its fp32 cast (SGLang) is the fp32
+  clamp with the bound rounded to that dtype (rounding is monotonic and the amax is representable there),
+  which is how the two orders are told apart exactly.
+- A quant expression is: a cast to float8_e4m3fn or int8 of `y_fp32 (/ scale | * (1 / scale) | * (qmax / amax))`,
+  through clamps (and `round` for int8), where the scale is amax per token or per group of the same y, then
+  [max(., eps)] -> / qmax -> [UE8M0] -> [max(., min_scale)] (or the UE8M0 after that clamp), all in fp32. The
+  grouping is read from shapes: the divided view of y is [..., g] and its scale [..., 1] (g = H: per token).
+- It is fused only if moefx's op computes the same value at every rounding step; anything else is left alone
+  with the exact reason (`Reject`), the user's file:line, and reported in the compile report.
+Producers are recognized the same way, in the pass files (`recognize_producer`).
 
-Stages 1 and 2 use inductor's `register_replacement`: the pattern is traced from a plain function through
-the same decompositions user code goes through, and every match is re-traced with the real shapes and
-the constants found in the graph (eps, qmax, min scale are bound through `scalar_workaround`), so a
-match computes exactly what the search function computes with those constants.
+A pass then replaces the producer and every quant of its output with one fused op (q/k/v projections that
+each quantize the same normed input with one scheme share it), rewires the q, scale and new-residual users,
+and removes the rest. Quants of one value with different schemes, or a producer whose intermediate values are
+used elsewhere, are left alone with the reason.
 """
 
 from __future__ import annotations
 
+import math
 import operator
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,19 +35,19 @@ from typing import Any, ClassVar
 
 import torch
 import torch.fx
-from torch._inductor import pattern_matcher as pm
 
 from moefx.ops import fused_quant  # noqa: F401  (registers the moefx ops used below)
 from moefx.ops.quant import FP8_MAX, INT8_MAX, QuantScheme
 from moefx.passes.base import MoefxPass, PassContext, log
 
+aten = torch.ops.aten
+prims = torch.ops.prims
 moefx_ops = torch.ops.moefx
 FP8 = torch.float8_e4m3fn
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# fp16 traces to the same pattern as bf16 (dtype literals are checked per match), so two traces suffice.
-TRACE_DTYPES = (torch.bfloat16, torch.float32)
-GROUP_SIZES = (128, 64)
+LOW_DTYPES = (torch.bfloat16, torch.float16)
 QUANT = moefx_ops.quant.default
+CAST = prims.convert_element_type.default
 _OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
 DEPENDENCY_FILES = (
     str(Path(__file__).resolve()),
@@ -47,272 +56,552 @@ DEPENDENCY_FILES = (
     str(_OPS_DIR / "triton_quant.py"),
 )
 
-# Placeholder constants traced into the patterns and bound from the graph (scalar_workaround). Each is
-# exactly representable in fp32 and distinct from every other literal in the patterns.
-MAGIC_QMAX = 448.0
-MAGIC_IQMAX = 127.0
-MAGIC_MIN_SCALE = 2.0**-18
-MAGIC_EPS = 2.0**-30
-MAGIC_NORM_EPS = 2.0**-20
+# Ops that keep values and the flat (row-major) order of elements: looked through everywhere.
+VIEW_OPS = frozenset({
+    aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.clone.default, aten.alias.default,
+})
+REDUCTIONS = frozenset({aten.amax.default, aten.max.dim, aten.max.default, aten.amin.default})
+OTHER_QUANT_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "uint8") if hasattr(torch, n)
+)
 
 
-# --------------------------------------------------------------------------------------------- quant forms
+class Reject(Exception):
+    """A candidate moefx cannot fuse exactly; `node` is where the recognized form stops."""
 
+    def __init__(self, node: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.node = node
+        self.reason = reason
 
-@dataclass(frozen=True)
-class QuantForm:
-    """One way real code writes a dynamic quant of `y`; `search(y, *scalars) -> (q, scale)`."""
 
-    name: str
-    search: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    scalars: dict[str, float]
-    # bound scalars -> the scheme that reproduces the form exactly, or the reason none does
-    scheme: Callable[[dict[str, float]], QuantScheme | str]
-    # (y, q, scale) from moefx::quant -> the layout the form's outputs have in the graph
-    layout: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+class NotMine(Exception):
+    """The value is not produced by this pass's kind of producer."""
 
 
-def _fp8_scheme(kind: str, group: int, eps_key: str | None, min_key: str | None, ue8m0: bool = False):
-    def scheme(sc: dict[str, float]) -> QuantScheme | str:
-        qmax = float(sc["qmax"])
-        if not 0 < qmax <= FP8_MAX:
-            return f"fp8 max {qmax} is outside (0, {FP8_MAX}]"
-        eps = float(sc[eps_key]) if eps_key else 0.0
-        min_scale = float(sc[min_key]) if min_key else 0.0
-        if eps < 0 or min_scale < 0:
-            return f"negative eps {eps} / min scale {min_scale}"
-        return QuantScheme(kind, group, eps, min_scale, qmax, ue8m0)
+# ---------------------------------------------------------------------------------------------- graph helpers
 
-    return scheme
 
-
-def _int8_scheme(kind: str, group: int):
-    def scheme(sc: dict[str, float]) -> QuantScheme | str:
-        qmax = float(sc["qmax"])
-        # clamp(-128, 127) after rounding equals the op's clamp(-qmax, qmax) only when qmax <= 127.
-        if not 0 < qmax <= INT8_MAX:
-            return f"int8 max {qmax} is outside (0, {INT8_MAX}]"
-        return QuantScheme(kind, group, 0.0, 0.0, qmax)
-
-    return scheme
-
-
-def _never(reason: str):
-    return lambda sc: reason
-
-
-def _group_layout_3d(g: int):
-    def layout(y, q, s):
-        ng = y.shape[-1] // g
-        return q.reshape(-1, ng, g), s.reshape(-1, ng, 1)
-
-    return layout
-
-
-def _group_layout_2d(g: int):
-    def layout(y, q, s):
-        return q.reshape(-1, g), s.reshape(-1, 1)
-
-    return layout
-
-
-def _token_layout(y, q, s):
-    return q, s
-
-
-def _vllm_group(g: int, ue8m0: bool):
-    """vLLM `QuantFP8._quantize_group_native` (hidden size a multiple of the group)."""
-
-    def search(y, qmax, min_scale):
-        xg = y.view(-1, y.shape[-1] // g, g)
-        absmax = xg.abs().max(dim=-1, keepdim=True)[0].float()
-        scale = absmax / qmax
-        if ue8m0:
-            scale = torch.exp2(torch.ceil(torch.log2(scale)))
-        scale = scale.clamp(min=min_scale)
-        q = (xg / scale).clamp(-qmax, qmax).to(FP8)
-        return q, scale
-
-    return search
-
-
-def _amax_group(g: int, clamps: bool):
-    """DeepSeek-style group quant in fp32: amax per group / qmax, divide, cast (SGLang's eps and clamp
-    when `clamps`, DeepSeek-V3's `act_quant` without them)."""
-
-    if clamps:
-
-        def search(y, qmax, eps):
-            xg = y.reshape(-1, g).float()
-            scale = xg.abs().amax(dim=-1, keepdim=True).clamp(min=eps) / qmax
-            q = (xg / scale).clamp(-qmax, qmax).to(FP8)
-            return q, scale
-
-    else:
-
-        def search(y, qmax):
-            xg = y.reshape(-1, g).float()
-            scale = xg.abs().amax(dim=-1, keepdim=True) / qmax
-            q = (xg / scale).to(FP8)
-            return q, scale
-
-    return search
-
-
-def _fp8_token(y, qmax, eps):
-    """Per-token FP8, dividing by the scale (SGLang `per_token_quant_fp8` reference form)."""
-    yf = y.float()
-    scale = yf.abs().amax(dim=-1, keepdim=True).clamp(min=eps) / qmax
-    q = (yf / scale).clamp(-qmax, qmax).to(FP8)
-    return q, scale
-
-
-def _fp8_token_reciprocal(y, qmax, min_scale):
-    """vLLM `QuantFP8.forward_native` per-token path: multiplies by the reciprocal of the scale."""
-    x_max = y.abs().max(dim=-1)[0].unsqueeze(-1).to(torch.float32)
-    scale = (x_max / qmax).clamp(min=min_scale)
-    q = (y.to(torch.float32) * scale.reciprocal()).clamp(-qmax, qmax).to(FP8)
-    return q, scale
-
-
-def _int8_token(y, qmax):
-    """Per-token INT8: scale = amax / 127, round half to even, clamp, cast."""
-    yf = y.float()
-    scale = yf.abs().amax(dim=-1, keepdim=True) / qmax
-    q = (yf / scale).round().clamp(-128, 127).to(torch.int8)
-    return q, scale
-
-
-def _int8_group(g: int):
-    def search(y, qmax):
-        yf = y.reshape(-1, g).float()
-        scale = yf.abs().amax(dim=-1, keepdim=True) / qmax
-        q = (yf / scale).round().clamp(-128, 127).to(torch.int8)
-        return q, scale
-
-    return search
-
-
-def quant_forms() -> list[QuantForm]:
-    """Every native quant form the passes recognise (one entry per group size where it has one)."""
-    qm = {"qmax": MAGIC_QMAX}
-    forms = [
-        QuantForm("fp8_token", _fp8_token, {**qm, "eps": MAGIC_EPS}, _fp8_scheme("fp8_token", 0, "eps", None),
-                  _token_layout),
-        QuantForm("fp8_token_reciprocal", _fp8_token_reciprocal, {**qm, "min_scale": MAGIC_MIN_SCALE},
-                  _never("multiplies by the reciprocal of the scale; the fused op divides (different rounding)"),
-                  _token_layout),
-        QuantForm("int8_token", _int8_token, {"qmax": MAGIC_IQMAX}, _int8_scheme("int8_token", 0), _token_layout),
-    ]
-    for g in GROUP_SIZES:
-        forms += [
-            QuantForm(f"vllm_fp8_group{g}", _vllm_group(g, False), {**qm, "min_scale": MAGIC_MIN_SCALE},
-                      _fp8_scheme("fp8_group", g, None, "min_scale"), _group_layout_3d(g)),
-            QuantForm(f"vllm_fp8_group{g}_ue8m0", _vllm_group(g, True), {**qm, "min_scale": MAGIC_MIN_SCALE},
-                      _fp8_scheme("fp8_group", g, None, "min_scale", ue8m0=True), _group_layout_3d(g)),
-            QuantForm(f"amax_fp8_group{g}", _amax_group(g, True), {**qm, "eps": MAGIC_EPS},
-                      _fp8_scheme("fp8_group", g, "eps", None), _group_layout_2d(g)),
-            QuantForm(f"amax_fp8_group{g}_noclamp", _amax_group(g, False), dict(qm),
-                      _fp8_scheme("fp8_group", g, None, None), _group_layout_2d(g)),
-            QuantForm(f"int8_group{g}", _int8_group(g), {"qmax": MAGIC_IQMAX}, _int8_scheme("int8_group", g),
-                      _group_layout_2d(g)),
-        ]
-    return forms
-
-
-# ------------------------------------------------------------------------------------------------ producers
-
-
-@dataclass(frozen=True)
-class Producer:
-    """A native producer: `search(*tensors, *scalars)` returns y (or (y, new_residual)); `replace` has the
-    same signature and returns moefx's unfused op for it."""
-
-    name: str
-    search: Callable[..., Any]
-    replace: Callable[..., Any]
-    # example tensor shapes, one per tensor argument (the dtype is the traced dtype)
-    shapes: tuple[tuple[int, ...], ...]
-    scalars: dict[str, float] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------- pass machinery
-
-
-class _Captured(Exception):
-    pass
-
-
-def post_grad_graph(fn: Callable[..., Any], args: list[Any], dynamic_rows: bool = False) -> torch.fx.Graph:
-    """The post-grad graph inductor would hand to moefx's passes for `fn(*args)` (dynamo + AOT + inductor's
-    own post-grad passes), captured and returned before code generation. For tests and for looking at what
-    a pass sees. `dynamic_rows` makes dim 0 of every input with 2+ dims symbolic (the token count of a
-    serving graph; hidden sizes stay static as they are in models)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    box: dict[str, torch.fx.Graph] = {}
-
-    def grab(graph: torch.fx.Graph) -> None:
-        box["graph"] = graph
-        raise _Captured
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": grab})
-
-    torch._dynamo.reset()
-    if dynamic_rows:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() >= 2:
-                torch._dynamo.mark_dynamic(a, 0)
-    try:
-        torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)(*args)
-    except Exception:
-        if "graph" not in box:
-            raise
-    return box["graph"]
-
-
-def _functionalize_inplace(gm: torch.fx.GraphModule) -> None:
-    """Turn in-place aten ops on intermediates (`add_`, as composite kernels such as rms_norm's emit them
-    under make_fx) into their functional overloads, the form functionalized post-grad graphs hold."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        name = target._schema.name.split("::")[-1]
-        if not name.endswith("_") or name.startswith("_") or not target._schema.is_mutable:
-            continue
-        packet = getattr(torch.ops.aten, name[:-1], None)
-        functional = getattr(packet, target._overloadname, None) if packet is not None else None
-        if functional is None:
-            continue
-        mutated = node.args[0]
-        later = [u for u in mutated.users if u is not node and order[u] > order[node]]
-        for user in later:
-            user.replace_input_with(mutated, node)
-        node.target = functional
-    gm.recompile()
-
-
-def trace(fn: Callable[..., Any], args: list[Any], **kwargs: Any) -> torch.fx.GraphModule:
-    """`fwd_only`, made functional, then inductor's view->reshape rewrite, so patterns look like the
-    post-grad graphs they are matched against."""
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-
-    gm = pm.fwd_only(fn, args, **kwargs)
-    _functionalize_inplace(gm)
-    view_to_reshape(gm)
-    return gm
-
-
-def _val(node: Any) -> Any:
+def val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def shape_of(node: Any) -> tuple:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def scalar(x: Any) -> float | None:
+    """A Python number argument (not a graph value), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def same_size(a: Any, b: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def is_one(dims: tuple) -> bool:
+    """`dims` is exactly (1,) (a trailing broadcast dim)."""
+    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] == 1
+
+
+def numel(shape: tuple) -> Any:
+    n = 1
+    for s in shape:
+        n = n * s
+    return n
+
+
+def norm_dims(dims: Any, ndim: int) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted(d % ndim for d in dims)
+
+
+def round_to(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype).float())
+
+
+def fmt_num(v: float) -> str:
+    return f"{v:g}"
+
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def location(node: Any) -> str:
+    """file:line of the user code that made `node` (the innermost frame outside torch), or the node name."""
+    trace = node.meta.get("stack_trace") if isinstance(node, torch.fx.Node) else None
+    frames = _FRAME.findall(trace or "")
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+    if not user:
+        return getattr(node, "name", str(node))
+    path, line = user[-1]
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{line}"
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The code line of the innermost frame of `node`'s stack trace."""
+    lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if _FRAME.search(lines[i]):
+            return lines[i + 1].strip() if i + 1 < len(lines) else ""
+    return ""
+
+
+def describe(node: Any) -> str:
+    if not isinstance(node, torch.fx.Node):
+        return repr(node)
+    what = node.name if node.op != "call_function" else f"{node.name} ({node.target})"
+    return f"{what} at {location(node)}"
+
+
+def strip_views(node: Any, taken: set | None = None) -> Any:
+    """Look through value-and-order-preserving ops; collects the nodes passed in `taken`."""
+    while is_call(node, *VIEW_OPS):
+        if taken is not None:
+            taken.add(node)
+        node = node.args[0]
+    return node
+
+
+def is_upcast(node: Any) -> bool:
+    """A cast that changes no value: to fp32 from fp32/bf16/fp16, or to the dtype the value already has."""
+    if not is_call(node, CAST):
+        return False
+    src, dst = dtype_of(node.args[0]), node.args[1]
+    return src == dst or (dst == torch.float32 and src in FLOAT_DTYPES)
+
+
+def strip_exact(node: Any, taken: set | None = None) -> Any:
+    """Look through views and exact upcasts in any order."""
+    while is_call(node, *VIEW_OPS) or is_upcast(node):
+        if taken is not None:
+            taken.add(node)
+        node = node.args[0]
+    return node
+
+
+def is_zeros(node: Any) -> bool:
+    if is_call(node, aten.full.default):
+        return scalar(node.args[1]) == 0.0
+    return is_call(node, aten.zeros.default, aten.zeros_like.default)
+
+
+# -------------------------------------------------------------------------------------------- quant recognition
+
+
+@dataclass
+class QuantMatch:
+    """One recognized dynamic quant of `source`."""
+
+    q: torch.fx.Node  # the node holding the quantized values (the cast, or getitem 0 of moefx::quant)
+    source: torch.fx.Node  # y: the tensor being quantized
+    scheme: QuantScheme
+    label: str
+    scale_outputs: list[torch.fx.Node]  # nodes holding the scale values (any layout keeping the group order)
+    nodes: set[torch.fx.Node]  # every node computing q or the scale from y (source excluded)
+    anchor: torch.fx.Node  # the node the report points at
+
+
+@dataclass
+class _Amax:
+    node: torch.fx.Node  # the reduction's output (fp32 or low precision, exact)
+    data: torch.fx.Node  # the tensor reduced (base after views/upcasts)
+    shape: tuple  # shape of the reduced view (last dim = group)
+
+
+def _parse_amax(node: Any, taken: set) -> _Amax:
+    """The amax per group/token of |x| behind `node` (views and upcasts already stripped by the caller)."""
+    local: set = set()
+    if is_call(node, operator.getitem) and node.args[1] == 0 and is_call(node.args[0], aten.max.dim):
+        local.add(node)
+        red = node.args[0]
+        dims = [red.args[1]]
+    elif is_call(node, aten.amax.default):
+        red = node
+        dims = list(red.args[1]) if len(red.args) > 1 else []
+    elif is_call(node, aten.maximum.default):
+        return _parse_minmax(node, taken)
+    elif is_call(node, aten.max.default):
+        raise Reject(node, "the scale is one per tensor (max over all elements); the fused ops scale per token or "
+                           "per group")
+    else:
+        found = node.target if isinstance(node, torch.fx.Node) and node.op == "call_function" else node
+        raise Reject(node, f"the scale does not come from an amax per token or group (found {found})")
+    local.add(red)
+    x = red.args[0]
+    xin = strip_exact(x, local)
+    if not is_call(xin, aten.abs.default):
+        raise Reject(red, "the reduction is not over |x| (no abs before the max)")
+    local.add(xin)
+    rshape = shape_of(x)
+    if not dims or norm_dims(dims, len(rshape)) != [len(rshape) - 1]:
+        raise Reject(red, f"the amax reduces dims {dims} of a {len(rshape)}-d view, not its last dim")
+    data = strip_exact(xin.args[0], local)
+    taken |= local
+    return _Amax(node, data, rshape)
+
+
+def _parse_minmax(node: torch.fx.Node, taken: set) -> _Amax:
+    """torchao's symmetric qparams: max(-min(amin(x), 0), max(amax(x), 0)) == max|x| (exact)."""
+    local = {node}
+    parts = {}
+    for a in node.args:
+        if is_call(a, aten.neg.default) and is_call(a.args[0], aten.minimum.default):
+            parts["min"] = (a, a.args[0])
+        elif is_call(a, aten.maximum.default):
+            parts["max"] = (a, a)
+    if set(parts) != {"min", "max"}:
+        raise Reject(node, "an elementwise maximum that is not max(-min(amin(x), 0), max(amax(x), 0))")
+    bases, shapes = [], []
+    for key, want in (("min", aten.amin.default), ("max", aten.amax.default)):
+        outer, inner = parts[key]
+        local |= {outer, inner}
+        red = next((a for a in inner.args if is_call(a, want)), None)
+        zero = next((a for a in inner.args if a is not red), None)
+        if red is None or not is_zeros(zero):
+            raise Reject(inner, "an elementwise min/max against something other than 0")
+        local |= {red, zero}
+        rshape = shape_of(red.args[0])
+        if norm_dims(red.args[1], len(rshape)) != [len(rshape) - 1]:
+            raise Reject(red, "the amin/amax does not reduce the last dim")
+        bases.append(strip_exact(red.args[0], local))
+        shapes.append(rshape)
+    if bases[0] is not bases[1]:
+        raise Reject(node, "amin and amax are taken of different tensors")
+    taken |= local
+    return _Amax(node, bases[0], shapes[0])
+
+
+def _scale_steps(node: Any, taken: set) -> tuple[list[tuple], _Amax, torch.fx.Node]:
+    """Walk the scale back to its amax: returns (steps in forward order, amax, the last arithmetic node).
+
+    Steps: ("max", c) a lower clamp, ("div", q) division by a Python number, ("ue8m0",) exp2(ceil(log2(.))).
+    """
+    steps: list[tuple] = []
+    final = None
+    cur = node
+    while True:
+        cur = strip_views(cur, taken)
+        if final is None and isinstance(cur, torch.fx.Node):
+            final = cur
+        dt = dtype_of(cur)
+        if is_call(cur, aten.clamp_min.default) or (is_call(cur, aten.clamp.default) and
+                                                    (len(cur.args) < 3 or cur.args[2] is None)):
+            c = scalar(cur.args[1]) if len(cur.args) > 1 else scalar(cur.kwargs.get("min"))
+            if c is None:
+                raise Reject(cur, "the scale is clamped by a runtime value, not a constant")
+            if dt in LOW_DTYPES:
+                c = round_to(c, dt)  # max(a, c) rounded to dt == max(a, rn(c)) for an a representable in dt
+            steps.append(("max", c))
+        elif is_call(cur, aten.div.Tensor) and not isinstance(cur.args[1], torch.fx.Node):
+            q = scalar(cur.args[1])
+            if dt != torch.float32:
+                raise Reject(cur, f"the scale is divided in {dt} (the fused op keeps fp32 scales)")
+            steps.append(("div", q))
+        elif is_call(cur, aten.exp2.default) or (is_call(cur, aten.pow.Scalar) and scalar(cur.args[0]) == 2.0):
+            inner = cur.args[0] if is_call(cur, aten.exp2.default) else cur.args[1]
+            if not (is_call(inner, aten.ceil.default) and is_call(inner.args[0], aten.log2.default)):
+                raise Reject(cur, "a power of two of something other than ceil(log2(scale))")
+            if dt != torch.float32:
+                raise Reject(cur, f"the UE8M0 rounding runs in {dt}")
+            lg = inner.args[0]
+            taken |= {inner, lg}
+            steps.append(("ue8m0",))
+            taken.add(cur)
+            cur = lg.args[0]
+            if is_call(cur, aten.abs.default):  # |scale| == scale (scales are >= 0)
+                taken.add(cur)
+                cur = cur.args[0]
+            continue
+        elif is_call(cur, CAST):
+            src = cur.args[0]
+            sdt = dtype_of(src)
+            if cur.args[1] != torch.float32 or sdt not in FLOAT_DTYPES:
+                raise Reject(cur, f"the scale is cast to {cur.args[1]}")
+            if sdt in LOW_DTYPES:
+                inner = strip_views(src, taken)
+                if is_call(inner, CAST) and is_call(inner.args[0], aten.clamp_min.default) and \
+                        dtype_of(inner.args[0]) == torch.float32:
+                    # a clamp of a low-precision amax, decomposed as upcast -> clamp -> downcast
+                    clamp = inner.args[0]
+                    c = scalar(clamp.args[1])
+                    if c is None:
+                        raise Reject(clamp, "the scale is clamped by a runtime value, not a constant")
+                    steps.append(("max", round_to(c, sdt)))
+                    taken |= {cur, inner, clamp}
+                    cur = clamp.args[0]
+                    if not (is_upcast(strip_views(cur)) or is_call(strip_views(cur), *REDUCTIONS, operator.getitem)):
+                        raise Reject(clamp, f"the scale is rounded to {sdt}")
+                    continue
+                if not _is_low_precision_amax(inner):
+                    raise Reject(cur, f"the scale is computed in {sdt} and rounded there (the fused op keeps fp32 "
+                                      f"scales)")
+        elif is_call(cur, aten.mul.Tensor) and not isinstance(cur.args[1], torch.fx.Node):
+            raise Reject(cur, f"the scale is amax * {cur.args[1]} (the fused op divides by qmax)")
+        else:
+            break
+        taken.add(cur)
+        cur = cur.args[0]
+    amax = _parse_amax(cur, taken)
+    steps.reverse()
+    return steps, amax, final
+
+
+def _is_low_precision_amax(node: Any) -> bool:
+    node = strip_views(node)
+    if is_call(node, operator.getitem):
+        node = node.args[0]
+    return is_call(node, aten.amax.default, aten.max.dim, aten.max.default) and dtype_of(node) in LOW_DTYPES + (None,)
+
+
+def _merge_max(steps: list[tuple]) -> list[tuple]:
+    out: list[tuple] = []
+    for s in steps:
+        if s[0] == "max" and out and out[-1][0] == "max":
+            out[-1] = ("max", max(out[-1][1], s[1]))
+        else:
+            out.append(s)
+    return out
+
+
+def _scale_params(steps: list[tuple], node: Any) -> dict[str, Any]:
+    """Map the scale steps onto the op's pipeline: [max eps] / qmax [ue8m0] [max min_scale] | ... [max] ue8m0."""
+    kinds = "".join({"max": "m", "div": "d", "ue8m0": "u"}[s[0]] for s in steps)
+    if not re.fullmatch(r"m?d(u?m?|mu)", kinds):
+        chain = " -> ".join(s[0] if len(s) == 1 else f"{s[0]} {fmt_num(s[1])}" for s in steps) or "amax"
+        raise Reject(node, f"the scale is amax -> {chain}; the fused op computes amax -> [max eps] -> / qmax -> "
+                           f"[UE8M0] -> [max min_scale]")
+    p: dict[str, Any] = {"eps": 0.0, "min_scale": 0.0, "ue8m0": "u" in kinds, "late": kinds.endswith("mu")}
+    d = kinds.index("d")
+    p["qmax"] = steps[d][1]
+    if d == 1:
+        p["eps"] = steps[0][1]
+    after = [s[1] for s in steps[d + 1:] if s[0] == "max"]  # at most one (the pattern above)
+    if after:
+        p["min_scale"] = after[0]
+    if p["eps"] < 0 or p["min_scale"] < 0:
+        raise Reject(node, f"negative eps {p['eps']} / min scale {p['min_scale']}")
+    return p
+
+
+def recognize_quant(cast: torch.fx.Node) -> QuantMatch:
+    """Recognize the quant ending at `cast` (a cast to float8_e4m3fn or int8), or raise Reject."""
+    target = cast.args[1]
+    fp8 = target == FP8
+    if not fp8 and target != torch.int8:
+        raise Reject(cast, f"casts to {target}; the fused ops produce float8_e4m3fn or int8")
+    taken: set = {cast}
+    lo, hi, rounded = -math.inf, math.inf, False
+    v = cast.args[0]
+    while True:
+        v = strip_views(v, taken)
+        if is_call(v, aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default):
+            if v.target is aten.clamp.default:
+                bounds = [scalar(v.args[1]) if len(v.args) > 1 else scalar(v.kwargs.get("min")),
+                          scalar(v.args[2]) if len(v.args) > 2 else scalar(v.kwargs.get("max"))]
+            elif v.target is aten.clamp_min.default:
+                bounds = [scalar(v.args[1]), None]
+            else:
+                bounds = [None, scalar(v.args[1])]
+            if any(isinstance(b, torch.fx.Node) for b in v.args[1:]):
+                raise Reject(v, "the quantized values are clamped by a runtime value")
+            lo = max(lo, bounds[0]) if bounds[0] is not None else lo
+            hi = min(hi, bounds[1]) if bounds[1] is not None else hi
+        elif is_call(v, aten.round.default):
+            if fp8:
+                raise Reject(v, "rounds to integers before the fp8 cast")
+            rounded = True
+        elif is_call(v, aten.add.Tensor) and not fp8 and any(is_zeros(a) for a in v.args):
+            taken |= {a for a in v.args if is_zeros(a)}  # torchao's zero point 0 (sign of zero is lost in int8)
+            v = next(a for a in v.args if not is_zeros(a))
+            continue
+        elif is_upcast(v):
+            pass
+        else:
+            break
+        taken.add(v)
+        v = v.args[0]
+    if dtype_of(v) != torch.float32:
+        raise Reject(v, f"the value cast to {target} is {dtype_of(v)}, not fp32 (rounded before the cast)")
+    if not fp8 and not rounded:
+        raise Reject(cast, "no round() before the int8 cast (the cast truncates toward zero)")
+    scaled = v
+    taken.add(scaled)
+    mult = None
+    if is_call(scaled, aten.div.Tensor) and isinstance(scaled.args[1], torch.fx.Node):
+        data, scale, scaling = scaled.args[0], scaled.args[1], "divide"
+    elif is_call(scaled, aten.mul.Tensor) and all(isinstance(a, torch.fx.Node) for a in scaled.args[:2]):
+        a, b = scaled.args[:2]
+        data, mult = (a, b) if is_one(shape_of(b)[-1:]) else (b, a)
+        m = strip_views(mult, taken)
+        while is_call(m, aten.mul.Tensor) and scalar(m.args[1]) == 1.0:  # `1.0 / s` is reciprocal(s) * 1.0
+            taken.add(m)
+            m = strip_views(m.args[0], taken)
+        if is_call(m, aten.reciprocal.default):
+            taken.add(m)
+            scale, scaling = m.args[0], "reciprocal"
+        elif is_call(m, aten.mul.Tensor) and is_call(m.args[0], aten.reciprocal.default) and \
+                scalar(m.args[1]) is not None:
+            taken |= {m, m.args[0]}
+            scale, scaling = m.args[0].args[0], "qmax_over_amax"
+        else:
+            raise Reject(m, "the values are multiplied by something other than 1 / scale or qmax / amax")
+    else:
+        raise Reject(scaled, "the value cast is not x / scale or x * (1 / scale)")
+    dshape = shape_of(data)
+    mshape = shape_of(scale if mult is None else mult)
+    source = strip_exact(data, taken)
+    sdt = dtype_of(source)
+    if sdt not in FLOAT_DTYPES:
+        raise Reject(source, f"quantizes a {sdt} tensor")
+    steps, amax, final = _scale_steps(scale, taken)
+    if amax.data is not source:
+        raise Reject(amax.node, f"the amax is taken of {amax.data.name}, the values divided are {source.name}")
+    if scaling == "qmax_over_amax":
+        if [s[0] for s in steps] not in ([], ["max"]):
+            raise Reject(scale, "qmax / amax with an amax that is not just clamped")
+        p = {"eps": steps[0][1] if steps else 0.0, "min_scale": 0.0, "ue8m0": False, "late": False,
+             "qmax": _qmax_of(mult)}
+        outputs = [u for u in final.users if is_call(u, aten.div.Tensor) and scalar(u.args[1]) == p["qmax"]]
+        taken |= set(outputs)
+    else:
+        p = _scale_params(_merge_max(steps), scale)
+        outputs = [final]
+    # grouping, read from shapes: the divided view [..., g] against its scale [..., 1] in the same flat order
+    ysh = shape_of(source)
+    h = ysh[-1] if ysh else None
+    g = dshape[-1] if dshape else None
+    if not isinstance(h, int) or not isinstance(g, int):
+        raise Reject(source, "the hidden size is not static (mark only the token dimension dynamic)")
+    if not (len(mshape) == len(dshape) and is_one(mshape[-1:]) and same_shape(mshape[:-1], dshape[:-1])):
+        raise Reject(scaled, f"the scale {list(mshape)} does not broadcast once per row of the {list(dshape)} view")
+    if amax.shape[-1] != g or not same_size(numel(amax.shape), numel(dshape)):
+        raise Reject(amax.node, f"the amax groups {amax.shape[-1]} elements, the division {g}")
+    if g != h and h % g:
+        raise Reject(scaled, f"groups of {g} do not divide the hidden size {h}")
+    kind = ("fp8_" if fp8 else "int8_") + ("token" if g == h else "group")
+    qmax = p["qmax"]
+    limit = FP8_MAX if fp8 else INT8_MAX
+    if qmax is None or not 0 < qmax <= limit:
+        raise Reject(scale, f"{'fp8' if fp8 else 'int8'} max {qmax} is outside (0, {limit}]")
+    if lo > -qmax or hi < qmax:
+        raise Reject(cast, f"the values are clamped to [{fmt_num(lo)}, {fmt_num(hi)}] but scaled to +-{fmt_num(qmax)}")
+    scheme = QuantScheme(kind, 0 if g == h else g, p["eps"], p["min_scale"], qmax, p["ue8m0"], False, False,
+                         scaling, p["late"] and p["ue8m0"])
+    taken.discard(source)
+    return QuantMatch(cast, source, scheme, quant_label(scheme), outputs, taken, cast)
+
+
+def _cast_label(cast: torch.fx.Node) -> str:
+    names = {FP8: "fp8", torch.int8: "int8"}
+    return f"{names.get(cast.args[1], str(cast.args[1]).replace('torch.', ''))} quant ({cast.name})"
+
+
+def _qmax_of(mult: Any) -> float | None:
+    m = strip_views(mult)
+    while is_call(m, aten.mul.Tensor) and scalar(m.args[1]) == 1.0:
+        m = strip_views(m.args[0])
+    return scalar(m.args[1]) if is_call(m, aten.mul.Tensor) else None
+
+
+def quant_label(s: QuantScheme) -> str:
+    kind = s.kind.replace("_token", " per-token").replace("_group", f" group-{s.group_size}")
+    extra = [f"eps {fmt_num(s.eps)}"] if s.eps else []
+    extra += [f"min scale {fmt_num(s.min_scale)}"] if s.min_scale else []
+    extra += ["UE8M0" + (" after the clamp" if s.ue8m0_after_min_scale else "")] if s.scale_ue8m0 else []
+    extra += [{"divide": "x / scale", "reciprocal": "x * (1 / scale)", "qmax_over_amax": "x * (qmax / amax)"}[
+        s.scaling]]
+    return f"{kind} quant ({', '.join(extra)})"
+
+
+def recognize_moefx_quant(node: torch.fx.Node) -> list[QuantMatch]:
+    """moefx::quant(y, *scheme) as emitted by `moefx.quantize`: the scheme is given."""
+    scheme = QuantScheme(*node.args[1:])
+    items = {u.args[1]: u for u in node.users if is_call(u, operator.getitem)}
+    q = items.get(0)
+    if q is None:
+        return []
+    outs = [items[1]] if 1 in items else []
+    return [QuantMatch(q, node.args[0], scheme, quant_label(scheme), outs, {node, *items.values()}, node)]
+
+
+def looks_like_quant(cast: torch.fx.Node, budget: int = 64) -> bool:
+    """A cast to an 8-bit type whose input depends, within its nearest `budget` ops, on a max reduction."""
+    frontier, seen = [cast.args[0]], set()
+    while frontier and len(seen) < budget:
+        n = frontier.pop(0)
+        if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target in REDUCTIONS:
+            return True
+        frontier += n.all_input_nodes
+    return False
+
+
+def quant_candidates(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Every node that looks like the end of a dynamic quant: 8-bit casts fed by a max reduction, moefx::quant."""
+    out = []
+    for n in graph.nodes:
+        if is_call(n, QUANT):
+            out.append(n)
+        elif is_call(n, CAST) and (n.args[1] in (FP8, torch.int8) or n.args[1] in OTHER_QUANT_DTYPES) and \
+                looks_like_quant(n):
+            out.append(n)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- producers
+
+
+@dataclass
+class ProducerMatch:
+    """A recognized producer of y and the fused op that replaces it together with y's quants."""
+
+    label: str
+    op: Any  # the fused op (its scheme arguments come last)
+    args: tuple  # its arguments before the scheme
+    nodes: set[torch.fx.Node]  # every node computing y from the op's inputs (y included)
+    residual: list[torch.fx.Node] = field(default_factory=list)  # nodes holding the new residual (op output 2)
+    anchor: torch.fx.Node | None = None
+
+
+# ------------------------------------------------------------------------------------------- graph rewriting
 
 
 def fake_call(op: Any, args: tuple) -> Any:
     """Run `op` on the fake values of `args` (fx nodes) to get the new node's meta value."""
-    vals = torch.fx.map_arg(args, _val)
+    vals = torch.fx.map_arg(args, val)
     fake_mode = torch._guards.detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(vals)])
     if fake_mode is None:
         return op(*vals)
@@ -332,234 +621,198 @@ def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> to
     return item
 
 
-def bound_scalars(match: pm.Match, search: Callable[..., Any], names: dict[str, float], example: list[Any]) -> dict:
-    """The constants a match bound to the pattern's scalar placeholders (eps, qmax, min scale).
-
-    torch 2.11's `register_replacement` re-traces the search function with the graph's own constants before
-    calling `extra_check`, and that specific pattern no longer binds them (only the magic placeholder
-    values are bound). Then the generic pattern, which binds them, is matched on the same output node."""
-    vals = {k: match.kwargs.get(k) for k in names}
-    if all(isinstance(v, (int, float)) for v in vals.values()):
-        return vals
-    key = (search, tuple(names), example[0].dtype)
-    if key not in _GENERIC_PATTERNS:
-        _GENERIC_PATTERNS[key] = pm.gen_pattern(search, example, trace, dict(names))
-    generic = _GENERIC_PATTERNS[key].match(match.output_nodes()[0])
-    if pm.is_match(generic):
-        vals.update({k: generic.kwargs.get(k) for k in names if not isinstance(vals[k], (int, float))})
-    return vals
-
-
-_GENERIC_PATTERNS: dict[tuple, Any] = {}
-
-
-def runtime_scalars(vals: dict[str, Any]) -> str | None:
-    """Constants the fused op needs at compile time but the graph computes at run time (e.g. an eps that
-    `torch.compile(dynamic=True)` turned into a graph input)."""
-    dynamic = [k for k, v in vals.items() if not isinstance(v, (int, float))]
-    if not dynamic:
-        return None
-    return (
-        f"{', '.join(dynamic)} is a runtime value, not a constant (dynamo did not specialize this float: "
-        f"moefx.optimize compiles with torch._dynamo.config.specialize_float=True; with plain torch.compile set it "
-        f"yourself or write the constant as a literal)"
-    )
+def reshaped(graph: torch.fx.Graph, src: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    """`src` reshaped to `like`'s shape (same number of elements, flat order kept)."""
+    want = shape_of(like)
+    if same_shape(shape_of(src), want):
+        return src
+    dyn = [i for i, s in enumerate(want) if not isinstance(s, int)]
+    if len(dyn) > 1:
+        raise Reject(like, "more than one dynamic dimension in an output layout")
+    sizes = [-1 if i in dyn else s for i, s in enumerate(want)]
+    return insert_call(graph, aten.reshape.default, (src, sizes))
 
 
 def dedupe_casts(graph: torch.fx.Graph) -> None:
     """Merge repeated identical dtype casts of one tensor (`y.float()` written twice is not CSE'd in
-    inference graphs), so the quant forms see one cast as their search functions do. Casts are pure."""
+    inference graphs), so one value has one name. Casts are pure."""
     seen: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
-    cast = torch.ops.prims.convert_element_type.default
-    for node in list(graph.find_nodes(op="call_function", target=cast)):
+    for node in list(graph.find_nodes(op="call_function", target=CAST)):
         if node.kwargs or not isinstance(node.args[0], torch.fx.Node):
             continue
-        key = (node.args[0], node.args[1])
-        first = seen.setdefault(key, node)
+        first = seen.setdefault((node.args[0], node.args[1]), node)
         if first is not node:
             node.replace_all_uses_with(first)
             graph.erase_node(node)
 
 
-def quant_users(node: torch.fx.Node) -> tuple[list[torch.fx.Node], str | None]:
-    """The `moefx::quant` nodes reading `node`, or the reason they cannot all be fused with it."""
-    users = list(node.users)
-    if not users:
-        return [], "its output is unused"
-    others = [u for u in users if u.target is not QUANT or u.args[0] is not node]
-    if others:
-        return [], f"its output also feeds {', '.join(sorted({str(u.target) for u in others}))}"
-    schemes = {tuple(u.args[1:]) for u in users}
-    if len(schemes) != 1:
-        return [], f"its output feeds moefx::quant with {len(schemes)} different schemes"
-    return users, None
+# ------------------------------------------------------------------------------------------------ the passes
+
+
+QUANT_PASSES: dict[str, type[QuantFusionPass]] = {}
 
 
 class QuantFusionPass(MoefxPass):
-    """Base of fuse_act_quant and fuse_norm_quant: the three stages above; subclasses name their producers,
-    their unfused op targets and how to fuse one unfused node with its quant users."""
+    """Base of fuse_act_quant and fuse_norm_quant. Subclasses recognize their producers: `recognize_producer(y)`
+    returns a ProducerMatch, raises Reject (their kind, not fusable, with the reason) or NotMine."""
 
     uuid_files = DEPENDENCY_FILES
-    # per concrete class: (quant stage, producer stage) PatternMatcherPasses, registered on first use
-    _stages: ClassVar[tuple[pm.PatternMatcherPass, pm.PatternMatcherPass] | None] = None
-    unfused_targets: ClassVar[tuple[Any, ...]] = ()
+    producer_kind: ClassVar[str] = ""
 
-    # state while `run` is active (passes run one graph at a time, inside one compile)
-    _ctx: PassContext | None = None
-    _predicate_mode = False
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        QUANT_PASSES[cls.name] = cls
 
-    @classmethod
-    def producers(cls) -> list[Producer]:
+    def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:
         raise NotImplementedError
 
-    def fuse(self, graph: torch.fx.Graph, node: torch.fx.Node, ctx: PassContext) -> int:
-        """Fuse unfused node `node` (a target in `unfused_targets`) with its quant users; returns 0 or 1."""
-        raise NotImplementedError
+    def _owner(self, y: torch.fx.Node) -> tuple[type[QuantFusionPass] | None, Any]:
+        """The quant pass whose kind of producer made y, and its match (a ProducerMatch or a Reject)."""
+        for cls in sorted(QUANT_PASSES.values(), key=lambda c: (c.order, c.name)):
+            inst = self if type(self) is cls else cls()
+            try:
+                return cls, inst.recognize_producer(y)
+            except NotMine:
+                continue
+            except Reject as r:
+                return cls, r
+        return None, None
 
-    # ------------------------------------------------------------------------------------------- running
+    def _reports_orphans(self, ctx: PassContext) -> bool:
+        """The first enabled quant pass reports quants no pass can fuse (so each is reported once)."""
+        enabled = [QUANT_PASSES[n] for n in getattr(ctx, "enabled", ()) if n in QUANT_PASSES]
+        if type(self) not in enabled:
+            return True
+        return min(enabled, key=lambda c: (c.order, c.name)) is type(self)
+
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
-        quant_stage, producer_stage = self.stages()
         dedupe_casts(graph)
-        before = set(graph.nodes)
-        cls = type(self)
-        cls._ctx = ctx
-        try:
-            quant_stage.apply(graph)
-            producer_stage.apply(graph)
-        finally:
-            cls._ctx = None
+        enabled = set(getattr(ctx, "enabled", ()) or (self.name,))
+        orphans = self._reports_orphans(ctx)
+        by_source: dict[torch.fx.Node, list[QuantMatch]] = {}
+        for cand in quant_candidates(graph):
+            try:
+                matches = recognize_moefx_quant(cand) if cand.target is QUANT else [recognize_quant(cand)]
+            except Reject as r:
+                if orphans:
+                    ctx.skip(f"{location(cand)}: {_cast_label(cand)} left alone: {r.reason} ({describe(r.node)})")
+                continue
+            for m in matches:
+                by_source.setdefault(m.source, []).append(m)
         fused = 0
-        for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in self.unfused_targets and not node._erased:
-                desc = f"{node.name} ({node.target})"
-                if self.fuse(graph, node, ctx):
-                    fused += 1
-                    log.debug("%s fused %s with its moefx::quant consumer(s)", self.name, desc)
-        for node in graph.nodes:
-            if node.target is QUANT and node not in before:
-                ctx.skip(f"{node.name}: native quant became moefx::quant but its producer was not fused")
+        for y, quants in by_source.items():
+            owner, prod = self._owner(y)
+            head = f"{location(quants[0].anchor)}: {quants[0].label} of {y.name}"
+            if owner is None:
+                if orphans:
+                    ctx.skip(f"{head} left alone: its input {describe(y)} is not a SiLU-mul or RMSNorm output")
+                continue
+            if owner is not type(self):
+                if owner.name not in enabled and orphans:
+                    ctx.skip(f"{head} left alone: its producer is a {owner.producer_kind}; {owner.name} is off")
+                continue
+            if isinstance(prod, Reject):
+                ctx.skip(f"{head} left alone: {prod.reason} ({describe(prod.node)})")
+                continue
+            why = self._fuse(graph, y, quants, prod, ctx)
+            if why is not None:
+                ctx.skip(f"{head} left alone: {why}")
+            else:
+                fused += 1
         if fused:
             graph.eliminate_dead_code()
         return fused
 
-    @classmethod
-    def stages(cls) -> tuple[pm.PatternMatcherPass, pm.PatternMatcherPass]:
-        if cls.__dict__.get("_stages") is None:
-            cls._stages = cls._register()
-        return cls._stages
-
-    @classmethod
-    def _skip(cls, match: pm.Match, reason: str) -> None:
-        if cls._ctx is not None and not cls._predicate_mode:
-            anchor = match.output_nodes()[0]
-            message = f"{getattr(anchor, 'name', anchor)}: {reason}"
-            if message not in cls._ctx.skipped:
-                cls._ctx.skip(message)
-
-    # -------------------------------------------------------------------------------------- registration
-    @classmethod
-    def _register(cls) -> tuple[pm.PatternMatcherPass, pm.PatternMatcherPass]:
-        quant_stage = pm.PatternMatcherPass(pass_name=f"moefx_{cls.name}_quant")
-        producer_stage = pm.PatternMatcherPass(pass_name=f"moefx_{cls.name}_producer")
-        for dtype in TRACE_DTYPES:
-            for form in quant_forms():
-                example = [torch.randn(4, 256, dtype=dtype), *form.scalars.values()]
-                pm.register_replacement(
-                    form.search, cls._quant_replacement(form), example, trace, quant_stage,
-                    extra_check=cls._quant_check(form, producer_stage), scalar_workaround=dict(form.scalars),
-                    skip_duplicates=True,
-                )
-            for prod in cls.producers():
-                example = [torch.randn(*shape, dtype=dtype) for shape in prod.shapes]
-                example += list(prod.scalars.values())
-                pm.register_replacement(
-                    prod.search, prod.replace, example, trace, producer_stage,
-                    extra_check=cls._producer_check(prod), scalar_workaround=dict(prod.scalars),
-                    skip_duplicates=True,
-                )
-        return quant_stage, producer_stage
-
-    @classmethod
-    def _quant_replacement(cls, form: QuantForm) -> Callable[..., Any]:
-        names = list(form.scalars)
-
-        def replace(y, *scalars):
-            scheme = form.scheme(dict(zip(names, scalars)))
-            q, s = moefx_ops.quant(y, *scheme.args())
-            return form.layout(y, q, s)
-
-        return replace
-
-    @classmethod
-    def _quant_check(cls, form: QuantForm, producer_stage: pm.PatternMatcherPass) -> Callable[[pm.Match], bool]:
-        def check(match: pm.Match) -> bool:
-            y = match.kwargs["y"]
-            if not isinstance(y, torch.fx.Node) or not cls._is_producer(y, producer_stage):
-                return False  # not after a producer this pass fuses: not a candidate
-            others = sorted({str(u.target) for u in y.users if u not in match.nodes and u.target is not QUANT})
-            if others:
-                cls._skip(match, f"{form.name} after {y.name} left alone: {y.name} also feeds {', '.join(others)}")
-                return False
-            yv = _val(y)
-            if not isinstance(yv, torch.Tensor) or yv.dtype not in FLOAT_DTYPES:
-                cls._skip(match, f"{form.name}: input dtype {getattr(yv, 'dtype', None)} is not fp32/bf16/fp16")
-                return False
-            example = [torch.randn(4, 256, dtype=yv.dtype), *form.scalars.values()]
-            vals = bound_scalars(match, form.search, form.scalars, example)
-            reason = runtime_scalars(vals)
-            if reason is not None:
-                cls._skip(match, f"{form.name} after {y.name} left alone: {reason}")
-                return False
-            scheme = form.scheme(vals)
-            if isinstance(scheme, str):
-                cls._skip(match, f"{form.name} after {y.name} left alone: {scheme}")
-                return False
-            return True
-
-        return check
-
-    @classmethod
-    def _is_producer(cls, node: torch.fx.Node, producer_stage: pm.PatternMatcherPass) -> bool:
-        """Would stage 2 (or stage 3 directly) take `node` as the producer of a quant? Checks the full
-        producer pattern, constants included, ignoring only who consumes it."""
-        if node.op != "call_function":
-            return False
-        if node.target in cls.unfused_targets:
-            return True
-        if node.target is operator.getitem and node.args[1] == 0 and isinstance(node.args[0], torch.fx.Node):
-            if node.args[0].target in cls.unfused_targets:
-                return True
-        cls._predicate_mode = True
+    def _fuse(self, graph: torch.fx.Graph, y: torch.fx.Node, quants: list[QuantMatch], prod: ProducerMatch,
+              ctx: PassContext) -> str | None:
+        """Replace `prod` and `quants` with one fused op; returns None, or why not."""
+        schemes = {q.scheme for q in quants}
+        if len(schemes) != 1:
+            return f"{y.name} feeds quants with {len(schemes)} different schemes"
+        scheme = schemes.pop()
+        qnodes = set().union(*(q.nodes for q in quants))
+        keep = {q.q for q in quants} | {s for q in quants for s in q.scale_outputs} | set(prod.residual)
+        inner = (prod.nodes | qnodes) - keep
+        for n in sorted(inner, key=lambda n: n.name):
+            stray = [u for u in n.users if u not in inner and u not in keep]
+            if stray:
+                users = ", ".join(sorted({describe(u) for u in stray})[:3])
+                return f"{n.name} ({location(n)}) also feeds {users}; fusing would compute it twice"
+        inputs = [a for a in prod.args if isinstance(a, torch.fx.Node)]
+        inputs += list(graph.find_nodes(op="placeholder"))[-1:]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last = max(inputs, key=lambda n: order[n])
         try:
-            for entry in producer_stage.patterns.get(("call_function", node.target), []):
-                m = entry.pattern.match(node)
-                if pm.is_match(m) and m.output_nodes()[0] is node and entry.extra_check(m):
-                    return True
-        finally:
-            cls._predicate_mode = False
-        return False
+            with graph.inserting_after(last):
+                fused = insert_call(graph, prod.op, (*prod.args, *scheme.args()))
+            with graph.inserting_after(fused):
+                q_out = insert_getitem(graph, fused, 0)
+            with graph.inserting_after(q_out):
+                s_out = insert_getitem(graph, fused, 1)
+            tail = s_out
+            if prod.residual:
+                with graph.inserting_after(s_out):
+                    tail = insert_getitem(graph, fused, 2)
+            res_out = tail
+            repl: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+            with graph.inserting_after(tail):
+                for q in quants:
+                    repl.append((q.q, reshaped(graph, q_out, q.q)))
+                    repl += [(s, reshaped(graph, s_out, s)) for s in q.scale_outputs]
+                repl += [(r, reshaped(graph, res_out, r)) for r in prod.residual]
+        except Reject as r:
+            return r.reason
+        for old, new in repl:
+            if dtype_of(old) != dtype_of(new):
+                raise AssertionError(f"{self.name}: {old.name} {dtype_of(old)} replaced by {dtype_of(new)}")
+            old.replace_all_uses_with(new)
+        if any(order.get(u, len(order)) <= order[last] for _, new in repl for u in new.users):
+            from torch._inductor.pattern_matcher import stable_topological_sort
 
-    @classmethod
-    def _producer_check(cls, prod: Producer) -> Callable[[pm.Match], bool]:
-        def check(match: pm.Match) -> bool:
-            dtype = next((v.dtype for v in map(_val, match.kwargs.values()) if isinstance(v, torch.Tensor)), None)
-            example = [torch.randn(*shape, dtype=dtype) for shape in prod.shapes] + list(prod.scalars.values())
-            vals = bound_scalars(match, prod.search, prod.scalars, example)
-            reason = runtime_scalars(vals) or cls.producer_reason(prod, match)
-            if reason is not None:
-                cls._skip(match, f"{prod.name} left alone: {reason}")
-                return False
-            if cls._predicate_mode:
-                return True
-            y = match.output_nodes()[0]
-            _, why = quant_users(y)
-            if why is not None and any(u.target is QUANT for u in y.users):
-                cls._skip(match, f"{prod.name} ({y.name}) left alone: {why}")
-            return why is None  # without a quant consumer it is not a candidate: nothing to report
-
-        return check
-
-    @classmethod
-    def producer_reason(cls, prod: Producer, match: pm.Match) -> str | None:
-        """Why the unfused op cannot reproduce this producer (dtypes, shapes), or None."""
+            stable_topological_sort(graph)
+        note = f"{location(quants[0].anchor)}: {prod.label} + {quants[0].label} -> {prod.op}"
+        if len(quants) > 1:
+            note += f" (shared by {len(quants)} quants)"
+        ctx_note = getattr(ctx, "note", None)
+        if ctx_note is not None:
+            ctx_note(note)
+        log.debug("%s fused %s", self.name, note)
         return None
+
+
+# ---------------------------------------------------------------------------------------------- for looking
+
+
+class _Captured(Exception):
+    pass
+
+
+def post_grad_graph(fn: Callable[..., Any], args: list[Any], dynamic_rows: bool = False) -> torch.fx.Graph:
+    """The post-grad graph inductor would hand to moefx's passes for `fn(*args)` (dynamo + AOT + inductor's
+    own post-grad passes), captured and returned before code generation. For tests, `explain_fusions` and
+    for looking at what a pass sees. `dynamic_rows` makes dim 0 of every input with 2+ dims symbolic (the
+    token count of a serving graph; hidden sizes stay static as they are in models)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    box: dict[str, torch.fx.Graph] = {}
+
+    def grab(graph: torch.fx.Graph) -> None:
+        box["graph"] = graph
+        raise _Captured
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": grab,
+                                                               "fx_graph_cache": False})
+
+    torch._dynamo.reset()
+    if dynamic_rows:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 2:
+                torch._dynamo.mark_dynamic(a, 0)
+    try:
+        with torch._dynamo.config.patch(specialize_float=True):
+            torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)(*args)
+    except Exception:
+        if "graph" not in box:
+            raise
+    return box["graph"]
