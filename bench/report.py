@@ -135,22 +135,14 @@ def section(title: str, r: dict[str, Any], *, what: str, peer: str, floor: str, 
 E2E_ARMS = {
     "hf_eager": "transformers `generate()`, eager, dynamic cache",
     "hf_static": "transformers `generate()` with its static cache and auto-compile (the peer)",
-    "moefx": "`moefx.optimize(model)` + `generate()`",
-    "moefx_static": "`moefx.optimize(model)` with a static cache (the 2026-12-01 anchor does not record the call)",
-    "moefx_decodeloop": "`moefx.sampling.DecodeLoop(model, cuda_graphs=True)` after `moefx.optimize`",
-    "moefx_decodeloop_fp8": "as `moefx_decodeloop`, with FP8 block-128 weights (`moefx.quantize`)",
-    "compiled_step_probe": "a probe, not a moefx API: `torch.compile(step, mode='reduce-overhead')` of a plain "
-                           "decode step on a model after `moefx.optimize(model, config={'mode': 'eager'})`",
-    "moefx_offload": "experts in host memory (`offload: {experts: cpu}`) + `generate()`",
-    "moefx_offload_loop": "experts in host memory, a decode loop without `generate()` (which one the 2026-12-01 "
-                          "anchor does not record)",
-    "moefx_capture": "`moefx.optimize(model, config={'mode': 'capture'})` + `generate(cache_implementation='static')`",
+    "moefx": "`moefx.optimize(model)` + `generate()`: moefx's engine (static cache, compiled prefill and decode "
+             "step, one CUDA graph per step)",
+    "moefx_fp8": "the same model after `moefx.quantize(model, 'fp8_block128')`, then as `moefx`",
 }
 PREFILL_ARMS = {
     "hf_eager": "transformers forward, eager (grouped_mm experts)",
     "hf_compiled": "transformers forward (grouped_mm experts) under `torch.compile`",
-    "moefx_experts_eager": "transformers forward with `experts_implementation='moefx'`, eager",
-    "moefx_experts_compiled": "the same under `torch.compile`",
+    "moefx": "`generate(max_new_tokens=1)` after `moefx.optimize`: the engine's compiled prefill",
 }
 
 
@@ -227,16 +219,17 @@ def render_e2e(r: dict[str, Any]) -> str:
     prefill = r.get("prefill") or []
     if not prefill:
         return decode_md
-    ppeer = {(p["layers"], p["tokens"]): p["ms"] for p in prefill if p["arm"] == "hf_compiled"}
+    peer_arm = "hf_compiled" if any(p["arm"] == "hf_compiled" for p in prefill) else "hf_eager"
+    ppeer = {(p["layers"], p["tokens"]): p["ms"] for p in prefill if p["arm"] == peer_arm}
     prow = [(p["layers"], p["tokens"], f"`{p['arm']}`", num(p["ms"], 1), num(p.get("floor_ms"), 1),
              num(p.get("x_floor"), 2), ratio(ppeer.get((p["layers"], p["tokens"])), p["ms"])
-             if p["arm"] != "hf_compiled" else "–") for p in prefill]
+             if p["arm"] != peer_arm else "–") for p in prefill]
     pbody = table(["layers", "tokens", "arm", "ms", "floor ms", "× floor", "peer ms / ms"], prow)
     pbody += "\n\nArms:\n" + "\n".join(f"- `{a}`: {PREFILL_ARMS.get(a, a)}" for a in
                                        dict.fromkeys(p["arm"] for p in prefill))
     prefill_md = section(
         "Prefill", r, what="One forward over the prompt, B=1, same model family and run as the decode table.",
-        peer="`hf_compiled` in the same run", body=pbody,
+        peer=f"`{peer_arm}` in the same run", body=pbody,
         floor=f"the forward's FLOPs / the measured bf16 matmul rate "
               f"({num((r.get('ceilings') or {}).get('bf16_matmul_TFLOPs'), 0)} TFLOP/s)")
     return decode_md + "\n" + prefill_md

@@ -73,9 +73,10 @@ def test_sharded_model_generates_the_unsharded_tokens(runs, world, family):
     assert res["ref_greedy"].shape == (B, NEW_TOKENS)
     for key in ("greedy", "sampled", "loop"):
         _same_on_every_rank(results, family, key)
-    assert torch.equal(res["greedy"], res["ref_greedy"])  # transformers' generate, full logits
+    assert torch.equal(res["greedy"], res["ref_greedy"])  # generate() on the sharded model == transformers unsharded
     assert torch.equal(res["loop"], res["ref_greedy"])  # greedy_step: the distributed greedy
     assert torch.equal(res["sampled"], res["ref_sampled"])  # sampling, same seed on every rank
+    assert res["engine"] == dict(requests=2, fallbacks=[], head=True)  # both on moefx's engine, greedy by the head
     assert not torch.equal(res["sampled"], res["ref_greedy"])  # the sampling run really sampled
     cfg = _config(family)
     experts = cfg.num_experts if family == "qwen3_moe" else cfg.n_routed_experts

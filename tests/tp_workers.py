@@ -221,7 +221,9 @@ def family_run(family: str, rank: int, world: int, out_dir: Path, experts: str =
     ref = reference_model(family, world)
     ids = torch.randint(0, 256, PROMPT, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        ref_greedy, ref_sampled = _generate(ref, ids)
+        ref_greedy, _ = _generate(ref, ids)
+        # the sharded model samples on moefx's engine (its sampler's random stream): so does the reference
+        _, ref_sampled = _generate(moefx.optimize(copy.deepcopy(ref), config={"mode": "eager"}), ids)
     model = shard_model(copy.deepcopy(ref), experts=experts)
     ms = ModelSignature.from_module(model)
     tp, ep = (world, 1) if experts == "tp" else (1, world)
@@ -230,9 +232,12 @@ def family_run(family: str, rank: int, world: int, out_dir: Path, experts: str =
     with torch.no_grad(), _MoeCalls() as calls:
         greedy, sampled = _generate(model, ids)
         loop, greedy_comm, full_comm = greedy_loop(model, ids, NEW_TOKENS)
+    front = model.moefx_generate  # generate() ran on moefx's engine: greedy through the head's distributed greedy
+    engine = dict(requests=front.engine.stats.requests, fallbacks=list(front.fallbacks),
+                  head=front.engine._head is not None)
     return dict(ref_greedy=ref_greedy, ref_sampled=ref_sampled, greedy=greedy, sampled=sampled, loop=loop,
                 greedy_comm=greedy_comm, full_comm=full_comm, w13_shapes=calls.w13_shapes, signature=ms,
-                plan=_plan_facts(model))
+                plan=_plan_facts(model), engine=engine)
 
 
 def traced_step(rank: int, world: int) -> dict[str, Any]:

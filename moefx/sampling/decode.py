@@ -51,9 +51,10 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _advance(logits: torch.Tensor, state: dict[str, torch.Tensor], params: SamplingParams) -> None:
-    """Pick the next token of every row and move the static buffers one position on, in place."""
-    nxt = sample(logits, params)
+def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], params: SamplingParams, ids: bool) -> None:
+    """Pick the next token of every row (`scores` are logits, or the tokens themselves when `ids`) and move the
+    static buffers one position on, in place."""
+    nxt = scores if ids else sample(scores, params)
     finished = state["finished"]
     # Like transformers: finished rows emit the pad id only when EOS ids are set (`pad_finished`).
     nxt = torch.where(finished & state["pad_finished"], state["pad"], nxt)
@@ -128,6 +129,13 @@ class DecodeLoop:
         self.model, self.max_len = model, max_len
         self._model_forward = forward or model.forward
         self._cache_arg = cache_kwarg(self._model_forward)
+        from moefx.parallel.lm_head import greedy_head
+
+        # A vocab-parallel LM head (tensor parallelism): greedy steps take the token from one all-gather of
+        # (max, argmax) per row and rank instead of the full logits (moefx/parallel/lm_head.py).
+        self._head = greedy_head(model)
+        decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+        self._decoder_cache_arg = cache_kwarg(decoder.forward) if self._head is not None else "past_key_values"
         self._cache_cls = StaticCache
         self.cuda_graphs = cuda_graphs
         self.capture_sizes = sorted(set(capture_sizes)) if capture_sizes else []
@@ -165,28 +173,35 @@ class DecodeLoop:
     # -- the model calls -------------------------------------------------------------------------------------
 
     def _prefill_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-                         attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
-        return self._run(input_ids, position_ids, cache_position, attention_mask, cache)
+                         attention_mask: torch.Tensor | None, cache: Any, ids: bool = False) -> torch.Tensor:
+        return self._run(input_ids, position_ids, cache_position, attention_mask, cache, ids)
 
     def _decode_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-                        attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
-        return self._run(input_ids, position_ids, cache_position, attention_mask, cache)
+                        attention_mask: torch.Tensor | None, cache: Any, ids: bool = False) -> torch.Tensor:
+        return self._run(input_ids, position_ids, cache_position, attention_mask, cache, ids)
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-             attention_mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
-        """Last-position logits [rows, V] of one forward (two entry points so prefill and decode compile apart)."""
+             attention_mask: torch.Tensor | None, cache: Any, ids: bool = False) -> torch.Tensor:
+        """Last-position logits [rows, V] of one forward, or with `ids` the greedy tokens [rows] through the
+        vocab-parallel head (two entry points so prefill and decode compile apart)."""
+        if ids:
+            from moefx.parallel.lm_head import greedy_step
+
+            return greedy_step(self.model, input_ids=input_ids, position_ids=position_ids,
+                               cache_position=cache_position, attention_mask=attention_mask,
+                               **{self._decoder_cache_arg: cache})
         out = self._model_forward(
             input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
             attention_mask=attention_mask, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
         )
         return out.logits[:, -1]
 
-    def _step(self, slot: _Slot, params: SamplingParams, masked: bool) -> torch.Tensor:
+    def _step(self, slot: _Slot, params: SamplingParams, masked: bool, ids: bool) -> torch.Tensor:
         st = slot.state
-        logits = self._decode(st["tokens"], st["position_ids"], st["cache_position"],
-                              slot.mask if masked else None, slot.cache)
-        self._pick(logits, st, params)
-        return logits
+        scores = self._decode(st["tokens"], st["position_ids"], st["cache_position"],
+                              slot.mask if masked else None, slot.cache, ids)
+        self._pick(scores, st, params, ids)
+        return scores
 
     # -- buckets, caches and graphs --------------------------------------------------------------------------
 
@@ -229,18 +244,18 @@ class DecodeLoop:
         self._slots[rows] = slot
         return slot
 
-    def _graph(self, slot: _Slot, params: SamplingParams, masked: bool) -> tuple[Any, torch.Tensor | None]:
+    def _graph(self, slot: _Slot, params: SamplingParams, masked: bool, ids: bool) -> tuple[Any, torch.Tensor | None]:
         """The captured step for these params (captured on first use), or (None, None) to run it directly."""
-        key = (params, masked)
+        key = (params, masked, ids)
         if key in slot.graphs:
             return slot.graphs[key], slot.logits.get(key)
-        graph, logits = self._capture(slot, params, masked)
+        graph, logits = self._capture(slot, params, masked, ids)
         slot.graphs[key] = graph
         if logits is not None:
             slot.logits[key] = logits
         return graph, logits
 
-    def _capture(self, slot: _Slot, params: SamplingParams, masked: bool) -> tuple[Any, torch.Tensor | None]:
+    def _capture(self, slot: _Slot, params: SamplingParams, masked: bool, ids: bool) -> tuple[Any, torch.Tensor | None]:
         why = _uncapturable_cache(slot.cache)
         if why is not None:
             return self._uncaptured(slot, why)
@@ -253,13 +268,13 @@ class DecodeLoop:
         side.wait_stream(torch.cuda.current_stream(device))
         syncs = None
         with torch.cuda.stream(side):
-            self._step(slot, params, masked)  # compiles, initializes lazy state
+            self._step(slot, params, masked, ids)  # compiles, initializes lazy state
             # A step that syncs the host cannot be captured, and a capture that fails half-way leaves the RNG and
             # the graph memory pool unusable: find out first, with host syncs turned into errors.
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                self._step(slot, params, masked)
+                self._step(slot, params, masked, ids)
             except RuntimeError as exc:
                 syncs = str(exc).splitlines()[0]
             finally:
@@ -276,7 +291,7 @@ class DecodeLoop:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._step(slot, params, masked)
+                logits = self._step(slot, params, masked, ids)
         except RuntimeError as exc:
             self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
@@ -340,13 +355,15 @@ class DecodeLoop:
         st["finished"].fill_(False)
         st["finished"][batch:] = True
         slot.cache.reset()
-        logits = self._prompt(slot, prompt, positions, masked)
+        # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
+        ids = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
+        logits = self._prompt(slot, prompt, positions, masked, ids)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
-        self._pick(logits, st, params)
+        self._pick(logits, st, params, ids)
 
         stopper = _LateStop(device, enabled=bool(eos) or bool(stopping_criteria))
-        graph, graph_logits = self._graph(slot, params, masked) if graphs and max_new_tokens > 1 else (None, None)
+        graph, graph_logits = self._graph(slot, params, masked, ids) if graphs and max_new_tokens > 1 else (None, None)
         produced = max_new_tokens
         for step in range(max_new_tokens):
             if step > 0:
@@ -354,7 +371,7 @@ class DecodeLoop:
                     graph.replay()
                     logits = graph_logits
                 else:
-                    logits = self._step(slot, params, masked)
+                    logits = self._step(slot, params, masked, ids)
             if logits_out is not None:
                 logits_out.append(logits[:batch].clone())
             if stopping_criteria:
@@ -364,26 +381,26 @@ class DecodeLoop:
                 break
         return st["seq"][:batch, : prompt + produced].clone()
 
-    def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool) -> torch.Tensor:
+    def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool, ids: bool) -> torch.Tensor:
         """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
         loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
         then copied into the static cache; other caches take the prompt directly."""
         from transformers import DynamicCache
 
         st = slot.state
-        ids = st["seq"][:, :prompt]
-        cache_position = torch.arange(prompt, device=ids.device)
+        tokens = st["seq"][:, :prompt]
+        cache_position = torch.arange(prompt, device=tokens.device)
         if self.compiled:
-            for t in (ids, positions):
+            for t in (tokens, positions):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             torch._dynamo.maybe_mark_dynamic(cache_position, 0)
         if _uncapturable_cache(slot.cache) is not None:
-            return self._prefill(ids, positions, cache_position, slot.mask if masked else None, slot.cache)
+            return self._prefill(tokens, positions, cache_position, slot.mask if masked else None, slot.cache, ids)
         prompt_cache = DynamicCache(config=self.model.config)
         mask = slot.mask[:, :prompt] if masked else None
         if mask is not None and self.compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
-        logits = self._prefill(ids, positions, cache_position, mask, prompt_cache)
+        logits = self._prefill(tokens, positions, cache_position, mask, prompt_cache, ids)
         for static, dynamic in zip(slot.cache.layers, prompt_cache.layers):
             static.keys[:, :, :prompt].copy_(dynamic.keys)
             static.values[:, :, :prompt].copy_(dynamic.values)
