@@ -2,10 +2,13 @@
 
 With `from_pretrained(..., experts_implementation="moefx")` or `model.set_experts_implementation("moefx")`,
 every experts module decorated with transformers' `use_experts_implementation` runs `moefx::moe_experts`
-(backend chosen per call by M). What the op cannot take — biases, interleaved gate/up rows, a custom gate,
-an activation other than SiLU, experts without a gate — runs transformers' default experts path (grouped_mm)
-with a one-time warning naming the reason; transposed weights are passed as views, and a backend that needs
+(backend chosen per call by M). The gate activation is read from the module's `act_fn` by type (SiLU, exact
+GELU, GELU's tanh approximation: moefx/backends/activation.py). What the op cannot take — biases, interleaved
+gate/up rows, a custom gate, another activation, experts without a gate, a post-expert norm — runs transformers'
+default experts path (grouped_mm) with a one-time warning naming the reason (issued while tracing under
+`torch.compile`, without a graph break); transposed weights are passed as views, and a backend that needs
 contiguous rows says so and the op runs that default path. `upstream` ranges of the policy also run it.
+The op is differentiable, so training, gradient checkpointing and `retain_grad` work as with grouped_mm.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from moefx.backends.activation import gelu_name, module_types
 from moefx.backends.op import moe_experts
 from moefx.log import warn_once
 from moefx.transforms import register_model_transform
 
 NAME = "moefx"
-_SILU_TYPES: tuple[type, ...] = (nn.SiLU,)
+_ACT_TYPES = module_types()
 
 
 def _default_gate() -> Any:
@@ -29,10 +33,14 @@ def _default_gate() -> Any:
     return _default_apply_gate
 
 
-def _is_silu(act: Any) -> bool:
-    from transformers.activations import SiLUActivation
-
-    return isinstance(act, (*_SILU_TYPES, SiLUActivation))
+def activation_name(act: Any) -> str | None:
+    """The op's activation name for an experts module's `act_fn`, or None when the op has no such epilogue."""
+    if isinstance(act, nn.GELU):
+        return gelu_name(act)
+    for cls, name in _ACT_TYPES:
+        if isinstance(act, cls):
+            return name
+    return None
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -57,6 +65,8 @@ def _fp8_reason(module: nn.Module) -> str | None:
         return "per-tensor FP8 weight scales (the op takes 2-D blocks)"
     if getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None:
         return "a clamped SwiGLU gate"
+    if getattr(module, "gate_softcap", None) is not None:
+        return "a softcapped SwiGLU gate"
     bn, bk = int(block[0]), int(block[1])
     for w, sc in ((module.gate_up_proj, module.gate_up_proj_scale_inv), (module.down_proj, module.down_proj_scale_inv)):
         want = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
@@ -73,10 +83,14 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return "expert biases"
     if not module.is_concatenated:
         return "interleaved gate/up rows"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert parallelism (sentinel expert ids)"
     if not is_fp8_module(module) and getattr(type(module), "_apply_gate", None) is not _default_gate():
         return f"a custom gate ({type(module).__name__}._apply_gate)"
-    if not _is_silu(getattr(module, "act_fn", None)):
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the op computes SiLU)"
+    if activation_name(getattr(module, "act_fn", None)) is None:
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the op computes SiLU, GELU, GELU-tanh)"
     return _fp8_reason(module) if is_fp8_module(module) else None
 
 
@@ -94,7 +108,10 @@ def moefx_experts_forward(
     if self.is_transposed:
         w13, w2 = w13.transpose(-2, -1), w2.transpose(-2, -1)
     backend = getattr(self, "moefx_backend", "auto")
-    return moe_experts(hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers")
+    return moe_experts(
+        hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers",
+        activation=activation_name(self.act_fn),
+    )
 
 
 def moefx_fp8_experts_forward(
@@ -113,6 +130,7 @@ def moefx_fp8_experts_forward(
         hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, backend=backend,
         w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv,
         block_shape=tuple(int(b) for b in self.block_size), upstream="transformers",
+        activation=activation_name(self.act_fn),
     )
 
 
