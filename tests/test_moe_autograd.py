@@ -116,7 +116,7 @@ def test_grouped_mm_backward_path_equals_the_reference(dtype):
 
 
 def test_fp8_weights_give_activation_gradients_and_stay_frozen():
-    from tests.backends_util import quant_block
+    from backends_util import quant_block
 
     from moefx.backends.registry import dequant_block
 
@@ -168,7 +168,8 @@ def test_fullgraph_compile_traces_forward_and_backward_as_one_node_each():
     for got, want in zip((x.grad, w.grad, *(p.grad for p in params)), (x_ref.grad, w_ref.grad,
                                                                        *(p.grad for p in ref_params))):
         assert _rel(got, want) < 1e-5
-    ops = {kind: [n.target for g in gs for n in g.graph.nodes if n.op == "call_function"] for kind, gs in graphs.items()}
+    ops = {kind: [n.target for g in gs for n in g.graph.nodes if n.op == "call_function"]
+           for kind, gs in graphs.items()}
     assert ops["forward"].count(torch.ops.moefx.moe_experts.default) == 1
     assert ops["backward"].count(torch.ops.moefx.moe_experts_backward.default) == 1
     torch._dynamo.reset()
@@ -194,11 +195,12 @@ def test_cuda_backward_through_the_kernels_matches_the_reference(activation):
         hidden, ids, tw, w13, w2 = _inputs(m, seed=10 + m, dtype=torch.bfloat16, device="cuda", unused=3,
                                            shape=(16, 256, 128))
         assert backward_path(hidden, w2) == "grouped_mm"
-        out, grads = _grads(lambda x, w, a, b, be=backend: moe_experts(x, ids, w, a, b, backend=be,
-                                                                      activation=activation), (hidden, tw, w13, w2))
+        out, grads = _grads(lambda x, w, a, b, be=backend, ids=ids: moe_experts(x, ids, w, a, b, backend=be,
+                                                                               activation=activation),
+                            (hidden, tw, w13, w2))
         cpu = [t.cpu().float() for t in (hidden, tw, w13, w2)]
-        ref_out, ref = _grads(lambda x, w, a, b: moe_experts(x, ids.cpu(), w, a, b, backend="legacy",
-                                                             activation=activation), cpu)
+        ref_out, ref = _grads(lambda x, w, a, b, ids=ids.cpu(): moe_experts(x, ids, w, a, b, backend="legacy",
+                                                                           activation=activation), cpu)
         assert _rel(out.cpu(), ref_out) < 2e-2
         for name, got, want in zip(("hidden", "topk_weights", "w13", "w2"), grads, ref):
             assert got.dtype == torch.bfloat16 and _rel(got.cpu(), want) < 3e-2, (m, name)

@@ -42,16 +42,18 @@ class Activation:
     kernel_id: int  # the Triton kernels' ACT constexpr
     fn: Callable[[torch.Tensor], torch.Tensor]
     grad: Callable[[torch.Tensor], torch.Tensor]  # d act / d g, elementwise
-    # transformers.activations class names (looked up by name: some exist only in some versions) and torch modules
+    # transformers.activations class names (looked up by name: some exist only in some versions), torch modules and
+    # plain functions an experts module may hold as its act_fn
     hf_classes: tuple[str, ...] = ()
     torch_modules: tuple[type, ...] = ()
+    functions: tuple[Callable, ...] = ()
 
 
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (
-        Activation("silu", 0, F.silu, _silu_grad, ("SiLUActivation",), (torch.nn.SiLU,)),
-        Activation("gelu", 1, F.gelu, _gelu_grad, ("GELUActivation",)),
+        Activation("silu", 0, F.silu, _silu_grad, ("SiLUActivation",), (torch.nn.SiLU,), (F.silu,)),
+        Activation("gelu", 1, F.gelu, _gelu_grad, ("GELUActivation",), (), (F.gelu,)),
         Activation(
             "gelu_tanh", 2, lambda g: F.gelu(g, approximate="tanh"), _gelu_tanh_grad,
             ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation", "AccurateGELUActivation"),
@@ -78,6 +80,11 @@ def module_types() -> tuple[tuple[type, str], ...]:
         out += [(c, a.name) for c in (getattr(hf_act, n, None) for n in a.hf_classes) if isinstance(c, type)]
         out += [(c, a.name) for c in a.torch_modules]
     return tuple(out)
+
+
+def function_names() -> dict[Callable, str]:
+    """Plain functions (`act_fn = F.silu`) and the op's name for each."""
+    return {f: a.name for a in ACTIVATIONS.values() for f in a.functions}
 
 
 def gelu_name(act: torch.nn.GELU) -> str:

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from moefx.backends.activation import gelu_name, module_types
+from moefx.backends.activation import function_names, gelu_name, module_types
 from moefx.backends.op import moe_experts
 from moefx.log import warn_once
 from moefx.transforms import register_model_transform
 
 NAME = "moefx"
 _ACT_TYPES = module_types()
+_ACT_FUNCTIONS = function_names()
 
 
 def _default_gate() -> Any:
@@ -37,6 +38,8 @@ def activation_name(act: Any) -> str | None:
     """The op's activation name for an experts module's `act_fn`, or None when the op has no such epilogue."""
     if isinstance(act, nn.GELU):
         return gelu_name(act)
+    if not isinstance(act, nn.Module):
+        return _ACT_FUNCTIONS.get(act)
     for cls, name in _ACT_TYPES:
         if isinstance(act, cls):
             return name
@@ -90,7 +93,9 @@ def unsupported_reason(module: nn.Module) -> str | None:
     if not is_fp8_module(module) and getattr(type(module), "_apply_gate", None) is not _default_gate():
         return f"a custom gate ({type(module).__name__}._apply_gate)"
     if activation_name(getattr(module, "act_fn", None)) is None:
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the op computes SiLU, GELU, GELU-tanh)"
+        act = getattr(module, "act_fn", None)
+        name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
+        return f"activation {name} (the op computes SiLU, GELU, GELU-tanh)"
     return _fp8_reason(module) if is_fp8_module(module) else None
 
 
