@@ -13,7 +13,7 @@ import transformers
 from moefx.integrations import transformers_compat as tc
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
-# families whose rows must exist, run the op and pass every check (transformers' own MoE test suites; Gemma 4: GELU-tanh)
+# rows that must exist, run the op and pass every check (transformers' own MoE test suites; Gemma 4: GELU-tanh)
 CORE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "gemma4_text",
         "qwen3_moe hidden_act=gelu")
 DOC = Path(__file__).resolve().parents[1] / "docs" / "COMPAT.md"
