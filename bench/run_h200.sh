@@ -8,6 +8,7 @@
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
+#                                                        #   moe-backward (autograd vs transformers' grouped_mm)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -67,11 +68,12 @@ for s in "${stages[@]}"; do
                 --metrics "regex:smsp__average_warps?_.*issue_stalled_.*" --import-source no \
                 -o "$OUT/ncu-stalls-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
+        moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped)" ;;
     esac
 done
 rm -rf "$RES/inductor"
