@@ -7,8 +7,9 @@ Per (token m, slot j) pair with expert e = topk_ids[m, j], routing weight w and 
 The forward op saves only its inputs, so gu is recomputed here: five GEMMs (one recompute, dA, dW2, dx, dW13)
 against four for autograd through transformers' grouped_mm forward, which keeps its intermediates instead.
 Two paths, one result (`backward_path` picks):
-- "grouped_mm": pairs sorted by expert, every GEMM one `torch._grouped_mm` call (CUTLASS grouped GEMMs on
-  Hopper), the activation backward and the routing-weight dot in fp32 between them; no host sync. CUDA, bf16
+- "grouped_mm": pairs sorted by expert (each expert's rows closed by one zero row, so no group is empty), every
+  GEMM one `torch._grouped_mm` call (CUTLASS grouped GEMMs on Hopper), the activation backward and the
+  routing-weight dot in fp32 between them; no host sync. CUDA, bf16
   activations, H and I multiples of 8 (16-byte rows), capability >= 8.0; FP8 block weights are dequantized to bf16
   for the call (transient memory of one bf16 copy of the layer's experts).
 - "reference": a loop over the experts hit (host sync), computed in fp32 (fp64 for fp64 inputs: gradcheck).
@@ -120,40 +121,47 @@ def backward_grouped_mm(
     activation: str,
     needs: Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same gradients as `backward_reference`, each GEMM one `torch._grouped_mm` over the pairs sorted by expert."""
+    """The same gradients as `backward_reference`, each GEMM one `torch._grouped_mm` over the pairs sorted by expert.
+
+    Every expert's group of rows ends with one row of zeros, so no group is empty: a weight-gradient GEMM (groups
+    along K) is then never asked for a K = 0 group, whose output a grouped GEMM kernel may leave unwritten (CUTLASS
+    issue 2674); the zero rows add nothing to any gradient.
+    """
     need_x, need_w, need_w13, need_w2 = needs
     act = get_activation(activation)
-    dt = hidden.dtype
+    dt, dev = hidden.dtype, hidden.device
     w13_in, w2_in = w13, w2
     w13 = _weights(w13, w13_scale, block_shape).to(dt)
     w2 = _weights(w2, w2_scale, block_shape).to(dt)
     m, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
+    num_pairs, num_experts = m * k, w13.shape[0]
+    flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order].to(torch.int32)
-    bounds = torch.arange(1, w13.shape[0] + 1, dtype=torch.int32, device=hidden.device)
-    offs = torch.searchsorted(sorted_e, bounds).to(torch.int32)
-    tok = order // k
-    x = hidden[tok]
+    sorted_e = flat[order]
+    row = torch.arange(num_pairs, device=dev) + sorted_e  # sorted pair -> its row (expert e's zero rows precede)
+    bounds = torch.arange(1, num_experts + 1, device=dev)
+    offs = (torch.searchsorted(sorted_e, bounds - 1, right=True) + bounds).to(torch.int32)
+    pair = torch.full((num_pairs + num_experts,), num_pairs, dtype=torch.long, device=dev).index_copy_(0, row, order)
+    row_of_pair = torch.empty_like(order).index_copy_(0, order, row)  # original pair -> its row
+    tok = torch.where(pair < num_pairs, pair // k, m)  # zero rows read the appended zero token
+    x = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[tok]
+    go = torch.cat([grad_out.to(dt), hidden.new_zeros(1, hidden.shape[1])])[tok]
+    w = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])[pair][:, None]
     g, u = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
     act_g = act.fn(g)
-    go = grad_out.to(dt)[tok]
-    d_a = torch._grouped_mm(go, w2, offs=offs).float()
-    w = topk_weights.reshape(-1)[order].float()[:, None]
+    d_a = torch._grouped_mm(go, w2, offs=offs).float()  # dout W2[e]: the unweighted gradient of a
     dtw = _empty(topk_weights)
     if need_w:
-        dtw = torch.empty_like(w[:, 0]).index_copy_(0, order, (d_a * act_g * u).sum(dim=-1))
-        dtw = dtw.view(m, k).to(topk_weights.dtype)
+        dtw = (d_a * act_g * u).sum(dim=-1)[row_of_pair].view(m, k).to(topk_weights.dtype)
     dw2 = _empty(w2_in)
-    if need_w2:  # [H, P] (a transposed row-major view) x [P, I], grouped along P
+    if need_w2:  # [H, rows] (a transposed row-major tensor) x [rows, I], grouped along the rows
         dw2 = torch._grouped_mm((go.float() * w).to(dt).T, (act_g * u).to(dt), offs=offs).to(w2_in.dtype)
     d_a = d_a * w
     dgu = torch.cat([d_a * u * act.grad(g), d_a * act_g], dim=-1).to(dt)
     dx = _empty(hidden)
     if need_x:
-        dx_pairs = torch._grouped_mm(dgu, w13, offs=offs)
-        dx = torch.empty_like(dx_pairs).index_copy_(0, order, dx_pairs)
-        dx = dx.view(m, k, -1).sum(dim=1, dtype=torch.float32).to(dt)
+        dx_rows = torch._grouped_mm(dgu, w13, offs=offs)
+        dx = dx_rows[row_of_pair].view(m, k, -1).sum(dim=1, dtype=torch.float32).to(dt)
     dw13 = _empty(w13_in)
     if need_w13:
         dw13 = torch._grouped_mm(dgu.T, x, offs=offs).to(w13_in.dtype)
