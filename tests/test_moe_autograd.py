@@ -29,7 +29,7 @@ def _inputs(m: int, seed: int, dtype: torch.dtype = torch.float32, device: str =
     return [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in (hidden, ids, tw, w13, w2)]
 
 
-def _loop_forward(hidden, ids, tw, w13, w2, activation="silu"):
+def _loop_forward(hidden, ids, tw, w13, w2, activation="silu", limit=None):
     """The op's math as a plain differentiable loop over (token, slot) pairs (autograd gives its gradients)."""
     act = ACTIVATIONS[activation].fn
     rows = []
@@ -38,6 +38,8 @@ def _loop_forward(hidden, ids, tw, w13, w2, activation="silu"):
         for j in range(ids.shape[1]):
             e = int(ids[m, j])
             gate, up = (w13[e] @ hidden[m]).chunk(2)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
             acc = acc + tw[m, j] * (w2[e] @ (act(gate) * up))
         rows.append(acc)
     return torch.stack(rows)
@@ -56,15 +58,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
-def test_gradcheck_fp64_reference(activation):
-    """Numerical vs analytical Jacobians of every differentiable input (tiny: one forward per input element)."""
+@pytest.mark.parametrize(("activation", "limit"), [*((a, None) for a in sorted(ACTIVATIONS)), ("silu", 0.4)])
+def test_gradcheck_fp64_reference(activation, limit):
+    """Numerical vs analytical Jacobians of every differentiable input (tiny: one forward per input element); limit
+    0.4 clamps part of the gate and up values (none lies within gradcheck's step of the bound)."""
     hidden, ids, tw, w13, w2 = _inputs(4, seed=1, dtype=torch.float64, unused=1, shape=(4, 4, 3))
     args = [t.requires_grad_() for t in (hidden, tw, w13, w2)]
 
     def fn(x, w, a, b):
-        return moe_experts(x, ids, w, a, b, backend="legacy", activation=activation)
+        return moe_experts(x, ids, w, a, b, backend="legacy", activation=activation, gate_limit=limit)
 
+    if limit is not None:
+        gu = torch.einsum("eoh,mh->meo", w13, hidden)[torch.arange(4)[:, None], ids]
+        assert 0 < (gu.abs() > limit).float().mean() < 1  # the clamp is active somewhere, not everywhere
     assert torch.autograd.gradcheck(fn, args)
 
 
@@ -86,6 +92,16 @@ def test_every_cpu_forward_backend_has_the_loops_gradients(activation):
     assert ref[2][: E - 2].abs().amax() > 1e-3 and ref[2][E - 2 :].abs().amax() == 0
 
 
+def test_clamped_gate_gradients_match_the_loop():
+    hidden, ids, tw, w13, w2 = _inputs(7, seed=12, unused=1)
+    ref_out, ref = _grads(lambda x, w, a, b: _loop_forward(x, ids, w, a, b, "silu", 0.5), (hidden, tw, w13, w2))
+    for backend in ("legacy", "grouped", "gemv"):
+        out, grads = _grads(lambda x, w, a, b, be=backend: moe_experts(x, ids, w, a, b, backend=be, gate_limit=0.5),
+                            (hidden, tw, w13, w2))
+        assert _rel(out, ref_out) < 1e-5
+        assert all(_rel(g, r) < 1e-5 for g, r in zip(grads, ref)), backend
+
+
 def test_only_requested_gradients_are_computed():
     """Frozen expert weights (LoRA on attention, router training): no weight gradient, the others still right."""
     hidden, ids, tw, w13, w2 = _inputs(6, seed=3)
@@ -99,14 +115,14 @@ def test_only_requested_gradients_are_computed():
     assert _rel(x.grad, x_ref.grad) < 1e-5 and _rel(w.grad, w_ref.grad) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_backward_path_equals_the_reference(dtype):
+@pytest.mark.parametrize(("dtype", "limit"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 0.5)])
+def test_grouped_mm_backward_path_equals_the_reference(dtype, limit):
     """The CUDA path's algorithm (sort by expert, five torch._grouped_mm calls) run on the CPU's grouped_mm."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
     hidden, ids, tw, w13, w2 = _inputs(9, seed=4, dtype=dtype, unused=2)
     grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
-    args = (grad, hidden, ids, tw, w13, w2, None, None, None, "gelu", [True] * 4)
+    args = (grad, hidden, ids, tw, w13, w2, None, None, None, "gelu", [True] * 4, limit)
     want = backward_reference(*args)
     got = backward_grouped_mm(*args)
     for a, b in zip(got, want):

@@ -194,8 +194,13 @@ def test_fp8_experts_module_runs_the_op_with_block_scales():
     for backend in available_backends("cpu"):
         module.moefx_backend = backend
         assert _rel(module(x, ids, w), ref) <= 6e-2, backend  # w8a8 backends also round the activations
-    module.limit = 7.0
-    assert unsupported_reason(module) == "a clamped SwiGLU gate"
+    module.limit = 0.5  # the clamped SwiGLU (DeepSeek-V4's FP8 experts): the op takes it as its gate limit
+    assert unsupported_reason(module) is None
+    module.moefx_backend = "legacy"
+    clamped = BACKENDS["legacy"](x, ids, w, w13, w2, gate_limit=0.5)
+    assert _rel(module(x, ids, w), clamped) <= 1e-5 and _rel(clamped, ref) > 1e-2
+    module.swiglu_alpha = 1.7
+    assert unsupported_reason(module) == "an alpha SwiGLU gate (gpt-oss style)"
 
 
 def test_optimize_leaves_unsupported_layouts_and_strict_raises():

@@ -4,6 +4,8 @@ Each entry gives the PyTorch function (the reference paths, in the caller's dtyp
 in fp32 or fp64) and the integer the Triton kernels take as their `ACT` constexpr (one epilogue variant each:
 `kernels/epilogue.py`). transformers' activation modules map onto these names by type (`module_types`), so an
 experts module with any of them runs the op; one with another activation falls back, naming it.
+`gate_limit` (the op's other gate argument) clamps before the activation, as DeepSeek-V4, GLM-5-Next and HY-V4
+do: gate <= limit, -limit <= up <= limit ("clamped SwiGLU"); the kernels' LIMIT constexpr (0: none).
 gelu_tanh is the tanh approximation 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2 / pi), which equals
 x * sigmoid(2 k (x + 0.044715 x^3)): the kernels compute that form (no tanh needed).
 """
@@ -60,6 +62,18 @@ ACTIVATIONS: dict[str, Activation] = {
         ),
     )
 }
+
+
+def gate_up(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float | None = None) -> torch.Tensor:
+    """act(gate) * up, with the clamped-SwiGLU limit when given: gate clamped to <= limit, up to [-limit, limit]."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return get_activation(activation).fn(gate) * up
+
+
+def check_limit(limit: float | None) -> None:
+    if limit is not None and not limit > 0:
+        raise ValueError(f"moe_experts gate_limit={limit!r} is invalid: a clamp limit > 0, or None for no clamp")
 
 
 def get_activation(name: str) -> Activation:

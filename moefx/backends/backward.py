@@ -4,6 +4,8 @@ Per (token m, slot j) pair with expert e = topk_ids[m, j], routing weight w and 
   gu = W13[e] x = [g; u],  a = act(g) * u,  y = W2[e] a,  out[m] += w * y
   dA = W2[e]^T dout (unweighted),  d w = dA . a,  da = w * dA,  dW2[e] += (w * dout) a^T
   dgu = [da * u * act'(g); da * act(g)],  dx[m] += W13[e]^T dgu,  dW13[e] += dgu x^T
+With a gate limit L, g and u are clamped first (g <= L, |u| <= L) and their gradients are zero where a clamp
+is active (torch.clamp's rule: the bounds themselves pass the gradient).
 The forward op saves only its inputs, so gu is recomputed here: five GEMMs (one recompute, dA, dW2, dx, dW13)
 against four for autograd through transformers' grouped_mm forward, which keeps its intermediates instead.
 Two paths, one result (`backward_path` picks):
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moefx.backends.activation import get_activation
+from moefx.backends.activation import Activation, get_activation
 from moefx.backends.registry import dequant_block
 
 BACKWARD_PATHS = ("grouped_mm", "reference")
@@ -58,6 +60,20 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def _gate_grads(
+    g: torch.Tensor, u: torch.Tensor, d_a: torch.Tensor, act: Activation, limit: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a = act(g') * u', d gu = [d g; d u]) for d_a = d loss / d a, g' and u' the clamped g and u."""
+    if limit is None:
+        act_g = act.fn(g)
+        return act_g * u, torch.cat([d_a * u * act.grad(g), d_a * act_g], dim=-1)
+    gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    act_g = act.fn(gc)
+    dg = torch.where(g <= limit, d_a * uc * act.grad(gc), 0.0)
+    du = torch.where(u.abs() <= limit, d_a * act_g, 0.0)
+    return act_g * uc, torch.cat([dg, du], dim=-1)
+
+
 def backward_reference(
     grad_out: torch.Tensor,
     hidden: torch.Tensor,
@@ -70,6 +86,7 @@ def backward_reference(
     block_shape: Sequence[int] | None,
     activation: str,
     needs: Sequence[bool],
+    gate_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d hidden, d topk_weights, d w13, d w2) by a loop over the experts hit; `needs` says which to compute."""
     need_x, need_w, need_w13, need_w2 = needs
@@ -86,16 +103,14 @@ def backward_reference(
         w2_e = _weights(w2[e], None if w2_scale is None else w2_scale[e], block_shape).to(c)
         x = hidden[token].to(c)
         g, u = (x @ w13_e.T).chunk(2, dim=-1)
-        act_g = act.fn(g)
         go = grad_out[token].to(c)
         w = topk_weights[token, slot].to(c)[:, None]
         d_a = go @ w2_e  # dout^T W2[e]: the unweighted gradient of a
+        a, dgu = _gate_grads(g, u, d_a * w, act, gate_limit)
         if need_w:
-            dtw[token, slot] = (d_a * act_g * u).sum(dim=-1)
+            dtw[token, slot] = (d_a * a).sum(dim=-1)
         if need_w2:
-            dw2[e] = (go * w).T @ (act_g * u)
-        d_a = d_a * w
-        dgu = torch.cat([d_a * u * act.grad(g), d_a * act_g], dim=-1)
+            dw2[e] = (go * w).T @ a
         if need_x:
             dx.index_add_(0, token, dgu @ w13_e)
         if need_w13:
@@ -120,6 +135,7 @@ def backward_grouped_mm(
     block_shape: Sequence[int] | None,
     activation: str,
     needs: Sequence[bool],
+    gate_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same gradients as `backward_reference`, each GEMM one `torch._grouped_mm` over the pairs sorted by expert.
 
@@ -148,16 +164,15 @@ def backward_grouped_mm(
     go = torch.cat([grad_out.to(dt), hidden.new_zeros(1, hidden.shape[1])])[tok]
     w = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])[pair][:, None]
     g, u = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
-    act_g = act.fn(g)
     d_a = torch._grouped_mm(go, w2, offs=offs).float()  # dout W2[e]: the unweighted gradient of a
+    a, dgu = _gate_grads(g, u, d_a * w, act, gate_limit)
+    dgu = dgu.to(dt)
     dtw = _empty(topk_weights)
     if need_w:
-        dtw = (d_a * act_g * u).sum(dim=-1)[row_of_pair].view(m, k).to(topk_weights.dtype)
+        dtw = (d_a * a).sum(dim=-1)[row_of_pair].view(m, k).to(topk_weights.dtype)
     dw2 = _empty(w2_in)
     if need_w2:  # [H, rows] (a transposed row-major tensor) x [rows, I], grouped along the rows
-        dw2 = torch._grouped_mm((go.float() * w).to(dt).T, (act_g * u).to(dt), offs=offs).to(w2_in.dtype)
-    d_a = d_a * w
-    dgu = torch.cat([d_a * u * act.grad(g), d_a * act_g], dim=-1).to(dt)
+        dw2 = torch._grouped_mm((go.float() * w).to(dt).T, a.to(dt), offs=offs).to(w2_in.dtype)
     dx = _empty(hidden)
     if need_x:
         dx_rows = torch._grouped_mm(dgu, w13, offs=offs)
@@ -181,11 +196,13 @@ def _moe_experts_backward_op(
     block_shape: list[int] | None,
     activation: str,
     needs: list[bool],
+    gate_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fn = backward_grouped_mm if backward_path(hidden, w2) == "grouped_mm" else backward_reference
     if hidden.shape[0] == 0:
         fn = backward_reference  # no pairs: zeros (grouped_mm would sort an empty tensor)
-    return fn(grad_out, hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, activation, needs)
+    return fn(grad_out, hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, activation, needs,
+              gate_limit)
 
 
 @_moe_experts_backward_op.register_fake
@@ -201,15 +218,16 @@ def _(
     block_shape: list[int] | None,
     activation: str,
     needs: list[bool],
+    gate_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     like = (hidden, topk_weights, w13, w2)
     return tuple(torch.empty_like(t) if need else _empty(t) for t, need in zip(like, needs))  # type: ignore[return-value]
 
 
 def setup_context(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
-    hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, _, _, activation = inputs
+    hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, _, _, activation, gate_limit = inputs
     ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale)
-    ctx.block_shape, ctx.activation = block_shape, activation
+    ctx.block_shape, ctx.activation, ctx.gate_limit = block_shape, activation, gate_limit
 
 
 def backward(ctx: object, grad_out: torch.Tensor) -> tuple:
@@ -224,7 +242,7 @@ def backward(ctx: object, grad_out: torch.Tensor) -> tuple:
     needs = [bool(need[0]), bool(need[2]), bool(need[3]), bool(need[4])]
     dx, dtw, dw13, dw2 = torch.ops.moefx.moe_experts_backward(
         grad_out.contiguous(), hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, ctx.block_shape,
-        ctx.activation, needs,
+        ctx.activation, needs, ctx.gate_limit,
     )
     grads = [g if n else None for g, n in zip((dx, dtw, dw13, dw2), needs)]
-    return grads[0], None, grads[1], grads[2], grads[3], None, None, None, None, None, None
+    return grads[0], None, grads[1], grads[2], grads[3], None, None, None, None, None, None, None

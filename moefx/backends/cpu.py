@@ -26,16 +26,17 @@ class CpuBackend(MoEBackend):
         w13_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
         activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> str | None:
-        if activation != "silu":
-            return f"cpu backend computes SiLU experts only, not {activation}"
+        if activation != "silu" or gate_limit is not None:
+            return f"cpu backend computes unclamped SiLU experts only, not {activation} (limit {gate_limit})"
         if w13.device.type != "cpu" or w2.device.type != "cpu":
             return "cpu backend needs expert weights in host memory"
         if w13_scale is not None:
             return "cpu backend does not compute FP8 block-quantized experts"
         if not w13.dtype.is_floating_point:
             return f"cpu backend takes float expert weights, got {w13.dtype}"
-        return super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation)
+        return super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
 
     def __call__(
         self,
@@ -49,8 +50,9 @@ class CpuBackend(MoEBackend):
         w2_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
         activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> torch.Tensor:
-        reason = self.unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation)
+        reason = self.unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
         if reason:
             raise ValueError(reason)
         out = cpu_moe(ExpertStore(w13, w2), hidden.cpu(), topk_ids.cpu(), topk_weights.cpu())

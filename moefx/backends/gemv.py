@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.activation import get_activation
+from moefx.backends.activation import gate_up
 from moefx.backends.kernels.common import TritonMoEBackend
 from moefx.backends.registry import dequant_block, register_backend
 
@@ -33,9 +33,9 @@ def gemv_torch(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     """Per (token, slot) pair: gather the expert's rows, fused gate/up, act-mul, down, weighted top-k sum."""
-    act_fn = get_activation(activation).fn
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1).long()
@@ -48,7 +48,7 @@ def gemv_torch(
         w_gu = dequant_block(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
         w_d = dequant_block(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
         gate, up = torch.bmm(w_gu, x[p0 : p0 + CPU_PAIR_CHUNK, :, None]).squeeze(-1).chunk(2, dim=-1)
-        act = act_fn(gate) * up * tw[p0 : p0 + CPU_PAIR_CHUNK, None]
+        act = gate_up(gate, up, activation, gate_limit) * tw[p0 : p0 + CPU_PAIR_CHUNK, None]
         pair_out[p0 : p0 + CPU_PAIR_CHUNK] = torch.bmm(w_d, act[:, :, None]).squeeze(-1)
     return pair_out.view(m, top_k, h).sum(dim=1).to(hidden.dtype)
 
@@ -58,7 +58,7 @@ class GemvBackend(TritonMoEBackend):
     name = "gemv"
     torch_path = staticmethod(gemv_torch)
 
-    def cuda_kernel(self, *args: object, activation: str = "silu") -> torch.Tensor:
+    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         from moefx.backends.kernels.gemv_kernels import gemv_moe
 
-        return gemv_moe(*args, activation=activation)
+        return gemv_moe(*args, activation=activation, gate_limit=gate_limit)

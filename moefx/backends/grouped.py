@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.activation import get_activation
+from moefx.backends.activation import gate_up
 from moefx.backends.kernels.common import (
     TritonMoEBackend,
     moe_align_torch,
@@ -37,9 +37,9 @@ def grouped_torch(
     block_shape: tuple[int, int] | None = None,
     block_m: int = CPU_BLOCK_M,
     activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     """PyTorch version of the grouped algorithm, over the same padded block layout as the kernels."""
-    act_fn = get_activation(activation).fn
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     num_pairs = m * top_k
@@ -56,7 +56,7 @@ def grouped_torch(
         w_gu = dequant_block(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
         w_d = dequant_block(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
         gate, up = F.linear(x[sel // top_k], w_gu).chunk(2, dim=-1)
-        act = act_fn(gate) * up
+        act = gate_up(gate, up, activation, gate_limit)
         act = qdq_rows(act, block_shape[1]) if fp8 else act.to(hidden.dtype).float()
         pair_out[sel] = F.linear(act, w_d) * tw[sel, None]
     return pair_out.to(hidden.dtype).view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
@@ -68,7 +68,7 @@ class GroupedBackend(TritonMoEBackend):
     torch_path = staticmethod(grouped_torch)
     fp8_min_block_k = 32
 
-    def cuda_kernel(self, *args: object, activation: str = "silu") -> torch.Tensor:
+    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
-        return fused_moe(*args, activation=activation)
+        return fused_moe(*args, activation=activation, gate_limit=gate_limit)

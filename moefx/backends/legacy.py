@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.activation import get_activation
+from moefx.backends.activation import gate_up
 from moefx.backends.registry import MoEBackend, dequant_block, register_backend
 
 
@@ -26,9 +26,9 @@ class LegacyBackend(MoEBackend):
         w2_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
         activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> torch.Tensor:
         quantized = w13_scale is not None
-        act = get_activation(activation).fn
         compute = torch.float32 if quantized else hidden.dtype
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (gradcheck)
         out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=acc, device=hidden.device)
@@ -38,6 +38,6 @@ class LegacyBackend(MoEBackend):
             down_w = dequant_block(w2[e], w2_scale[e], block_shape) if quantized else w2[e]
             x = hidden[token].to(compute)
             gate, up = F.linear(x, gate_up_w.to(compute)).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, down_w.to(compute))
+            y = F.linear(gate_up(gate, up, activation, gate_limit), down_w.to(compute))
             out.index_add_(0, token, y.to(acc) * topk_weights[token, slot, None].to(acc))
         return out.to(hidden.dtype)

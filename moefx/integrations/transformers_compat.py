@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "moefx")
 MOE_POLICY = "eager=gemv@1-4,grouped@5-;capture=grouped@1-"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 BACKWARD_RTOL = 1e-4
+SMALL_GRAD = 1e-3  # a parameter's gradient below this fraction of the largest is checked in the total only
 CHECKS = ("forward", "generate", "backward", "compile")
 
 # Config fields shrunk wherever a config class has them (the sizes transformers' own model testers use, about).
@@ -381,7 +383,9 @@ def _check_generate(model: nn.Module, inputs: dict, impl: str, ref: dict) -> str
 
 
 def _check_backward(model: nn.Module, inputs: dict, impl: str, ref: dict) -> str:
-    """Gradients of every parameter (eval mode: no dropout or router noise) within relative 1e-4 of eager's."""
+    """Gradients of every parameter (eval mode: no dropout or router noise) within relative 1e-4 of eager's: all of
+    them together, and each one whose gradient is at least `SMALL_GRAD` of the largest (a smaller one, e.g. a router
+    whose routing is hashed, is fp32 cancellation noise: its relative error means nothing)."""
     model.zero_grad(set_to_none=True)
     if inputs:
         out = _outputs(model, inputs).float()
@@ -398,11 +402,13 @@ def _check_backward(model: nn.Module, inputs: dict, impl: str, ref: dict) -> str
     want = ref["grads"]
     if grads.keys() != want.keys():
         return f"gradients of {sorted(grads.keys() ^ want.keys())[:3]} present in one run only"
-    worst, where = 0.0, ""
-    for name, g in grads.items():
-        err = (g - want[name]).norm().item() / max(want[name].norm().item(), 1e-12)
-        if err > worst:
-            worst, where = err, name
+    norms = {n: want[n].norm().item() for n in want}
+    diffs = {n: (grads[n] - want[n]).norm().item() for n in want}
+    total = math.sqrt(sum(d * d for d in diffs.values())) / max(math.sqrt(sum(v * v for v in norms.values())), 1e-30)
+    if total > BACKWARD_RTOL:
+        return f"relative error {total:.1e} > {BACKWARD_RTOL:g} over all gradients"
+    top = max(norms.values(), default=0.0)
+    worst, where = max(((diffs[n] / norms[n], n) for n in want if norms[n] >= SMALL_GRAD * top), default=(0.0, ""))
     return "ok" if worst <= BACKWARD_RTOL else f"relative error {worst:.1e} > {BACKWARD_RTOL:g} ({where})"
 
 
