@@ -30,7 +30,7 @@ def test_every_row_passes_what_grouped_mm_passes_or_names_its_fallback(rows):
     by_type = {r.model_type: r for r in rows}
     for name in CORE:
         row = by_type[name]
-        assert row.error is None and row.reason is None, (name, row.error, row.reason)
+        assert row.error is None and row.reason is None and row.plain is None, (name, row.error, row.reason, row.plain)
         assert all(row.passed("moefx", c) for c in tc.CHECKS), (name, row.results["moefx"])
     for row in rows:
         if row.error is None and row.reason is None:  # every check ran (generate: or said why not)

@@ -70,6 +70,7 @@ class Row:
     model_class: str
     experts: list[str] = field(default_factory=list)
     reason: str | None = None  # why moefx falls back (None: the op runs)
+    plain: str | None = None  # the op runs, but its plain path (grouped_mm) instead of moefx's kernels, and why
     results: dict[str, dict[str, str]] = field(default_factory=dict)  # impl -> check -> "ok" / "n/a: ..." / error
     error: str | None = None  # the row could not be built or run
     seconds: float = 0.0
@@ -312,6 +313,26 @@ def _experts_inputs(experts: nn.Module, seed: int = 13) -> tuple[torch.Tensor, t
     return x, idx, w
 
 
+def _plain_path_reason(experts: nn.Module) -> str | None:
+    """Why the op, under MOE_POLICY, runs its plain path (grouped_mm) for this module, or None (moefx's kernels)."""
+    from moefx.backends import BACKENDS
+    from moefx.backends.policy import parse_policy_spec
+    from moefx.integrations.transformers import gate_of
+
+    w13, w2 = experts.gate_up_proj, experts.down_proj
+    if experts.is_transposed:
+        w13, w2 = w13.transpose(-2, -1), w2.transpose(-2, -1)
+    x, _, _ = _experts_inputs(experts)
+    activation, limit = gate_of(experts)
+    reasons = []
+    for m in (2, 9):  # a decode-sized and a prefill-sized call
+        name = parse_policy_spec(MOE_POLICY)["eager"].backend_for(m)
+        why = BACKENDS[name].unsupported_reason(x[:m], w13, w2, activation=activation, gate_limit=limit)
+        if why:
+            reasons.append(f"{name}: {why}")
+    return "; ".join(reasons) or None
+
+
 def _rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
     return ((out.double() - exact).norm() / exact.norm()).item()
 
@@ -481,6 +502,8 @@ def run_row(
         row.error = "no experts-interface module at the tiny size"
         return row
     row.reason = "; ".join(sorted({r for r in (unsupported_reason(m) for m in experts) if r})) or None
+    if row.reason is None:
+        row.plain = _plain_path_reason(experts[0])
     inputs = _inputs(model)
     ref: dict = {}
     if row.reason:  # moefx runs transformers' grouped_mm: it must give grouped_mm's outputs exactly
@@ -568,5 +591,6 @@ def markdown(rows: list[Row]) -> str:
         elif r.reason:
             lines.append(head + f"falls back: {r.reason} | {_cell(r, 'forward')} | | | |")
         else:
-            lines.append(head + "runs the op | " + " | ".join(_cell(r, c) for c in CHECKS) + " |")
+            runs = "runs the op" + (f" (plain path: {r.plain})" if r.plain else "")
+            lines.append(head + runs + " | " + " | ".join(_cell(r, c) for c in CHECKS) + " |")
     return "\n".join(lines)
