@@ -14,6 +14,7 @@
 #                                                        #   tp-calibrate (per-rank expert shapes of Qwen3-30B-A3B at
 #                                                        #   TP=2/4; one GPU), tp, tp-peer (2-4 GPUs: bench/tp.py)
 #                                                        #   dense (dense-linear gemv vs cuBLAS + calibration rows) dense-sweep
+#                                                        #   moe-backward (autograd vs transformers' grouped_mm)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -91,6 +92,7 @@ for s in "${stages[@]}"; do
         gpu-new) run_stage gpu-new 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
             tests/test_dense_kernel.py tests/test_routing_gpu.py tests/test_generate_gpu.py tests/test_fuse_sibling_linears.py \
             tests/test_sampler_gpu.py ;;
+        moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
@@ -102,9 +104,9 @@ for s in "${stages[@]}"; do
         tp) run_stage tp 540 python3 bench/tp.py ;;
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-sweep-wide moe-sweep-gemv moe-sweep-1024" \
-            "moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-64 e2e-48a e2e-48b dense dense-sweep" \
-            "gpu-new gpu-gen)" ;;
+            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
+            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-64 e2e-48a e2e-48b dense" \
+            "dense-sweep gpu-new gpu-gen)" ;;
     esac
 done
 pack

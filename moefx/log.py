@@ -1,10 +1,17 @@
-"""moefx logging: `MOEFX_LOG=debug|info|warning` sets the level; `warn_once` never repeats a message."""
+"""moefx logging: `MOEFX_LOG=debug|info|warning` sets the level; `warn_once` never repeats a message.
+
+`warn_once` may be called inside code that `torch.compile` traces (an experts forward that falls back): it is
+marked `assume_constant_result`, so dynamo runs it once while tracing (the message must be a constant there, as
+every moefx message is) instead of breaking the graph on `warnings.warn`; `fullgraph=True` compiles through it.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+
+import torch
 
 _VALID_LEVELS = ("debug", "info", "warning", "error")
 _warned: set[str] = set()
@@ -26,6 +33,7 @@ def get_logger(name: str = "moefx") -> logging.Logger:
     return logger
 
 
+@torch.compiler.assume_constant_result
 def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
     """Emit `message` as a Python warning the first time only (per process)."""
     if message in _warned:

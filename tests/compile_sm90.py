@@ -3,7 +3,8 @@ print one JSON line.
 
 The interpreter runs only the branches a test takes, so a branch that the GPU compiler rejects (a tile compiled
 with a descriptor of the wrong block) passes every CPU test; this compiles what fused_moe and gemv_moe launch, with
-the same argument types and descriptor blocks (each row's "gemm1"/"gemm2" are its first and second launch). Run
+the same argument types and descriptor blocks (each row's "gemm1"/"gemm2" are its first and second launch; the rows of
+the other gate epilogues hold grouped GEMM 1 and gemv stage 1 at the largest tiles). Run
 without TRITON_INTERPRET (test_backends_grouped.py starts it so). It also reports whether ptxas had to serialize a
 kernel's wgmmas (C7514: accumulator registers touched while a wgmma it cannot prove finished may still write them).
 Usage: python tests/compile_sm90.py [bf16|fp8]   (or `dense`: the dense-linear kernel at its DEFAULT_TILES rows, both
@@ -23,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
+from moefx.backends.activation import ACTIVATIONS
 from moefx.backends.kernels import dense_kernels as dense
 from moefx.backends.kernels import fused_moe_kernels as fmk
 from moefx.backends.kernels import gemv_kernels as gemv
@@ -63,8 +65,11 @@ def _common(cfg: fmk.GemmConfig, fp8: bool, align_m: int) -> dict:
                 PDL=cfg.pdl, RUNNING=cfg.running)
 
 
-def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[dict, dict]:
-    """GEMM 1's and GEMM 2's resources at these tiles, compiled as fused_moe launches them."""
+def compile_row(
+    kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig, act: int = 0, limit: float = 0.0
+) -> tuple[dict, dict]:
+    """GEMM 1's and GEMM 2's resources at these tiles (GEMM 1 with activation id `act` and gate clamp `limit`),
+    compiled as fused_moe launches them."""
     fp8 = kind == "fp8"
     cfg1, cfg2 = fmk.normalize_tiles(cfg1, cfg2, BLOCK_SHAPE if fp8 else None)
     w = "fp8e4nv" if fp8 else "bf16"
@@ -75,7 +80,8 @@ def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[
     base = {n: "*i32" for n in PTR_ARGS}
     types1 = base | dict(a_ptr=f"*{w}", as_ptr="*fp32", w_ptr=f"*{w}", w_desc=desc(cfg1, cfg1.block_n),
                          ws_ptr="*fp32", out_ptr=f"*{w}", os_ptr="*fp32")
-    gemm1 = _compile(fmk._gemm1_kernel, types1, dict(H=H, I=I, TOP_K=TOP_K) | _common(cfg1, fp8, cfg1.block_m),
+    gemm1 = _compile(fmk._gemm1_kernel, types1,
+                     dict(H=H, I=I, TOP_K=TOP_K) | _common(cfg1, fp8, cfg1.block_m) | dict(ACT=act, LIMIT=limit),
                      cfg1.num_warps, cfg1.num_stages)
     # fused_moe passes the full-block descriptor as the half one when the tile has no half path
     types2 = base | dict(a_ptr=f"*{w}", a_desc=desc(cfg2, cfg2.block_m),
@@ -87,16 +93,17 @@ def compile_row(kind: str, cfg1: fmk.GemmConfig, cfg2: fmk.GemmConfig) -> tuple[
     return gemm1, gemm2
 
 
-def compile_gemv(kind: str, cfg: gemv.GemvConfig) -> tuple[dict, dict]:
-    """Stage 1's and stage 2's resources at this GemvConfig, compiled as gemv_moe launches it (bf16 hidden, int64 ids,
-    fp32 routing weights and activations)."""
+def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0.0) -> tuple[dict, dict]:
+    """Stage 1's (with activation id `act`, gate clamp `limit`) and stage 2's resources at this GemvConfig, compiled
+    as gemv_moe launches it (bf16 hidden, int64 ids, fp32 routing weights and activations)."""
     fp8 = kind == "fp8"
     bn1, bk1, bn2, bk2, kp = gemv.stage_tiles(cfg, H, I, TOP_K, BLOCK_SHAPE if fp8 else None)
     w = "*fp8e4nv" if fp8 else "*bf16"
     common = dict(H=H, I=I, TOP_K=TOP_K, FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], PDL=cfg.pdl)
     stage1 = _compile(gemv._gemv_gate_up_kernel,
                       dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, ws_ptr="*fp32", act_ptr="*fp32"),
-                      common | dict(BLOCK_N=bn1, BLOCK_K=bk1), cfg.num_warps1, LAUNCH_DEFAULT_STAGES)
+                      common | dict(BLOCK_N=bn1, BLOCK_K=bk1, ACT=act, LIMIT=limit), cfg.num_warps1,
+                      LAUNCH_DEFAULT_STAGES)
     stage2 = _compile(gemv._gemv_down_kernel,
                       dict(act_ptr="*fp32", ids_ptr="*i64", tw_ptr="*fp32", w_ptr=w, ws_ptr="*fp32", out_ptr="*bf16"),
                       common | dict(KP=kp, BLOCK_N=bn2, BLOCK_K=bk2), cfg.num_warps2, LAUNCH_DEFAULT_STAGES)
@@ -144,6 +151,11 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     return dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k, kernel=out)
 
 
+def epilogue_variants() -> list[tuple[str, int, float]]:
+    """(name, ACT id, LIMIT) of every GEMM-1 epilogue besides plain SiLU: the other activations, clamped SwiGLU."""
+    return [(a.name, a.kernel_id, 0.0) for a in ACTIVATIONS.values() if a.kernel_id] + [("silu clamped", 0, 7.0)]
+
+
 def main() -> None:
     if sys.argv[1:] == ["attention"]:
         print(json.dumps(compile_decode_attention()))
@@ -161,6 +173,12 @@ def main() -> None:
         for max_rows, cfg1, cfg2 in fmk.DEFAULT_TILES[kind]:
             gemm1, gemm2 = compile_row(kind, cfg1, cfg2)
             rows.append(dict(kind=kind, max_rows=str(max_rows), gemm1=gemm1, gemm2=gemm2))
+        # the other epilogues, at the largest tiles (the most registers): grouped GEMM 1, gemv stage 1
+        _, cfg1, cfg2 = fmk.DEFAULT_TILES[kind][-1]
+        for name, act, limit in epilogue_variants():
+            gemm1 = compile_row(kind, cfg1, cfg2, act, limit)[0]
+            stage1 = compile_gemv(kind, gemv.DEFAULT_TILES[kind][-1][1], act, limit)[0]
+            rows.append(dict(kind=f"{kind} {name}", max_rows="inf", gemm1=gemm1, gemm2=stage1))
     print(json.dumps(rows))
 
 

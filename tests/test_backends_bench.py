@@ -37,3 +37,15 @@ def test_bench_moe_sweep_only_quick(tmp_path: Path) -> None:
         assert set(b["best"]) == ({"gemv"} if b["kind"] == "gemv" else {"gemm1", "gemm2"})
     assert all(isinstance(p["us"], float) for p in sweep["points"])  # every tile matched legacy
     assert res.stdout.strip().splitlines()[-1].startswith("gemv    fp8")
+
+
+def test_bench_moe_backward_quick(tmp_path: Path) -> None:
+    """bench/moe_backward.py --quick: both arms' gradients checked against the fp32 reference (tiny, CPU)."""
+    import json
+
+    env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_backward.py"), "--quick"], capture_output=True,
+                         text=True, timeout=240, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = json.loads((tmp_path / "moe_backward.json").read_text())
+    assert not out["failures"] and out["rows"][0]["moefx_err"] and max(out["rows"][0]["moefx_err"]) < 3e-2

@@ -194,8 +194,13 @@ def test_fp8_experts_module_runs_the_op_with_block_scales():
     for backend in available_backends("cpu"):
         module.moefx_backend = backend
         assert _rel(module(x, ids, w), ref) <= 6e-2, backend  # w8a8 backends also round the activations
-    module.limit = 7.0
-    assert unsupported_reason(module) == "a clamped SwiGLU gate"
+    module.limit = 0.5  # the clamped SwiGLU (DeepSeek-V4's FP8 experts): the op takes it as its gate limit
+    assert unsupported_reason(module) is None
+    module.moefx_backend = "legacy"
+    clamped = BACKENDS["legacy"](x, ids, w, w13, w2, gate_limit=0.5)
+    assert _rel(module(x, ids, w), clamped) <= 1e-5 and _rel(clamped, ref) > 1e-2
+    module.swiglu_alpha = 1.7
+    assert unsupported_reason(module) == "an alpha SwiGLU gate (gpt-oss style)"
 
 
 def test_optimize_leaves_unsupported_layouts_and_strict_raises():
@@ -223,3 +228,33 @@ def test_optimize_leaves_unsupported_layouts_and_strict_raises():
     strict = CompilationConfig(moe_backend="legacy", mode="eager", strict=True)
     with pytest.raises(ValueError, match="strict=true.*expert biases"):
         use_moefx_experts(holder, plan, strict)
+
+
+def test_training_with_gradient_checkpointing_matches_grouped_mm():
+    """What transformers' own training tests do (the issue's 14 failures): loss from labels, gradient checkpointing in
+    train mode, `retain_grad` on an intermediate; moefx (grouped algorithm forced) gives grouped_mm's gradients."""
+    from moefx.integrations.transformers_compat import one_thread
+
+    grads = {}
+    for impl in ("grouped_mm", "moefx"):
+        with one_thread():
+            grads[impl] = _checkpointed_grads(impl)
+    assert grads["moefx"].keys() == grads["grouped_mm"].keys()
+    experts = [n for n in grads["moefx"] if "experts" in n]
+    assert experts and all(grads["moefx"][n].abs().amax() > 0 for n in experts)
+    for name, g in grads["moefx"].items():
+        assert _rel(g, grads["grouped_mm"][name]) <= 1e-4, name
+
+
+def _checkpointed_grads(impl: str) -> dict[str, torch.Tensor]:
+    model = _model("qwen3_moe")
+    model.set_experts_implementation(impl)
+    for m in model.modules():
+        m.moefx_backend = "grouped"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    embeds = model.get_input_embeddings()(ids)
+    embeds.retain_grad()
+    model(inputs_embeds=embeds, labels=ids).loss.backward()
+    return {"embeds": embeds.grad, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}

@@ -1,8 +1,8 @@
 """cpu: the MoE expert sum computed on the host CPU for host-resident expert weights (SPEC §4/§5).
 
 Inputs may live on the GPU (they are copied to the host and the result is copied back); the weights must be
-in host memory. Only routed experts are touched. Float weights only: FP8 block-quantized experts are not
-computed here (the offload store quantizes to per-channel int8 itself when MOEFX_OFFLOAD_INT8 is on).
+in host memory. Only routed experts are touched. SiLU experts and float weights only: FP8 block-quantized experts
+are not computed here (the offload store quantizes to per-channel int8 itself when MOEFX_OFFLOAD_INT8 is on).
 """
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ class CpuBackend(MoEBackend):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> str | None:
+        if activation != "silu" or gate_limit is not None:
+            return f"cpu backend computes unclamped SiLU experts only, not {activation} (limit {gate_limit})"
         if w13.device.type != "cpu" or w2.device.type != "cpu":
             return "cpu backend needs expert weights in host memory"
         if w13_scale is not None:
             return "cpu backend does not compute FP8 block-quantized experts"
         if not w13.dtype.is_floating_point:
             return f"cpu backend takes float expert weights, got {w13.dtype}"
-        return super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        return super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
 
     def __call__(
         self,
@@ -45,8 +49,10 @@ class CpuBackend(MoEBackend):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> torch.Tensor:
-        reason = self.unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        reason = self.unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
         if reason:
             raise ValueError(reason)
         out = cpu_moe(ExpertStore(w13, w2), hidden.cpu(), topk_ids.cpu(), topk_weights.cpu())

@@ -1,7 +1,8 @@
 """gemv: small-M (decode) MoE that reads only the selected experts' weights, once, at full bandwidth.
 
 No sort: experts are indexed straight from topk_ids; gate and up rows are streamed together and
-SiLU-mul is applied before the down projection; the routing weight and the top-k sum are applied in
+the gate activation (SiLU, GELU, GELU-tanh) times up is applied before the down
+projection; the routing weight and the top-k sum are applied in
 registers (two Triton launches on CUDA, see kernels/gemv_kernels.py). Weights touched per call grow
 with M*k, so this backend is for M up to ~8; the policy picks it from measured crossovers.
 Contract (the dispatch op relies on it): on CUDA `__call__` launches only fixed-shape work, no host
@@ -14,8 +15,8 @@ shape that rules an input out.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from moefx.backends.activation import gate_up
 from moefx.backends.kernels.common import TritonMoEBackend
 from moefx.backends.registry import dequant_block, register_backend
 
@@ -31,8 +32,10 @@ def gemv_torch(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
-    """Per (token, slot) pair: gather the expert's rows, fused gate/up, SiLU-mul, down, weighted top-k sum."""
+    """Per (token, slot) pair: gather the expert's rows, fused gate/up, act-mul, down, weighted top-k sum."""
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1).long()
@@ -45,7 +48,7 @@ def gemv_torch(
         w_gu = dequant_block(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
         w_d = dequant_block(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
         gate, up = torch.bmm(w_gu, x[p0 : p0 + CPU_PAIR_CHUNK, :, None]).squeeze(-1).chunk(2, dim=-1)
-        act = F.silu(gate) * up * tw[p0 : p0 + CPU_PAIR_CHUNK, None]
+        act = gate_up(gate, up, activation, gate_limit) * tw[p0 : p0 + CPU_PAIR_CHUNK, None]
         pair_out[p0 : p0 + CPU_PAIR_CHUNK] = torch.bmm(w_d, act[:, :, None]).squeeze(-1)
     return pair_out.view(m, top_k, h).sum(dim=1).to(hidden.dtype)
 
@@ -55,7 +58,7 @@ class GemvBackend(TritonMoEBackend):
     name = "gemv"
     torch_path = staticmethod(gemv_torch)
 
-    def cuda_kernel(self, *args: object) -> torch.Tensor:
+    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         from moefx.backends.kernels.gemv_kernels import gemv_moe
 
-        return gemv_moe(*args)
+        return gemv_moe(*args, activation=activation, gate_limit=gate_limit)

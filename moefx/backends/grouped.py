@@ -1,7 +1,7 @@
 """grouped: sort/align tokens per expert on the GPU, then two grouped GEMMs (Triton fused MoE).
 
 For M from ~16 up: each expert's weight tile is read from HBM once per call and reused from L2 by
-that expert's row blocks; SiLU-mul is fused into GEMM 1, the routing weight into GEMM 2.
+that expert's row blocks; the gate activation times up is fused into GEMM 1, the routing weight into GEMM 2.
 Contract (the dispatch op relies on it): `__call__` launches only fixed-shape work on CUDA: the
 align stage sizes its buffers for the worst case M*k + E*(BLOCK_M-1), there is no host sync and no
 data-dependent shape, so it is CUDA-graph capturable. FP8 block-quant (w8a8) when `w13_scale` is
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moefx.backends.activation import gate_up
 from moefx.backends.kernels.common import (
     TritonMoEBackend,
     moe_align_torch,
@@ -35,6 +36,8 @@ def grouped_torch(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     block_m: int = CPU_BLOCK_M,
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     """PyTorch version of the grouped algorithm, over the same padded block layout as the kernels."""
     m, h = hidden.shape
@@ -53,7 +56,7 @@ def grouped_torch(
         w_gu = dequant_block(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
         w_d = dequant_block(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
         gate, up = F.linear(x[sel // top_k], w_gu).chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = gate_up(gate, up, activation, gate_limit)
         act = qdq_rows(act, block_shape[1]) if fp8 else act.to(hidden.dtype).float()
         pair_out[sel] = F.linear(act, w_d) * tw[sel, None]
     return pair_out.to(hidden.dtype).view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
@@ -65,7 +68,7 @@ class GroupedBackend(TritonMoEBackend):
     torch_path = staticmethod(grouped_torch)
     fp8_min_block_k = 32
 
-    def cuda_kernel(self, *args: object) -> torch.Tensor:
+    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
-        return fused_moe(*args)
+        return fused_moe(*args, activation=activation, gate_limit=gate_limit)

@@ -6,7 +6,11 @@ backend on data. `backend` is "auto" (environment override, else the exact calib
 upstream), a backend name (forced; still subject to the backend's own support check) or a policy spec
 from a plan ("eager=gemv@1-16,grouped@17-;capture=..."). `upstream` names the plain path: "legacy"
 (the reference loop) for direct calls, "transformers" (transformers' own grouped_mm experts path) for
-HF experts modules.
+HF experts modules. `activation` names the gate activation (moefx/backends/activation.py: silu, gelu, gelu_tanh);
+`gate_limit` (None: off) clamps gate and up before it (the clamped SwiGLU of DeepSeek-V4, GLM-5-Next, HY-V4).
+The op is differentiable (`torch.library.register_autograd`, formula and paths in backward.py): gradients for
+hidden, topk_weights and unquantized w13 / w2, whichever backend ran the forward; under `torch.compile` the
+backward graph holds one `moefx::moe_experts_backward` node per op.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from moefx.backends import backward as _backward
+from moefx.backends.activation import ACTIVATIONS, check_limit, gate_up
 from moefx.backends.calibration import find_row, key_for_tensors
 from moefx.backends.policy import (
     HOST_SYNCING_BACKENDS,
@@ -38,7 +43,12 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     return sorted(name for name, b in BACKENDS.items() if dev.type in b.devices)
 
 
-def _validate_backend_arg(backend: str, upstream: str) -> None:
+def _validate_backend_arg(
+    backend: str, upstream: str, activation: str = "silu", gate_limit: float | None = None
+) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_experts activation={activation!r} is invalid; valid choices: {sorted(ACTIVATIONS)}")
+    check_limit(gate_limit)
     if upstream not in UPSTREAMS:
         raise ValueError(f"moe_experts upstream={upstream!r} is invalid; valid choices: {list(UPSTREAMS)}")
     if backend in ("auto", UPSTREAM) or backend in BACKENDS:
@@ -79,6 +89,8 @@ def select_backend(
     backend: str = "auto",
     upstream: str = "legacy",
     capturing: bool | None = None,
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> str:
     """The backend one call runs: the policy's choice for M, or the plain path with a one-time warning why.
 
@@ -97,7 +109,7 @@ def select_backend(
         name = plain
     else:
         bs = tuple(block_shape) if block_shape is not None else None
-        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs)
+        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs, activation, gate_limit)
         if reason:
             warn_once(f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}")
             name = plain
@@ -113,7 +125,6 @@ class _UpstreamExperts:
     """The attributes transformers' experts forwards read, over the op's [E, 2I, H] / [E, H, I] weights."""
 
     has_gate, has_bias, is_transposed = True, False, False
-    act_fn = staticmethod(F.silu)
 
     def __getattr__(self, name: str) -> bool:
         # Feature flags that newer transformers versions read (`has_post_expert_norm`, `_is_expert_parallel`, ...):
@@ -122,22 +133,29 @@ class _UpstreamExperts:
             return False
         raise AttributeError(name)
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, activation: str, gate_limit: float | None):
         self.num_experts, self.gate_up_proj, self.down_proj = w13.shape[0], w13, w2
+        self.activation, self.gate_limit = activation, gate_limit
 
-    @staticmethod
-    def _apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return gate_up(gate, up, self.activation, self.gate_limit)
 
 
 def _transformers_upstream(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    gate_limit: float | None,
 ) -> torch.Tensor:
     """transformers' default experts path (grouped_mm) on the op's layout: the plain path for HF models."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    return grouped_mm_experts_forward(_UpstreamExperts(w13, w2), hidden, topk_ids, topk_weights)
+    experts = _UpstreamExperts(w13, w2, activation, gate_limit)
+    return grouped_mm_experts_forward(experts, hidden, topk_ids, topk_weights)
 
 
 @torch.library.custom_op("moefx::moe_experts", mutates_args=())
@@ -152,16 +170,20 @@ def _moe_experts_op(
     block_shape: list[int] | None = None,
     backend: str = "auto",
     upstream: str = "legacy",
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, w2.shape[1])
-    name = select_backend(hidden, topk_ids, w13, w2, w13_scale, block_shape, backend, upstream)
+    name = select_backend(hidden, topk_ids, w13, w2, w13_scale, block_shape, backend, upstream, activation=activation,
+                          gate_limit=gate_limit)
     log.debug("moe_experts M=%d -> %s", hidden.shape[0], name)
     if name == "transformers":
-        return _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2)
+        return _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2, activation, gate_limit)
     bs = tuple(block_shape) if block_shape is not None else None
     return BACKENDS[name](
-        hidden, topk_ids, topk_weights, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, block_shape=bs
+        hidden, topk_ids, topk_weights, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, block_shape=bs,
+        activation=activation, gate_limit=gate_limit,
     )
 
 
@@ -177,8 +199,13 @@ def _(
     block_shape: list[int] | None = None,
     backend: str = "auto",
     upstream: str = "legacy",
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape[0], w2.shape[1])
+
+
+_moe_experts_op.register_autograd(_backward.backward, setup_context=_backward.setup_context)
 
 
 def moe_experts(
@@ -193,12 +220,15 @@ def moe_experts(
     w2_scale: torch.Tensor | None = None,
     block_shape: Sequence[int] | None = None,
     upstream: str = "legacy",
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts: sum_j w[m, j] * down(silu(gate(x_m)) * up(x_m)) over experts topk_ids[m, j].
+    """Routed experts: sum_j w[m, j] * down(act(gate(x_m)) * up(x_m)) over experts topk_ids[m, j].
 
-    Shapes and the FP8 block convention are the `MoEBackend` contract (moefx/backends/registry.py).
+    Shapes and the FP8 block convention are the `MoEBackend` contract (moefx/backends/registry.py); `activation` is
+    a name in moefx/backends/activation.py, `gate_limit` the clamped-SwiGLU limit. Differentiable (backward.py).
     """
-    _validate_backend_arg(backend, upstream)
+    _validate_backend_arg(backend, upstream, activation, gate_limit)
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or topk_ids.shape != topk_weights.shape:
         raise ValueError(
             f"moe_experts shapes: hidden [M, H], topk_ids/topk_weights [M, k], w13 [E, 2I, H], w2 [E, H, I]; got "
@@ -209,5 +239,6 @@ def moe_experts(
         raise ValueError("moe_experts: FP8 weights need w13_scale, w2_scale and block_shape together")
     bs = [int(b) for b in block_shape] if block_shape is not None else None
     return torch.ops.moefx.moe_experts(
-        hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, backend, upstream
+        hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, backend, upstream, activation,
+        None if gate_limit is None else float(gate_limit),
     )

@@ -5,7 +5,9 @@ w13 [E, 2I, H] (gate rows first, then up rows), w2 [E, H, I]. FP8 block-quant we
 float8_e4m3fn with `w13_scale` [E, ceil(2I/bn), ceil(H/bk)] and `w2_scale` [E, ceil(H/bn), ceil(I/bk)]
 (dequantized weight = fp8 value * scale, the `weight_scale_inv` checkpoint convention) and
 `block_shape` (bn, bk), usually (128, 128). Output: [M, H] in hidden's dtype,
-sum_j topk_weights[m, j] * down(silu(gate(x_m)) * up(x_m)) over expert topk_ids[m, j].
+sum_j topk_weights[m, j] * down(act(gate(x_m)) * up(x_m)) over expert topk_ids[m, j], where `activation` names act
+(moefx/backends/activation.py: silu, gelu, gelu_tanh) and `gate_limit`, when given, clamps gate to <= limit and up
+to [-limit, limit] first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class MoEBackend:
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> str | None:
         """None when this backend can run these inputs, else a short reason (shown in the plan/log)."""
         if hidden.device.type not in self.devices:
@@ -43,6 +47,8 @@ class MoEBackend:
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

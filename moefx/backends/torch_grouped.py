@@ -10,14 +10,20 @@ has no grouped_mm kernel here). CPU: torch's own grouped_mm (bf16/fp32). Needs t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from moefx.backends.activation import gate_up
 from moefx.backends.kernels.common import shape_problem
 from moefx.backends.registry import MoEBackend, register_backend
 
 
 def torch_grouped_moe(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
@@ -28,7 +34,7 @@ def torch_grouped_moe(
     offs = torch.searchsorted(sorted_e, bounds).to(torch.int32)
     x = hidden[order // top_k]
     gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(gate_up(gate, up, activation, gate_limit), w2.transpose(1, 2), offs=offs)
     y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
     pair_out = torch.empty_like(y).index_copy_(0, order, y)
     return pair_out.view(m, top_k, h).sum(dim=1)
@@ -45,8 +51,10 @@ class TorchGroupedBackend(MoEBackend):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
         reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
         if reason:
             return reason
@@ -76,7 +84,9 @@ class TorchGroupedBackend(MoEBackend):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> torch.Tensor:
         if w13_scale is not None:
             raise ValueError("torch_grouped has no FP8 path (w13_scale given); valid backends: grouped, gemv, legacy")
-        return torch_grouped_moe(hidden.contiguous(), topk_ids, topk_weights, w13, w2)
+        return torch_grouped_moe(hidden.contiguous(), topk_ids, topk_weights, w13, w2, activation, gate_limit)

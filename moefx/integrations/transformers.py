@@ -2,25 +2,32 @@
 
 With `from_pretrained(..., experts_implementation="moefx")` or `model.set_experts_implementation("moefx")`,
 every experts module decorated with transformers' `use_experts_implementation` runs `moefx::moe_experts`
-(backend chosen per call by M). What the op cannot take — biases, interleaved gate/up rows, a custom gate,
-an activation other than SiLU, experts without a gate — runs transformers' default experts path (grouped_mm)
-with a one-time warning naming the reason; transposed weights are passed as views, and a backend that needs
+(backend chosen per call by M). The gate activation is read from the module's `act_fn` by type (SiLU, exact
+GELU, GELU's tanh approximation: moefx/backends/activation.py). What the op cannot take — biases, interleaved
+gate/up rows, a custom gate other than a clamped SwiGLU (recognised by running it: `custom_gate_activation`),
+another activation, experts without a gate, a post-expert norm — runs transformers' default experts path
+(grouped_mm) with a one-time warning naming the reason (issued while tracing under `torch.compile`, without a
+graph break); transposed weights are passed as views, and a backend that needs
 contiguous rows says so and the op runs that default path. `upstream` ranges of the policy also run it.
+The op is differentiable, so training, gradient checkpointing and `retain_grad` work as with grouped_mm.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from moefx.backends.activation import ACTIVATIONS, function_names, gate_up, gelu_name, module_types
 from moefx.backends.op import moe_experts
 from moefx.log import warn_once
 from moefx.transforms import register_model_transform
 
 NAME = "moefx"
-_SILU_TYPES: tuple[type, ...] = (nn.SiLU,)
+_ACT_TYPES = module_types()
+_ACT_FUNCTIONS = function_names()
 
 
 def _default_gate() -> Any:
@@ -29,10 +36,66 @@ def _default_gate() -> Any:
     return _default_apply_gate
 
 
-def _is_silu(act: Any) -> bool:
-    from transformers.activations import SiLUActivation
+def activation_name(act: Any) -> str | None:
+    """The op's activation name for an experts module's `act_fn`, or None when the op has no such epilogue."""
+    if isinstance(act, nn.GELU):
+        return gelu_name(act)
+    if not isinstance(act, nn.Module):
+        return _ACT_FUNCTIONS.get(act)
+    for cls, name in _ACT_TYPES:
+        if isinstance(act, cls):
+            return name
+    return None
 
-    return isinstance(act, (*_SILU_TYPES, SiLUActivation))
+
+_LIMIT_ATTRS = ("limit", "swiglu_limit")  # where transformers' clamped-SwiGLU experts keep their clamp
+_GATES: dict[tuple, str | None] = {}
+
+
+def gate_limit(module: nn.Module) -> float | None:
+    for name in _LIMIT_ATTRS:
+        value = getattr(module, name, None)
+        if value is not None:
+            return float(value)
+    return None
+
+
+@torch.compiler.assume_constant_result
+def custom_gate_activation(cls: type, limit: float | None, act: str | None) -> str | None:
+    """The op's activation that `cls._apply_gate` computes, as act(gate clamped to <= limit) * (up clamped to
+    [-limit, limit]) (limit None: no clamp), or None. Decided once per (class, limit) by running the gate on probe
+    values (beyond the limit) against the op's formula, with `act` (the module's act_fn) tried first; under
+    torch.compile dynamo runs this while tracing and keeps the answer as a constant."""
+    key = (cls, limit, act)
+    if key not in _GATES:
+        _GATES[key] = _probe_gate(cls, limit, act)
+    return _GATES[key]
+
+
+def _probe_gate(cls: type, limit: float | None, act: str | None) -> str | None:
+    span = 3.0 * (limit or 3.0)
+    gu = (torch.rand(8, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * span
+    gate, up = gu.chunk(2, dim=-1)
+    for name in dict.fromkeys([a for a in (act, *ACTIVATIONS) if a]):
+        stub = types.SimpleNamespace(act_fn=ACTIVATIONS[name].fn, **{attr: limit for attr in _LIMIT_ATTRS})
+        try:
+            with torch.no_grad():
+                out = cls._apply_gate(stub, gu)
+        except Exception:  # the gate reads attributes the op has no counterpart for (alpha, softcaps, ...)
+            return None
+        if out.shape == gate.shape and torch.allclose(out, gate_up(gate, up, name, limit), rtol=1e-5, atol=1e-5):
+            return name
+    return None
+
+
+def gate_of(module: nn.Module) -> tuple[str, float | None] | None:
+    """(activation, gate limit) the op computes for this module's gate, or None when it computes none of them."""
+    act = activation_name(getattr(module, "act_fn", None))
+    if getattr(type(module), "_apply_gate", None) is _default_gate():
+        return (act, None) if act else None
+    limit = gate_limit(module)
+    name = custom_gate_activation(type(module), limit, act)
+    return (name, limit) if name else None
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -55,8 +118,10 @@ def _fp8_reason(module: nn.Module) -> str | None:
     block = getattr(module, "block_size", None)
     if not block or len(block) != 2:
         return "per-tensor FP8 weight scales (the op takes 2-D blocks)"
-    if getattr(module, "swiglu_alpha", None) is not None or getattr(module, "limit", None) is not None:
-        return "a clamped SwiGLU gate"
+    if getattr(module, "swiglu_alpha", None) is not None:
+        return "an alpha SwiGLU gate (gpt-oss style)"
+    if getattr(module, "gate_softcap", None) is not None:
+        return "a softcapped SwiGLU gate"
     bn, bk = int(block[0]), int(block[1])
     for w, sc in ((module.gate_up_proj, module.gate_up_proj_scale_inv), (module.down_proj, module.down_proj_scale_inv)):
         want = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
@@ -73,11 +138,25 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return "expert biases"
     if not module.is_concatenated:
         return "interleaved gate/up rows"
-    if not is_fp8_module(module) and getattr(type(module), "_apply_gate", None) is not _default_gate():
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert parallelism (sentinel expert ids)"
+    if is_fp8_module(module):
+        return _fp8_reason(module) or _activation_reason(module)
+    if gate_of(module) is not None:
+        return None
+    if getattr(type(module), "_apply_gate", None) is not _default_gate():
         return f"a custom gate ({type(module).__name__}._apply_gate)"
-    if not _is_silu(getattr(module, "act_fn", None)):
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the op computes SiLU)"
-    return _fp8_reason(module) if is_fp8_module(module) else None
+    return _activation_reason(module)
+
+
+def _activation_reason(module: nn.Module) -> str | None:
+    act = getattr(module, "act_fn", None)
+    if activation_name(act) is not None:
+        return None
+    name = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
+    return f"activation {name} (the op computes SiLU, GELU, GELU-tanh)"
 
 
 def _local_routes(module: nn.Module, top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
@@ -103,7 +182,11 @@ def moefx_experts_forward(
         w13, w2 = w13.transpose(-2, -1), w2.transpose(-2, -1)
     backend = getattr(self, "moefx_backend", "auto")
     top_k_index = _local_routes(self, top_k_index, w13.shape[0])
-    return moe_experts(hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers")
+    activation, limit = gate_of(self)
+    return moe_experts(
+        hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers",
+        activation=activation, gate_limit=limit,
+    )
 
 
 def moefx_fp8_experts_forward(
@@ -123,6 +206,7 @@ def moefx_fp8_experts_forward(
         hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, backend=backend,
         w13_scale=self.gate_up_proj_scale_inv, w2_scale=self.down_proj_scale_inv,
         block_shape=tuple(int(b) for b in self.block_size), upstream="transformers",
+        activation=activation_name(self.act_fn), gate_limit=getattr(self, "limit", None),
     )
 
 

@@ -68,8 +68,9 @@ class TritonMoEBackend(MoEBackend):
     """A backend that runs a Triton kernel on CUDA and the same algorithm in PyTorch elsewhere.
 
     Subclasses give `cuda_kernel` and `torch_path`, both taking
-    (hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape), and `fp8_min_block_k` when their
-    CUDA kernel feeds FP8 quant blocks to a tensor-core dot (Triton's e4m3 dot on Hopper takes K >= 32 per step)."""
+    (hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, activation=..., gate_limit=...), and
+    `fp8_min_block_k` when their CUDA kernel feeds FP8 quant blocks to a tensor-core dot (Triton's e4m3 dot on
+    Hopper takes K >= 32 per step)."""
 
     fp8_min_block_k = 0
 
@@ -80,8 +81,10 @@ class TritonMoEBackend(MoEBackend):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape)
+        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
         reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
         if reason is None and hidden.is_cuda:
             if not triton_available():
@@ -100,17 +103,20 @@ class TritonMoEBackend(MoEBackend):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
         block_shape: tuple[int, int] | None = None,
+        activation: str = "silu",
+        gate_limit: float | None = None,
     ) -> torch.Tensor:
         args = (hidden.contiguous(), topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
+        gate = dict(activation=activation, gate_limit=gate_limit)
         if hidden.is_cuda:
             with torch.cuda.device(hidden.device):  # Triton launches on the current device
-                return self.cuda_kernel(*args)
-        return self.torch_path(*args)
+                return self.cuda_kernel(*args, **gate)
+        return self.torch_path(*args, **gate)
 
-    def cuda_kernel(self, *args: object) -> torch.Tensor:
+    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def torch_path(self, *args: object) -> torch.Tensor:
+    def torch_path(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 

@@ -1,8 +1,9 @@
 """Triton grouped MoE GEMMs over the padded expert blocks from `align.moe_align`.
 
-GEMM 1 (gate_up, SiLU-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
+GEMM 1 (gate_up, activation-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
 I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
-projection never reaches memory: it writes silu(gate) * up. GEMM 2 (down): same blocks over H, scales
+projection never reaches memory: it writes act(gate) * up (SiLU, GELU or GELU-tanh: the ACT constexpr,
+epilogue.py). GEMM 2 (down): same blocks over H, scales
 each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (`topk_sum`: fp32
 accumulation, one write in hidden's dtype; H200: 6.5 µs at M=1024 and 37.5 at 4096, torch's sum 12.4 and 52.4). The
 [pairs, I] intermediate is stored in the padded sorted order (row = position in `sorted_ids`, padding rows
@@ -44,7 +45,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moefx.backends.activation import get_activation
 from moefx.backends.kernels.align import moe_align
+from moefx.backends.kernels.epilogue import gate_up
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
@@ -199,7 +202,8 @@ def _gemm1_kernel(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, ALIGN_M: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, ACT: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     num_pid_n: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     if PDL:
@@ -217,11 +221,11 @@ def _gemm1_kernel(
     if HALF and _fits_half_tile(sorted_ptr, row0, num_pairs, BLOCK_M):
         _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
-                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
+                    BLOCK_M // 2, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING, ACT, LIMIT)
     else:
         _gemm1_tile(a_ptr, as_ptr, w_ptr, w_desc, ws_ptr, out_ptr, os_ptr, sorted_ptr, num_pairs, row0, e, pid_n,
                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, H, I, TOP_K, FP8, SBN, SBK,
-                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING)
+                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, TMA, PDL, RUNNING, ACT, LIMIT)
 
 
 @triton.jit
@@ -230,7 +234,8 @@ def _gemm1_tile(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr, RUNNING: tl.constexpr, ACT: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     """Rows row0 .. row0 + BLOCK_M of the sorted pairs (one expert, e) times gate/up column tile pid_n."""
     pairs = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
@@ -292,7 +297,7 @@ def _gemm1_tile(
         last_a = tl.load(a_s_ptrs + (H - 1) // SBK, mask=row_mask, other=1.0)
         acc_g = _scaled(acc_g, last_a, _w_scale_at(g_s_ptrs, (H - 1) // SBK, stride_sk, n_mask, PER_COL), PER_COL)
         acc_u = _scaled(acc_u, last_a, _w_scale_at(u_s_ptrs, (H - 1) // SBK, stride_sk, n_mask, PER_COL), PER_COL)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # padding rows: a = 0, so act = 0
+    act = gate_up(acc_g, acc_u, ACT, LIMIT)  # padding rows: a = 0, so act = 0
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # sorted position: GEMM 2 reads row blocks
     out_ptrs = out_ptr + rows[:, None] * I + offs_n[None, :]
     out_mask = n_mask[None, :]
@@ -470,10 +475,13 @@ def fused_moe(
     block_shape: tuple[int, int] | None = None,
     config: GemmConfig | None = None,
     config2: GemmConfig | None = None,
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
-    """Align, GEMM 1 (+SiLU-mul, +fp8 quant), GEMM 2 (+routing weight), top-k sum.
+    """Align, GEMM 1 (+act(gate) * up, +fp8 quant), GEMM 2 (+routing weight), top-k sum.
 
     `config` (GEMM 1, and GEMM 2 unless `config2` is given) overrides DEFAULT_TILES; GEMM 2 takes GEMM 1's BLOCK_M.
+    `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/backends/activation.py).
     """
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
@@ -519,7 +527,8 @@ def fused_moe(
         a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg1.half,
         BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
+        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running, ACT=get_activation(activation).kernel_id,
+        LIMIT=float(gate_limit or 0.0),
         num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
         **pdl_launch(pdl1),
     )

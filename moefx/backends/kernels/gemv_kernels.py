@@ -2,9 +2,9 @@
 
 Stage 1, grid (M*k pairs, I/BLOCK_N): each program reads BLOCK_N gate rows and the matching BLOCK_N
 up rows of its pair's expert (indexed straight from topk_ids) over all of H, 16-byte loads, and
-writes silu(gate) * up in fp32. Stage 2, grid (M, H/BLOCK_N): each program loads BLOCK_N rows of w2
-for all k of the token's experts at once (one [k, BLOCK_N, BLOCK_K] tile per K step, so the loads
-of the k experts overlap), weights each expert's dot by its routing weight and sums the top-k in
+writes act(gate) * up in fp32 (act: the ACT constexpr, epilogue.py). Stage 2, grid (M, H/BLOCK_N): each program
+loads BLOCK_N rows of w2 for all k of the token's experts at once (one [k, BLOCK_N, BLOCK_K] tile per K step, so
+the loads of the k experts overlap), weights each expert's dot by its routing weight and sums the top-k in
 registers; it writes the output row slice once, in hidden's dtype.
 Weights are streamed with evict_first (each byte is used once); work is split over output rows
 rather than K because (2I and H) / BLOCK_N already gives hundreds of programs at M = 1.
@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefx.backends.activation import get_activation
+from moefx.backends.kernels.epilogue import gate_up
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 
@@ -45,7 +47,7 @@ def _gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -75,7 +77,7 @@ def _gemv_gate_up_kernel(
             acc_u += tl.sum(u * x[None, :], axis=1)
     if PDL:
         gdc_launch_dependents()  # stage 2 may launch now: it waits for this grid before reading act
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    act = gate_up(acc_g, acc_u, ACT, LIMIT)
     tl.store(act_ptr + pair * I + offs_n, act, mask=n_mask)
 
 
@@ -188,8 +190,10 @@ def gemv_moe(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     config: GemvConfig | None = None,
+    activation: str = "silu",
+    gate_limit: float | None = None,
 ) -> torch.Tensor:
-    """Launch both stages; `config` overrides DEFAULT_TILES."""
+    """Launch both stages; `config` overrides DEFAULT_TILES; `activation` and `gate_limit` pick stage 1's epilogue."""
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -210,7 +214,7 @@ def gemv_moe(
         hidden, ids, w13, s13, act,
         hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
         H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1,
-        PDL=pdl, num_warps=cfg.num_warps1,
+        PDL=pdl, ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), num_warps=cfg.num_warps1,
     )
     _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
         act, ids, tw, w2, s2, out,
