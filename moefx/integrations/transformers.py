@@ -140,8 +140,6 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return "interleaved gate/up rows"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert parallelism (sentinel expert ids)"
     if is_fp8_module(module):
         return _fp8_reason(module) or _activation_reason(module)
     if gate_of(module) is not None:
