@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face name or folder (default: the embedded tiny Qwen3-MoE)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--mode", default="compile", choices=["eager", "compile", "capture"])
+    p.add_argument("--mode", default="capture", choices=["eager", "compile", "capture"])
     p.add_argument("--new-tokens", type=int, default=16)
     args = p.parse_args(argv)
 
