@@ -320,28 +320,17 @@ def render_moe(r: dict[str, Any]) -> str:
 
 
 def render_moe_vllm_peer(r: dict[str, Any], moe: dict[str, Any] | None) -> str:
-    rows = [(x["dtype"], x["M"], num(x["floor_us"]), num(x["peer_us"]), f"**{num(x['moefx_us'])}**",
-             f"{x['moefx_over_peer']:.2f}", f"{x['moefx_over_floor']:.2f}", f"{x['peer_over_floor']:.2f}",
-             f"{x['mx_vs_peer_relerr']:.1e}") for x in r["rows"]]
-    body = table(["dtype", "M", "floor µs", "peer µs", "**moefx** µs", "moefx/peer", "moefx/floor", "peer/floor",
-                  "rel. diff to peer"], rows)
-    lines = [f"- moefx takes {span(x['moefx_over_peer'] for x in r['rows'] if x['dtype'] == dt)}× the peer's time "
-             f"in {dt}" for dt in dict.fromkeys(x["dtype"] for x in r["rows"])]
-    if moe:
-        ref = {(x["dtype"], x["M"]): x["auto"] for x in moe["rows"]}
-        diffs = [x["moefx_us"] / ref[(x["dtype"], x["M"])] - 1 for x in r["rows"] if (x["dtype"], x["M"]) in ref]
-        if diffs:
-            lines.append(f"- the anchor does not record its timing method; its moefx times read "
-                         f"{100 * min(diffs):+.0f}% to {100 * max(diffs):+.0f}% against the `auto` column above "
-                         "(another run and harness), so compare within this table only")
-    body += "\n\n" + "\n".join(lines)
-    return section(
-        "Experts op: same-run check against vLLM's Triton fused-MoE kernel", r,
-        what=f"The same geometry and dtypes; ceilings in that run: {_moe_ceilings(r['ceilings'])}.",
-        reproduce="no command in this repository: the lead's harness that measured it is not part of it "
-                  "(`bench/moe.py` uses the 2026-11-29 anchor's peer numbers instead)",
-        peer="vLLM's Triton fused-MoE kernel, as the anchor names it, timed in the same run as moefx",
-        floor="as above, with that run's ceilings", body=body)
+    """A cited measurement, not a table: no command in this repository reproduces it (the lead's harness, with
+    vLLM, measured it; the H200 machine has no vLLM)."""
+    spans = "; ".join(f"{span(x['moefx_over_peer'] for x in r['rows'] if x['dtype'] == dt)}× its time in {dt}"
+                      for dt in dict.fromkeys(x["dtype"] for x in r["rows"]))
+    ms = sorted({x["M"] for x in r["rows"]})
+    return (f"#### A check against vLLM's Triton fused-MoE kernel (not reproducible here)\n\n"
+            f"On {r['date']} ({r['device']}, torch {r['versions']['torch']}, moefx at `{r['commit']}`) the lead's "
+            f"harness timed moefx's experts op and vLLM's Triton fused-MoE kernel in one run at the same geometry, "
+            f"M = {ms[0]}–{ms[-1]}: moefx took {spans}. That harness is not part of this repository (the H200 "
+            f"machine has no vLLM), so no command here reproduces it; the numbers are in "
+            f"`{r['_file']}` ({r.get('source', 'source not recorded')}).")
 
 
 def _pair(rows: list[dict[str, Any]], name: str, m: int) -> tuple[float, float] | None:

@@ -49,9 +49,7 @@ def test_every_performance_table_names_its_run_peer_floor_and_command():
         for key in ("Peer", "Floor", "Reproduce"):
             assert re.search(rf"^- \*\*{key}\*\*: \S", head, re.M), f"section {title!r}: no {key} line"
         reproduce = re.search(r"^- \*\*Reproduce\*\*: (.*)$", head, re.M)[1]
-        # A run this repository cannot reproduce must say where its numbers come from.
-        assert "`bash bench/run_h200.sh " in reproduce or (
-            "no command in this repository" in reproduce and "- **Source**: " in head), title
+        assert "`bash bench/run_h200.sh " in reproduce, title
 
 
 def test_e2e_renders_with_null_fields_and_new_arms():
