@@ -107,6 +107,8 @@ def build_model_from_spec(spec: str, layers: int | None, device: Any, dtype: Any
     data = {k: (v[:depth] if isinstance(v, list) and len(v) == total and k != "mlp_only_layers" else v)
             for k, v in data.items()}
     data["num_hidden_layers"] = depth
+    data.pop("torch_dtype", None)
+    data["dtype"] = str(dtype).replace("torch.", "")  # transformers builds in the config's dtype: no fp32 copy
     model_type = data.pop("model_type", None)
     if not model_type:
         raise ValueError(f"model {spec!r}: the config states no model_type")
@@ -131,13 +133,8 @@ def build_model_from_spec(spec: str, layers: int | None, device: Any, dtype: Any
                          f"more than half of the {2 * budget / 2**30:.1f} GiB free on {device.type}; {hint}")
     del meta
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in the target dtype: no fp32 copy on the way
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
     return model.eval(), f"{spec} ({depth} of {total} layers, random weights, {need / 2**20:.0f} MiB)"
 
 
