@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _moefx(*args: str, **env: str) -> subprocess.CompletedProcess:
-    code = "import sys; from moefx.cli import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+    code = ("import sys; from moefx.cli import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); "
+            "sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
 
