@@ -10,6 +10,7 @@ from moefx.cli.bench import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION, spread_
 EAGER = '{"mode": "eager"}'
 
 
+@pytest.mark.slow
 def test_bench_runs_both_arms_end_to_end(tmp_path, capsys):
     out = tmp_path / "ab.json"
     args = ["bench", "--a", EAGER, "--b", EAGER, "--runs", "1", "--repeats", "2", "--new-tokens", "3",

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_offload_bench_quick(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = subprocess.run(
