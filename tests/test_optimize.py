@@ -29,12 +29,11 @@ def test_optimized_generate_matches_eager_without_recompiling_every_step():
     assert model.moefx_plan.pass_enabled("eliminate_noops")
 
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits, ref_logits = model(ids).logits, eager(ids).logits
+    greedy = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    out, ref = model.generate(ids, **greedy), eager.generate(ids, **greedy)
+    assert torch.equal(out.sequences, ref.sequences)
+    logits, ref_logits = torch.stack(out.logits), torch.stack(ref.logits)  # every step's, prefill's first
     assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-5
-
-    out = model.generate(ids, max_new_tokens=10, do_sample=False)
-    assert torch.equal(out, eager.generate(ids, max_new_tokens=10, do_sample=False))
     # Prefill, first decode step, then one dynamic decode graph: not one graph per step.
     first = len(moefx.compile_reports())
     assert 1 <= first <= 4
