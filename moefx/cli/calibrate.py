@@ -243,12 +243,16 @@ class Sweep:
         self.timings.setdefault(name, {})[m] = statistics.median(kept)
 
     def noise(self, name: str, m: int) -> float:
-        """Relative interquartile range of one point's samples (0 with fewer than 4: nothing to measure)."""
-        kept = self.samples[name][m]
-        if len(kept) < 4:
+        """One point's spread over its median: the interquartile range from 4 samples on, the full range for 2
+        or 3 (a --quick run's 3 reps), 0 for a single sample."""
+        kept = sorted(self.samples[name][m])
+        mid = statistics.median(kept)
+        if len(kept) < 2 or mid <= 0:
             return 0.0
-        q1, q2, q3 = statistics.quantiles(kept, n=4, method="inclusive")
-        return (q3 - q1) / q2 if q2 > 0 else 0.0
+        if len(kept) < 4:
+            return (kept[-1] - kept[0]) / mid
+        q1, _, q3 = statistics.quantiles(kept, n=4, method="inclusive")
+        return (q3 - q1) / mid
 
     def close_call(self, m: int) -> tuple[str, str, float, float] | None:
         """(fastest, runner-up, their gap, the noise) at M when the gap is within the noise, else None."""
