@@ -50,8 +50,8 @@ main_stage() {
     fi
     echo "== installing moefx[dev]"
     "$PY" -m pip install -q -e ".[dev]" "${pinned_triton[@]}" || return 1
-    "$PY" -c "import moefx, torch, triton; print('moefx', moefx.__version__, 'torch', torch.__version__, 'triton', \
-triton.__version__, 'python', __import__('sys').executable)" || return 1
+    "$PY" -c "import moefx, torch, triton; print('moefx', moefx.__version__, 'from', moefx.__path__[0], 'torch', \
+torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').executable)" || return 1
 
     local rc=0
     echo "== ruff"
