@@ -179,10 +179,16 @@ def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs
     torch._dynamo.reset()
     flags = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
 
-    def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
+    on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
 
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": recorder})
+    def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        from moefx.compile import post_grad_only
+
+        # Off CUDA nothing is run for its syncs: the post-grad graphs are all the audit reads, so no codegen.
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": recorder},
+                          inner_compile=compile_fx_inner if on_cuda else post_grad_only)
 
     compiled = torch.compile(fn, backend=compiler)
     with torch._dynamo.config.patch(flags), torch._inductor.config.patch(fx_graph_cache=False):
@@ -194,7 +200,6 @@ def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs
                 report.findings.append(Finding("sync op", where, what, False, _why_kept(where, what, recorder.skipped)))
             else:
                 report.findings.append(Finding("sync op", where, what, True, "rewritten by rewrite_sampler_syncs"))
-        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         if on_cuda:
             eager = _runtime_syncs(fn, copy.deepcopy(args), kwargs)
             after = _runtime_syncs(compiled, copy.deepcopy(args), kwargs)

@@ -37,3 +37,15 @@ def backend(config: Any = None, plan: Plan | None = None, cudagraphs: bool | Non
     moefx_backend.plan = plan  # type: ignore[attr-defined]
     moefx_backend.cudagraphs = cudagraphs  # type: ignore[attr-defined]
     return moefx_backend
+
+
+def post_grad_only(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """An inductor `inner_compile` that runs inductor's post-grad passes (moefx's among them, which write their
+    compile reports) and then the graph as the PyTorch ops it holds, with no code generation. For looking at
+    what the passes did without paying for a C++/Triton compile: `compile_fx(gm, inputs, inner_compile=...)`."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+
+    _recursive_post_grad_passes(gm, is_inference=bool(kwargs.get("is_inference")))
+    gm.recompile()
+    return make_boxed_func(gm.forward)

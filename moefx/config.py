@@ -112,7 +112,11 @@ class CompilationConfig:
             for depth, part in enumerate(parts[:-1]):
                 if not isinstance(node.get(part), dict):
                     prefix = ".".join(parts[: depth + 1])
-                    raise ValueError(f"override {item!r}: {prefix!r} is not a config section")
+                    sections = sorted(k for k, v in node.items() if isinstance(v, dict))
+                    where = ".".join(parts[:depth]) or "the config"
+                    valid = (f"valid sections of {where}: {sections}{_did_you_mean(part, sections)}" if sections
+                             else f"{where} has no sections; its keys: {sorted(node)}")
+                    raise ValueError(f"override {item!r}: {prefix!r} is not a config section; {valid}")
                 node = node[part]
             node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
         return _build(CompilationConfig, data, "")
@@ -196,7 +200,8 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ValueError(f"config key {key!r} must be a string, got {value!r}")
+            valid = f"; valid choices: {list(choices)}" if choices is not None else ""
+            raise ValueError(f"config key {key!r} must be a string, got {value!r}{valid}")
         if choices is not None and value not in choices:
             raise ValueError(
                 f"config key {key!r} has invalid value {value!r}; valid choices: {list(choices)}"

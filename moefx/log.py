@@ -17,13 +17,20 @@ _VALID_LEVELS = ("debug", "info", "warning", "error")
 _warned: set[str] = set()
 
 
+def log_level() -> str:
+    """The validated MOEFX_LOG level (the CLI checks it first, so a bad value is one line, not a traceback)."""
+    raw = os.environ.get("MOEFX_LOG", "").strip()
+    level = raw.lower() or "warning"
+    if level not in _VALID_LEVELS:
+        raise ValueError(f"environment variable MOEFX_LOG={raw!r} is invalid; valid values: {list(_VALID_LEVELS)}")
+    return level
+
+
 def get_logger(name: str = "moefx") -> logging.Logger:
     logger = logging.getLogger(name)
     root = logging.getLogger("moefx")
     if not getattr(root, "_moefx_configured", False):
-        level = os.environ.get("MOEFX_LOG", "warning").lower()
-        if level not in _VALID_LEVELS:
-            raise ValueError(f"MOEFX_LOG={level!r} is invalid; valid values: {list(_VALID_LEVELS)}")
+        level = log_level()
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[moefx %(levelname)s] %(name)s: %(message)s"))
         root.addHandler(handler)

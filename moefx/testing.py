@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch._inductor.config as inductor_config
@@ -39,3 +41,26 @@ def count_ops(gm: torch.fx.GraphModule | torch.fx.Graph, *targets: object) -> in
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     wanted = set(targets)
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in wanted)
+
+
+@contextlib.contextmanager
+def without_codegen() -> Iterator[None]:
+    """Inductor up to and including its post-grad passes (moefx's passes run there and write their compile
+    reports), then each graph runs as the PyTorch ops it holds instead of generated C++/Triton code.
+
+    For tests of what the passes do to a real model's graph: on a CPU, the C++ compile of one graph of the tiny
+    Qwen3-MoE costs 10-25 s of CPU, every other step well under that. Code generation itself is what the tests
+    that compile for real (the demo, `optimize` + `generate`, the bench smoke runs) cover.
+    """
+    from torch._inductor import compile_fx as inductor
+
+    from moefx.compile import post_grad_only
+
+    real = inductor.compile_fx
+
+    def compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["inner_compile"] = post_grad_only
+        return real(gm, example_inputs, *args, **kwargs)
+
+    with mock.patch.object(inductor, "compile_fx", compile_fx):
+        yield

@@ -1,54 +1,104 @@
 #!/usr/bin/env bash
-# Install what the tests need (into a reused venv) and run them. CI calls this through .ci/run.
-#   MOEFX_VENV        venv folder (default .venv)
-#   PYTEST_ARGS       extra pytest arguments, e.g. "-k config"
-set -euo pipefail
+# Install what the tests need and run them in two stages; CI calls this through .ci/run.
+#
+#   main stage   ruff + pytest on this checkout, in the Python environment chosen below
+#   vLLM stage   the vLLM integration and FX-level pass tests in a cached venv with vLLM 0.33 (torch 2.14)
+#
+# Both stages always run; the exit code says which failed: 0 both passed, 1 main failed, 2 vLLM failed, 3 both.
+#
+# Environment, in the order it is chosen:
+#   VIRTUAL_ENV       an active virtualenv is used as it is (its torch is kept; moefx[dev] is installed into it)
+#   MOEFX_VENV        else this venv folder (default .venv), created when missing with torch 2.13 (CPU)
+#   MOEFX_TORCH       what pip installs as torch into a venv that has none (default: this machine's local
+#                     torch 2.13.0+cpu wheel in /opt/wheels when present, else torch==2.13.0)
+#   PYTEST_ARGS       extra pytest arguments for both stages, e.g. "-k config"
+#   MOEFX_SKIP_VLLM=1 skip the vLLM stage (and say so)
+#   MOEFX_VLLM_VENV   the vLLM venv (default $HOME/.cache/moefx/venv-vllm, which CI caches between runs)
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${MOEFX_VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "== creating $VENV"
-    python3 -m venv "$VENV"
-fi
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
+# pytest that collected nothing (exit 5) is a failure here: a filter or import that hides every test must not pass.
+run_pytest() {
+    "$@"
+    local rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "== pytest collected no tests (exit 5): counted as a failure" >&2
+    fi
+    return "$rc"
+}
 
-if ! python -c "import torch" 2>/dev/null; then
-    echo "== installing torch 2.13.0 (CPU; taken from this machine's local wheel where present)"
-    local_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
-    python -m pip install -q "${local_wheel:-torch==2.13.0}"
-fi
-echo "== installing moefx[dev]"
-python -m pip install -q -e ".[dev]" "triton==3.6.0"
-python -c "import moefx, torch, triton; print('moefx', moefx.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
+main_stage() {
+    if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+        echo "== using the active virtualenv $VIRTUAL_ENV (its torch is kept)"
+        PY="$VIRTUAL_ENV/bin/python"
+    else
+        local venv=${MOEFX_VENV:-.venv}
+        echo "== no active virtualenv: using $venv (MOEFX_VENV; created with torch 2.13 CPU when missing)"
+        if [ ! -x "$venv/bin/python" ]; then
+            python3 -m venv "$venv" || return 1
+        fi
+        PY="$venv/bin/python"
+    fi
+    local pinned_triton=()
+    if ! "$PY" -c "import torch" 2>/dev/null; then
+        local local_wheel
+        local_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
+        local torch_req=${MOEFX_TORCH:-${local_wheel:-torch==2.13.0}}
+        echo "== installing torch: $torch_req"
+        "$PY" -m pip install -q "$torch_req" || return 1
+        pinned_triton=("triton==3.6.0")  # the Triton the tests are written against, next to a torch we chose
+    fi
+    echo "== installing moefx[dev]"
+    "$PY" -m pip install -q -e ".[dev]" "${pinned_triton[@]}" || return 1
+    "$PY" -c "import moefx, torch, triton; print('moefx', moefx.__version__, 'from', moefx.__path__[0], 'torch', \
+torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').executable)" || return 1
 
-echo "== ruff"
-ruff check moefx tests bench examples scripts
+    local rc=0
+    echo "== ruff"
+    "$PY" -m ruff check moefx tests bench examples scripts || rc=1
 
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/moefx/inductor}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.cache/moefx/triton}
-echo "== pytest (inductor cache: $TORCHINDUCTOR_CACHE_DIR)"
-# shellcheck disable=SC2086
-python -m pytest -q -ra --durations=15 --timeout=900 ${PYTEST_ARGS:-} tests
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/moefx/inductor}
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.cache/moefx/triton}
+    echo "== pytest (inductor cache: $TORCHINDUCTOR_CACHE_DIR)"
+    # shellcheck disable=SC2086
+    run_pytest "$PY" -m pytest -q -ra --durations=25 --timeout=900 ${PYTEST_ARGS:-} tests || rc=1
+    return "$rc"
+}
 
-# vLLM integration: vLLM 0.33 pins torch 2.14, so it lives in its own venv, cached between runs and created
-# when missing (about 8 GB). These tests also run moefx's FX-level pass tests on torch 2.14.
+# vLLM 0.33 pins torch 2.14, so it lives in its own venv, cached between runs and created when missing (about
+# 8 GB). These tests also run moefx's FX-level pass tests on torch 2.14.
+vllm_stage() {
+    local venv=${MOEFX_VLLM_VENV:-$HOME/.cache/moefx/venv-vllm}
+    if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+        echo "== creating $venv with vllm==0.33.0 (first run only; large download)"
+        python3 -m venv "$venv" || return 1
+        "$venv/bin/python" -m pip install -q "vllm==0.33.0" || return 1
+    fi
+    "$venv/bin/python" -m pip install -q --no-deps -e . || return 1
+    "$venv/bin/python" -m pip install -q pytest pytest-timeout || return 1
+    "$venv/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" || return 1
+    echo "== pytest in the vLLM venv"
+    # shellcheck disable=SC2086
+    MOEFX_REQUIRE_VLLM=1 TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/moefx/inductor}-vllm" \
+        run_pytest "$venv/bin/python" -m pytest -q -ra --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_VLLM_TESTS:-\
+tests/test_vllm_integration.py tests/test_config.py tests/test_eliminate_noops.py tests/test_pass_manager.py \
+tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py tests/test_last_token_logits.py tests/test_sampler_syncs.py \
+tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py}
+}
+
+start=$SECONDS
+main_rc=0
+main_stage || main_rc=1
+main_s=$((SECONDS - start))
+
+vllm_rc=0
 if [ "${MOEFX_SKIP_VLLM:-0}" = "1" ]; then
-    echo "== vLLM stage skipped (MOEFX_SKIP_VLLM=1): vLLM integration NOT tested"
-    exit 0
+    vllm_result="skipped (MOEFX_SKIP_VLLM=1): vLLM integration NOT tested"
+else
+    vllm_stage || vllm_rc=1
+    vllm_result=$([ "$vllm_rc" -eq 0 ] && echo passed || echo FAILED)
 fi
-VLLM_VENV=${MOEFX_VLLM_VENV:-$HOME/.cache/moefx/venv-vllm}
-if ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
-    echo "== creating $VLLM_VENV with vllm==0.33.0 (first run only; large download)"
-    python3 -m venv "$VLLM_VENV"
-    "$VLLM_VENV/bin/python" -m pip install -q "vllm==0.33.0"
-fi
-"$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
-"$VLLM_VENV/bin/python" -m pip install -q pytest pytest-timeout
-"$VLLM_VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-echo "== pytest in the vLLM venv"
-# shellcheck disable=SC2086
-MOEFX_REQUIRE_VLLM=1 TORCHINDUCTOR_CACHE_DIR="$TORCHINDUCTOR_CACHE_DIR-vllm" "$VLLM_VENV/bin/python" -m pytest -q -ra \
-    --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_VLLM_TESTS:-tests/test_vllm_integration.py tests/test_config.py \
-    tests/test_eliminate_noops.py tests/test_pass_manager.py tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py \
-    tests/test_last_token_logits.py tests/test_sampler_syncs.py tests/test_fusion_corpus.py}
+
+echo "== main stage: $([ "$main_rc" -eq 0 ] && echo passed || echo FAILED) (${main_s} s)"
+echo "== vLLM stage: $vllm_result ($((SECONDS - start - main_s)) s)"
+exit $((main_rc + 2 * vllm_rc))

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_moe_quick(tmp_path: Path) -> None:
     env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--quick"], capture_output=True, text=True,
@@ -19,6 +22,7 @@ def test_bench_moe_quick(tmp_path: Path) -> None:
     assert res.stdout.strip().splitlines()[-1].startswith("fp8")
 
 
+@pytest.mark.slow
 def test_bench_moe_sweep_only_quick(tmp_path: Path) -> None:
     """--sweep-only: budgeted tile sweep (interpreter, tiny shapes), best tiles next to the defaults in the JSON."""
     import json

@@ -1,24 +1,49 @@
+"""`moefx bench`: both arms run in their own processes, the red line applies, and noise makes it inconclusive."""
+
 import json
 
+import pytest
+
 from moefx.cli import main as cli_main
+from moefx.cli.bench import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION, spread_pct, verdict
 
 EAGER = '{"mode": "eager"}'
 
 
-def test_bench_runs_both_arms_and_applies_the_red_line(tmp_path, capsys):
+@pytest.mark.slow
+def test_bench_runs_both_arms_end_to_end(tmp_path, capsys):
     out = tmp_path / "ab.json"
-    args = ["bench", "--a", EAGER, "--b", EAGER, "--runs", "1", "--new-tokens", "4", "--prompt-len", "4"]
-    # A red line no change can cross: passes, and the JSON has one run per arm with every metric.
-    assert cli_main([*args, "--red-line", "1000", "--json", str(out)]) == 0
+    args = ["bench", "--a", EAGER, "--b", EAGER, "--runs", "1", "--repeats", "2", "--new-tokens", "3",
+            "--prompt-len", "4", "--red-line", "1000", "--json", str(out), "-cc.max_batch_size=2"]
+    assert cli_main(args) == EXIT_OK  # a red line no noise reaches: a verdict, and it is ok
     data = json.loads(out.read_text())
     assert [len(data["runs"][arm]) for arm in ("a", "b")] == [1, 1]
-    assert set(data["medians"]["b"]) == {"prefill_ms", "itl_ms", "decode_tok_s"}
+    assert [len(data["runs"][arm][0]) for arm in ("a", "b")] == [2, 2]  # --repeats samples per process
+    assert set(data["medians"]["b"]) == set(data["spread_pct"]["a"]) == {"prefill_ms", "itl_ms", "decode_tok_s"}
+    assert data["configs"]["a"]["max_batch_size"] == data["configs"]["b"]["max_batch_size"] == 2  # -cc: both arms
+    assert data["model"] == "tiny-qwen3-moe" and data["verdict"].endswith(": ok")
     assert "decode tok/s B vs A" in capsys.readouterr().out
-    # A red line every result crosses: the command reports a regression and fails.
-    assert cli_main([*args, "--red-line", "-1000"]) == 1
-    assert "REGRESSION" in capsys.readouterr().out
 
 
-def test_bench_validates_configs_before_running(capsys):
-    assert cli_main(["bench", "--b", '{"moe_backend": "fast"}']) == 2
-    assert "valid choices" in capsys.readouterr().err
+def test_verdict_is_inconclusive_when_the_noise_is_wider_than_the_red_line():
+    quiet = [1000.0, 1001.0, 999.0, 1000.5, 999.5]
+    noisy = [670.0, 1095.0, 800.0, 950.0, 720.0]  # the spread seen on a busy 2-core machine
+    line, code, change, noise = verdict(quiet, noisy, red_line=3.0)
+    assert code == EXIT_INCONCLUSIVE and "inconclusive" in line and "REGRESSION" not in line
+    assert change < -3.0 and noise == spread_pct(noisy) > 3.0
+    assert verdict(quiet, [t * 0.9 for t in quiet], 3.0)[1] == EXIT_REGRESSION  # quiet and 10% slower
+    assert verdict(quiet, [t * 0.99 for t in quiet], 3.0)[1] == EXIT_OK
+    assert verdict([1000.0], [1000.0], 3.0)[1] == EXIT_INCONCLUSIVE  # one sample: no noise measured
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--b", '{"moe_backend": "fast"}'], "valid choices"),
+     (["--b", "{}", "-cc.moe_backend=fast"], "valid choices"),
+     (["--b", "{}", "-cc.pass_confg.x=1"], "valid sections of the config"),
+     (["--b", "{}", "--model", "no/such/model"], "no such file or folder"),
+     (["--b", "{}", "--repeats", "0"], "--repeats must be >= 1")],
+)
+def test_bench_validates_before_running(extra, message, capsys):
+    assert cli_main(["bench", *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import yaml
@@ -259,6 +261,8 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
     assert set().union(*row.timings_us.values()) == {1, 2, 4, 8, 16}
     assert row.provenance["torch"] == str(torch.__version__) and row.provenance["date"]
     assert row.provenance["command"].startswith(f"moefx calibrate --tp 1 --experts {E} --hidden {H}")
+    assert "--max-m 16 --reps 3" in row.provenance["command"] and "M 1, 2, 4, 8, 16 (5 points)" in row.provenance[
+        "grid"]  # the grid actually run, not the --max-m default
     assert list(out.parent.glob("cpu-*.png"))
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
     assert plan.applies == any(r.backend != "upstream" for r in row.ranges)
@@ -266,6 +270,18 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
     for m in (1, 3, 16, 17, 1000):
         (want,) = [r.backend for r in row.ranges if r.contains(m)]
         assert _choose(m) == {"upstream": "transformers"}.get(want, want)
+
+
+def test_calibrate_without_matplotlib_writes_the_row_and_skips_the_plot(tmp_path, capsys, monkeypatch):
+    from moefx.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "t.yaml"
+    argv = ["calibrate", "--experts", str(E), "--hidden", str(H), "--intermediate", str(I), "--topk", str(TOPK),
+            "--quick", "--max-m", "2", "--backends", "legacy,upstream", "--output", str(out)]
+    assert main(argv) == 0
+    assert "plot skipped: matplotlib is not installed (pip install 'moefx[plot]')" in capsys.readouterr().err
+    assert len(load_table(out)) == 1 and not list(tmp_path.glob("*.png"))
 
 
 @pytest.mark.parametrize(
@@ -309,10 +325,38 @@ def test_sweep_stops_timing_a_contender_slow_at_two_m_in_a_row(monkeypatch):
     cost = {"fast": lambda m: float(m), "spiky": lambda m: 50.0 if m == 2 else float(m), "slow": lambda m: 10.0 * m}
     problem = calibrate.Problem(4, 16, 8, 2, torch.float32, "none", torch.device("cpu"), seed=0)
     monkeypatch.setattr(problem, "call", lambda name: cost[name])
-    monkeypatch.setattr(calibrate, "_time_cpu", lambda fn, sets, reps: fn(sets[0][0].shape[0]))
-    timings, skipped = calibrate.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
+    monkeypatch.setattr(calibrate, "_time_cpu", lambda fn, sets, reps: [fn(sets[0][0].shape[0])])
+    result = calibrate.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
+    timings, skipped = result.timings, result.skipped
     assert set(timings["fast"]) == set(timings["spiky"]) == {1, 2, 4, 8}  # one spike is not enough
     assert set(timings["slow"]) == {1, 2} and "above M=2" in skipped["slow"]
+
+
+def test_close_calls_are_retimed_then_reported_uncertain():
+    from moefx.cli.calibrate import RETIME_ROUNDS, Sweep, resolve_close_calls
+
+    result = Sweep()
+    noisy = [100.0, 80.0, 120.0, 90.0, 110.0]  # 20% interquartile spread
+    for m in (1, 2, 4):
+        result.add("a", m, [t * m for t in noisy])
+        result.add("b", m, [t * m * (1.02 if m < 4 else 3.0) for t in noisy])  # a near-tie at M 1, 2 only
+    calls = []
+
+    def retime(name: str, m: int) -> list[float]:
+        calls.append((name, m))
+        return [t * m * (1.02 if name == "b" else 1.0) for t in noisy]
+
+    resolve_close_calls(result, retime)
+    assert sorted(result.uncertain) == [1, 2] and "within the" in result.uncertain[1]
+    assert len(calls) == 2 * 2 * RETIME_ROUNDS and all(m in (1, 2) for _, m in calls)  # M=4 is decided
+    assert len(result.samples["a"][1]) == len(noisy) * (1 + RETIME_ROUNDS)
+    assert 0.03 <= result.tolerance <= 0.25  # the measured noise widens the crossover hysteresis
+    # Quiet samples: a 2% gap is decided at once, nothing re-timed.
+    quiet = Sweep()
+    quiet.add("a", 1, [100.0] * 5)
+    quiet.add("b", 1, [102.0] * 5)
+    resolve_close_calls(quiet, lambda name, m: pytest.fail("re-timed a decided point"))
+    assert quiet.uncertain == {} and quiet.tolerance == 0.03
 
 
 FP8_H, FP8_I = 128, 128  # smallest shape a 128x128 weight block fits

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_fusions_bench_quick(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fusions.py"), "--quick"], cwd=ROOT,
                           capture_output=True, text=True, timeout=240, env={**os.environ, "OUT": str(tmp_path)})

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.compile
 def test_sampler_bench_quick(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
@@ -21,7 +22,7 @@ def test_sampler_bench_quick(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "sampler.json").read_text())

@@ -106,7 +106,7 @@ def test_each_key_field_changes_the_signature_and_plan(field: str) -> None:
 
 
 @pytest.mark.parametrize("missing", ["num_experts_per_tok", "num_experts", "moe_intermediate_size", "hidden_act",
-                                     "norm_topk_prob", "hidden_size", "torch_dtype"])
+                                     "norm_topk_prob", "hidden_size"])
 def test_partial_metadata_fails_closed(missing: str) -> None:
     data = catalog_config("qwen3-30b-a3b")
     del data[missing]
@@ -116,6 +116,30 @@ def test_partial_metadata_fails_closed(missing: str) -> None:
     plan = resolve(ms, H200)
     assert plan.profile == "unknown" and plan.enabled_passes() == []
     assert all(p.backend_for(m) == "upstream" for p in plan.moe.policies.values() for m in (1, 64, 4096))
+
+
+def test_dtype_comes_from_the_config_or_the_execution_and_says_where() -> None:
+    from transformers import AutoConfig
+
+    data = catalog_config("qwen3-30b-a3b")
+    assert ModelSignature.from_config(data).dtype_source == "config 'torch_dtype'"
+    hf = AutoConfig.for_model("qwen3_moe", dtype="bfloat16")
+    assert (ModelSignature.from_config(hf).dtype, ModelSignature.from_config(hf).dtype_source) == (
+        "bfloat16", "config 'dtype'")
+    del data["torch_dtype"]
+    ms = ModelSignature.from_config(data)
+    assert ms.dtype is None and "dtype=unknown" in ms.describe()
+    # The execution signature's compute dtype fills it in, and the plan says so.
+    plan = resolve(ms, H200)
+    assert plan.profile == "qwen3_moe" and plan.model.dtype == "bfloat16"
+    assert "dtype=bfloat16 [execution signature]" in plan.explain()
+    # Neither states one: fail closed, saying how to fix it.
+    plan = resolve(ms, ExecutionSignature.preset("h200"))
+    assert plan.profile == "unknown" and "the config states no dtype" in plan.profile_reason
+    assert plan.enabled_passes() == []
+    # The source is not a fact: equal signatures, equal keys.
+    stated, filled = ModelSignature.from_config({**data, "dtype": "bfloat16"}), ms.with_dtype("bfloat16", "elsewhere")
+    assert stated == filled and stated.key() == filled.key() and stated.dtype_source != filled.dtype_source
 
 
 def test_deepseek_v3_without_group_fields_fails_closed() -> None:

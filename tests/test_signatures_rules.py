@@ -130,7 +130,8 @@ def test_malformed_rule_names_file_and_index(tmp_path: Path, rule: object, messa
 
 @pytest.mark.parametrize(
     "text, message",
-    [("rules: {}", "'rules' list"), ("version: 2\nrules: []", "only keys"), ("rules: [", "not valid YAML"),
+    [("rules: {}", "'rules' list"), ("version: 2\nrules: []", r"version 2 is not supported; valid versions: \[1\]"),
+     ("rules: []\nrule: []", r"unknown top-level keys \['rule'\]; valid keys"), ("rules: [", "not valid YAML"),
      ("- a", "'rules' list")],
 )
 def test_malformed_rule_file(tmp_path: Path, text: str, message: str) -> None:

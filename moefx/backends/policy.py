@@ -275,6 +275,7 @@ def moe_plan(ms: Any, es: Any, cfg: Any, pins: dict | None = None) -> MoePlan:
         plan = MoePlan("auto", source)
     else:
         policies, plan = {}, MoePlan("auto", "calibration")
+    from_rows: list[str] = []
     for mode in MODES:
         if mode in policies:
             continue
@@ -293,12 +294,23 @@ def moe_plan(ms: Any, es: Any, cfg: Any, pins: dict | None = None) -> MoePlan:
             policies[mode] = MoePolicy.single(UPSTREAM, f"no calibration row for {mode}")
         else:
             policies[mode] = MoePolicy(row.ranges, row.source)
+            from_rows.append(mode)
     if env.disabled:
         why = f"{sorted(env.disabled)} turned off by {sorted(LEGACY_SWITCHES)}"
         policies = {m: p.without(env.disabled, why) for m, p in policies.items()}
     policies["capture"] = _capture_safe(policies["capture"])
     plan.policies = policies
+    if not pins:
+        plan.source = _calibration_summary(from_rows)
     return plan
+
+
+def _calibration_summary(from_rows: list[str]) -> str:
+    """What the calibration lookup found, for the `moe backend = auto` line (the per-range lines say why)."""
+    if not from_rows:
+        return "no calibration row matched: upstream for every M"
+    missing = [m for m in MODES if m not in from_rows]
+    return "calibration rows for every mode" if not missing else f"calibration row for {from_rows}, none for {missing}"
 
 
 def _forced(backend: str, source: str) -> MoePlan:

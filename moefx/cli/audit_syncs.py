@@ -1,4 +1,8 @@
-"""`moefx audit-syncs MODEL`: list the host syncs and graph breaks of a model's decode step and sampler.
+"""`moefx audit-syncs [MODEL]`: list the host syncs and graph breaks of a model's decode step and sampler.
+
+MODEL is a built-in name, a config.json or a model folder; it is built with seeded random weights at a reduced
+depth (`--layers`; every layer kind appears once by default, and syncs repeat per layer), and refused when even
+that would not fit in memory.
 
 The step is what transformers' `generate()` does per token: one forward with a static cache, the
 temperature / top-k / top-p warpers, softmax, `torch.multinomial`, and the "all finished?" check.
@@ -14,15 +18,11 @@ from typing import Any
 
 import torch
 
-from moefx.cli.common import add_config_arg, load_config, progress
-from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
-
-BUILTIN = {"tiny-qwen3-moe": tiny_qwen3_moe_config, "qwen3-moe-8l": lambda: qwen3_moe_config(8)}
+from moefx.cli.common import add_config_arg, add_model_args, build_model_from_spec, load_config, progress
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("audit-syncs", help="list host syncs and graph breaks in a decode step", description=__doc__)
-    p.add_argument("model", help=f"built-in name ({', '.join(BUILTIN)}) or a local config.json / model folder")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_args(p, "tiny-qwen3-moe")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -30,24 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--json", dest="json_path", default=None, help="also write the findings to this JSON file")
     add_config_arg(p)
-    p.set_defaults(func=run)
-
-
-def load_model(spec: str, device: torch.device) -> Any:
-    """A built-in model or one built from a local transformers config, with seeded random weights."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if spec in BUILTIN:
-        return build_model(BUILTIN[spec](), seed=0, dtype=dtype, device=device)
-    path = Path(spec)
-    if not path.exists():
-        raise ValueError(f"model {spec!r} is neither a built-in name {sorted(BUILTIN)} nor a local config/folder")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
-    return model.to(dtype).eval()
 
 
 def make_decode_step(model: Any, processors: Any) -> Any:
@@ -80,10 +62,14 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None and not args.config_overrides:
         cfg = None  # audit_syncs' default: the sampler passes on
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available; use --device cpu")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with progress(f"building {args.model} on {device}"):
-        model = load_model(args.model, device)
+        model, what = build_model_from_spec(args.model, args.layers, device, dtype)
+    print(f"model: {what}")
     processors = LogitsProcessorList([TemperatureLogitsWarper(args.temperature)])
     if args.top_k:
         processors.append(TopKLogitsWarper(args.top_k))

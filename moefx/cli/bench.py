@@ -1,6 +1,11 @@
-"""`moefx bench`: A/B two configs on the same model. Each arm has its own inductor cache; arms are run
-interleaved (A, B, A, B, ...) in fresh processes, medians are compared, and a regression of B beyond the
-red line declared up front fails the command (exit 1)."""
+"""`moefx bench`: A/B two configs on the same model, with the noise measured.
+
+Each arm runs in fresh processes with its own inductor cache; the processes are interleaved (A, B, A, B, ...)
+and each times `--repeats` greedy runs after warming up. Medians over all runs of an arm are compared. The
+spread of an arm is the interquartile range of its decode tok/s over its median: when either arm's spread is
+wider than the red line, no change that small can be told from noise and the verdict is "inconclusive"
+(exit 3), never "REGRESSION" (exit 1). `-cc.KEY=VALUE` overrides apply to both arms.
+"""
 
 from __future__ import annotations
 
@@ -13,41 +18,78 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moefx.cli.common import format_table, progress
+from moefx.cli.common import add_model_args, format_table, progress
 from moefx.config import CompilationConfig
 
 METRICS = ("prefill_ms", "itl_ms", "decode_tok_s")
+EXIT_OK, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="A/B two configs: separate caches, interleaved runs, median", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_args(p, "tiny-qwen3-moe", positional=False)
     p.add_argument("--a", default="{}", help="baseline config (path or JSON); default: moefx defaults")
     p.add_argument("--b", required=True, help="candidate config (path or JSON)")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="processes per arm, interleaved A, B, A, B, ...")
+    p.add_argument("--repeats", type=int, default=5, help="timed greedy runs per process")
     p.add_argument("--red-line", type=float, default=3.0, help="max allowed decode tok/s regression of B, in %%")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--json", default=None, help="write all runs and medians to this file")
-    p.set_defaults(func=run)
+    p.add_argument("--json", default=None, help="write all runs, medians, spreads and the verdict to this file")
 
 
 def _arm_command(args: argparse.Namespace, config: str) -> list[str]:
-    return [
+    cmd = [
         sys.executable, "-m", "moefx.cli.bench_arm", "--config", config, "--device", args.device,
-        "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--batch", str(args.batch),
+        "--model", args.model, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+        "--batch", str(args.batch), "--repeats", str(args.repeats),
     ]  # fmt: skip
+    return cmd + (["--layers", str(args.layers)] if args.layers is not None else [])
+
+
+def spread_pct(samples: list[float]) -> float:
+    """Interquartile range over the median, in %: the run-to-run noise of one arm (inf with one sample)."""
+    if len(samples) < 2:
+        return float("inf")
+    q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return 100.0 * (q3 - q1) / q2 if q2 > 0 else float("inf")
+
+
+def verdict(a: list[float], b: list[float], red_line: float) -> tuple[str, int, float, float]:
+    """(verdict line, exit code, change of B vs A in %, noise in %) from each arm's decode tok/s samples."""
+    change = 100.0 * (statistics.median(b) / statistics.median(a) - 1.0)
+    noise = max(spread_pct(a), spread_pct(b))
+    head = f"decode tok/s B vs A: {change:+.1f}% (red line -{red_line:.1f}%, noise {noise:.1f}%)"
+    if noise > red_line:
+        return (f"{head}: inconclusive: the arms' spread ({noise:.1f}%) is wider than the red line; use a quieter "
+                f"machine, more --runs/--repeats or a wider --red-line"), EXIT_INCONCLUSIVE, change, noise
+    if change < -red_line:
+        return f"{head}: REGRESSION", EXIT_REGRESSION, change, noise
+    return f"{head}: ok", EXIT_OK, change, noise
+
+
+def _configs(args: argparse.Namespace) -> dict[str, str]:
+    """Both arms' configs, validated (with the -cc overrides applied) before any time is spent."""
+    overrides = getattr(args, "config_overrides", [])
+    configs = {}
+    for arm in ("a", "b"):
+        cfg = CompilationConfig.from_any(getattr(args, arm))
+        configs[arm] = json.dumps((cfg.with_overrides(overrides) if overrides else cfg).to_dict())
+    return configs
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.runs < 1:
-        raise ValueError(f"--runs must be >= 1, got {args.runs}")
-    configs = {}
-    for arm in ("a", "b"):
-        cfg = CompilationConfig.from_any(getattr(args, arm))  # validate before spending time
-        configs[arm] = json.dumps(cfg.to_dict())
-    results: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
+    for name in ("runs", "repeats", "batch", "prompt_len", "new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
+    from moefx.cli.common import model_config
+
+    model_config(args.model)  # a bad name or path fails here, not in every arm
+    configs = _configs(args)
+    results: dict[str, list[list[dict[str, float]]]] = {"a": [], "b": []}
     with tempfile.TemporaryDirectory(prefix="moefx-bench-") as tmp:
         for i in range(args.runs):
             for arm in ("a", "b"):
@@ -59,14 +101,20 @@ def run(args: argparse.Namespace) -> int:
                 if proc.returncode != 0:
                     print(proc.stderr[-4000:], file=sys.stderr)
                     raise ValueError(f"arm {arm.upper()} failed (exit {proc.returncode}); its stderr is above")
-                results[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    medians = {arm: {m: statistics.median(r[m] for r in runs) for m in METRICS} for arm, runs in results.items()}
-    change = 100.0 * (medians["b"]["decode_tok_s"] / medians["a"]["decode_tok_s"] - 1.0)
-    rows = [(m, f"{medians['a'][m]:.3f}", f"{medians['b'][m]:.3f}") for m in METRICS]
-    print(format_table([f"median of {args.runs} runs", "A", "B"], rows))
-    regressed = change < -args.red_line
-    verdict = "REGRESSION" if regressed else "ok"
-    print(f"\ndecode tok/s B vs A: {change:+.1f}% (red line -{args.red_line:.1f}%): {verdict}")
+                results[arm].append(json.loads(proc.stdout.strip().splitlines()[-1])["samples"])
+    pooled = {arm: {m: [s[m] for run in runs for s in run] for m in METRICS} for arm, runs in results.items()}
+    medians = {arm: {m: statistics.median(v) for m, v in p.items()} for arm, p in pooled.items()}
+    spreads = {arm: {m: spread_pct(v) for m, v in p.items()} for arm, p in pooled.items()}
+    rows = [(m, f"{medians['a'][m]:.3f}", f"{spreads['a'][m]:.1f}%", f"{medians['b'][m]:.3f}",
+             f"{spreads['b'][m]:.1f}%") for m in METRICS]
+    samples = args.runs * args.repeats
+    print(format_table([f"median of {samples} runs", "A", "A spread", "B", "B spread"], rows))
+    line, code, change, noise = verdict(pooled["a"]["decode_tok_s"], pooled["b"]["decode_tok_s"], args.red_line)
+    print(f"\n{line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": results, "medians": medians, "change_pct": change}, indent=1))
-    return 1 if regressed else 0
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "configs": {k: json.loads(v) for k, v in configs.items()}, "runs": results,
+            "medians": medians, "spread_pct": spreads, "change_pct": change, "noise_pct": noise,
+            "red_line_pct": args.red_line, "verdict": line, "exit_code": code,
+        }, indent=1))
+    return code

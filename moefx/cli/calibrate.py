@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,11 @@ QUANTS = ("none", "fp8-block128")
 UPSTREAM = "upstream"
 ROUTING_SETS = 4  # distinct random routings rotated through the timed calls
 PRUNE_FACTOR = 4.0  # stop timing a contender at larger M once it is this many times slower than the fastest
+RETIME_ROUNDS = 3  # re-timings of a close call (the two fastest within the noise) before it is called uncertain
+TOLERANCE, MAX_TOLERANCE = 0.03, 0.25  # crossover hysteresis: at least 3%, at most 25%, else the measured noise
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="measure MoE backend crossovers on this device", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("shape (either --model or all of --experts/--hidden/--intermediate/--topk)")
     src.add_argument("--model", help="catalog name (e.g. qwen3-30b-a3b) or a config.json / model folder")
     src.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-GPU experts get intermediate/tp")
@@ -64,7 +65,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, help="table YAML to write (default: user table folder)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the table); 'none' skips it")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
 
 
 def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
@@ -90,18 +90,10 @@ def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
 
 
 def _model_shape(spec: str) -> tuple[int, int, int, int]:
-    from moefx.models.catalog import catalog_config, catalog_names
+    from moefx.cli.common import model_config
     from moefx.signatures import ModelSignature
 
-    if spec in catalog_names():
-        config: Any = catalog_config(spec)
-    else:
-        path = Path(spec)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise ValueError(f"--model {spec!r} is neither a catalog name {catalog_names()} nor a config file")
-        config = json.loads(path.read_text())
-    ms = ModelSignature.from_config(config)
+    ms = ModelSignature.from_config(model_config(spec))
     values = (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size, ms.top_k)
     if not all(values):
         raise ValueError(f"--model {spec!r}: not an MoE config (experts, hidden, moe intermediate, top_k = {values})")
@@ -183,17 +175,17 @@ def _check(problem: Problem, names: list[str]) -> tuple[list[str], dict[str, str
     return [n for n in names if n not in rejected], rejected
 
 
-def _time_cpu(fn: Callable, sets: list[tuple], reps: int) -> float:
+def _time_cpu(fn: Callable, sets: list[tuple], reps: int) -> list[float]:
     fn(*sets[0])
     times = []
     for r in range(reps):
         start = time.perf_counter()
         fn(*sets[r % len(sets)])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+        times.append((time.perf_counter() - start) * 1e6)
+    return times
 
 
-def _time_cuda_eager(fn: Callable, sets: list[tuple], reps: int) -> float:
+def _time_cuda_eager(fn: Callable, sets: list[tuple], reps: int) -> list[float]:
     for s in sets:
         fn(*s)
     torch.cuda.synchronize()
@@ -206,10 +198,10 @@ def _time_cuda_eager(fn: Callable, sets: list[tuple], reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return times
 
 
-def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> float:
+def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> list[float]:
     static = [t.clone() for t in sets[0]]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -231,22 +223,82 @@ def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> float:
         end.synchronize()
         if r >= 2:
             times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return times
 
 
-def sweep(
-    problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], reps: int
-) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
-    """Median µs per (contender, M) in one mode, M ascending; contenders that cannot run are reported.
+@dataclass
+class Sweep:
+    """One mode's measurements: median µs per (contender, M), the samples behind them, what was not timed, and
+    the grid points where the two fastest stayed within the timing noise (`uncertain`: M -> why)."""
+
+    timings: dict[str, dict[int, float]] = field(default_factory=dict)
+    samples: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    uncertain: dict[int, str] = field(default_factory=dict)
+    tolerance: float = TOLERANCE
+
+    def add(self, name: str, m: int, samples: list[float]) -> None:
+        kept = self.samples.setdefault(name, {}).setdefault(m, [])
+        kept.extend(samples)
+        self.timings.setdefault(name, {})[m] = statistics.median(kept)
+
+    def noise(self, name: str, m: int) -> float:
+        """One point's spread over its median: the interquartile range from 4 samples on, the full range for 2
+        or 3 (a --quick run's 3 reps), 0 for a single sample."""
+        kept = sorted(self.samples[name][m])
+        mid = statistics.median(kept)
+        if len(kept) < 2 or mid <= 0:
+            return 0.0
+        if len(kept) < 4:
+            return (kept[-1] - kept[0]) / mid
+        q1, _, q3 = statistics.quantiles(kept, n=4, method="inclusive")
+        return (q3 - q1) / mid
+
+    def close_call(self, m: int) -> tuple[str, str, float, float] | None:
+        """(fastest, runner-up, their gap, the noise) at M when the gap is within the noise, else None."""
+        ranked = sorted((ts[m], n) for n, ts in self.timings.items() if m in ts)
+        if len(ranked) < 2:
+            return None
+        (t0, first), (t1, second) = ranked[:2]
+        gap, noise = t1 / t0 - 1.0, max(self.noise(first, m), self.noise(second, m))
+        return (first, second, gap, noise) if gap <= noise else None
+
+
+def resolve_close_calls(result: Sweep, retime: Callable[[str, int], list[float]], rounds: int = RETIME_ROUNDS) -> None:
+    """Re-time the two fastest contenders at every M where they are within the noise, pooling the samples,
+    until the gap exceeds the noise or `rounds` re-timings are spent; what stays close is marked uncertain.
+    The crossover tolerance becomes the median noise of the winners (3%..25%), so near-ties between backends
+    keep the previous M's winner instead of flipping between runs."""
+    for m in sorted({m for ts in result.timings.values() for m in ts}):
+        for _ in range(rounds):
+            close = result.close_call(m)
+            if close is None:
+                break
+            for name in close[:2]:
+                result.add(name, m, retime(name, m))
+        close = result.close_call(m)
+        if close is not None:
+            first, second, gap, noise = close
+            result.uncertain[m] = f"{first} vs {second}: {100 * gap:.1f}% apart, within the {100 * noise:.1f}% noise"
+    winners = [min((ts[m], n) for n, ts in result.timings.items() if m in ts)[1]
+               for m in sorted({m for ts in result.timings.values() for m in ts})]
+    ms = sorted({m for ts in result.timings.values() for m in ts})
+    noise = [result.noise(w, m) for w, m in zip(winners, ms)]
+    result.tolerance = min(MAX_TOLERANCE, max(TOLERANCE, statistics.median(noise) if noise else 0.0))
+
+
+def sweep(problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], reps: int) -> Sweep:
+    """µs per (contender, M) in one mode, M ascending; contenders that cannot run are reported.
 
     A contender more than PRUNE_FACTOR times slower than the fastest at two M in a row is not timed at larger M
-    (latency grows with M, so it cannot win there): a GEMV at M=4096 would otherwise cost minutes.
+    (latency grows with M, so it cannot win there): a GEMV at M=4096 would otherwise cost minutes. Close calls
+    are re-timed (resolve_close_calls).
     """
     timer = _time_cpu if problem.device.type == "cpu" else (_time_cuda_eager if mode == "eager" else _time_cuda_capture)
-    timings: dict[str, dict[int, float]] = {}
-    skipped: dict[str, str] = {}
+    result = Sweep()
+    skipped = result.skipped
     if mode == "capture":
-        skipped = {n: "syncs the host: never run inside capture" for n in names if n in HOST_SYNCING_BACKENDS}
+        skipped.update({n: "syncs the host: never run inside capture" for n in names if n in HOST_SYNCING_BACKENDS})
     if problem.block is not None and UPSTREAM in names and (mode == "capture" or "legacy" in names):
         # the plain path for FP8 weights is the legacy loop (op.select_backend): timed as legacy, never captured
         skipped[UPSTREAM] = "FP8: upstream runs the legacy loop (timed as legacy; syncs the host)"
@@ -258,23 +310,33 @@ def sweep(
             sets = [problem.inputs(m) for _ in range(ROUTING_SETS)]
             for name in list(live):
                 try:
-                    timings.setdefault(name, {})[m] = timer(calls[name], sets, reps)
+                    result.add(name, m, timer(calls[name], sets, reps))
                 except Exception as exc:  # e.g. a path that syncs the host inside capture
                     skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                    timings.pop(name, None)
+                    result.timings.pop(name, None)
+                    result.samples.pop(name, None)
                     live.remove(name)
-        fastest = min((timings[n][m] for n in live), default=0.0)
+        fastest = min((result.timings[n][m] for n in live), default=0.0)
         for name in list(live):
-            slow = timings[name][m] > PRUNE_FACTOR * fastest
+            slow = result.timings[name][m] > PRUNE_FACTOR * fastest
             strikes[name] = strikes.get(name, 0) + 1 if slow else 0
             if strikes[name] >= 2 and len(live) > 1:  # two grid points in a row: not a noise spike
                 skipped[name] = f"not timed above M={m}: over {PRUNE_FACTOR:.0f}x the fastest at two M in a row"
                 live.remove(name)
-    return timings, skipped
+
+    def retime(name: str, m: int) -> list[float]:
+        return timer(calls[name], [problem.inputs(m) for _ in range(ROUTING_SETS)], reps)
+
+    resolve_close_calls(result, retime)
+    return result
 
 
-def _plot(path: Path, title: str, results: dict[str, dict[str, dict[int, float]]], ranges: dict[str, Any]) -> None:
-    import matplotlib
+def _plot(path: Path, title: str, results: dict[str, dict[str, dict[int, float]]], ranges: dict[str, Any]) -> bool:
+    """Draw the latency-vs-M PNG; False when matplotlib (the `plot` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -298,6 +360,7 @@ def _plot(path: Path, title: str, results: dict[str, dict[str, dict[int, float]]
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def _slug(text: str) -> str:
@@ -346,44 +409,52 @@ def run(args: argparse.Namespace) -> int:
         "torch": str(torch.__version__),
         "triton": _triton_version(),
         "moefx": _moefx_version(),
-        "command": _command(args),
+        "command": _command(args, grid, reps),
         "shape": label,
-        "grid": f"{grid[0]}..{grid[-1]} ({len(grid)} points), {reps} reps, median",
+        "grid": f"M {', '.join(map(str, grid))} ({len(grid)} points), {reps} reps per point, median; close calls "
+                f"re-timed up to {RETIME_ROUNDS} times",
     }
     results, all_ranges, sources = {}, {}, {}
     for mode in modes:
-        timings, skipped = sweep(problem, names, mode, grid, reps)
-        for name, why in skipped.items():
+        result = sweep(problem, names, mode, grid, reps)
+        for name, why in result.skipped.items():
             print(f"  {mode}: {name}: {why}", file=sys.stderr)
-        if not timings:
+        if not result.timings:
             raise ValueError(f"no contender could be timed in mode {mode}")
-        ranges = crossover_ranges(timings)
+        ranges = crossover_ranges(result.timings, tolerance=result.tolerance)
         key = key_for_tensors(hidden, ids, problem.w13, problem.block, mode)
-        row = CalibrationRow(key, ranges, dict(provenance, skipped=skipped or None), "", timings)
-        sources[mode] = write_row(output, row)
-        results[mode], all_ranges[mode] = timings, ranges
+        notes = dict(provenance, skipped=result.skipped or None, tolerance=round(result.tolerance, 3),
+                     uncertain={int(m): why for m, why in result.uncertain.items()} or None)
+        sources[mode] = write_row(output, CalibrationRow(key, ranges, notes, "", result.timings))
+        results[mode], all_ranges[mode] = result, ranges
     if (args.plot or "").lower() != "none":
         png = Path(args.plot) if args.plot else output.with_name(f"{output.stem}-{_slug(label)}-{args.quant}.png")
         title = f"{label} {dtype_name(dtype)} quant={args.quant} on {device_identity(device)[0]}"
-        _plot(png, title, results, all_ranges)
-        print(f"plot: {png}")
+        if _plot(png, title, {mode: r.timings for mode, r in results.items()}, all_ranges):
+            print(f"plot: {png}")
+        else:
+            print("plot skipped: matplotlib is not installed (pip install 'moefx[plot]')", file=sys.stderr)
     for mode in modes:
-        timings = results[mode]
+        timings = results[mode].timings
         cols = sorted(timings)
         rows = [[m, *(f"{timings[c][m]:.1f}" if m in timings[c] else "-" for c in cols),
                  min(cols, key=lambda c: timings[c].get(m, float("inf")))] for m in grid]
-        print(f"\n{mode} (µs, median of {reps}):")
+        print(f"\n{mode} (µs, median of {reps} or more):")
         print(format_table(["M", *cols, "best"], rows))
         print(f"{mode} row {sources[mode]} in {output}: " + ", ".join(r.text() for r in all_ranges[mode]))
+        for m, why in results[mode].uncertain.items():
+            print(f"{mode} crossover uncertain at M={m}: {why} (either backend is about as fast there)")
     return 0
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The calibrate command line that reproduces this row (from the parsed options, however it was called)."""
+def _command(args: argparse.Namespace, grid: tuple[int, ...], reps: int) -> str:
+    """The calibrate command line that reproduces this row: the options as parsed, with the grid's top and the
+    reps actually run (so a --quick row does not claim --max-m 4096)."""
     parts = ["moefx calibrate"]
+    chosen = {**vars(args), "max_m": grid[-1], "reps": reps}
     for opt in ("model", "tp", "experts", "hidden", "intermediate", "topk", "dtype", "quant", "modes", "device",
                 "backends", "max_m", "reps", "seed"):
-        value = getattr(args, opt)
+        value = chosen[opt]
         if value is not None:
             parts.append(f"--{opt.replace('_', '-')} {value}")
     return " ".join(parts + (["--quick"] if args.quick else []))

@@ -16,8 +16,7 @@ from moefx.cli.common import add_config_arg, format_table, load_config, progress
 from moefx.models import build_model, tiny_qwen3_moe_config
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the embedded tiny Qwen3-MoE, eager vs optimized", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -26,7 +25,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per path; the median one is shown")
     add_config_arg(p)
-    p.set_defaults(func=run)
 
 
 @dataclass

@@ -19,15 +19,12 @@ from typing import Any
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("explain-fusions", help="show which quant fusions apply to a function, and why not",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="FILE.py:FUNC")
     p.add_argument("--inputs", nargs="+", default=None, metavar="SHAPE[:DTYPE]",
                    help="example input shapes, e.g. 64x512 256:float32")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of --inputs tensors")
     p.add_argument("--dynamic-rows", action="store_true", help="make the first dim of 2+-d inputs symbolic")
-    p.set_defaults(func=run)
 
 
 def load_function(target: str) -> tuple[Any, Any]:

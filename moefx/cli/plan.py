@@ -14,16 +14,14 @@ from typing import Any
 
 import yaml
 
-from moefx.cli.common import add_config_arg, load_config
+from moefx.cli.common import add_config_arg, load_config, model_config
 from moefx.config import MODES
-from moefx.models.catalog import catalog_config, catalog_names
+from moefx.models.catalog import catalog_names
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
 from moefx.signatures.execution import DEVICE_PRESETS
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="explain the plan for a model", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=f"built-in name ({', '.join(catalog_names())}), config.json, folder or YAML")
     p.add_argument("--device", default=None, help=f"cpu, cuda or a preset: {', '.join(DEVICE_PRESETS)}")
     p.add_argument("--mode", default=None, choices=list(MODES))
@@ -33,17 +31,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_arg(p)
-    p.set_defaults(func=run)
 
 
 def _load_spec(spec: str) -> tuple[ModelSignature, dict[str, Any]]:
     """(model signature, execution fields from a YAML `execution:` section)."""
     path = Path(spec)
-    if not path.exists():
-        if spec.lower().endswith((".json", ".yaml", ".yml")):
-            raise ValueError(f"model {spec!r}: no such file")
-        return ModelSignature.from_config(catalog_config(spec)), {}
-    if path.suffix.lower() in (".yaml", ".yml"):
+    if path.is_file() and path.suffix.lower() in (".yaml", ".yml"):
         data = yaml.safe_load(path.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{spec}: a YAML model signature must be a mapping")
@@ -53,7 +46,7 @@ def _load_spec(spec: str) -> tuple[ModelSignature, dict[str, Any]]:
                 raise ValueError(f"{spec}: unknown sections {extra}; valid sections: ['model', 'execution']")
             return ModelSignature.from_config(data.get("model") or {}), dict(data.get("execution") or {})
         return ModelSignature.from_config(data), {}
-    return ModelSignature.from_config(path), {}
+    return ModelSignature.from_config(model_config(spec)), {}
 
 
 def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, Any], cfg: Any) -> ExecutionSignature:

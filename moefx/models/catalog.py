@@ -254,4 +254,6 @@ def catalog_hf_config(name: str, **overrides: Any) -> Any:
 
     data = {**catalog_config(name), **overrides}
     model_type = data.pop("model_type")
+    if "torch_dtype" in data:  # config.json's pre-transformers-5 spelling; the config object takes `dtype`
+        data.setdefault("dtype", data.pop("torch_dtype"))
     return AutoConfig.for_model(model_type, **data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.offload.env import get_setting, setting_source
+from moefx.offload.env import get_setting, setting_source, settings
 from moefx.offload.hw import host_info_from_signature
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -30,9 +30,13 @@ class OffloadPlan:
     tile_e: int = 96
     tile_source: str = "default"
     notes: list[str] = field(default_factory=list)
+    device_type: str = "cuda"  # where the model runs: "gpu" means "with the model" off CUDA
 
     def explain_lines(self) -> list[str]:
-        lines = [f"offload experts = {self.experts}  [{self.source}]"]
+        where = self.experts
+        if self.experts == "gpu" and self.device_type != "cuda":
+            where = f"with the model on {self.device_type} (not offloaded)"
+        lines = [f"offload experts = {where}  [{self.source}]"]
         if self.experts != "cpu":
             return lines + [f"offload note: {n}" for n in self.notes]
         lines.append(f"offload host = {self.host}  [{self.host_source}]")
@@ -94,14 +98,18 @@ def _from_cache(plan: OffloadPlan, ms: Any, es: Any, host: Any) -> None:
 
 
 def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
-    """User config > env MOEFX_OFFLOAD_EXPERTS > default gpu; 'auto' decides from model size and free GPU memory."""
+    """User config > env MOEFX_OFFLOAD_EXPERTS > default gpu; 'auto' decides from model size and free GPU memory.
+
+    Every offload/MoE env knob that is set is validated here, offload on or off: a typo fails now, not on the
+    day offload is turned on."""
+    settings()
     if cfg.offload.experts != "gpu":
         choice, source = cfg.offload.experts, "user config"
     else:
         choice, source = get_setting("MOEFX_OFFLOAD_EXPERTS"), setting_source("MOEFX_OFFLOAD_EXPERTS")
     if choice == "auto":
         choice, source = _auto_decision(ms, es, cfg)
-    plan = OffloadPlan(experts=choice, source=source)
+    plan = OffloadPlan(experts=choice, source=source, device_type=es.device_type)
     if choice != "cpu":
         return plan
     host = host_info_from_signature(es)

@@ -45,6 +45,9 @@ class ModelSignature:
     model_type: str | None = None
     architectures: tuple[str, ...] = ()
     dtype: str | None = None
+    # Where `dtype` came from ("config 'dtype'", "weights", "execution signature", ...); not a fact: it takes
+    # no part in equality or key().
+    dtype_source: str | None = dataclasses.field(default=None, compare=False)
     # quantization (from `quantization_config`; see quant.py)
     quant_method: str | None = None
     quant_weight_dtype: str | None = None
@@ -127,18 +130,29 @@ class ModelSignature:
                 warn_once(f"{type(module).__name__}: config says {key}={stated!r} but the weights say {value!r}; "
                           f"the signature uses the weights")
             facts[key] = value
+            if key == "dtype":
+                facts["dtype_source"] = "weights"
         return cls(**_complete(facts))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def key(self) -> str:
-        """Stable short hash of every field (differs whenever any fact differs)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        """Stable short hash of every fact (differs whenever any fact differs)."""
+        facts = {k: v for k, v in self.to_dict().items() if k != "dtype_source"}
+        blob = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def with_dtype(self, dtype: str | None, source: str) -> ModelSignature:
+        """This signature with `dtype` filled in from `source` where the config stated none."""
+        if self.dtype is not None or dtype is None:
+            return self
+        return dataclasses.replace(self, dtype=dtype, dtype_source=source)
 
     def describe(self) -> str:
         parts = [self.model_type or "unknown model_type"]
+        parts.append(f"dtype={self.dtype} [{self.dtype_source or 'stated'}]" if self.dtype
+                     else "dtype=unknown [the config states none]")
         if self.num_experts is not None:
             parts.append(f"E={self.num_experts} top_k={self.top_k} I={self.moe_intermediate_size} H={self.hidden_size}")
         if self.quant_method:
@@ -224,16 +238,17 @@ def _facts_from_config(outer: Any, vllm: Any) -> dict[str, Any]:
     qc = get("quantization_config")
     if qc is None and vllm is not None and getattr(vllm, "quantization", None):
         qc = {"quant_method": vllm.quantization}
-    dtype = get("dtype")
+    dtype, dtype_source = get("dtype"), "config 'dtype'"
     if dtype is None and isinstance(outer, dict):
-        dtype = get("torch_dtype")  # config.json files written before transformers 5
+        dtype, dtype_source = get("torch_dtype"), "config 'torch_dtype'"  # config.json written before transformers 5
     if dtype is None and vllm is not None:
-        dtype = getattr(vllm, "dtype", None)
+        dtype, dtype_source = getattr(vllm, "dtype", None), "vLLM model config dtype"
     mlp_only = get("mlp_only_layers")
     facts: dict[str, Any] = {
         "model_type": get("model_type"),
         "architectures": tuple(outer_get("architectures") or inner_get("architectures") or ()),
         "dtype": normalize_dtype(dtype),
+        "dtype_source": dtype_source if normalize_dtype(dtype) is not None else None,
         "hidden_size": get("hidden_size"),
         "intermediate_size": get("intermediate_size"),
         "num_layers": get("num_hidden_layers"),

@@ -65,7 +65,9 @@ class Provider:
             return f"model_type {ms.model_type!r} is not one of {list(cls.model_types)}"
         missing = [name for name in cls.requires if getattr(ms, name) is None]
         if missing:
-            return f"missing signature fields {missing}"
+            hint = " (the config states no dtype: set it there or give the ExecutionSignature a dtype)" \
+                if "dtype" in missing else ""
+            return f"missing signature fields {missing}{hint}"
         if ms.routing not in cls.routings:
             return f"routing {ms.routing!r} is not one of {list(cls.routings)}"
         if ms.hidden_act not in cls.activations:
@@ -119,6 +121,8 @@ def provider_for(model_type: str | None) -> type[Provider] | None:
 
 def match(ms: ModelSignature, es: ExecutionSignature) -> tuple[PlanFragment | None, str]:
     """(fragment, why) from the provider that declares ms.model_type; (None, why not) otherwise."""
+    if ms.model_type is None:
+        return None, "the config states no model_type"
     provider = provider_for(ms.model_type)
     if provider is None:
         return None, f"no provider declares model_type {ms.model_type!r}"

@@ -96,6 +96,7 @@ def resolve(
         ms = ModelSignature.from_config(ms)
     if es is None:
         es = ExecutionSignature.detect(mode=cfg.mode, max_batch_size=cfg.max_batch_size)
+    ms = ms.with_dtype(es.dtype, "execution signature")  # the run's stated compute dtype, where the config has none
     env = pass_overrides()
     fragment, why = match(ms, es)
     all_rules = [*(rules or ()), *(r for path in cfg.rules for r in load_rules(path))]

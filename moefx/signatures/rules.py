@@ -35,6 +35,7 @@ _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelSignature)}
 _EXEC_FIELDS = {f.name for f in dataclasses.fields(ExecutionSignature)}
 _OPERATORS = ("eq", "in", "min", "max", "regex")
 _RULE_KEYS = ("name", "match", "passes", "moe")
+RULES_VERSIONS = (1,)  # rule-file schema versions this moefx reads
 
 
 def pass_toggles() -> tuple[str, ...]:
@@ -213,8 +214,12 @@ def load_rules(path: str | Path) -> list[Rule]:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise ValueError(f"rule file {str(p)!r} must be a mapping with a 'rules' list")
     extra = sorted(set(data) - {"rules", "version"})
-    if extra or data.get("version", 1) != 1:
-        raise ValueError(f"rule file {str(p)!r}: only keys 'version' (1) and 'rules' are allowed, got {sorted(data)}")
+    if extra:
+        raise ValueError(f"rule file {str(p)!r}: unknown top-level keys {extra}; valid keys: ['rules', 'version']")
+    version = data.get("version", 1)
+    if version not in RULES_VERSIONS or isinstance(version, bool):
+        raise ValueError(f"rule file {str(p)!r}: version {version!r} is not supported; valid versions: "
+                         f"{list(RULES_VERSIONS)}")
     return [parse_rule(item, str(p), i) for i, item in enumerate(data["rules"])]
 
 

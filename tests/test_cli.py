@@ -1,0 +1,86 @@
+"""The `moefx` command line: fast start-up, clean errors, models built at a depth that fits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefx.cli import COMMANDS
+from moefx.cli import main as cli_main
+from moefx.models.catalog import catalog_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _moefx(*args: str, **env: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from moefx.cli import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); "
+            "sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
+
+
+def test_help_and_version_start_without_torch() -> None:
+    start = time.perf_counter()
+    version = _moefx("--version")  # argparse exits from inside main: nothing after it prints
+    elapsed = time.perf_counter() - start
+    assert version.returncode == 0 and version.stdout.startswith("moefx 0.1.0")
+    # About 0.1 s on an idle core (torch alone takes 2-5 s); the bound leaves room for a loaded machine.
+    assert elapsed < 5.0, f"moefx --version took {elapsed:.1f} s"
+    shown = _moefx()
+    assert shown.returncode == 0 and shown.stdout.strip().endswith("False"), shown.stdout  # torch not imported
+    assert all(name in shown.stdout for name in COMMANDS)
+
+
+def test_invalid_moefx_log_is_one_clean_line() -> None:
+    proc = _moefx("plan", "tiny-qwen3-moe", MOEFX_LOG="verbose")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("moefx: error: environment variable MOEFX_LOG='verbose' is invalid; valid values: "
+                                   "['debug', 'info', 'warning', 'error']")
+
+
+def test_missing_paths_are_named_as_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["plan"], ["audit-syncs"], ["calibrate", "--model"]):
+        assert cli_main([*command, str(tmp_path / "nonexistent" / "model")]) == 2
+        assert "no such file or folder" in capsys.readouterr().err
+    assert cli_main(["plan", str(tmp_path)]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+
+
+def test_plan_for_a_config_without_dtype_says_how_to_fix(tmp_path: Path, capsys) -> None:
+    data = catalog_config("qwen3-30b-a3b")
+    del data["torch_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert cli_main(["plan", str(tmp_path), "--device", "h200"]) == 0
+    assert "the config states no dtype" in capsys.readouterr().out
+    assert cli_main(["plan", str(tmp_path), "--device", "h200", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "profile = qwen3_moe" in out and "dtype=bfloat16 [execution signature]" in out
+
+
+def test_models_are_built_at_a_reduced_depth_and_refused_when_too_big(tmp_path: Path, monkeypatch, capsys) -> None:
+    from moefx.cli import common
+
+    small = {**catalog_config("tiny-qwen3-moe"), "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    model, what = common.build_model_from_spec(str(tmp_path), None, torch.device("cpu"), torch.float32)
+    assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2 and "2 of 4 layers" in what
+    assert model.lm_head.weight.dtype == torch.float32
+    model, _ = common.build_model_from_spec(str(tmp_path), 3, torch.device("cpu"), torch.bfloat16)
+    assert len(model.model.layers) == 3 and model.lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="between 1 and 4"):
+        common.build_model_from_spec(str(tmp_path), 5, torch.device("cpu"), torch.float32)
+    # A catalog model whose reduced depth would not fit is refused before anything is allocated.
+    monkeypatch.setattr(common, "free_memory_bytes", lambda device: 2 * 2**30)
+    assert common.default_layers(catalog_config("deepseek-v3")) == 4  # three dense layers, then one MoE layer
+    assert cli_main(["audit-syncs", "deepseek-v3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "needs about 56.3 GiB of float32 weights" in err and "not even one layer fits" in err
+    assert cli_main(["audit-syncs", "qwen3-30b-a3b", "--device", "cpu", "--layers", "1"]) == 2
+    assert "needs about" in capsys.readouterr().err
