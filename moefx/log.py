@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-
-import torch
+from typing import Any
 
 _VALID_LEVELS = ("debug", "info", "warning", "error")
 _warned: set[str] = set()
@@ -40,10 +39,20 @@ def get_logger(name: str = "moefx") -> logging.Logger:
     return logger
 
 
-@torch.compiler.assume_constant_result
-def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
+def _warn_once(message: str, category: type[Warning] = UserWarning) -> None:
     """Emit `message` as a Python warning the first time only (per process)."""
     if message in _warned:
         return
     _warned.add(message)
     warnings.warn(message, category, stacklevel=3)
+
+
+def __getattr__(name: str) -> Any:
+    """`warn_once` is built on first import, so importing this module (the CLI's `log_level`) does not import
+    torch."""
+    if name != "warn_once":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    globals()["warn_once"] = torch.compiler.assume_constant_result(_warn_once)
+    return globals()["warn_once"]
