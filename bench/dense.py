@@ -153,29 +153,10 @@ def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dic
 
 
 def time_graph(fn, reps: int = 10, trials: int = 5) -> float:
-    """Median µs of one replay of a CUDA graph of `fn()` (warmed up eagerly first)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(2):
-        g.replay()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    """Median µs of one replay of a CUDA graph of `fn()` (bench/moe.py's timer)."""
+    from moe import time_graph as replayed  # bench/moe.py
+
+    return replayed(fn, reps=reps, trials=trials)
 
 
 def time_eager(fn, n: int, reps: int = 30) -> float:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -101,25 +100,9 @@ def time_gpu(fn: Callable, arg_sets: list[tuple]) -> float:
         for i in range(4):
             fn(*arg_sets[i % len(arg_sets)])
         return (time.perf_counter() - t) * 1e6 / 4
-    for a in arg_sets[:2]:
-        fn(*a)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(*arg_sets[i % len(arg_sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / CALLS)
-    del graph
-    return statistics.median(times)
+    from fusions import time_gpu as replayed  # bench/fusions.py
+
+    return replayed(fn, arg_sets, CALLS)
 
 
 def copy_bandwidth() -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,7 +200,7 @@ def ranges_text(ranges: Iterable[MRange]) -> str:
 
 @dataclass(frozen=True)
 class CalibrationRow:
-    key: CalibrationKey
+    key: Any  # CalibrationKey (MoE rows) or dense_policy.DenseKey (dense rows)
     ranges: tuple[MRange, ...]
     provenance: dict[str, Any]
     source: str  # "file.yaml#3" (1-based row number)
@@ -216,19 +216,28 @@ class CalibrationRow:
 
 
 def _row_from_yaml(data: Any, where: str) -> CalibrationRow:
+    return parse_row(data, where, CalibrationKey.from_yaml)
+
+
+def parse_row(data: Any, where: str, key_from_yaml: Callable[[Any, str], Any], backends: Collection[str] = (),
+              label: str = "row") -> CalibrationRow:
+    """One table row (MoE or dense: `key_from_yaml` reads the key); `backends`, when given, are the valid names."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: a row must be a mapping with fields {list(ROW_FIELDS)}")
+        raise ValueError(f"{where}: a {label} must be a mapping with fields {list(ROW_FIELDS)}")
     extra = [f for f in data if f not in ROW_FIELDS]
     if extra or "key" not in data or "ranges" not in data or "provenance" not in data:
         raise ValueError(
-            f"{where}: row needs 'key', 'ranges', 'provenance' (optional 'timings_us'); unknown fields {extra}"
+            f"{where}: {label} needs 'key', 'ranges', 'provenance' (optional 'timings_us'); unknown fields {extra}"
         )
-    key = CalibrationKey.from_yaml(data["key"], where)
+    key = key_from_yaml(data["key"], where)
     raw = data["ranges"]
     fields = {"backend", "min_m", "max_m"}
     if not isinstance(raw, list) or not all(isinstance(r, dict) and set(r) == fields for r in raw):
         raise ValueError(f"{where}: 'ranges' must be a list of {{backend, min_m, max_m}} mappings")
     ranges = validate_ranges([MRange(str(r["backend"]), r["min_m"], r["max_m"]) for r in raw], where)
+    bad = sorted({r.backend for r in ranges} - set(backends)) if backends else []
+    if bad:
+        raise ValueError(f"{where}: {label.replace('row', 'backend')} {bad} is invalid; valid choices: {list(backends)}")
     prov = data["provenance"]
     if not isinstance(prov, dict) or not prov.get("date"):
         raise ValueError(f"{where}: 'provenance' must be a mapping with at least a 'date' (where the row came from)")

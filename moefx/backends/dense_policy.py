@@ -26,14 +26,13 @@ import torch
 import yaml
 
 from moefx.backends import calibration
-from moefx.backends.calibration import MODES, MRange, device_identity, dtype_name, validate_ranges
+from moefx.backends.calibration import MODES, device_identity, dtype_name
 from moefx.backends.policy import UPSTREAM, MoePolicy
 
 GEMV = "gemv"
 RUNNERS = (GEMV, UPSTREAM)
 TABLE_KEY = "dense_rows"
 KEY_FIELDS = ("device", "capability", "multiprocessor_count", "N", "K", "dtype", "quant_block", "mode")
-ROW_FIELDS = ("key", "ranges", "provenance", "timings_us")
 ENV = "MOEFX_DENSE_BACKEND"
 
 
@@ -100,44 +99,12 @@ def _positive(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-@dataclass(frozen=True)
-class DenseRow:
-    key: DenseKey
-    ranges: tuple[MRange, ...]
-    provenance: dict[str, Any]
-    source: str  # "file.yaml#dense3" (1-based row number)
-    timings_us: dict[str, dict[int, float]] = field(default_factory=dict, compare=False)
-
-    def to_yaml(self) -> dict[str, Any]:
-        return {
-            "key": self.key.to_yaml(),
-            "ranges": [{"backend": r.backend, "min_m": r.min_m, "max_m": r.max_m} for r in self.ranges],
-            "provenance": dict(self.provenance),
-            "timings_us": {b: {int(m): round(float(t), 2) for m, t in ts.items()} for b, ts in self.timings_us.items()},
-        }
+# Dense rows have the MoE rows' layout (ranges, provenance, timings) with a DenseKey as their key.
+DenseRow = calibration.CalibrationRow
 
 
 def _row_from_yaml(data: Any, where: str) -> DenseRow:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: a dense row must be a mapping with fields {list(ROW_FIELDS)}")
-    extra = [f for f in data if f not in ROW_FIELDS]
-    if extra or "key" not in data or "ranges" not in data or "provenance" not in data:
-        raise ValueError(f"{where}: dense row needs 'key', 'ranges', 'provenance' (optional 'timings_us'); "
-                         f"unknown fields {extra}")
-    key = DenseKey.from_yaml(data["key"], where)
-    raw = data["ranges"]
-    fields = {"backend", "min_m", "max_m"}
-    if not isinstance(raw, list) or not all(isinstance(r, dict) and set(r) == fields for r in raw):
-        raise ValueError(f"{where}: 'ranges' must be a list of {{backend, min_m, max_m}} mappings")
-    ranges = validate_ranges([MRange(str(r["backend"]), r["min_m"], r["max_m"]) for r in raw], where)
-    bad = sorted({r.backend for r in ranges} - set(RUNNERS))
-    if bad:
-        raise ValueError(f"{where}: dense backend {bad} is invalid; valid choices: {list(RUNNERS)}")
-    prov = data["provenance"]
-    if not isinstance(prov, dict) or not prov.get("date"):
-        raise ValueError(f"{where}: 'provenance' must be a mapping with at least a 'date' (where the row came from)")
-    timings = {str(b): {int(m): float(t) for m, t in ts.items()} for b, ts in (data.get("timings_us") or {}).items()}
-    return DenseRow(key, ranges, prov, where, timings)
+    return calibration.parse_row(data, where, DenseKey.from_yaml, backends=RUNNERS, label="dense row")
 
 
 def load_dense_table(path: str | os.PathLike[str]) -> list[DenseRow]:
