@@ -237,7 +237,8 @@ def parse_row(data: Any, where: str, key_from_yaml: Callable[[Any, str], Any], b
     ranges = validate_ranges([MRange(str(r["backend"]), r["min_m"], r["max_m"]) for r in raw], where)
     bad = sorted({r.backend for r in ranges} - set(backends)) if backends else []
     if bad:
-        raise ValueError(f"{where}: {label.replace('row', 'backend')} {bad} is invalid; valid choices: {list(backends)}")
+        what = label.replace("row", "backend")
+        raise ValueError(f"{where}: {what} {bad} is invalid; valid choices: {list(backends)}")
     prov = data["provenance"]
     if not isinstance(prov, dict) or not prov.get("date"):
         raise ValueError(f"{where}: 'provenance' must be a mapping with at least a 'date' (where the row came from)")
