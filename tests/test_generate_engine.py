@@ -134,20 +134,16 @@ def test_plan_says_where_generate_runs(models):
 
 @pytest.mark.compile
 def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
-    """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. New prompt
-    lengths reuse the dynamic prefill; a new batch size recompiles each function at most once more."""
+    """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. A new prompt
+    length reuses the dynamic prefill; a new batch size recompiles each function at most once more."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(), seed=1)
     model = moefx.optimize(copy.deepcopy(stock), config={"pass_config": {"eliminate_noops": True}})
     assert model.moefx_plan.pass_enabled("eliminate_noops")
-    ids = _ids(2, 7, 0)
-    with torch.no_grad():  # direct forward calls run the compiled forward
-        logits, ref = model(ids).logits, stock(ids).logits
-    assert (logits - ref).norm() / ref.norm() < 1e-5
-    for batch, length in ((2, 7), (2, 11), (2, 13), (3, 9)):
+    for batch, length in ((2, 7), (2, 11), (3, 9)):
         ids = _ids(batch, length, length)
-        want = stock.generate(ids, max_new_tokens=6, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want), (batch, length)
+        want = stock.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want), (batch, length)
     compiles = model.moefx_generate.engine.stats.compiles
     assert set(compiles) == {"prefill", "decode", "sampler"} and max(compiles.values()) <= 2, compiles
     assert model.moefx_generate.fallbacks == []
