@@ -1,6 +1,7 @@
-"""One arm of `moefx bench`: optimize a model with a config, warm up, time `--repeats` greedy runs.
-Prints one JSON line, {"samples": [{prefill_ms, itl_ms, decode_tok_s}, ...]}. Run as `python -m moefx.cli.bench_arm`
-(its own process and inductor cache)."""
+"""One arm of `moefx bench`: optimize a model with a config, warm up, time `--repeats` greedy `generate()` runs
+(each sample: prefill + first token, the mean decode step, and the decode rate from two lengths; see
+`moefx.cli.demo.generate_metrics`). Prints one JSON line, {"samples": [{prefill_ms, itl_ms, decode_tok_s}, ...]}.
+Run as `python -m moefx.cli.bench_arm` (its own process and inductor cache)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 import moefx
 from moefx.cli.common import build_model_from_spec
-from moefx.cli.demo import greedy
+from moefx.cli.demo import generate_metrics
 
 
 def main() -> None:
@@ -30,14 +31,9 @@ def main() -> None:
     model, _ = build_model_from_spec(args.model, args.layers, device, dtype)
     model = moefx.optimize(model, config=args.config)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len), device=device)
-    greedy(model, ids, args.new_tokens)  # compile
-    greedy(model, ids, args.new_tokens)  # warm
-    samples = []
-    for _ in range(args.repeats):
-        r = greedy(model, ids, args.new_tokens)
-        samples.append(
-            {"prefill_ms": r.prefill_s * 1e3, "itl_ms": r.itl_ms, "decode_tok_s": r.decode_tok_s * args.batch}
-        )
+    generate_metrics(model, ids, args.new_tokens)  # compile
+    generate_metrics(model, ids, args.new_tokens)  # warm
+    samples = [generate_metrics(model, ids, args.new_tokens) for _ in range(args.repeats)]
     print(json.dumps({"samples": samples}))
 
 

@@ -32,7 +32,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
+def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int = 1) -> float:
     """Median wall time of `generate(ids, max_new_tokens=new_tokens)` (greedy, no EOS)."""
     times = []
     for _ in range(repeats):
@@ -44,13 +44,18 @@ def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repe
     return statistics.median(times)
 
 
-def _row(name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int) -> tuple:
-    """(name, prefill + first token ms, ms per decode step, decode tok/s): the decode rate is
-    B * (n - 1) / (t(n) - t(1)), so the prefill cancels out."""
+def generate_metrics(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int = 1) -> dict:
+    """prefill_ms (prefill + first token), itl_ms (mean decode step) and decode_tok_s = B * (n - 1) / (t(n) - t(1))
+    of greedy `generate()`: the prefill cancels out of the rate (also `moefx bench`'s arms)."""
     one = _generate_s(model, ids, 1, repeats)
     full = _generate_s(model, ids, new_tokens, repeats)
     step = max(full - one, 1e-9) / (new_tokens - 1)
-    return name, f"{one * 1e3:.2f}", f"{step * 1e3:.2f}", f"{ids.shape[0] / step:.1f}"
+    return {"prefill_ms": one * 1e3, "itl_ms": step * 1e3, "decode_tok_s": ids.shape[0] / step}
+
+
+def _row(name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int) -> tuple:
+    m = generate_metrics(model, ids, new_tokens, repeats)
+    return name, f"{m['prefill_ms']:.2f}", f"{m['itl_ms']:.2f}", f"{m['decode_tok_s']:.1f}"
 
 
 def run(args: argparse.Namespace) -> int:
