@@ -2,8 +2,9 @@
 
 A request (prompt [B, T], new tokens, sampling params, EOS/pad ids, optional left-padding mask and stopping
 criteria) runs as:
-- prefill: the model forward over the whole prompt into a StaticCache (compiled with a dynamic prompt length,
-  `logits_to_keep=1`, so the LM head reads one row per sequence), then the first token is picked;
+- prefill: the model forward over the whole prompt into a DynamicCache, as transformers' own loop runs it
+  (compiled with a dynamic prompt length, `logits_to_keep=1`, so the LM head reads one row per sequence); its
+  keys and values are copied into the bucket's StaticCache and the first token is picked;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
   and writing static per-bucket buffers. On CUDA the whole step is captured once per (bucket, sampling
   params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
@@ -11,8 +12,9 @@ The only host read is the "every row finished?" flag, copied to pinned memory an
 step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
 as finished from the start; a batch above the largest bucket runs the same steps without graphs.
 
-Each engine compiles its own copy of the step functions (`_own_code`): dynamo keeps compiled entries per
-code object and stops compiling one after `recompile_limit` entries, so models must not share them.
+Each compiled function gets a code object of its own (`_own_code`): dynamo keeps compiled entries per code
+object and stops compiling one after `recompile_limit` entries, so two models must not share them, and the
+prefill and decode step (both `_run`) compile apart.
 Compiles are counted per function (`compiles`); a batch size or cache length the step has not seen yet
 recompiles it once, then dynamo marks that dimension dynamic, so the count stays bounded.
 """
@@ -51,10 +53,10 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], params: SamplingParams, ids: bool) -> None:
-    """Pick the next token of every row (`scores` are logits, or the tokens themselves when `ids`) and move the
-    static buffers one position on, in place."""
-    nxt = scores if ids else sample(scores, params)
+def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], params: SamplingParams, by_head: bool) -> None:
+    """Pick the next token of every row (`scores` are logits, or the tokens themselves when `by_head`) and move
+    the static buffers one position on, in place."""
+    nxt = scores if by_head else sample(scores, params)
     finished = state["finished"]
     # Like transformers: finished rows emit the pad id only when EOS ids are set (`pad_finished`).
     nxt = torch.where(finished & state["pad_finished"], state["pad"], nxt)
@@ -85,7 +87,7 @@ class _Slot:
     cache: Any
     state: dict[str, torch.Tensor]
     mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
-    graphs: dict[tuple, Any] = field(default_factory=dict)  # (params, masked) -> CUDAGraph, None = no graph
+    graphs: dict[tuple, Any] = field(default_factory=dict)  # (params, masked, by_head) -> CUDAGraph or None
     logits: dict[tuple, torch.Tensor] = field(default_factory=dict)  # the captured step's logits output
 
 
@@ -126,11 +128,11 @@ class DecodeLoop:
         if cuda_graphs and getattr(backend, "cudagraphs", False):
             raise ValueError("DecodeLoop(cuda_graphs=True) captures the steps itself; its backend must not add "
                              "inductor's CUDA graphs (use moefx.backend(cfg, cudagraphs=False))")
+        from moefx.parallel.lm_head import greedy_head
+
         self.model, self.max_len = model, max_len
         self._model_forward = forward or model.forward
         self._cache_arg = cache_kwarg(self._model_forward)
-        from moefx.parallel.lm_head import greedy_head
-
         # A vocab-parallel LM head (tensor parallelism): greedy steps take the token from one all-gather of
         # (max, argmax) per row and rank instead of the full logits (moefx/parallel/lm_head.py).
         self._head = greedy_head(model)
@@ -144,8 +146,8 @@ class DecodeLoop:
         self._slots: dict[int, _Slot] = {}
         self._pool: Any = None
         kw = dict(compile_kwargs or {})
-        self._prefill = self._compile("prefill", self._prefill_forward, kw)
-        self._decode = self._compile("decode", self._decode_forward, kw)
+        self._prefill = self._compile("prefill", self._run, kw)
+        self._decode = self._compile("decode", self._run, kw)
         self._pick = self._compile("sampler", _advance, kw)
 
     def _compile(self, name: str, fn: Callable, kw: dict[str, Any]) -> Callable:
@@ -172,19 +174,11 @@ class DecodeLoop:
 
     # -- the model calls -------------------------------------------------------------------------------------
 
-    def _prefill_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-                         attention_mask: torch.Tensor | None, cache: Any, ids: bool = False) -> torch.Tensor:
-        return self._run(input_ids, position_ids, cache_position, attention_mask, cache, ids)
-
-    def _decode_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-                        attention_mask: torch.Tensor | None, cache: Any, ids: bool = False) -> torch.Tensor:
-        return self._run(input_ids, position_ids, cache_position, attention_mask, cache, ids)
-
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-             attention_mask: torch.Tensor | None, cache: Any, ids: bool = False) -> torch.Tensor:
-        """Last-position logits [rows, V] of one forward, or with `ids` the greedy tokens [rows] through the
-        vocab-parallel head (two entry points so prefill and decode compile apart)."""
-        if ids:
+             attention_mask: torch.Tensor | None, cache: Any, by_head: bool = False) -> torch.Tensor:
+        """Last-position logits [rows, V] of one forward, or with `by_head` the greedy tokens [rows] through the
+        vocab-parallel head."""
+        if by_head:
             from moefx.parallel.lm_head import greedy_step
 
             return greedy_step(self.model, input_ids=input_ids, position_ids=position_ids,
@@ -196,11 +190,11 @@ class DecodeLoop:
         )
         return out.logits[:, -1]
 
-    def _step(self, slot: _Slot, params: SamplingParams, masked: bool, ids: bool) -> torch.Tensor:
+    def _step(self, slot: _Slot, params: SamplingParams, masked: bool, by_head: bool) -> torch.Tensor:
         st = slot.state
         scores = self._decode(st["tokens"], st["position_ids"], st["cache_position"],
-                              slot.mask if masked else None, slot.cache, ids)
-        self._pick(scores, st, params, ids)
+                              slot.mask if masked else None, slot.cache, by_head)
+        self._pick(scores, st, params, by_head)
         return scores
 
     # -- buckets, caches and graphs --------------------------------------------------------------------------
@@ -244,18 +238,20 @@ class DecodeLoop:
         self._slots[rows] = slot
         return slot
 
-    def _graph(self, slot: _Slot, params: SamplingParams, masked: bool, ids: bool) -> tuple[Any, torch.Tensor | None]:
+    def _graph(self, slot: _Slot, params: SamplingParams, masked: bool,
+               by_head: bool) -> tuple[Any, torch.Tensor | None]:
         """The captured step for these params (captured on first use), or (None, None) to run it directly."""
-        key = (params, masked, ids)
+        key = (params, masked, by_head)
         if key in slot.graphs:
             return slot.graphs[key], slot.logits.get(key)
-        graph, logits = self._capture(slot, params, masked, ids)
+        graph, logits = self._capture(slot, params, masked, by_head)
         slot.graphs[key] = graph
         if logits is not None:
             slot.logits[key] = logits
         return graph, logits
 
-    def _capture(self, slot: _Slot, params: SamplingParams, masked: bool, ids: bool) -> tuple[Any, torch.Tensor | None]:
+    def _capture(self, slot: _Slot, params: SamplingParams, masked: bool,
+                 by_head: bool) -> tuple[Any, torch.Tensor | None]:
         why = _uncapturable_cache(slot.cache)
         if why is not None:
             return self._uncaptured(slot, why)
@@ -268,13 +264,13 @@ class DecodeLoop:
         side.wait_stream(torch.cuda.current_stream(device))
         syncs = None
         with torch.cuda.stream(side):
-            self._step(slot, params, masked, ids)  # compiles, initializes lazy state
+            self._step(slot, params, masked, by_head)  # compiles, initializes lazy state
             # A step that syncs the host cannot be captured, and a capture that fails half-way leaves the RNG and
             # the graph memory pool unusable: find out first, with host syncs turned into errors.
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                self._step(slot, params, masked, ids)
+                self._step(slot, params, masked, by_head)
             except RuntimeError as exc:
                 syncs = str(exc).splitlines()[0]
             finally:
@@ -291,7 +287,7 @@ class DecodeLoop:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._step(slot, params, masked, ids)
+                logits = self._step(slot, params, masked, by_head)
         except RuntimeError as exc:
             self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
@@ -338,8 +334,7 @@ class DecodeLoop:
         st = slot.state
         masked = attention_mask is not None
         pad_rows = [0] * (rows - batch)
-        ids = torch.cat([input_ids, input_ids[pad_rows]]) if pad_rows else input_ids
-        st["seq"][:, :prompt].copy_(ids)
+        st["seq"][:, :prompt].copy_(torch.cat([input_ids, input_ids[pad_rows]]) if pad_rows else input_ids)
         slot.mask.fill_(1)
         if masked:
             mask = attention_mask.to(device=device, dtype=torch.long)
@@ -356,14 +351,15 @@ class DecodeLoop:
         st["finished"][batch:] = True
         slot.cache.reset()
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
-        ids = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
-        logits = self._prompt(slot, prompt, positions, masked, ids)
+        by_head = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
+        logits = self._prompt(slot, prompt, positions, masked, by_head)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
-        self._pick(logits, st, params, ids)
+        self._pick(logits, st, params, by_head)
 
         stopper = _LateStop(device, enabled=bool(eos) or bool(stopping_criteria))
-        graph, graph_logits = self._graph(slot, params, masked, ids) if graphs and max_new_tokens > 1 else (None, None)
+        graph, graph_logits = (self._graph(slot, params, masked, by_head) if graphs and max_new_tokens > 1
+                               else (None, None))
         produced = max_new_tokens
         for step in range(max_new_tokens):
             if step > 0:
@@ -371,7 +367,7 @@ class DecodeLoop:
                     graph.replay()
                     logits = graph_logits
                 else:
-                    logits = self._step(slot, params, masked, ids)
+                    logits = self._step(slot, params, masked, by_head)
             if logits_out is not None:
                 logits_out.append(logits[:batch].clone())
             if stopping_criteria:
@@ -381,7 +377,8 @@ class DecodeLoop:
                 break
         return st["seq"][:batch, : prompt + produced].clone()
 
-    def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool, ids: bool) -> torch.Tensor:
+    def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool,
+                by_head: bool) -> torch.Tensor:
         """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
         loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
         then copied into the static cache; other caches take the prompt directly."""
@@ -395,12 +392,12 @@ class DecodeLoop:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             torch._dynamo.maybe_mark_dynamic(cache_position, 0)
         if _uncapturable_cache(slot.cache) is not None:
-            return self._prefill(tokens, positions, cache_position, slot.mask if masked else None, slot.cache, ids)
+            return self._prefill(tokens, positions, cache_position, slot.mask if masked else None, slot.cache, by_head)
         prompt_cache = DynamicCache(config=self.model.config)
         mask = slot.mask[:, :prompt] if masked else None
         if mask is not None and self.compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
-        logits = self._prefill(tokens, positions, cache_position, mask, prompt_cache, ids)
+        logits = self._prefill(tokens, positions, cache_position, mask, prompt_cache, by_head)
         for static, dynamic in zip(slot.cache.layers, prompt_cache.layers):
             static.keys[:, :, :prompt].copy_(dynamic.keys)
             static.values[:, :, :prompt].copy_(dynamic.values)
