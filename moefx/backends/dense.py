@@ -23,6 +23,7 @@ syncs the host or allocates by data. Autograd: the float form differentiates as 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -196,7 +197,8 @@ def _dense_linear_op(
     if x.numel() == 0:
         return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype or x.dtype) for w in weights]
     name = select_backend(x, weights, weight_scales, block_shape, out_dtype, backend)
-    log.debug("dense_linear M=%d N=%s -> %s", x.numel() // x.shape[-1], [w.shape[0] for w in weights], name)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("dense_linear M=%d N=%s -> %s", x.numel() // x.shape[-1], [w.shape[0] for w in weights], name)
     return RUNNERS[name](x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
 
 
@@ -221,15 +223,21 @@ def _backward(ctx, grads):
     n = len(weights)
     if ctx.fp8:
         return None, [None] * n, [None] * n, None, [None] * n, None, None, None
+    # Only the gradients autograd asks for: frozen weights (inference, LoRA) skip their [N, K] products.
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    need_w = list(need_w) if isinstance(need_w, (list, tuple)) else [need_w] * n
+    need_b = list(need_b) if isinstance(need_b, (list, tuple)) else [need_b] * n
     gx = None
     gws, gbs = [], []
     x2 = x.reshape(-1, x.shape[-1])
-    for w, g in zip(weights, grads):
+    for i, (w, g) in enumerate(zip(weights, grads)):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = g2 @ w if gx is None else gx + g2 @ w
-        gws.append(g2.t() @ x2)
-        gbs.append(g2.sum(0))
-    return gx.reshape(x.shape), gws, gbs if ctx.bias_grads else None, None, [], None, None, None
+        if need_x:
+            gx = g2 @ w if gx is None else gx + g2 @ w
+        gws.append(g2.t() @ x2 if need_w[i] else None)
+        gbs.append(g2.sum(0) if need_b[i] else None)
+    return (gx.reshape(x.shape) if need_x else None, gws, gbs if ctx.bias_grads else None, None, [], None, None,
+            None)
 
 
 _dense_linear_op.register_autograd(_backward, setup_context=_setup_context)

@@ -24,6 +24,7 @@ Launch contract (the dense op relies on it): fixed-shape work only, no host sync
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -205,6 +206,7 @@ class Launch:
     tiles: tuple[int, ...]  # N tiles per weight
 
 
+@functools.lru_cache(maxsize=256)  # pure in hashable arguments; called per launch
 def plan_launch(
     cfg: DenseConfig, m: int, ns: tuple[int, ...], k: int, block_shape: tuple[int, int] | None, sms: int
 ) -> Launch:
@@ -255,7 +257,9 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs per split suffice to test the split-K path
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    from moefx.backends.calibration import device_identity  # cached per device
+
+    return device_identity(device)[2]
 
 
 def dense_gemv(
