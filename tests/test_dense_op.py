@@ -134,6 +134,12 @@ def test_tables_are_validated_and_keep_other_sections(tmp_path):
     _write_row(path, key, "gemv@1-16,upstream@17-")  # same key: replaced
     data = yaml.safe_load(path.read_text())
     assert data["rows"] == [] and len(data["dense_rows"]) == 1
+    from moefx.backends import calibration as C
+
+    moe_key = C.CalibrationKey("NVIDIA H200", (9, 0), 132, 8, 64, 32, 2, "bfloat16", None, "capture")
+    C.write_row(path, C.CalibrationRow(moe_key, (MRange("gemv", 1, None),), {"date": "2026-12-01"}, ""))
+    data = yaml.safe_load(path.read_text())  # a MoE row written into the same file keeps the dense rows
+    assert len(data["rows"]) == 1 and len(data["dense_rows"]) == 1
     (row,) = P.load_dense_table(path)
     assert row.key == key and row.ranges[0] == MRange("gemv", 1, 16)
     data["dense_rows"][0]["ranges"][0]["backend"] = "grouped"

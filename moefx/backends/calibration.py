@@ -248,19 +248,44 @@ def parse_row(data: Any, where: str, key_from_yaml: Callable[[Any, str], Any], b
 
 def load_table(path: str | os.PathLike[str]) -> list[CalibrationRow]:
     """Rows of one table file, validated; a malformed file is a ValueError naming the file and row."""
+    return load_section(path, "rows", lambda data, where: parse_row(data, where, CalibrationKey.from_yaml))
+
+
+def load_section(path: str | os.PathLike[str], section: str, parse: Callable[[Any, str], CalibrationRow],
+                 row_prefix: str = "") -> list[CalibrationRow]:
+    """The rows under `section` of one table file (a file without that section has none), each parsed by
+    `parse(data, "file.yaml#<row_prefix><n>")`; two rows with one key are an error. The MoE rows live under
+    `rows`, the dense-linear rows (backends/dense_policy.py) under `dense_rows`, in the same files."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"calibration table {str(p)!r} does not exist")
     data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict) or not isinstance(data.get("rows", []), list):
-        raise ValueError(f"calibration table {str(p)!r} must be a mapping with a 'rows' list")
-    rows = [_row_from_yaml(r, f"{p.name}#{i + 1}") for i, r in enumerate(data.get("rows") or [])]
-    seen: dict[CalibrationKey, str] = {}
+    if not isinstance(data, dict) or not isinstance(data.get(section, []), list):
+        raise ValueError(f"calibration table {str(p)!r} must be a mapping with a {section!r} list")
+    rows = [parse(r, f"{p.name}#{row_prefix}{i + 1}") for i, r in enumerate(data.get(section) or [])]
+    seen: dict[Any, str] = {}
     for row in rows:
         if row.key in seen:
             raise ValueError(f"calibration table {str(p)!r}: rows {seen[row.key]} and {row.source} have the same key")
         seen[row.key] = row.source
     return rows
+
+
+def write_section(path: str | os.PathLike[str], section: str, row: CalibrationRow,
+                  load: Callable[[Path], list[CalibrationRow]], header: str, row_prefix: str = "") -> str:
+    """Add `row` under `section` of the table at `path` (replacing the row with its key; the file's other sections
+    are kept); returns the row's source id."""
+    p = Path(path)
+    data = (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
+    rows = [r for r in load(p) if r.key != row.key] if p.is_file() else []
+    rows.append(row)
+    data[section] = [r.to_yaml() for r in rows]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    tmp.replace(p)
+    invalidate()
+    return f"{p.name}#{row_prefix}{len(rows)}"
 
 
 def table_paths(extra: Sequence[str] = ()) -> list[Path]:
@@ -356,14 +381,5 @@ def merge_ranges(ranges: Iterable[MRange]) -> list[MRange]:
 
 def write_row(path: str | os.PathLike[str], row: CalibrationRow) -> str:
     """Add `row` to the table at `path` (replacing a row with the same key); returns the row's source id."""
-    p = Path(path)
-    rows = load_table(p) if p.is_file() else []
-    rows = [r for r in rows if r.key != row.key] + [row]
-    p.parent.mkdir(parents=True, exist_ok=True)
     header = "# moefx MoE calibration table, written by `moefx calibrate`. Rows are keyed exactly; see docs/MOE.md.\n"
-    body = yaml.safe_dump({"rows": [r.to_yaml() for r in rows]}, sort_keys=False, default_flow_style=None)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(header + body)
-    tmp.replace(p)
-    invalidate()
-    return f"{p.name}#{len(rows)}"
+    return write_section(path, "rows", row, load_table, header)

@@ -19,11 +19,9 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from moefx.backends import calibration
 from moefx.backends.calibration import MODES, device_identity, dtype_name
@@ -109,22 +107,7 @@ def _row_from_yaml(data: Any, where: str) -> DenseRow:
 
 def load_dense_table(path: str | os.PathLike[str]) -> list[DenseRow]:
     """The `dense_rows` of one table file, validated (a file without them has none)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"calibration table {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
-    raw = data.get(TABLE_KEY) if isinstance(data, dict) else None
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise ValueError(f"calibration table {str(p)!r}: {TABLE_KEY!r} must be a list")
-    rows = [_row_from_yaml(r, f"{p.name}#dense{i + 1}") for i, r in enumerate(raw)]
-    seen: dict[DenseKey, str] = {}
-    for row in rows:
-        if row.key in seen:
-            raise ValueError(f"calibration table {str(p)!r}: rows {seen[row.key]} and {row.source} have the same key")
-        seen[row.key] = row.source
-    return rows
+    return calibration.load_section(path, TABLE_KEY, _row_from_yaml, row_prefix="dense")
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,18 +126,8 @@ def find_dense_row(key: DenseKey, extra: Sequence[str] = ()) -> DenseRow | None:
 
 def write_dense_row(path: str | os.PathLike[str], row: DenseRow) -> str:
     """Add `row` to the table at `path` (replacing one with the same key; other sections kept); returns its id."""
-    p = Path(path)
-    data = (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
-    rows = [r for r in load_dense_table(p) if r.key != row.key] if p.is_file() else []
-    rows.append(row)
-    data[TABLE_KEY] = [r.to_yaml() for r in rows]
-    p.parent.mkdir(parents=True, exist_ok=True)
     header = "# moefx dense-linear calibration rows (bench/dense.py --calibrate). Keyed exactly; see docs/DENSE.md.\n"
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
-    tmp.replace(p)
-    calibration.invalidate()
-    return f"{p.name}#dense{len(rows)}"
+    return calibration.write_section(path, TABLE_KEY, row, load_dense_table, header, row_prefix="dense")
 
 
 def dense_key(
