@@ -63,7 +63,7 @@ def gate_limit(module: nn.Module) -> float | None:
 @torch.compiler.assume_constant_result
 def custom_gate_activation(cls: type, limit: float | None, act: str | None) -> str | None:
     """The op's activation that `cls._apply_gate` computes, as act(gate clamped to <= limit) * (up clamped to
-    [-limit, limit]) (limit None: no clamp), or None. Decided once per (class, limit) by running the gate on probe
+    [-limit, limit]) (limit None: no clamp), or None. Decided once per (class, limit, act) by running the gate on probe
     values (beyond the limit) against the op's formula, with `act` (the module's act_fn) tried first; under
     torch.compile dynamo runs this while tracing and keeps the answer as a constant."""
     key = (cls, limit, act)
@@ -132,21 +132,28 @@ def _fp8_reason(module: nn.Module) -> str | None:
 
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why this experts module cannot run `moefx::moe_experts`, or None."""
+    return reason_and_gate(module)[0]
+
+
+def reason_and_gate(module: nn.Module) -> tuple[str | None, tuple[str, float | None] | None]:
+    """(why the op cannot run this module or None, the (activation, gate limit) it computes for it): both from
+    one look at the module, as each experts forward needs them."""
     if not module.has_gate:
-        return "experts without a gate projection"
+        return "experts without a gate projection", None
     if getattr(module, "has_bias", False):
-        return "expert biases"
+        return "expert biases", None
     if not module.is_concatenated:
-        return "interleaved gate/up rows"
+        return "interleaved gate/up rows", None
     if getattr(module, "has_post_expert_norm", False):
-        return "a norm after each expert"
+        return "a norm after each expert", None
     if is_fp8_module(module):
-        return _fp8_reason(module) or _activation_reason(module)
-    if gate_of(module) is not None:
-        return None
+        return _fp8_reason(module) or _activation_reason(module), None
+    gate = gate_of(module)
+    if gate is not None:
+        return None, gate
     if getattr(type(module), "_apply_gate", None) is not _default_gate():
-        return f"a custom gate ({type(module).__name__}._apply_gate)"
-    return _activation_reason(module)
+        return f"a custom gate ({type(module).__name__}._apply_gate)", None
+    return _activation_reason(module), None
 
 
 def _activation_reason(module: nn.Module) -> str | None:
@@ -169,7 +176,7 @@ def moefx_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers experts forward `(self, hidden_states, top_k_index, top_k_weights)` through the moefx op."""
-    reason = unsupported_reason(self)
+    reason, gate = reason_and_gate(self)
     if reason is not None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -180,7 +187,7 @@ def moefx_experts_forward(
         w13, w2 = w13.transpose(-2, -1), w2.transpose(-2, -1)
     backend = getattr(self, "moefx_backend", "auto")
     top_k_index = _local_routes(self, top_k_index, w13.shape[0])
-    activation, limit = gate_of(self)
+    activation, limit = gate
     return moe_experts(
         hidden_states, top_k_index, top_k_weights, w13, w2, backend=backend, upstream="transformers",
         activation=activation, gate_limit=limit,

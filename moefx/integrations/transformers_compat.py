@@ -243,7 +243,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-# transformers' own model tests build these families with GELU (hidden_act="gelu"); a row each runs them so
+# transformers' own model tests build these families with GELU (hidden_act="gelu"): a row each runs them that way too
 VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("qwen3_moe", dict(hidden_act="gelu")),
     ("qwen2_moe", dict(hidden_act="gelu")),
