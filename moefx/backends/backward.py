@@ -29,23 +29,14 @@ import torch
 
 from moefx.backends.activation import Activation, get_activation
 from moefx.backends.registry import dequant_block
-
-BACKWARD_PATHS = ("grouped_mm", "reference")
+from moefx.backends.torch_grouped import cuda_grouped_mm_problem
 
 
 def grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:
     """Why the grouped_mm backward cannot run these inputs, or None."""
     if not hidden.is_cuda:
         return "grouped_mm backward runs on CUDA (the CPU runs the reference)"
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no _grouped_mm"
-    if hidden.dtype != torch.bfloat16:
-        return f"torch._grouped_mm on CUDA takes bf16, not {hidden.dtype}"
-    if torch.cuda.get_device_capability(hidden.device) < (8, 0):
-        return "torch._grouped_mm needs compute capability >= 8.0"
-    if hidden.shape[1] % 8 or w2.shape[2] % 8:
-        return f"torch._grouped_mm needs H={hidden.shape[1]} and I={w2.shape[2]} multiples of 8"
-    return None
+    return cuda_grouped_mm_problem(hidden, w2)
 
 
 def backward_path(hidden: torch.Tensor, w2: torch.Tensor) -> str:
@@ -198,9 +189,9 @@ def _moe_experts_backward_op(
     needs: list[bool],
     gate_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    fn = backward_grouped_mm if backward_path(hidden, w2) == "grouped_mm" else backward_reference
-    if hidden.shape[0] == 0:
-        fn = backward_reference  # no pairs: zeros (grouped_mm would sort an empty tensor)
+    # no pairs: zeros from the reference (grouped_mm would sort an empty tensor)
+    grouped = hidden.shape[0] and backward_path(hidden, w2) == "grouped_mm"
+    fn = backward_grouped_mm if grouped else backward_reference
     return fn(grad_out, hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, activation, needs,
               gate_limit)
 

@@ -16,6 +16,20 @@ from moefx.backends.kernels.common import shape_problem
 from moefx.backends.registry import MoEBackend, register_backend
 
 
+def cuda_grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """Why `torch._grouped_mm` on CUDA cannot take these activations and experts (the forward backend and the
+    backward share it), or None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no _grouped_mm"
+    if hidden.dtype != torch.bfloat16:
+        return f"torch._grouped_mm on CUDA takes bf16, not {hidden.dtype}"
+    if torch.cuda.get_device_capability(hidden.device) < (8, 0):
+        return "torch._grouped_mm needs compute capability >= 8.0"
+    if hidden.shape[1] % 8 or w2.shape[2] % 8:
+        return f"torch._grouped_mm needs H={hidden.shape[1]} and I={w2.shape[2]} multiples of 8"
+    return None
+
+
 def torch_grouped_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -63,13 +77,8 @@ class TorchGroupedBackend(MoEBackend):
         if w13_scale is not None:
             return "torch_grouped has no FP8 block-quant path"
         if hidden.is_cuda:
-            if hidden.dtype != torch.bfloat16:
-                return f"torch._grouped_mm on CUDA takes bf16, not {hidden.dtype}"
-            if torch.cuda.get_device_capability(hidden.device) < (8, 0):
-                return "torch._grouped_mm needs compute capability >= 8.0"
-            if hidden.shape[1] % 8 or w2.shape[2] % 8:
-                return f"torch._grouped_mm needs H={hidden.shape[1]} and I={w2.shape[2]} multiples of 8"
-        elif hidden.dtype == torch.float16:
+            return cuda_grouped_mm_problem(hidden, w2)
+        if hidden.dtype == torch.float16:
             return "torch._grouped_mm on CPU takes bf16/fp32"
         return None
 
