@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from moefx.backends import backward as _backward
-from moefx.backends.activation import ACTIVATIONS, check_limit, gate_up
+from moefx.backends.activation import check_limit, gate_up, get_activation
 from moefx.backends.calibration import find_row, key_for_tensors
 from moefx.backends.policy import (
     HOST_SYNCING_BACKENDS,
@@ -46,8 +46,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 def _validate_backend_arg(
     backend: str, upstream: str, activation: str = "silu", gate_limit: float | None = None
 ) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moe_experts activation={activation!r} is invalid; valid choices: {sorted(ACTIVATIONS)}")
+    get_activation(activation)
     check_limit(gate_limit)
     if upstream not in UPSTREAMS:
         raise ValueError(f"moe_experts upstream={upstream!r} is invalid; valid choices: {list(UPSTREAMS)}")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 
 KINDS = ("softmax", "topk_softmax", "sigmoid")
+# transformers' DeepSeek-V3 / GLM4-MoE renormalization denominator (+ this); the Triton kernel adds the same literal
+SIGMOID_RENORM_EPS = 1e-20
 MAX_KERNEL_EXPERTS = 4096  # one program holds a row of E scores in registers
 
 
@@ -86,11 +88,7 @@ def fused_topk_torch(
     """PyTorch path; same math and tie rule as the kernel (fp32 throughout)."""
     groups, kept = _check(router_logits, top_k, kind, n_group, topk_group)
     x = router_logits.float()
-    if kind == "topk_softmax":
-        ids = _top(x, top_k)
-        return (torch.softmax(x.gather(1, ids), dim=-1) * routed_scaling_factor).contiguous(), ids
-    if kind == "softmax":
-        scores = torch.softmax(x, dim=-1)
+    if kind in ("topk_softmax", "softmax"):  # softmax keeps the order of the logits: rank those
         ids = _top(x, top_k)
     else:
         scores = torch.sigmoid(x)
@@ -102,22 +100,20 @@ def fused_topk_torch(
             keep.scatter_(1, _top(group_score, kept), True)
             choice = choice.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
         ids = _top(choice, top_k)
-    w = scores.gather(1, ids)
-    if renormalize:
-        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if kind == "sigmoid" else 0.0))
-    return (w * routed_scaling_factor).contiguous(), ids
+    return _weights_for(router_logits, ids, kind, renormalize, routed_scaling_factor).contiguous(), ids
 
 
 def _weights_for(
     router_logits: torch.Tensor, ids: torch.Tensor, kind: str, renormalize: bool, routed_scaling_factor: float
 ) -> torch.Tensor:
-    """The op's weights as a differentiable function of the logits at fixed ids (its backward)."""
+    """The op's weights at the chosen ids, as a differentiable function of the logits (the PyTorch path and the
+    op's backward)."""
     x = router_logits.float()
     if kind == "topk_softmax":
         return torch.softmax(x.gather(1, ids), dim=-1) * routed_scaling_factor
     w = (torch.softmax(x, dim=-1) if kind == "softmax" else torch.sigmoid(x)).gather(1, ids)
     if renormalize:
-        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if kind == "sigmoid" else 0.0))
+        w = w / (w.sum(dim=-1, keepdim=True) + (SIGMOID_RENORM_EPS if kind == "sigmoid" else 0.0))
     return w * routed_scaling_factor
 
 

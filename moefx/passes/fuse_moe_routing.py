@@ -44,7 +44,6 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _BROADCASTS = _RESHAPES | {aten.expand.default, aten.clone.default, aten.unsqueeze.default}
 _LOW_FLOATS = (torch.bfloat16, torch.float16)
 _LOGIT_DTYPES = (torch.float32, *_LOW_FLOATS)
-SIGMOID_RENORM_EPS = 1e-20  # transformers' DeepSeek-V3 / GLM4-MoE denominator; the kernel's too
 
 
 def _is(node: object, *targets: object) -> bool:
@@ -378,7 +377,7 @@ def _match_sigmoid(x: torch.fx.Node, ids: list[torch.fx.Node], values: list[torc
     if not gathers:
         return "the weights are not the sigmoid scores gathered at the chosen ids"
     tail, renorm = gathers[0], False
-    fused = _renorm_of(tail, SIGMOID_RENORM_EPS)
+    fused = _renorm_of(tail, _routing.SIGMOID_RENORM_EPS)
     if fused is not None:
         tail, renorm = fused, True
     tail, scale = _scaled(tail)

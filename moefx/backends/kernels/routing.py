@@ -76,7 +76,7 @@ def _fused_topk_kernel(
     elif RENORM:
         denom = tl.sum(top_w, axis=0)
         if KIND == 2:
-            denom += 1e-20
+            denom += 1e-20  # routing.SIGMOID_RENORM_EPS
         top_w = top_w / denom
     tl.store(w_ptr + row * TOP_K + k_offs, top_w * scaling, mask=k_valid)
     tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64), mask=k_valid)
