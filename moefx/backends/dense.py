@@ -31,14 +31,15 @@ import torch.nn.functional as F
 
 import moefx.ops.block_gemm  # noqa: F401  (registers moefx::fp8_block_gemm, the FP8 upstream)
 from moefx.backends.dense_policy import GEMV, dense_key, requested
+from moefx.backends.kernels.common import FLOAT_DTYPES
 from moefx.backends.policy import UPSTREAM
+from moefx.config import DENSE_BACKENDS
 from moefx.log import get_logger, warn_once
 from moefx.ops.block_gemm import ref_fp8_block_gemm
+from moefx.ops.quant import FP8_DTYPE as FP8
 
 log = get_logger("moefx.backends")
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8 = torch.float8_e4m3fn
-BACKEND_CHOICES = ("auto", GEMV, UPSTREAM)
+BACKEND_CHOICES = DENSE_BACKENDS
 
 
 def check_args(
