@@ -14,8 +14,8 @@ import torch.nn.functional as F
 KINDS = ("fp8_group", "fp8_token", "int8_token", "int8_group")
 # How the quantized value is formed from y and the scale (all fp32, each step rounded as eager rounds it):
 #   divide          q = y / scale                    (vLLM group path, SGLang, DeepSeek, textbook code)
-#   reciprocal      q = y * (1 / scale)              (vLLM per-token path, torchao, DeepGEMM's current cast)
-#   qmax_over_amax  q = y * (qmax / amax_clamped)    (DeepGEMM's early cast: `x * (448.0 / amax)`); the stored
+#   reciprocal      q = y * (1 / scale)              (vLLM per-token path, torchao, DeepGEMM's `x * (1 / sf)` cast)
+#   qmax_over_amax  q = y * (qmax / amax_clamped)    (DeepGEMM's `x * (448.0 / amax)` cast); the stored
 #                   scale is still amax_clamped / qmax
 SCALINGS = ("divide", "reciprocal", "qmax_over_amax")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -36,7 +36,7 @@ class QuantScheme:
     column_major_scales: bool = False
     tma_aligned_scales: bool = False
     scaling: str = "divide"
-    # UE8M0 rounding after the min-scale clamp (vLLM >= 0.3x) instead of before it
+    # UE8M0 rounding after the min-scale clamp (vLLM 0.33's QuantFP8) instead of before it
     ue8m0_after_min_scale: bool = False
 
     def args(self) -> tuple:
@@ -57,9 +57,10 @@ class QuantScheme:
 def full_scheme(scheme: tuple) -> tuple:
     """The scheme tuple with the trailing optional arguments filled in (callers may pass the first 8 only;
     the dispatcher hands Python kernels exactly what the caller passed)."""
-    defaults = QuantScheme().args()
-    return tuple(scheme) + defaults[len(scheme):]
+    return tuple(scheme) + _DEFAULT_ARGS[len(scheme):]
 
+
+_DEFAULT_ARGS = QuantScheme().args()
 
 PRESETS: dict[str, QuantScheme] = {
     "fp8_group128": QuantScheme("fp8_group", 128),
