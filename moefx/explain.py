@@ -14,7 +14,6 @@ from typing import Any
 
 from moefx.config import CompilationConfig
 
-FUSION_PASSES = ("fuse_norm_quant", "fuse_act_quant")
 _LOCATED = re.compile(r"^(.+?:\d+): (.*)$", re.S)
 
 
@@ -52,23 +51,20 @@ def _candidate(pass_name: str, fused: bool, text: str) -> FusionCandidate:
     return FusionCandidate(pass_name, fused, m.group(1) if m else "", m.group(2) if m else text)
 
 
-def explain_fusions(fn: Callable[..., Any], *args: Any, config: Any = None,
-                    dynamic_rows: bool = False) -> FusionExplanation:
+def explain_fusions(fn: Callable[..., Any], *args: Any, dynamic_rows: bool = False) -> FusionExplanation:
     """Explain which SiLU-mul / RMSNorm -> quant candidates of `fn(*args)` moefx fuses, and why not the others.
 
-    `config`: a CompilationConfig (or anything `from_any` takes); its pass toggles are ignored, both quant
-    fusion passes run. `dynamic_rows`: make dim 0 of every input with 2+ dims symbolic, as in serving.
+    Both quant fusion passes run, through the pass manager as in a compile (so each candidate that neither
+    takes is listed once). `dynamic_rows`: make dim 0 of every input with 2+ dims symbolic, as in serving.
     """
-    from moefx.passes import PASS_REGISTRY, PassContext
-    from moefx.passes.quant_patterns import post_grad_graph
+    from moefx.passes import PassManager
+    from moefx.passes.quant_patterns import QUANT_PASSES, post_grad_graph
 
-    cfg = CompilationConfig.from_any(config)
     graph = post_grad_graph(fn, list(args), dynamic_rows=dynamic_rows)
+    manager = PassManager(CompilationConfig(), list(QUANT_PASSES))
+    report = manager.run_passes(graph)
     out = FusionExplanation()
-    passes = sorted((PASS_REGISTRY[n]() for n in FUSION_PASSES), key=lambda p: p.order)
-    for p in passes:
-        ctx = PassContext(config=cfg, enabled=FUSION_PASSES)
-        p.run(graph, ctx)
-        out.candidates += [_candidate(p.name, True, t) for t in ctx.notes]
-        out.candidates += [_candidate(p.name, False, t) for t in ctx.skipped]
+    for name in manager.enabled:
+        out.candidates += [_candidate(name, True, t) for t in report.rewrites.get(name, [])]
+        out.candidates += [_candidate(name, False, t) for t in report.skipped.get(name, [])]
     return out

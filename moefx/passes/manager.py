@@ -18,7 +18,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from moefx.config import CompilationConfig
 from moefx.log import get_logger
 from moefx.passes.base import PASS_REGISTRY, PassContext
-from moefx.reports import new_report, store_with_cache_entry
+from moefx.reports import CompileReport, new_report, store_with_cache_entry
 
 log = get_logger("moefx.passes")
 
@@ -41,15 +41,28 @@ class PassManager(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         decisions = self.plan.decisions() if hasattr(self.plan, "decisions") else []
         report = new_report(self.enabled, decisions)
-        report.nodes_before = len(graph.nodes)
         self._dump(graph, report.graph_index, "before")
+        self.run_passes(graph, report)
+        self._dump(graph, report.graph_index, "after")
+        store_with_cache_entry(report)
+
+    def run_passes(self, graph: torch.fx.Graph, report: CompileReport | None = None) -> CompileReport:
+        """Run the enabled passes in order on `graph`, filling `report` (a detached one when None: nothing is
+        added to `compile_reports()`)."""
+        report = report if report is not None else CompileReport(graph_index=-1, passes=list(self.enabled))
+        report.nodes_before = len(graph.nodes)
+        reported: set[str] = set()
         for p in self.passes:
             ctx = PassContext(config=self.config, plan=self.plan, enabled=tuple(self.enabled))
             n = p.run(graph, ctx)
             report.matches[p.name] = n
-            if ctx.skipped:
-                report.skipped[p.name] = ctx.skipped
-                for reason in ctx.skipped:
+            # Passes that look at the same candidates (the two quant fusions, the two dense-linear passes) reach
+            # the same verdict on what neither takes: the report names each such candidate once.
+            skipped = [reason for reason in ctx.skipped if reason not in reported]
+            reported.update(skipped)
+            if skipped:
+                report.skipped[p.name] = skipped
+                for reason in skipped:
                     log.debug("%s left a candidate alone: %s", p.name, reason)
             if ctx.notes:
                 report.rewrites[p.name] = ctx.notes
@@ -58,8 +71,7 @@ class PassManager(CustomGraphPass):
                 graph.eliminate_dead_code()
         graph.lint()
         report.nodes_after = len(graph.nodes)
-        self._dump(graph, report.graph_index, "after")
-        store_with_cache_entry(report)
+        return report
         log.info("%s", report.summary())
 
     def _dump(self, graph: torch.fx.Graph, index: int, stage: str) -> None:

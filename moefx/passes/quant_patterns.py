@@ -678,24 +678,15 @@ class QuantFusionPass(MoefxPass):
                 return cls, r
         return None, None
 
-    def _reports_orphans(self, ctx: PassContext) -> bool:
-        """The first enabled quant pass reports quants no pass can fuse (so each is reported once)."""
-        enabled = [QUANT_PASSES[n] for n in getattr(ctx, "enabled", ()) if n in QUANT_PASSES]
-        if type(self) not in enabled:
-            return True
-        return min(enabled, key=lambda c: (c.order, c.name)) is type(self)
-
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         dedupe_casts(graph)
-        enabled = set(getattr(ctx, "enabled", ()) or (self.name,))
-        orphans = self._reports_orphans(ctx)
+        enabled = set(ctx.enabled or (self.name,))
         by_source: dict[torch.fx.Node, list[QuantMatch]] = {}
         for cand in quant_candidates(graph):
             try:
                 matches = recognize_moefx_quant(cand) if cand.target is QUANT else [recognize_quant(cand)]
             except Reject as r:
-                if orphans:
-                    ctx.skip(f"{location(cand)}: {_cast_label(cand)} left alone: {r.reason} ({describe(r.node)})")
+                ctx.skip(f"{location(cand)}: {_cast_label(cand)} left alone: {r.reason} ({describe(r.node)})")
                 continue
             for m in matches:
                 by_source.setdefault(m.source, []).append(m)
@@ -704,11 +695,10 @@ class QuantFusionPass(MoefxPass):
             owner, prod = self._owner(y)
             head = f"{location(quants[0].anchor)}: {quants[0].label} of {y.name}"
             if owner is None:
-                if orphans:
-                    ctx.skip(f"{head} left alone: its input {describe(y)} is not a SiLU-mul or RMSNorm output")
+                ctx.skip(f"{head} left alone: its input {describe(y)} is not a SiLU-mul or RMSNorm output")
                 continue
             if owner is not type(self):
-                if owner.name not in enabled and orphans:
+                if owner.name not in enabled:
                     ctx.skip(f"{head} left alone: its producer is a {owner.producer_kind}; {owner.name} is off")
                 continue
             if isinstance(prod, Reject):
