@@ -287,6 +287,7 @@ def main() -> int:
                 row, _ = decode_row("hf_static", model, fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
                                     args.layers, "bf16", refs.get(b))
                 decode.append(row)
+                save()
 
         guarded("hf_static", hf_static)
         torch._dynamo.reset()
@@ -304,10 +305,12 @@ def main() -> int:
             row, _ = decode_row(name, opt, fn, inputs[b], args.n1, args.n2, args.runs, b / (step_bytes(opt, b) / hbm),
                                 args.layers, dtype, refs.get(b))
             decode.append(row)
+            save()  # a stage stopped at its limit keeps the rows measured so far
         front = opt.moefx_generate
         if ref_logits is not None and name == "moefx":
             extra["moefx_logits_rel_err"] = check_logits(front.engine, inputs[eager_batches[0]], *ref_logits)
-        extra[f"{name}_engine"] = dict(compiles=front.engine.stats.compiles, captures=front.engine.stats.captures,
+        extra[f"{name}_engine"] = dict(compiles=front.engine.stats.compiles,
+                                       compile_s=front.engine.stats.compile_s, captures=front.engine.stats.captures,
                                        uncaptured=front.engine.stats.uncaptured, fallbacks=front.fallbacks)
         extra[f"{name}_matches"] = _pass_matches()
         print(f"  {front.describe()}; passes {extra[f'{name}_matches']}", flush=True)

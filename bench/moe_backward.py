@@ -174,7 +174,8 @@ def main() -> None:
         result["rows"].append(row)
     result["failures"], result["seconds"] = failures, round(time.time() - t0, 1)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "moe_backward.json").write_text(json.dumps(result, indent=1))
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+    Path(os.environ["OUT"], "moe_backward.json").write_text(json.dumps(result, indent=1))
     print_table(result, quick)
     if failures:
         raise SystemExit("gradient check failed: " + "; ".join(failures))

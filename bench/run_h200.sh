@@ -53,8 +53,8 @@ for s in "${stages[@]}"; do
         sampler) run_stage sampler 200 python3 bench/sampler.py ;;
         offload) run_stage offload 420 python3 bench/offload.py --probe ;;
         offload-profile) run_stage offload-profile 360 python3 bench/offload.py --profile --skip-peer --mode eager ;;
-        gpu-tests) run_stage gpu-tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu tests; \
-            python3 -m pytest -q -p no:cacheprovider tests/test_backends_grouped.py tests/test_backends_gemv.py \
+        gpu-tests) run_stage gpu-tests 240 bash -c "python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu tests; \
+            python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_backends_grouped.py tests/test_backends_gemv.py \
             tests/test_backends_torch_grouped.py tests/test_moe_op.py" ;;
         calibrate) run_stage calibrate 300 bash bench/calibrate_h200.sh ;;
         calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
@@ -82,11 +82,11 @@ for s in "${stages[@]}"; do
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
         e2e-quick) run_stage e2e-quick 420 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
             --profile --tag _quick ;;
-        e2e-8) run_stage e2e-8 300 python3 bench/e2e.py --layers 8 --batches 1,16 --fp8 --fp8-batches 16 --profile ;;
-        e2e-8-64) run_stage e2e-8-64 300 python3 bench/e2e.py --layers 8 --batches 64 --tag _b64 ;;
-        e2e-48a) run_stage e2e-48a 430 python3 bench/e2e.py --layers 48 --batches 1 --prefill 4096 --profile --tag _b1 \
-            --prefill-peers hf_eager ;;
-        e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 16,64 --eager-batches 16 --tag _b16_64 ;;
+        e2e-8) run_stage e2e-8 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --eager-batches 1,16 --fp8 \
+            --fp8-batches 16 --profile ;;
+        e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 \
+            --profile --tag _b1_16 --prefill-peers hf_eager ;;
+        e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
         gpu-gen) run_stage gpu-gen 75 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         gpu-new) run_stage gpu-new 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
@@ -105,7 +105,7 @@ for s in "${stages[@]}"; do
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
-            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-64 e2e-48a e2e-48b dense" \
+            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-48a e2e-48b dense" \
             "dense-sweep gpu-new gpu-gen)" ;;
     esac
 done

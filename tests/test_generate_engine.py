@@ -146,4 +146,5 @@ def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
         assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want), (batch, length)
     compiles = model.moefx_generate.engine.stats.compiles
     assert set(compiles) == {"prefill", "decode", "sampler"} and max(compiles.values()) <= 2, compiles
+    assert set(model.moefx_generate.engine.stats.compile_s) == set(compiles)
     assert model.moefx_generate.fallbacks == []

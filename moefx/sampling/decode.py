@@ -22,6 +22,7 @@ recompiles it once, then dynamo marks that dimension dynamic, so the count stays
 from __future__ import annotations
 
 import inspect
+import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -93,9 +94,11 @@ class _Slot:
 
 @dataclass
 class EngineStats:
-    """What the engine did in this process: compiles per function, graphs captured, why steps ran without one."""
+    """What the engine did in this process: compiles per function and the seconds their backend took (inductor and
+    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one."""
 
     compiles: dict[str, int] = field(default_factory=dict)
+    compile_s: dict[str, float] = field(default_factory=dict)
     captures: int = 0
     uncaptured: list[str] = field(default_factory=list)
     requests: int = 0
@@ -161,11 +164,15 @@ class DecodeLoop:
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             stats.compiles[name] = stats.compiles.get(name, 0) + 1
+            start = time.perf_counter()
             if isinstance(backend, str):
                 from torch._dynamo import lookup_backend
 
-                return lookup_backend(backend)(gm, example_inputs)
-            return backend(gm, example_inputs)
+                compiled = lookup_backend(backend)(gm, example_inputs)
+            else:
+                compiled = backend(gm, example_inputs)
+            stats.compile_s[name] = round(stats.compile_s.get(name, 0.0) + time.perf_counter() - start, 2)
+            return compiled
 
         compiled = torch.compile(target, **{**kw, "backend": counting_backend})
         # Model code keeps constants (eps, FP8 max) in float attributes; traced as runtime values they could

@@ -65,7 +65,8 @@ class GenerateFront:
     def describe(self) -> str:
         s = self.engine.stats
         return (f"{s.requests} requests on the engine, {len(self.fallbacks)} in transformers' loop; "
-                f"compiles {s.compiles or 'none'}; {s.captures} CUDA graphs captured")
+                f"compiles {s.compiles or 'none'} (backend seconds {s.compile_s or 'none'}); {s.captures} CUDA graphs "
+                f"captured")
 
 
 def _fallback(front: GenerateFront, why: str) -> None:
