@@ -8,7 +8,7 @@
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
-#                                                        #   e2e-quick e2e-8 e2e-48a e2e-48b (optimize + generate()
+#                                                        #   e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
 #                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
 #                                                        #   tp-calibrate (per-rank expert shapes of Qwen3-30B-A3B at
@@ -84,6 +84,7 @@ for s in "${stages[@]}"; do
             --profile --tag _quick ;;
         e2e-8) run_stage e2e-8 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --eager-batches 1,16 --fp8 \
             --fp8-batches 16 --profile ;;
+        e2e-8-fp8) run_stage e2e-8-fp8 260 python3 bench/e2e.py --layers 8 --batches 16 --arms moefx --fp8 --tag _fp8 ;;
         e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 \
             --profile --tag _b1_16 --prefill-peers hf_eager ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
@@ -105,7 +106,7 @@ for s in "${stages[@]}"; do
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
-            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-48a e2e-48b dense" \
+            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b dense" \
             "dense-sweep gpu-new gpu-gen)" ;;
     esac
 done

@@ -86,6 +86,8 @@ def test_plan_launch_splits_k_only_when_n_tiles_are_few():
     assert (dot.block_m, dot.block_n, dot.block_k) == (16, 16, 128)  # tensor-core floor, one quant block per step
     with pytest.raises(ValueError, match="block_n=3"):
         K.plan_launch(K.DenseConfig(block_n=3), 1, (8,), 64, None, 4)
+    prefill = K.plan_launch(K.default_config(2048, fp8=True), 2048, (4096, 512, 512), 2048, (128, 128), 132)
+    assert (prefill.block_m, prefill.m_tiles) == (64, 32)  # more M tiles, never one 2048-row tile
 
 
 def test_default_tiles_compile_for_sm90():

@@ -98,7 +98,8 @@ def test_autograd_of_the_float_form_matches_separate_linears():
 def _write_row(path, key: P.DenseKey, ranges: str = "gemv@1-4,upstream@5-"):
     from moefx.backends.calibration import parse_ranges
 
-    row = P.DenseRow(key, parse_ranges(ranges, "test"), {"date": "2026-12-01"}, "", {"gemv": {1: 1.0}})
+    timings = {"gemv": {1: 1.0, 4: 1.0, 8: 3.0}, "upstream": {1: 2.0, 4: 2.0, 8: 2.0}}  # the grid: M 1..8
+    row = P.DenseRow(key, parse_ranges(ranges, "test"), {"date": "2026-12-01"}, "", timings)
     return P.write_dense_row(path, row)
 
 
@@ -117,6 +118,14 @@ def test_policy_uses_the_exact_row_per_mode_and_m(tmp_path, monkeypatch):
     monkeypatch.setenv(P.ENV, "upstream")
     assert D.select_backend(x, ws, [], None, None, capturing=False) == "upstream"
     assert D.select_backend(x, ws, [], None, None, backend="gemv", capturing=False) == "gemv"  # the call's word wins
+
+
+def test_gemv_never_runs_past_the_calibrated_grid(tmp_path, monkeypatch):
+    x, ws, _ = _case(m=2)
+    _write_row(tmp_path / "xdg" / "moefx" / "calibration" / "dense.yaml", _cpu_key(x, ws), ranges="gemv@1-")
+    assert D.select_backend(torch.cat([x, x], 1), ws, [], None, None, capturing=False) == "gemv"  # M = 8
+    assert D.select_backend(torch.cat([x] * 4, 1), ws, [], None, None, capturing=False) == "upstream"  # M = 16
+    assert "past the calibrated grid" in P.requested(16, "auto", _cpu_key(x, ws))[1]
 
 
 def test_env_value_is_validated(monkeypatch):

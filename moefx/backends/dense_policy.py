@@ -8,7 +8,8 @@ usually a file of their own (`bench/dense.py --calibrate` writes one). A key wit
 linears one by one, exactly the unfused computation; a threshold is never guessed.
 
 Precedence per call, highest first: the op's `backend` argument when not "auto" (the config's `dense_backend`,
-which the passes write into every call), `MOEFX_DENSE_BACKEND`, the exact row, upstream. Eager and CUDA-graph
+which the passes write into every call), `MOEFX_DENSE_BACKEND`, the exact row (up to the largest M it measured),
+upstream. Eager and CUDA-graph
 capture calls have separate rows, and the choice depends on shapes only (M = rows of X), so a captured graph never
 switches backend on data.
 """
@@ -161,7 +162,13 @@ def requested(m: int, backend: str, key: DenseKey) -> tuple[str, str]:
     row = find_dense_row(key)
     if row is None:
         return UPSTREAM, f"no calibration row ({key.mode})"
-    return MoePolicy(row.ranges, row.source).backend_for(m), row.source
+    name = MoePolicy(row.ranges, row.source).backend_for(m)
+    # A row's last range is open-ended, but the small-M kernel is only measured on the row's grid: past it (a
+    # prefill of thousands of rows), the plain linears run.
+    top = max((int(mm) for ts in row.timings_us.values() for mm in ts), default=None)
+    if name != UPSTREAM and top is not None and m > top:
+        return UPSTREAM, f"{row.source}: M={m} is past the calibrated grid (largest M {top})"
+    return name, row.source
 
 
 # ------------------------------------------------------------------------------------------------ the plan

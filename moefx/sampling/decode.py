@@ -267,6 +267,7 @@ class DecodeLoop:
         # position are put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
         saved = {k: v.clone() for k, v in slot.state.items()}
         lengths = [layer.cumulative_length.clone() for layer in slot.cache.layers]
+        rng = torch.cuda.get_rng_state(device)  # a sampling warm-up must not shift the request's random stream
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         syncs = None
@@ -287,6 +288,7 @@ class DecodeLoop:
             slot.state[name].copy_(value)
         for layer, length in zip(slot.cache.layers, lengths):
             layer.cumulative_length.copy_(length)
+        torch.cuda.set_rng_state(rng, device)
         if syncs is not None:
             return self._uncaptured(slot, f"its step syncs the host ({syncs})")
         if self._pool is None:

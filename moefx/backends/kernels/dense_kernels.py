@@ -33,6 +33,9 @@ import triton
 import triton.language as tl
 
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
+# Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles. Uncapped, a prefill
+# of 2048 rows asked for a 2048-row tile and 1 MiB of shared memory.
+MAX_AUTO_BLOCK_M = {False: 8, True: 64}
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
 
 
@@ -152,7 +155,7 @@ def _dense_kernel(
 
 @dataclass(frozen=True)
 class DenseConfig:
-    """Launch tiles. block_m 0: next power of two of M (DOT=False) or max(16, that) (DOT=True); split_k 0: enough
+    """Launch tiles. block_m 0: next power of two of M up to MAX_AUTO_BLOCK_M (DOT=True: at least 16); split_k 0: enough
     K slices that N tiles x slices reach `programs_per_sm` x the SM count (each slice at least 2 x block_k long)."""
 
     dot: bool = False
@@ -222,7 +225,7 @@ def plan_launch(
     if cfg.dot:
         bn = max(bn, 16)
     bk = min(bk, max(16, triton.next_power_of_2(k)))
-    bm = cfg.block_m or triton.next_power_of_2(max(m, 1))
+    bm = cfg.block_m or min(triton.next_power_of_2(max(m, 1)), MAX_AUTO_BLOCK_M[cfg.dot])
     if cfg.dot:
         bm = max(bm, 16)
     _pow2(bm, "block_m")
