@@ -88,7 +88,7 @@ for s in "${stages[@]}"; do
         e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 \
             --profile --tag _b1_16 --prefill-peers hf_eager ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
-        gpu-gen) run_stage gpu-gen 75 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
+        gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         gpu-new) run_stage gpu-new 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
             tests/test_dense_kernel.py tests/test_routing_gpu.py tests/test_generate_gpu.py tests/test_fuse_sibling_linears.py \
