@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
 from moefx.backends import BACKENDS
+from moefx.machine import host_memory_available
 from moefx.models import qwen3_moe_config, tiny_qwen3_moe_config
 from moefx.offload.transform import OffloadedExperts
 
@@ -489,21 +490,12 @@ def targets_met(rows: list[dict], vs_accelerate: float | None) -> dict[str, str]
 
 
 def layers_that_fit(per_layer: int, device: str) -> int:
-    avail = _mem_available()
+    avail = host_memory_available()
     fit = int(0.55 * avail // per_layer) if avail else 8
     if device == "cuda":  # the model is built on the GPU first, then its experts leave
         fit = min(fit, int(0.7 * torch.cuda.mem_get_info()[0] // per_layer))
     return max(8, min(48, fit))
 
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def main() -> int:

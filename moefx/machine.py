@@ -1,4 +1,5 @@
-"""This machine's CPU identity and the folder where moefx keeps per-machine results (rates, built kernels)."""
+"""This machine's CPU identity, its available host memory and the folder where moefx keeps per-machine results
+(rates, built kernels)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ def cpu_model() -> str:
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo); empty elsewhere."""
     return frozenset((_cpuinfo_line("flags") or "").split())
+
+
+def host_memory_available() -> int | None:
+    """Bytes the host can still give (Linux /proc/meminfo MemAvailable), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def cache_dir() -> Path:

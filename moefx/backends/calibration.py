@@ -49,6 +49,18 @@ def _cuda_identity(index: int) -> tuple[str, tuple[int, int] | None, int | None]
     return props.name, (props.major, props.minor), props.multi_processor_count
 
 
+def check_key_fields(data: Any, where: str, fields: tuple[str, ...]) -> None:
+    """ValueError unless a table row's `key` is a mapping of exactly `fields` with a valid mode."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: 'key' must be a mapping with fields {list(fields)}")
+    missing = [f for f in fields if f not in data]
+    extra = [f for f in data if f not in fields]
+    if missing or extra:
+        raise ValueError(f"{where}: key fields missing {missing} / unknown {extra}; valid fields: {list(fields)}")
+    if data["mode"] not in MODES:
+        raise ValueError(f"{where}: key mode {data['mode']!r} is invalid; valid choices: {list(MODES)}")
+
+
 @dataclass(frozen=True)
 class CalibrationKey:
     device: str
@@ -86,16 +98,7 @@ class CalibrationKey:
 
     @classmethod
     def from_yaml(cls, data: Any, where: str) -> CalibrationKey:
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: 'key' must be a mapping with fields {list(KEY_FIELDS)}")
-        missing = [f for f in KEY_FIELDS if f not in data]
-        extra = [f for f in data if f not in KEY_FIELDS]
-        if missing or extra:
-            raise ValueError(
-                f"{where}: key fields missing {missing} / unknown {extra}; valid fields: {list(KEY_FIELDS)}"
-            )
-        if data["mode"] not in MODES:
-            raise ValueError(f"{where}: key mode {data['mode']!r} is invalid; valid choices: {list(MODES)}")
+        check_key_fields(data, where, KEY_FIELDS)
         for name in ("E", "N", "K", "top_k"):
             if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < 1:
                 raise ValueError(f"{where}: key field {name!r} must be a positive integer, got {data[name]!r}")

@@ -67,16 +67,7 @@ class DenseKey:
 
     @classmethod
     def from_yaml(cls, data: Any, where: str) -> DenseKey:
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: 'key' must be a mapping with fields {list(KEY_FIELDS)}")
-        missing = [f for f in KEY_FIELDS if f not in data]
-        extra = [f for f in data if f not in KEY_FIELDS]
-        if missing or extra:
-            raise ValueError(
-                f"{where}: key fields missing {missing} / unknown {extra}; valid fields: {list(KEY_FIELDS)}"
-            )
-        if data["mode"] not in MODES:
-            raise ValueError(f"{where}: key mode {data['mode']!r} is invalid; valid choices: {list(MODES)}")
+        calibration.check_key_fields(data, where, KEY_FIELDS)
         ns = data["N"]
         if not isinstance(ns, list) or not ns or not all(_positive(v) for v in ns):
             raise ValueError(f"{where}: key field 'N' must be a non-empty list of positive integers, got {ns!r}")

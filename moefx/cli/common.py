@@ -78,12 +78,11 @@ def free_memory_bytes(device: Any) -> int:
 
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from moefx.machine import host_memory_available
+
+    avail = host_memory_available()
+    if avail is not None:
+        return avail
     import os
 
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
