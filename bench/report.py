@@ -336,18 +336,17 @@ def render_moe(r: dict[str, Any]) -> str:
               "rate)", body=body)
 
 
-def render_moe_vllm_peer(r: dict[str, Any], moe: dict[str, Any] | None) -> str:
-    """A cited measurement, not a table: no command in this repository reproduces it (the lead's harness, with
-    vLLM, measured it; the H200 machine has no vLLM)."""
+def render_moe_vllm_peer(r: dict[str, Any]) -> str:
+    """A cited measurement, not a table: no command in this repository reproduces it (a harness with vLLM, outside
+    this repository, measured it; the H200 machine has no vLLM)."""
     spans = "; ".join(f"{span(x['moefx_over_peer'] for x in r['rows'] if x['dtype'] == dt)}× its time in {dt}"
                       for dt in dict.fromkeys(x["dtype"] for x in r["rows"]))
     ms = sorted({x["M"] for x in r["rows"]})
     return (f"#### A check against vLLM's Triton fused-MoE kernel (not reproducible here)\n\n"
-            f"On {r['date']} ({r['device']}, torch {r['versions']['torch']}, moefx at `{r['commit']}`) the lead's "
-            f"harness timed moefx's experts op and vLLM's Triton fused-MoE kernel in one run at the same geometry, "
-            f"M = {ms[0]}–{ms[-1]}: moefx took {spans}. That harness is not part of this repository (the H200 "
-            f"machine has no vLLM), so no command here reproduces it; the numbers are in "
-            f"`{r['_file']}` ({r.get('source', 'source not recorded')}).")
+            f"On {r['date']} ({r['device']}, torch {r['versions']['torch']}, moefx at `{r['commit']}`) a harness "
+            f"outside this repository timed moefx's experts op and vLLM's Triton fused-MoE kernel in one run at the "
+            f"same geometry, M = {ms[0]}–{ms[-1]}: moefx took {spans}. The H200 machine has no vLLM, so no command "
+            f"here reproduces it; the numbers are in `{r['_file']}` ({r.get('source', 'source not recorded')}).")
 
 
 def _pair(rows: list[dict[str, Any]], name: str, m: int) -> tuple[float, float] | None:
@@ -601,7 +600,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     renderers: dict[str, Callable[[dict[str, Any]], str]] = {
         "e2e": render_e2e, "moe": render_moe, "fusions": render_fusions,
         "sampler": render_sampler, "offload": render_offload,
-        "moe-vllm-peer": lambda r: render_moe_vllm_peer(r, moe), "moe-bounds": lambda r: render_moe_bounds(r, moe),
+        "moe-vllm-peer": render_moe_vllm_peer, "moe-bounds": lambda r: render_moe_bounds(r, moe),
         "moe-backward": render_moe_backward,
     }
     unknown = sorted(set(results) - set(renderers))
