@@ -85,12 +85,6 @@ class Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel"
 
 
-def is_experts(module: nn.Module) -> bool:
-    """A transformers-5 style experts module: 3-D `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]."""
-    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
-
-
 def experts_unsupported_reason(module: nn.Module) -> str | None:
     """Why `module` cannot be replaced by a quantized experts module, or None."""
     from transformers.activations import SiLUActivation

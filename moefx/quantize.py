@@ -26,8 +26,8 @@ from moefx.quant_linear import (
     Int8Experts,
     Int8Linear,
     experts_unsupported_reason,
-    is_experts,
 )
+from moefx.signatures.weights import is_stacked_experts
 
 log = get_logger("moefx.quantize")
 DEFAULT_SKIP = ("lm_head", "gate", "router")
@@ -122,7 +122,7 @@ def _experts_ok(name: str, module: nn.Module, config: QuantizeConfig) -> bool:
 def _fp8_block(name: str, module: nn.Module, config: Fp8BlockConfig) -> nn.Module | None:
     if _linear_ok(name, module):
         return Fp8BlockLinear.from_linear(module, config.block_shape, config.act_scheme())
-    if is_experts(module) and _experts_ok(name, module, config):
+    if is_stacked_experts(module) and _experts_ok(name, module, config):
         return Fp8BlockExperts.from_experts(module, config.block_shape)
     return None
 
@@ -131,7 +131,7 @@ def _fp8_block(name: str, module: nn.Module, config: Fp8BlockConfig) -> nn.Modul
 def _int8(name: str, module: nn.Module, config: Int8Config) -> nn.Module | None:
     if _linear_ok(name, module):
         return Int8Linear.from_linear(module)
-    if is_experts(module) and _experts_ok(name, module, config):
+    if is_stacked_experts(module) and _experts_ok(name, module, config):
         return Int8Experts.from_experts(module)
     return None
 

@@ -33,6 +33,7 @@ from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
 from moefx.offload.staging import StagingRing
 from moefx.offload.stream_host import StreamHost, build_stream_host
+from moefx.signatures.weights import is_stacked_experts
 from moefx.transforms import register_model_transform
 
 log = get_logger("moefx.offload")
@@ -43,12 +44,7 @@ KV_RESERVE_TOKENS = 4096  # per sequence, when the config gives no prefill_token
 
 def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Modules that hold transformers-5 style stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
-    found = []
-    for name, mod in model.named_modules():
-        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
-        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
-            found.append((name, mod))
-    return found
+    return [(name, mod) for name, mod in model.named_modules() if is_stacked_experts(mod)]
 
 
 def unsupported_reason(mod: torch.nn.Module) -> str | None:

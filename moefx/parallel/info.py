@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from moefx.signatures.weights import is_stacked_experts
+
 EXPERT_LAYOUTS = ("replicated", "tp", "ep")
 
 
@@ -54,14 +56,6 @@ def _dist() -> tuple[int, int, str | None]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0, None
     return dist.get_world_size(), dist.get_rank(), str(dist.get_backend())
-
-
-def _experts_module(model: torch.nn.Module) -> torch.nn.Module | None:
-    for module in model.modules():
-        gate_up = getattr(module, "gate_up_proj", None)
-        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
-            return module
-    return None
 
 
 def _dtensor_layout(weight: torch.Tensor) -> str | None:
@@ -122,7 +116,7 @@ def detect_parallel(model: torch.nn.Module | None = None, tp_size: int | None = 
     base = dict(world_size=world, rank=rank, backend=backend)
     experts_layout = "replicated"
     if model is not None:
-        experts = _experts_module(model)
+        experts = next((m for m in model.modules() if is_stacked_experts(m)), None)
         if experts is not None:
             layout = _dtensor_layout(experts.gate_up_proj)
             specs = getattr(experts, "moefx_shard", {})

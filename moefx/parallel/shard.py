@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moefx.parallel.comm import all_gather, all_reduce, group_name
+from moefx.signatures.weights import is_stacked_experts
 
 EXPERT_LAYOUTS = ("tp", "ep")
 STYLES = (
@@ -241,11 +242,6 @@ _MODULE_STYLES = {
 }
 
 
-def _is_experts(module: nn.Module) -> bool:
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
-
-
 def shard_model(model: nn.Module, group: Any = None, *, experts: str = "tp") -> nn.Module:
     """Shard `model` in place over `group` (default: the world group) by its TP plan; see the module docstring.
 
@@ -270,7 +266,7 @@ def shard_model(model: nn.Module, group: Any = None, *, experts: str = "tp") -> 
         raise ValueError(f"TP plan of {type(model).__name__} names styles {unknown}; shard_model implements {STYLES}")
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    expert_names = [n for n, m in modules.items() if _is_experts(m)] if experts == "ep" else []
+    expert_names = [n for n, m in modules.items() if is_stacked_experts(m)] if experts == "ep" else []
     counts: dict[str, int] = {}
     for key, style in plan.items():
         pattern = _pattern(key)
@@ -281,7 +277,7 @@ def shard_model(model: nn.Module, group: Any = None, *, experts: str = "tp") -> 
                 owner, _, attr = target.rpartition(".")
                 if style == "replicated_with_grad_allreduce":
                     continue
-                if style not in ("packed_colwise", "rowwise") or not _is_experts(modules[owner]):
+                if style not in ("packed_colwise", "rowwise") or not is_stacked_experts(modules[owner]):
                     raise ValueError(f"TP style {style!r} on parameter {target}: only stacked expert weights are "
                                      f"sharded per parameter")
                 _experts_param(style, modules[owner], attr, rank, world, name)

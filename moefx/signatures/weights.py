@@ -14,12 +14,18 @@ import torch
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def is_stacked_experts(module: torch.nn.Module) -> bool:
+    """A transformers-5 style experts module: 3-D `gate_up_proj` and `down_proj` tensors (the experts stacked)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3
+
+
 def _fused_geometry(experts: torch.nn.Module) -> tuple[int, int, int] | None:
     """(E, H, I) from fused 3-D `gate_up_proj` / `down_proj` parameters, either layout."""
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+    if not is_stacked_experts(experts):
         return None
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.shape[0] != down.shape[0]:
         return None
     e = gate_up.shape[0]
     if gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]:  # [E, 2I, H], [E, H, I]
