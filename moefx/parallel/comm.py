@@ -12,6 +12,7 @@ all-gather forwards (world - 1) times that on the wire). `CommCounter` counts it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,18 @@ def all_gather(x: torch.Tensor, world: int, group: str, dim: int = 0) -> torch.T
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(world, dim=0), dim=dim)
+
+
+def all_gather_uneven(x: torch.Tensor, sizes: Sequence[int], group: str) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dim, rank r holding `sizes[r]` columns: equal slices in one
+    all-gather, uneven ones padded to the widest, gathered once and trimmed."""
+    world = len(sizes)
+    if len(set(sizes)) == 1:
+        return all_gather(x, world, group, dim=-1)
+    width = max(sizes)
+    padded = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    pieces = all_gather(padded, world, group, dim=-1).split(width, dim=-1)
+    return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moefx.parallel.comm import all_gather
+from moefx.parallel.comm import all_gather, all_gather_uneven
 from moefx.parallel.shard import chunk_bounds
 
 _PAIR_DTYPES = {torch.float64: (torch.float64, torch.int64)}
@@ -89,13 +89,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits [..., vocab_size] (one all-gather of every rank's slice)."""
-        local = self.local_logits(hidden)
-        if len(set(self.sizes)) == 1:
-            return all_gather(local, self.world, self.group, dim=-1)
-        width = max(self.sizes)
-        padded = F.pad(local, (0, width - local.shape[-1]))
-        pieces = all_gather(padded, self.world, self.group, dim=-1).split(width, dim=-1)
-        return torch.cat([p[..., :s] for p, s in zip(pieces, self.sizes)], dim=-1)
+        return all_gather_uneven(self.local_logits(hidden), self.sizes, self.group)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax of `forward(hidden)` over the vocabulary, [...] int64, from one all-gather of 2 values per row."""

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moefx.parallel.comm import all_gather, all_reduce, group_name
+from moefx.parallel.comm import all_gather_uneven, all_reduce, group_name
 from moefx.signatures.weights import is_stacked_experts
 
 EXPERT_LAYOUTS = ("tp", "ep")
@@ -179,16 +179,7 @@ def _colwise_gather_output(module: nn.Module, rank: int, world: int, group: str)
     full = module.out_features
     _colwise(module, rank, world, group)
     sizes = [chunk_bounds(full, world, r)[1] for r in range(world)]
-    width = max(sizes)
-
-    def gather(self: nn.Module, local: torch.Tensor) -> torch.Tensor:
-        if len(set(sizes)) == 1:
-            return all_gather(local, world, group, dim=-1)
-        padded = F.pad(local, (0, width - local.shape[-1]))
-        pieces = all_gather(padded, world, group, dim=-1).split(width, dim=-1)
-        return torch.cat([p[..., :s] for p, s in zip(pieces, sizes)], dim=-1)
-
-    _wrap_forward(module, gather)
+    _wrap_forward(module, lambda self, local: all_gather_uneven(local, sizes, group))
 
 
 def _moe_tp_experts(module: nn.Module, rank: int, world: int, group: str) -> None:
