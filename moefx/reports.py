@@ -83,8 +83,8 @@ def _sync_locked() -> None:
         if extra < 0:  # someone cleared inductor's counters
             _accounted[key] = count
             continue
+        data = json.loads(key[len(COUNTER_PREFIX):])
         for _ in range(extra):
-            data = json.loads(key[len(COUNTER_PREFIX):])
             _reports.append(CompileReport(graph_index=len(_reports), from_cache=True, **data))
         _accounted[key] = count
 

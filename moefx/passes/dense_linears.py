@@ -30,7 +30,7 @@ class DenseLinears(MoefxPass):
     uuid_files = lf.DEPENDENCY_FILES
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
-        backend = getattr(ctx.config, "dense_backend", "auto")
+        backend = ctx.config.dense_backend
         order = {n: i for i, n in enumerate(graph.nodes)}
         done = 0
         for node in list(graph.nodes):

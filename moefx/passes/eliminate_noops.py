@@ -13,11 +13,12 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moefx.passes.base import MoefxPass, PassContext, register_pass
+from moefx.sampling import fx as _fx
+from moefx.sampling.fx import RESHAPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SAME_SHAPE_NOOPS = {aten.expand.default, aten.alias.default, aten.slice.Tensor}
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 # Casting a value up to one of these dtypes and back down is exact (every source value is representable).
@@ -65,9 +66,9 @@ def _replacement(node: torch.fx.Node) -> torch.fx.Node | None:
     src = node.args[0] if node.args else None
     if not isinstance(src, torch.fx.Node):
         return None
-    if node.target in _RESHAPES:
+    if node.target in RESHAPES:
         # Collapse reshape chains to their first input; the collapse itself happens in run().
-        while src.op == "call_function" and src.target in _RESHAPES:
+        while src.op == "call_function" and src.target in RESHAPES:
             src = src.args[0]
         return src if _keeps_value(node, src) else None
     if node.target in _SAME_SHAPE_NOOPS:
@@ -91,6 +92,7 @@ def _replacement(node: torch.fx.Node) -> torch.fx.Node | None:
 class EliminateNoops(MoefxPass):
     name = "eliminate_noops"
     order = 0
+    uuid_files = (_fx.__file__,)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         rewrites = 0
@@ -102,10 +104,10 @@ class EliminateNoops(MoefxPass):
                 node.replace_all_uses_with(target)
                 graph.erase_node(node)
                 rewrites += 1
-            elif node.target in _RESHAPES and _is_chain(node):
+            elif node.target in RESHAPES and _is_chain(node):
                 # reshape(reshape(x, a), b) == reshape(x, b): skip the middle so patterns see one reshape.
                 root = node.args[0]
-                while root.op == "call_function" and root.target in _RESHAPES:
+                while root.op == "call_function" and root.target in RESHAPES:
                     root = root.args[0]
                 node.args = (root, *node.args[1:])
                 node.target = aten.reshape.default
@@ -115,4 +117,4 @@ class EliminateNoops(MoefxPass):
 
 def _is_chain(node: torch.fx.Node) -> bool:
     src = node.args[0]
-    return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in _RESHAPES
+    return isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in RESHAPES

@@ -34,29 +34,18 @@ from moefx.backends import routing as _routing
 from moefx.backends.routing import kernel_supports
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.sampling import fx as _fx
-from moefx.sampling.fx import call, meta_val, source_of
+from moefx.sampling.fx import LOW_DTYPES, RESHAPES, call, dtype_of, is_call, meta_val, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 FUSED_TOPK = torch.ops.moefx.fused_topk.default
 _PREPARE_SOFTMAX = prims.prepare_softmax_online.default
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_BROADCASTS = _RESHAPES | {aten.expand.default, aten.clone.default, aten.unsqueeze.default}
-_LOW_FLOATS = (torch.bfloat16, torch.float16)
-_LOGIT_DTYPES = (torch.float32, *_LOW_FLOATS)
-
-
-def _is(node: object, *targets: object) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+_BROADCASTS = RESHAPES | {aten.expand.default, aten.clone.default, aten.unsqueeze.default}
+_LOGIT_DTYPES = (torch.float32, *LOW_DTYPES)
 
 
 def _arg(node: torch.fx.Node, i: int, name: str, default: object = None) -> object:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _dtype(node: object) -> torch.dtype | None:
-    val = meta_val(node)
-    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _last_dim(dims: object, node: object) -> bool:
@@ -72,15 +61,15 @@ def _last_dim(dims: object, node: object) -> bool:
 def _getitems(node: torch.fx.Node) -> dict[int, list[torch.fx.Node]]:
     out: dict[int, list[torch.fx.Node]] = {}
     for u in node.users:
-        if _is(u, operator.getitem):
+        if is_call(u, operator.getitem):
             out.setdefault(u.args[1], []).append(u)
     return out
 
 
 def _upcast_source(node: torch.fx.Node) -> torch.fx.Node:
     """The bf16/fp16 tensor that `node` upcasts to fp32 exactly, else `node`."""
-    if _is(node, prims.convert_element_type.default) and node.args[1] == torch.float32:
-        if _dtype(node.args[0]) in _LOW_FLOATS:
+    if is_call(node, prims.convert_element_type.default) and node.args[1] == torch.float32:
+        if dtype_of(node.args[0]) in LOW_DTYPES:
             return node.args[0]
     return node
 
@@ -89,56 +78,56 @@ def _scalar(node: object) -> float | None:
     """The value of a python number, or of a 0-d `full` constant."""
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return float(node)
-    if _is(node, aten.full.default) and not list(node.args[0]) and isinstance(node.args[1], (int, float)):
+    if is_call(node, aten.full.default) and not list(node.args[0]) and isinstance(node.args[1], (int, float)):
         return float(node.args[1])
-    if _is(node, aten.scalar_tensor.default) and isinstance(node.args[0], (int, float)):
+    if is_call(node, aten.scalar_tensor.default) and isinstance(node.args[0], (int, float)):
         return float(node.args[0])
     return None
 
 
 def _const_fill(node: object) -> float | None:
     """The fill value of a `full`/`zeros`/`full_like`/`zeros_like` tensor, else None."""
-    if _is(node, aten.full.default, aten.full_like.default):
+    if is_call(node, aten.full.default, aten.full_like.default):
         return float(node.args[1]) if isinstance(node.args[1], (int, float)) else None
-    if _is(node, aten.zeros.default, aten.zeros_like.default):
+    if is_call(node, aten.zeros.default, aten.zeros_like.default):
         return 0.0
     return None
 
 
 def _sub_alpha_one(node: torch.fx.Node) -> bool:
-    return _is(node, aten.sub.Tensor) and node.kwargs.get("alpha", 1) == 1
+    return is_call(node, aten.sub.Tensor) and node.kwargs.get("alpha", 1) == 1
 
 
 def _softmax_input(p: object) -> torch.fx.Node | None:
     """X when `p` is softmax(X) over X's last dim computed in X's dtype, else None."""
-    if _is(p, aten._softmax.default):
+    if is_call(p, aten._softmax.default):
         x, dim, half_to_float = p.args[:3]
         return x if _last_dim(dim, x) and not half_to_float else None
-    if _is(p, aten.div.Tensor):
+    if is_call(p, aten.div.Tensor):
         num, den = p.args[:2]
-    elif _is(p, aten.mul.Tensor):
+    elif is_call(p, aten.mul.Tensor):
         a, b = p.args[:2]
-        num, rec = (a, b) if _is(b, aten.reciprocal.default) else (b, a)
-        if not _is(rec, aten.reciprocal.default):
+        num, rec = (a, b) if is_call(b, aten.reciprocal.default) else (b, a)
+        if not is_call(rec, aten.reciprocal.default):
             return None
         den = rec.args[0]
     else:
         return None
-    if not _is(num, aten.exp.default) or not _sub_alpha_one(num.args[0]):
+    if not is_call(num, aten.exp.default) or not _sub_alpha_one(num.args[0]):
         return None
     x, m = num.args[0].args[:2]
-    if _is(m, aten.amax.default):
+    if is_call(m, aten.amax.default):
         if m.args[0] is not x or not _last_dim(m.args[1], x) or not _arg(m, 2, "keepdim", False):
             return None
-        if not _is(den, aten.sum.dim_IntList) or den.args[0] is not num or not _last_dim(den.args[1], x):
+        if not is_call(den, aten.sum.dim_IntList) or den.args[0] is not num or not _last_dim(den.args[1], x):
             return None
         if not _arg(den, 2, "keepdim", False):
             return None
-    elif _is(m, operator.getitem) and _is(m.args[0], _PREPARE_SOFTMAX) and m.args[1] == 0:
+    elif is_call(m, operator.getitem) and is_call(m.args[0], _PREPARE_SOFTMAX) and m.args[1] == 0:
         online = m.args[0]
         if online.args[0] is not x or not _last_dim(online.args[1], x):
             return None
-        if not (_is(den, operator.getitem) and den.args[0] is online and den.args[1] == 1):
+        if not (is_call(den, operator.getitem) and den.args[0] is online and den.args[1] == 1):
             return None
     else:
         return None
@@ -150,25 +139,25 @@ def _renorm_of(v: torch.fx.Node, eps: float) -> torch.fx.Node | None:
     users = list(v.users)
     if len(users) != 2:
         return None
-    total = next((u for u in users if _is(u, aten.sum.dim_IntList)), None)
+    total = next((u for u in users if is_call(u, aten.sum.dim_IntList)), None)
     if total is None or not _last_dim(total.args[1], v) or not _arg(total, 2, "keepdim", False):
         return None
     (out,) = [u for u in users if u is not total]
     den = total
     if eps:
         (den,) = list(total.users) if len(total.users) == 1 else (None,)
-        if not _is(den, aten.add.Tensor) or den.kwargs.get("alpha", 1) != 1:
+        if not is_call(den, aten.add.Tensor) or den.kwargs.get("alpha", 1) != 1:
             return None
         other = den.args[1] if den.args[0] is total else den.args[0]
         if _scalar(other) != eps:
             return None
     elif len(total.users) != 1:
         return None
-    if _is(out, aten.div.Tensor) and out.args[0] is v and out.args[1] is den:
+    if is_call(out, aten.div.Tensor) and out.args[0] is v and out.args[1] is den:
         return out
-    if _is(out, aten.mul.Tensor) and v in out.args[:2]:
+    if is_call(out, aten.mul.Tensor) and v in out.args[:2]:
         rec = out.args[1] if out.args[0] is v else out.args[0]
-        if _is(rec, aten.reciprocal.default) and rec.args[0] is den and len(rec.users) == 1:
+        if is_call(rec, aten.reciprocal.default) and rec.args[0] is den and len(rec.users) == 1:
             return out
     return None
 
@@ -177,7 +166,7 @@ def _scaled(tail: torch.fx.Node) -> tuple[torch.fx.Node, float]:
     """(tail * c, c) when `tail`'s only reader multiplies it by a constant, else (tail, 1.0)."""
     if len(tail.users) == 1:
         (u,) = tail.users
-        if _is(u, aten.mul.Tensor) and tail in u.args[:2]:
+        if is_call(u, aten.mul.Tensor) and tail in u.args[:2]:
             c = _scalar(u.args[1] if u.args[0] is tail else u.args[0])
             if c is not None and math.isfinite(c):
                 return u, c
@@ -194,8 +183,8 @@ class _Rewrite:
 
 def _match_softmax(x: torch.fx.Node, values: list[torch.fx.Node]) -> _Rewrite | str:
     src = _softmax_input(x)
-    if _dtype(src) != torch.float32:
-        return f"the softmax is computed in {_dtype(src)}, the kernel's is fp32"
+    if dtype_of(src) != torch.float32:
+        return f"the softmax is computed in {dtype_of(src)}, the kernel's is fp32"
     if len(values) > 1:
         return "the top-k values are read through two getitems"
     tail, renorm = (values[0] if values else None), False
@@ -213,13 +202,13 @@ def _match_topk_softmax(x: torch.fx.Node, v: torch.fx.Node, softmax_of: dict) ->
     vv = v
     if len(v.users) == 1:
         (cast,) = v.users
-        if _is(cast, prims.convert_element_type.default) and cast.args[1] == torch.float32:
+        if is_call(cast, prims.convert_element_type.default) and cast.args[1] == torch.float32:
             vv = cast
     outs = softmax_of.get(vv, [])
     if len(outs) != 1:
         return "the top-k logits feed no single softmax"
-    if _dtype(vv) != torch.float32:
-        return f"the softmax over the k is computed in {_dtype(vv)}, the kernel's is fp32"
+    if dtype_of(vv) != torch.float32:
+        return f"the softmax over the k is computed in {dtype_of(vv)}, the kernel's is fp32"
     (out,) = outs
     inner = _softmax_nodes(out)
     if any(u not in inner for u in vv.users) or (vv is not v and len(v.users) != 1):
@@ -229,17 +218,17 @@ def _match_topk_softmax(x: torch.fx.Node, v: torch.fx.Node, softmax_of: dict) ->
 
 def _softmax_nodes(out: torch.fx.Node) -> set[torch.fx.Node]:
     """The nodes of the softmax that `out` is the result of (those that read its input)."""
-    if _is(out, aten._softmax.default):
+    if is_call(out, aten._softmax.default):
         return {out}
-    num = out.args[0] if _is(out.args[0], aten.exp.default) else out.args[1]
+    num = out.args[0] if is_call(out.args[0], aten.exp.default) else out.args[1]
     sub = num.args[0]
     m = sub.args[1]
-    return {sub, m, m.args[0]} if _is(m, operator.getitem) else {sub, m}
+    return {sub, m, m.args[0]} if is_call(m, operator.getitem) else {sub, m}
 
 
 def _is_neg_inf(node: object) -> bool:
     value = _scalar(node)
-    if value is None and _is(node, aten.full.default):
+    if value is None and is_call(node, aten.full.default):
         value = _const_fill(node)
     return value == float("-inf")
 
@@ -249,55 +238,55 @@ def _group_keep(cond: torch.fx.Node, keep_when_true: bool, choice: torch.fx.Node
     `choice` ranked by the sum of their top-2 experts, as DeepSeek-V3 / GLM4-MoE build it; else why not."""
     n = cond
     while True:
-        if _is(n, aten.bitwise_not.default, aten.logical_not.default):
+        if is_call(n, aten.bitwise_not.default, aten.logical_not.default):
             keep_when_true, n = not keep_when_true, n.args[0]
-        elif _is(n, prims.convert_element_type.default) and n.args[1] == torch.bool:
+        elif is_call(n, prims.convert_element_type.default) and n.args[1] == torch.bool:
             n = n.args[0]
-        elif _is(n, aten.eq.Scalar) and _scalar(n.args[1]) == 0.0:
+        elif is_call(n, aten.eq.Scalar) and _scalar(n.args[1]) == 0.0:
             keep_when_true, n = not keep_when_true, n.args[0]
-        elif _is(n, aten.ne.Scalar) and _scalar(n.args[1]) == 0.0:
+        elif is_call(n, aten.ne.Scalar) and _scalar(n.args[1]) == 0.0:
             n = n.args[0]
         else:
             break
     if not keep_when_true:
         return "the -inf mask keeps the groups the top-k did not pick"
     chain = []
-    while _is(n, *_BROADCASTS):
+    while is_call(n, *_BROADCASTS):
         chain.append(n)
         n = n.args[0]
-    while _is(n, prims.convert_element_type.default):  # 0/1 masks survive any cast
+    while is_call(n, prims.convert_element_type.default):  # 0/1 masks survive any cast
         n = n.args[0]
     group_mask = n
     val = meta_val(group_mask)
-    one_hot = _is(group_mask, aten.where.self)
-    if not chain or not (one_hot or _is(group_mask, aten.scatter.value, aten.scatter.src)) or val is None \
+    one_hot = is_call(group_mask, aten.where.self)
+    if not chain or not (one_hot or is_call(group_mask, aten.scatter.value, aten.scatter.src)) or val is None \
             or val.dim() != 2:
         return "the expert mask is not a per-group mask broadcast over the group's experts"
     groups = val.shape[1]
     if not isinstance(groups, int) or e % groups:
         return f"the group mask has {groups} groups, which do not divide E={e}"
     unsq = chain[-1]
-    if not _is(unsq, aten.unsqueeze.default) or unsq.args[1] not in (-1, 2):
+    if not is_call(unsq, aten.unsqueeze.default) or unsq.args[1] not in (-1, 2):
         return "the group mask is not broadcast along a new last dim"
-    expand = next((c for c in chain if _is(c, aten.expand.default)), None)
+    expand = next((c for c in chain if is_call(c, aten.expand.default)), None)
     if expand is None or tuple(meta_val(expand).shape[1:]) != (groups, e // groups):
         return "the group mask is not expanded to [T, n_group, E / n_group]"
     gidx = _one_hot_index(group_mask, groups) if one_hot else _scatter_index(group_mask)
     if isinstance(gidx, str):
         return gidx
-    if not (_is(gidx, operator.getitem) and gidx.args[1] == 1 and _is(gidx.args[0], aten.topk.default)):
+    if not (is_call(gidx, operator.getitem) and gidx.args[1] == 1 and is_call(gidx.args[0], aten.topk.default)):
         return "the kept groups are not a top-k of group scores"
     gtop = gidx.args[0]
     topk_group = gtop.args[1]
     if not _last_dim(_arg(gtop, 2, "dim", -1), gtop.args[0]) or not _arg(gtop, 3, "largest", True):
         return "the kept groups are not the largest group scores"
     gscore = gtop.args[0]
-    if _is(gscore, aten.amax.default):
+    if is_call(gscore, aten.amax.default):
         return "groups are ranked by their max; the kernel ranks by the sum of the top-2"
-    if not _is(gscore, aten.sum.dim_IntList) or _arg(gscore, 2, "keepdim", False):
+    if not is_call(gscore, aten.sum.dim_IntList) or _arg(gscore, 2, "keepdim", False):
         return "group scores are not a sum over each group"
     top2 = gscore.args[0]
-    if not (_is(top2, operator.getitem) and top2.args[1] == 0 and _is(top2.args[0], aten.topk.default)):
+    if not (is_call(top2, operator.getitem) and top2.args[1] == 0 and is_call(top2.args[0], aten.topk.default)):
         return "group scores are not a sum of each group's top experts"
     inner = top2.args[0]
     grouped = inner.args[0]
@@ -305,7 +294,7 @@ def _group_keep(cond: torch.fx.Node, keep_when_true: bool, choice: torch.fx.Node
         return "group scores are not the sum of each group's top-2"
     if not _last_dim(gscore.args[1], grouped):
         return "group scores are not a sum over each group"
-    if not _is(grouped, *_RESHAPES) or grouped.args[0] is not choice:
+    if not is_call(grouped, *RESHAPES) or grouped.args[0] is not choice:
         return "group scores are not computed from the same biased scores"
     if tuple(meta_val(grouped).shape[-2:]) != (groups, e // groups):
         return "group scores do not view the experts as [n_group, E / n_group]"
@@ -326,15 +315,15 @@ def _one_hot_index(where: torch.fx.Node, groups: int) -> torch.fx.Node | str:
     """The group ids of `where(ids.expand(T, G) == arange(G), nonzero, 0)`: inductor's joint-graph form of that
     scatter when one group is kept (topk_group=1), else why not."""
     cond, hit, miss = where.args[:3]
-    if not _scalar(hit) or _scalar(miss) != 0.0 or not _is(cond, aten.eq.Tensor):
+    if not _scalar(hit) or _scalar(miss) != 0.0 or not is_call(cond, aten.eq.Tensor):
         return "the group mask is a where() that is not a one-hot of the kept group"
     a, b = cond.args[:2]
     for ids, iota in ((a, b), (b, a)):
-        while _is(iota, *_RESHAPES):
+        while is_call(iota, *RESHAPES):
             iota = iota.args[0]
-        if _is(iota, prims.iota.default) and iota.args[0] == groups and iota.kwargs.get("start", 0) == 0 \
+        if is_call(iota, prims.iota.default) and iota.args[0] == groups and iota.kwargs.get("start", 0) == 0 \
                 and iota.kwargs.get("step", 1) == 1:
-            while _is(ids, aten.expand.default):
+            while is_call(ids, aten.expand.default):
                 ids = ids.args[0]
             return ids
     return "the group mask is a where() that is not a one-hot of the kept group"
@@ -342,7 +331,7 @@ def _one_hot_index(where: torch.fx.Node, groups: int) -> torch.fx.Node | str:
 
 def _match_sigmoid(x: torch.fx.Node, ids: list[torch.fx.Node], values: list[torch.fx.Node], e: int) -> _Rewrite | str:
     choice, mask = x, None
-    if _is(x, aten.where.self):
+    if is_call(x, aten.where.self):
         cond, a, b = x.args[:3]
         if _is_neg_inf(a):
             choice, mask = b, (cond, False)
@@ -351,15 +340,15 @@ def _match_sigmoid(x: torch.fx.Node, ids: list[torch.fx.Node], values: list[torc
         else:
             return "the masked experts are filled with a value other than -inf"
     sig, bias = choice, None
-    if _is(choice, aten.add.Tensor) and choice.kwargs.get("alpha", 1) == 1:
+    if is_call(choice, aten.add.Tensor) and choice.kwargs.get("alpha", 1) == 1:
         a, b = choice.args[:2]
-        sig, bias = (a, b) if _is(a, aten.sigmoid.default) else (b, a)
-    if not _is(sig, aten.sigmoid.default):
+        sig, bias = (a, b) if is_call(a, aten.sigmoid.default) else (b, a)
+    if not is_call(sig, aten.sigmoid.default):
         return "the scores are not a sigmoid of the logits"
-    if _dtype(sig) != torch.float32:
-        return f"the sigmoid is computed in {_dtype(sig)}, the kernel's is fp32"
-    if _dtype(choice) != torch.float32:
-        return f"the biased scores are {_dtype(choice)}, the kernel's are fp32"
+    if dtype_of(sig) != torch.float32:
+        return f"the sigmoid is computed in {dtype_of(sig)}, the kernel's is fp32"
+    if dtype_of(choice) != torch.float32:
+        return f"the biased scores are {dtype_of(choice)}, the kernel's are fp32"
     if bias is not None:
         bval = meta_val(bias)
         if not isinstance(bval, torch.Tensor) or tuple(bval.shape) != (e,) or not bval.dtype.is_floating_point:
@@ -372,7 +361,8 @@ def _match_sigmoid(x: torch.fx.Node, ids: list[torch.fx.Node], values: list[torc
         groups, topk_group = found
     if values:
         return "the top-k values of the biased scores are read"
-    gathers = [u for i in ids for u in i.users if _is(u, aten.gather.default) and u.args[0] is sig and u.args[2] is i]
+    gathers = [u for i in ids for u in i.users
+               if is_call(u, aten.gather.default) and u.args[0] is sig and u.args[2] is i]
     gathers = [g for g in gathers if _arg(g, 1, "dim") in (1, -1)]
     if not gathers:
         return "the weights are not the sigmoid scores gathered at the chosen ids"
@@ -394,13 +384,13 @@ def _classify(topk: torch.fx.Node, softmax_of: dict) -> _Rewrite | str | None:
     xval = meta_val(x)
     if _softmax_input(x) is not None:
         family = "softmax"
-    elif _is(x, aten.where.self, aten.add.Tensor, aten.sigmoid.default) and "sigmoid" in _producers(x):
+    elif is_call(x, aten.where.self, aten.add.Tensor, aten.sigmoid.default) and "sigmoid" in _producers(x):
         family = "sigmoid"
     elif len(values) == 1 and _feeds_softmax(values[0], softmax_of):
         family = "topk_softmax"
-    elif _is(x, prims.convert_element_type.default) and _softmax_input(x.args[0]) is not None:
-        return f"the probabilities are rounded to {_dtype(x)} before the top-k; the kernel ranks fp32"
-    elif _is(x, aten.where.self) and "softmax" in _producers(x, 2):
+    elif is_call(x, prims.convert_element_type.default) and _softmax_input(x.args[0]) is not None:
+        return f"the probabilities are rounded to {dtype_of(x)} before the top-k; the kernel ranks fp32"
+    elif is_call(x, aten.where.self) and "softmax" in _producers(x, 2):
         return "softmax scores masked by group (group-limited greedy): the kernel's group top-k is sigmoid's"
     else:
         return None
@@ -420,8 +410,8 @@ def _classify(topk: torch.fx.Node, softmax_of: dict) -> _Rewrite | str | None:
     if isinstance(found, str):
         return found
     why = kernel_supports(e, found.n_group)
-    if why is None and _dtype(found.logits) not in _LOGIT_DTYPES:
-        why = f"router logits are {_dtype(found.logits)}"
+    if why is None and dtype_of(found.logits) not in _LOGIT_DTYPES:
+        why = f"router logits are {dtype_of(found.logits)}"
     return why or found
 
 
@@ -432,7 +422,7 @@ def _producers(node: torch.fx.Node, depth: int = 3) -> set[str]:
     for _ in range(depth):
         nxt = []
         for n in frontier:
-            if _is(n, aten.sigmoid.default):
+            if is_call(n, aten.sigmoid.default):
                 seen.add("sigmoid")
             elif _softmax_input(n) is not None:
                 seen.add("softmax")
@@ -444,13 +434,13 @@ def _producers(node: torch.fx.Node, depth: int = 3) -> set[str]:
 def _feeds_softmax(v: torch.fx.Node, softmax_of: dict) -> bool:
     if v in softmax_of:
         return True
-    return any(_is(u, prims.convert_element_type.default) and u in softmax_of for u in v.users)
+    return any(is_call(u, prims.convert_element_type.default) and u in softmax_of for u in v.users)
 
 
 def _softmax_outputs(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     found: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in graph.nodes:
-        if _is(n, aten.div.Tensor, aten.mul.Tensor, aten._softmax.default):
+        if is_call(n, aten.div.Tensor, aten.mul.Tensor, aten._softmax.default):
             x = _softmax_input(n)
             if x is not None:
                 found.setdefault(x, []).append(n)
@@ -482,7 +472,7 @@ class FuseMoeRouting(MoefxPass):
         softmax_of = _softmax_outputs(graph)
         done = 0
         for node in list(graph.nodes):
-            if not _is(node, aten.topk.default):
+            if not is_call(node, aten.topk.default):
                 continue
             found = _classify(node, softmax_of)
             if found is None:

@@ -27,7 +27,7 @@ class FuseSiblingLinears(MoefxPass):
     uuid_files = lf.DEPENDENCY_FILES
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
-        backend = getattr(ctx.config, "dense_backend", "auto")
+        backend = ctx.config.dense_backend
         order = {n: i for i, n in enumerate(graph.nodes)}
         groups: dict[tuple, list[lf.Linear]] = {}
         for node in graph.nodes:

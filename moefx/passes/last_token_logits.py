@@ -21,12 +21,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.sampling import fx as _fx
-from moefx.sampling.fx import call, meta_val, source_of
+from moefx.sampling.fx import RESHAPES, call, meta_val, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SELECTORS = {aten.select.int, aten.slice.Tensor, aten.index.Tensor, aten.gather.default}
 
 
@@ -90,10 +89,10 @@ class _Candidate:
         self.mm = mm
         self.lhs_pos = 1 if mm.target is aten.addmm.default else 0
         lhs = mm.args[self.lhs_pos]
-        self.flat_in = lhs if lhs.target in _VIEWS else None
+        self.flat_in = lhs if lhs.target in RESHAPES else None
         self.hidden = self.flat_in.args[0] if self.flat_in is not None else lhs
         tail = _only_user(mm)
-        self.unflat = tail if tail is not None and tail.target in _VIEWS else None
+        self.unflat = tail if tail is not None and tail.target in RESHAPES else None
         if self.unflat is None:
             self.hidden, self.flat_in = lhs, None
         tail = _only_user(self.unflat) if self.unflat is not None else tail

@@ -26,14 +26,13 @@ import torch.fx
 
 import moefx.backends.dense  # registers moefx::dense_linear
 import moefx.ops  # noqa: F401  (registers moefx::quant, moefx::fp8_block_gemm)
-from moefx.sampling.fx import call, meta_val, source_of
+from moefx.sampling.fx import RESHAPES, call, meta_val, source_of
 
 aten = torch.ops.aten
 DENSE = torch.ops.moefx.dense_linear.default
 FP8_GEMM = torch.ops.moefx.fp8_block_gemm.default
 QUANT = torch.ops.moefx.quant.default
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _BACKENDS_DIR = Path(__file__).resolve().parent.parent / "backends"
 DEPENDENCY_FILES = (
     str(Path(__file__).resolve()),
@@ -100,7 +99,7 @@ def _untransposed(node: Any) -> torch.fx.Node | None:
 def _tensor_key(node: torch.fx.Node) -> tuple:
     """Equal keys = equal values: a node, a reshape of a node to one shape, one output of a node (getitems of one
     output are not merged in post-grad graphs), or moefx::quant of one value with one scheme (a pure op)."""
-    if node.op == "call_function" and node.target in _VIEWS:
+    if node.op == "call_function" and node.target in RESHAPES:
         return ("view", _tensor_key(node.args[0]), str(tuple(meta_val(node).shape)))
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         return ("item", _tensor_key(node.args[0]), node.args[1])

@@ -45,6 +45,7 @@ class PassManager(CustomGraphPass):
         self.run_passes(graph, report)
         self._dump(graph, report.graph_index, "after")
         store_with_cache_entry(report)
+        log.info("%s", report.summary())
 
     def run_passes(self, graph: torch.fx.Graph, report: CompileReport | None = None) -> CompileReport:
         """Run the enabled passes in order on `graph`, filling `report` (a detached one when None: nothing is
@@ -72,7 +73,6 @@ class PassManager(CustomGraphPass):
         graph.lint()
         report.nodes_after = len(graph.nodes)
         return report
-        log.info("%s", report.summary())
 
     def _dump(self, graph: torch.fx.Graph, index: int, stage: str) -> None:
         if self.dump_dir is None:

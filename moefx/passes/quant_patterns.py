@@ -39,13 +39,14 @@ import torch.fx
 from moefx.ops import fused_quant  # noqa: F401  (registers the moefx ops used below)
 from moefx.ops.quant import FP8_MAX, INT8_MAX, QuantScheme
 from moefx.passes.base import MoefxPass, PassContext, log
+from moefx.sampling import fx as _fx
+from moefx.sampling.fx import LOW_DTYPES, dtype_of, is_call, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 moefx_ops = torch.ops.moefx
 FP8 = torch.float8_e4m3fn
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-LOW_DTYPES = (torch.bfloat16, torch.float16)
 QUANT = moefx_ops.quant.default
 CAST = prims.convert_element_type.default
 _OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
@@ -54,6 +55,7 @@ DEPENDENCY_FILES = (
     str(_OPS_DIR / "fused_quant.py"),
     str(_OPS_DIR / "quant.py"),
     str(_OPS_DIR / "triton_quant.py"),
+    _fx.__file__,
 )
 
 # Ops that keep values and the flat (row-major) order of elements: looked through everywhere.
@@ -83,22 +85,9 @@ class NotMine(Exception):
 # ---------------------------------------------------------------------------------------------- graph helpers
 
 
-def val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
-
-
-def dtype_of(node: Any) -> torch.dtype | None:
-    v = val(node)
-    return v.dtype if isinstance(v, torch.Tensor) else None
-
-
 def shape_of(node: Any) -> tuple:
     v = val(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
-
-
-def is_call(node: Any, *targets: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def scalar(x: Any) -> float | None:
@@ -763,9 +752,7 @@ class QuantFusionPass(MoefxPass):
         note = f"{location(quants[0].anchor)}: {prod.label} + {quants[0].label} -> {prod.op}"
         if len(quants) > 1:
             note += f" (shared by {len(quants)} quants)"
-        ctx_note = getattr(ctx, "note", None)
-        if ctx_note is not None:
-            ctx_note(note)
+        ctx.note(note)
         log.debug("%s fused %s", self.name, note)
         return None
 

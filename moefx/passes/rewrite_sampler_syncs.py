@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.sampling import fx as _fx
-from moefx.sampling.fx import call, meta_val, source_of
+from moefx.sampling.fx import LOW_DTYPES, call, meta_val, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -48,7 +48,6 @@ _CMP = {
     for via in ("Scalar", "Tensor")
 }
 _CLAMP = {aten.clamp_min.default: aten.clamp_min.Tensor, aten.clamp_max.default: aten.clamp_max.Tensor}
-_LOW_FLOATS = (torch.bfloat16, torch.float16)
 
 # Ops that read data back to the host and have no exact static-shape form in general.
 _REPORT_ONLY = {
@@ -143,7 +142,7 @@ class _ItemRewriter:
             table = _CMP if user.target in _CMP else _CLAMP
             return call(graph, table[user.target], (x, _cast(graph, scalar, dtype)))
         # Arithmetic with a Python scalar runs in fp32 for bf16/fp16 and rounds once (eager's opmath).
-        compute = torch.float32 if dtype in _LOW_FLOATS else dtype
+        compute = torch.float32 if dtype in LOW_DTYPES else dtype
         out = call(graph, _ARITH[user.target], (_cast(graph, x, compute), _cast(graph, scalar, compute)))
         return _cast(graph, out, dtype)
 

@@ -1,4 +1,4 @@
-"""Small FX helpers shared by the sampler and LM-head passes: insert nodes with fake values, name sources.
+"""Small FX helpers shared by the moefx passes: node tests, insert nodes with fake values, name sources.
 
 Inductor's later post-grad passes read `meta["val"]` (device, shape, dtype), so every node a moefx
 rewrite inserts gets a value computed under the graph's own fake mode.
@@ -12,9 +12,27 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map
 
+aten = torch.ops.aten
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def meta_val(node: object) -> Any:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def val(node: Any) -> Any:
+    """A node's fake value, or the argument itself when it is not a node (a constant)."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _fake_mode(args: Any) -> Any:
