@@ -12,6 +12,12 @@ from moefx.passes import PassManager
 from moefx.signatures import ExecutionSignature, ModelSignature, Plan, resolve
 
 
+def with_exact_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` tracing float attributes and globals as constants: model code keeps eps, the FP8 max and minimum
+    scales there, and as runtime values they could not be matched by the fusions, which reproduce them exactly."""
+    return torch._dynamo.config.patch(specialize_float=True)(compiled)
+
+
 def backend(config: Any = None, plan: Plan | None = None, cudagraphs: bool | None = None) -> Callable[..., Any]:
     """A `torch.compile` backend. Without a plan, one is resolved for an unknown model on this machine,
     so only what the user's config asks for (and the machine supports) runs. In mode capture on CUDA,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from moefx.compile import backend
+from moefx.compile import backend, with_exact_floats
 from moefx.config import CompilationConfig
 from moefx.log import get_logger, warn_once
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
@@ -58,9 +58,7 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         # forward (direct calls, transformers' loop for other requests) is compiled without CUDA graphs.
         graphs = False if hasattr(model, "moefx_generate") else None
         compiled = torch.compile(model.forward, backend=backend(cfg, plan, cudagraphs=graphs), dynamic=cfg.dynamic)
-        # Model code keeps constants (eps, FP8 max, min scale) in float attributes and globals; traced as
-        # runtime values they could not be matched by the fusions (which must reproduce them exactly).
-        model.forward = torch._dynamo.config.patch(specialize_float=True)(compiled)
+        model.forward = with_exact_floats(compiled)
     model.moefx_plan = plan
     log.info("optimized %s\n%s", type(model).__name__, plan.explain())
     return model

@@ -47,7 +47,8 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    attn_mask = None if mask is None else mask[:, None, None, :].to(q.dtype if mask.dtype != torch.bool else mask.dtype)
+    m = None if mask is None else mask[:, None, None, :]
+    attn_mask = m if m is None or m.dtype == torch.bool else m.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
@@ -55,8 +56,8 @@ def splits_for(batch: int, kv_heads: int, length: int) -> int:
     """Slices of the key positions: SPLIT_POSITIONS each, fewer where the sequences and heads already fill the GPU."""
     if length <= SPLIT_POSITIONS:
         return 1
-    want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
-    return max(1, min(want, -(-length // SPLIT_POSITIONS), 64))
+    want = -(-TARGET_PROGRAMS // (batch * kv_heads))
+    return min(want, -(-length // SPLIT_POSITIONS), 64)
 
 
 @torch.library.custom_op("moefx::decode_attention", mutates_args=())

@@ -88,8 +88,8 @@ class _Slot:
     cache: Any
     state: dict[str, torch.Tensor]
     mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
-    graphs: dict[tuple, Any] = field(default_factory=dict)  # (params, masked, by_head) -> CUDAGraph or None
-    logits: dict[tuple, torch.Tensor] = field(default_factory=dict)  # the captured step's logits output
+    # (params, masked, by_head) -> (CUDAGraph, its logits output), or (None, None) for a step run without one
+    graphs: dict[tuple, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,10 +174,9 @@ class DecodeLoop:
             stats.compile_s[name] = round(stats.compile_s.get(name, 0.0) + time.perf_counter() - start, 2)
             return compiled
 
-        compiled = torch.compile(target, **{**kw, "backend": counting_backend})
-        # Model code keeps constants (eps, FP8 max) in float attributes; traced as runtime values they could
-        # not be matched by the fusions, which must reproduce them exactly.
-        return torch._dynamo.config.patch(specialize_float=True)(compiled)
+        from moefx.compile import with_exact_floats
+
+        return with_exact_floats(torch.compile(target, **{**kw, "backend": counting_backend}))
 
     # -- the model calls -------------------------------------------------------------------------------------
 
@@ -249,13 +248,9 @@ class DecodeLoop:
                by_head: bool) -> tuple[Any, torch.Tensor | None]:
         """The captured step for these params (captured on first use), or (None, None) to run it directly."""
         key = (params, masked, by_head)
-        if key in slot.graphs:
-            return slot.graphs[key], slot.logits.get(key)
-        graph, logits = self._capture(slot, params, masked, by_head)
-        slot.graphs[key] = graph
-        if logits is not None:
-            slot.logits[key] = logits
-        return graph, logits
+        if key not in slot.graphs:
+            slot.graphs[key] = self._capture(slot, params, masked, by_head)
+        return slot.graphs[key]
 
     def _capture(self, slot: _Slot, params: SamplingParams, masked: bool,
                  by_head: bool) -> tuple[Any, torch.Tensor | None]:

@@ -59,7 +59,6 @@ class GenerateFront:
     """What `optimize` puts on `model.moefx_generate`: the engine, and why requests went elsewhere."""
 
     engine: DecodeLoop
-    original: Callable[..., Any]
     fallbacks: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -156,7 +155,7 @@ def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Engin
 def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
     """Wrap `model.generate` so the requests the engine reproduces run on it (the rest as before)."""
     original = model.generate
-    front = GenerateFront(engine, original)
+    front = GenerateFront(engine)
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:

@@ -58,7 +58,7 @@ def candidate_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch
     return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)), ids
 
 
-ARGMAX_CHUNK = 1024  # greedy over a vocabulary longer than this reduces chunk by chunk first
+ARGMAX_CHUNK = 1024  # greedy over a vocabulary longer than 4x this reduces in chunks of this size first
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,17 @@ def _patched_class() -> type | None:
     return MoefxDeferredStopCheck
 
 
-def enable_deferred_stop(model: Any, devices: tuple[str, ...] = ("cuda",)) -> str | None:
-    """Make `model.generate()` defer its stop check on `devices`. Returns None when applied, else why not."""
+def no_transformers_generate(model: Any) -> str | None:
+    """Why `model` has no transformers `generate()` loop to hook, or None when it has one."""
     if not callable(getattr(model, "generate", None)) or not hasattr(model, "_sample"):
         return "the model has no transformers generate()"
+    return None
+
+
+def enable_deferred_stop(model: Any, devices: tuple[str, ...] = ("cuda",)) -> str | None:
+    """Make `model.generate()` defer its stop check on `devices`. Returns None when applied, else why not."""
+    if why := no_transformers_generate(model):
+        return why
     if getattr(model, "_moefx_deferred_stop", None) is not None:
         return None
     if _patched_class() is None:

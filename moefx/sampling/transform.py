@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moefx.sampling.stop import enable_deferred_stop
+from moefx.sampling.stop import enable_deferred_stop, no_transformers_generate
 from moefx.transforms import register_model_transform
 
 
@@ -50,8 +50,8 @@ def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
 
 
 def _engine_reason(model: Any) -> str | None:
-    if not callable(getattr(model, "generate", None)) or not hasattr(model, "_sample"):
-        return "the model has no transformers generate()"
+    if why := no_transformers_generate(model):
+        return why
     if getattr(model.config, "is_encoder_decoder", False):
         return "encoder-decoder models keep transformers' loop"
     return None

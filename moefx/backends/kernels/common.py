@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -12,6 +13,7 @@ FP8_MAX = 448.0
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
