@@ -251,7 +251,7 @@ def parse_row(data: Any, where: str, key_from_yaml: Callable[[Any, str], Any], b
 
 def load_table(path: str | os.PathLike[str]) -> list[CalibrationRow]:
     """Rows of one table file, validated; a malformed file is a ValueError naming the file and row."""
-    return load_section(path, "rows", lambda data, where: parse_row(data, where, CalibrationKey.from_yaml))
+    return load_section(path, "rows", _row_from_yaml)
 
 
 def load_section(path: str | os.PathLike[str], section: str, parse: Callable[[Any, str], CalibrationRow],
@@ -312,20 +312,23 @@ def invalidate() -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _index(extra: tuple[str, ...], generation: int) -> dict[CalibrationKey, CalibrationRow]:
-    index: dict[CalibrationKey, CalibrationRow] = {}
+def _index(extra: tuple[str, ...], generation: int,
+           load: Callable[[str], list[CalibrationRow]]) -> dict[Any, CalibrationRow]:
+    index: dict[Any, CalibrationRow] = {}
     for path in table_paths(extra):
-        for row in load_table(path):
+        for row in load(path):
             index.setdefault(row.key, row)
     return index
 
 
-def find_row(key: CalibrationKey, extra: Sequence[str] = ()) -> CalibrationRow | None:
-    """The row with exactly this key (first in lookup order), or None.
+def find_row(key: Any, extra: Sequence[str] = (), load: Callable[[str], list[CalibrationRow]] | None = None
+             ) -> CalibrationRow | None:
+    """The row with exactly this key (first in lookup order), or None; `load` reads one table file's rows of the
+    key's kind (default: the MoE rows, `load_table`).
 
     Folders are listed once per process (and again after `invalidate()`), so per-call lookups stay cheap.
     """
-    return _index(tuple(extra), _generation).get(key)
+    return _index(tuple(extra), _generation, load or load_table).get(key)
 
 
 def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float = 0.03) -> tuple[MRange, ...]:

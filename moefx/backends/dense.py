@@ -29,17 +29,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-import moefx.ops.block_gemm  # noqa: F401  (registers moefx::fp8_block_gemm, the FP8 upstream)
 from moefx.backends.dense_policy import GEMV, dense_key, requested
 from moefx.backends.kernels.common import FLOAT_DTYPES
 from moefx.backends.policy import UPSTREAM
 from moefx.config import DENSE_BACKENDS
 from moefx.log import get_logger, warn_once
-from moefx.ops.block_gemm import ref_fp8_block_gemm
+from moefx.ops.block_gemm import ref_fp8_block_gemm  # (and registers moefx::fp8_block_gemm, the FP8 upstream)
 from moefx.ops.quant import FP8_DTYPE as FP8
 
 log = get_logger("moefx.backends")
-BACKEND_CHOICES = DENSE_BACKENDS
 
 
 def check_args(
@@ -53,8 +51,8 @@ def check_args(
     backend: str,
 ) -> None:
     """ValueError naming what is wrong with a dense_linear call (shapes, dtypes, FP8 arguments, backend)."""
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"dense_linear backend={backend!r} is invalid; valid choices: {list(BACKEND_CHOICES)}")
+    if backend not in DENSE_BACKENDS:
+        raise ValueError(f"dense_linear backend={backend!r} is invalid; valid choices: {list(DENSE_BACKENDS)}")
     if not weights or len(biases) != len(weights):
         raise ValueError(f"dense_linear needs at least one weight and one bias entry (or None) per weight; got "
                          f"{len(weights)} weights, {len(biases)} biases")

@@ -102,18 +102,20 @@ def load_dense_table(path: str | os.PathLike[str]) -> list[DenseRow]:
     return calibration.load_section(path, TABLE_KEY, _row_from_yaml, row_prefix="dense")
 
 
-@functools.lru_cache(maxsize=64)
-def _index(extra: tuple[str, ...], generation: int) -> dict[DenseKey, DenseRow]:
-    index: dict[DenseKey, DenseRow] = {}
-    for path in calibration.table_paths(extra):
-        for row in load_dense_table(path):
-            index.setdefault(row.key, row)
-    return index
-
-
 def find_dense_row(key: DenseKey, extra: Sequence[str] = ()) -> DenseRow | None:
     """The row with exactly this key (first in lookup order), or None. Cached until `calibration.invalidate()`."""
-    return _index(tuple(extra), calibration._generation).get(key)
+    return calibration.find_row(key, extra, load=load_dense_table)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_policy(key: DenseKey, generation: int) -> tuple[MoePolicy, int | None, str] | None:
+    """(the row's policy, the largest M it measured, its source) for `key`, built once per table generation: the
+    op asks per call."""
+    row = find_dense_row(key)
+    if row is None:
+        return None
+    top = max((int(m) for ts in row.timings_us.values() for m in ts), default=None)
+    return MoePolicy(row.ranges, row.source), top, row.source
 
 
 def write_dense_row(path: str | os.PathLike[str], row: DenseRow) -> str:
@@ -150,16 +152,16 @@ def requested(m: int, backend: str, key: DenseKey) -> tuple[str, str]:
     forced, source = env_override()
     if forced:
         return forced, source
-    row = find_dense_row(key)
-    if row is None:
+    found = _row_policy(key, calibration._generation)
+    if found is None:
         return UPSTREAM, f"no calibration row ({key.mode})"
-    name = MoePolicy(row.ranges, row.source).backend_for(m)
+    policy, top, source = found
+    name = policy.backend_for(m)
     # A row's last range is open-ended, but the small-M kernel is only measured on the row's grid: past it (a
     # prefill of thousands of rows), the plain linears run.
-    top = max((int(mm) for ts in row.timings_us.values() for mm in ts), default=None)
     if name != UPSTREAM and top is not None and m > top:
-        return UPSTREAM, f"{row.source}: M={m} is past the calibrated grid (largest M {top})"
-    return name, row.source
+        return UPSTREAM, f"{source}: M={m} is past the calibrated grid (largest M {top})"
+    return name, source
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -277,6 +279,8 @@ def has_rows_for(ms: Any, es: Any) -> tuple[bool, str]:
     from moefx.config import CompilationConfig
 
     plan = dense_plan(ms, es, CompilationConfig())
+    if plan.backend != "auto":  # MOEFX_DENSE_BACKEND decides every call, rows or not
+        return plan.backend == GEMV, f"dense backend {plan.backend} [{plan.source}]"
     hits = [e.label for e in plan.entries if e.applies]
     if hits:
         return True, f"dense calibration rows for {', '.join(hits)} on this device"

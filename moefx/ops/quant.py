@@ -15,8 +15,8 @@ KINDS = ("fp8_group", "fp8_token", "int8_token", "int8_group")
 # How the quantized value is formed from y and the scale (all fp32, each step rounded as eager rounds it):
 #   divide          q = y / scale                    (vLLM group path, SGLang, DeepSeek, textbook code)
 #   reciprocal      q = y * (1 / scale)              (vLLM per-token path, torchao, DeepGEMM's `x * (1 / sf)` cast)
-#   qmax_over_amax  q = y * (qmax / amax_clamped)    (DeepGEMM's `x * (448.0 / amax)` cast); the stored
-#                   scale is still amax_clamped / qmax
+#   qmax_over_amax  q = y * ((1 / amax_clamped) * qmax)  (DeepGEMM's `x * (448.0 / amax)` cast, as its traced
+#                   graph computes it); the stored scale is still amax_clamped / qmax
 SCALINGS = ("divide", "reciprocal", "qmax_over_amax")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0

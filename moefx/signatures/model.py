@@ -139,7 +139,8 @@ class ModelSignature:
 
     def key(self) -> str:
         """Stable short hash of every fact (differs whenever any fact differs)."""
-        facts = {k: v for k, v in self.to_dict().items() if k != "dtype_source"}
+        compared = {f.name for f in dataclasses.fields(self) if f.compare}  # where a fact came from is no fact
+        facts = {k: v for k, v in self.to_dict().items() if k in compared}
         blob = json.dumps(facts, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -244,11 +245,12 @@ def _facts_from_config(outer: Any, vllm: Any) -> dict[str, Any]:
     if dtype is None and vllm is not None:
         dtype, dtype_source = getattr(vllm, "dtype", None), "vLLM model config dtype"
     mlp_only = get("mlp_only_layers")
+    dtype = normalize_dtype(dtype)
     facts: dict[str, Any] = {
         "model_type": get("model_type"),
         "architectures": tuple(outer_get("architectures") or inner_get("architectures") or ()),
-        "dtype": normalize_dtype(dtype),
-        "dtype_source": dtype_source if normalize_dtype(dtype) is not None else None,
+        "dtype": dtype,
+        "dtype_source": dtype_source if dtype is not None else None,
         "hidden_size": get("hidden_size"),
         "intermediate_size": get("intermediate_size"),
         "num_layers": get("num_hidden_layers"),

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
-# Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles. Uncapped, a prefill
-# of 2048 rows asked for a 2048-row tile and 1 MiB of shared memory.
+# Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles, so a prefill of
+# 2048 rows does not ask for a 2048-row tile (1 MiB of shared memory).
 MAX_AUTO_BLOCK_M = {False: 8, True: 64}
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
 
