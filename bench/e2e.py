@@ -63,7 +63,7 @@ def step_bytes(model: torch.nn.Module, batch: int) -> float:
     """Bytes of weights one decode step of `batch` tokens must read (see the module docstring)."""
     cfg = model.config
     e, k = cfg.num_experts, cfg.num_experts_per_tok
-    touched = e * (1 - (1 - 1 / e) ** (batch * k)) / e
+    touched = 1 - (1 - 1 / e) ** (batch * k)  # the expected share of experts a step of batch x k picks touches
     expert_params = {id(p) for m in model.modules() if is_experts_module(m) for p in m.parameters()}
     total = 0.0
     for name, p in model.named_parameters():
@@ -92,7 +92,7 @@ def greedy_kwargs(n: int) -> dict:
     return dict(max_new_tokens=n, min_new_tokens=None, do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
-def decode_row(arm: str, model, generate, ids, n1: int, n2: int, runs: int, floor_tok_s: float, layers: int,
+def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s: float, layers: int,
                dtype: str, ref: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     batch = ids.shape[0]
     if ids.is_cuda:
@@ -124,7 +124,7 @@ def decode_row(arm: str, model, generate, ids, n1: int, n2: int, runs: int, floo
 
 def check_logits(engine, ids: torch.Tensor, ref_tokens: torch.Tensor, ref: list[torch.Tensor]) -> list[float]:
     """Relative error of the engine's prefill and first decode-step logits against transformers' eager generate()
-    (the second only when both picked the same first token); exits when one is over LOGITS_BOUND."""
+    (the second only when both picked the same first token); prints CHECK FAILED when one is over LOGITS_BOUND."""
     from moefx.sampling.sampler import SamplingParams
 
     got: list[torch.Tensor] = []
@@ -248,7 +248,7 @@ def main() -> int:
     if "hf_eager" in arms:
         print("hf_eager", flush=True)
         for b in eager_batches:
-            row, new = decode_row("hf_eager", model, lambda x, n: stock_generate(x, **greedy_kwargs(n)),
+            row, new = decode_row("hf_eager", lambda x, n: stock_generate(x, **greedy_kwargs(n)),
                                   inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None)
             decode.append(row)
             refs[b] = new
@@ -284,7 +284,7 @@ def main() -> int:
         def hf_static() -> None:
             for b in batches:
                 fn = lambda x, n: stock_generate(x, cache_implementation="static", **greedy_kwargs(n))  # noqa: E731
-                row, _ = decode_row("hf_static", model, fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
+                row, _ = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
                                     args.layers, "bf16", refs.get(b))
                 decode.append(row)
                 save()
@@ -302,7 +302,7 @@ def main() -> int:
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         for b in arm_batches:
-            row, _ = decode_row(name, opt, fn, inputs[b], args.n1, args.n2, args.runs, b / (step_bytes(opt, b) / hbm),
+            row, _ = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs, b / (step_bytes(opt, b) / hbm),
                                 args.layers, dtype, refs.get(b))
             decode.append(row)
             save()  # a stage stopped at its limit keeps the rows measured so far

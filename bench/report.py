@@ -166,12 +166,12 @@ def e2e_peers(decode: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
 
 
 def e2e_best(decode: list[dict[str, Any]], peers: dict[tuple[int, int], float]) -> list[tuple[int, int, float, dict]]:
-    """The fastest moefx arm per (layers, B, dtype) that has a peer (HBM-floor arms only)."""
+    """The fastest moefx arm per (layers, B, dtype) that has a peer."""
     out = []
     for (layers, b), peer in sorted(peers.items()):
         for dt in dict.fromkeys(x.get("dtype") for x in decode):
             ours = [x for x in decode if (x["layers"], x["B"], x.get("dtype")) == (layers, b, dt)
-                    and x["arm"].startswith("moefx") and x.get("tok_s") and x.get("floor_kind") is None]
+                    and x["arm"].startswith("moefx") and x.get("tok_s")]
             if ours:
                 out.append((layers, b, peer, max(ours, key=lambda x: x["tok_s"])))
     return out
@@ -180,29 +180,21 @@ def e2e_best(decode: list[dict[str, Any]], peers: dict[tuple[int, int], float]) 
 def render_e2e(r: dict[str, Any]) -> str:
     decode = sorted(r.get("decode") or [], key=lambda x: (x["layers"], x["B"], _arm_order(x["arm"])))
     peers = e2e_peers(decode)
-    notes, rows = [], []
+    rows = []
     for row in decode:
         peer = peers.get((row["layers"], row["B"]))
-        floor = num(row.get("floor_tok_s"), 0) + ("¹" if row.get("floor_kind") == "host" else "")
-        tok = sig(row.get("tok_s"))
-        if row.get("error"):
-            notes.append(f"{row['arm']} ({row['layers']} layers, B={row['B']}): {row['error']}")
-            tok = "failed²"
         agree = row.get("agree_with_eager")
-        rows.append((row["layers"], row["B"], row.get("dtype") or "–", f"`{row['arm']}`", tok, floor,
+        rows.append((row["layers"], row["B"], row.get("dtype") or "–", f"`{row['arm']}`", sig(row.get("tok_s")),
+                     num(row.get("floor_tok_s"), 0),
                      num(row.get("pct_floor"), 1) + ("%" if row.get("pct_floor") is not None else ""),
                      ratio(row.get("tok_s"), peer) if row["arm"] != "hf_static" and peer else "–",
                      num(row.get("first_call_s"), 1), num(row.get("peak_mem_gib"), 1),
                      "–" if agree is None else f"{agree:.2f}"))
     body = [table(["layers", "B", "dtype", "arm", "tok/s", "floor tok/s", "% of floor", "× peer", "first call s",
                    "peak GiB", "tokens = eager"], rows)]
-    foot = []
-    if any(row.get("floor_kind") == "host" for row in decode):
-        foot.append("¹ experts in host memory: floor = routed-expert bytes per token / measured host-memory copy rate.")
-    if notes:
-        foot.append("² " + "; ".join(notes))
-    if foot:
-        body.append("\n".join(foot))
+    errors = (r.get("extra") or {}).get("errors") or {}
+    if errors:  # an arm that failed has no row: say so under the table
+        body.append("Failed arms: " + "; ".join(f"`{arm}`: {why.splitlines()[0]}" for arm, why in errors.items()))
     body.append("Arms:\n" + "\n".join(f"- `{a}`: {E2E_ARMS.get(a, a)}" for a in
                                        dict.fromkeys(row["arm"] for row in decode)))
     best = [f"{layers} layers, B={b}, {top['dtype']}: fastest moefx arm `{top['arm']}` {top['tok_s']:.0f} tok/s = "
@@ -613,10 +605,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-HEADLINE_ARMS = {
-    "moefx_decodeloop": "`DecodeLoop(cuda_graphs=True)` after `moefx.optimize`",
-    "moefx_decodeloop_fp8": "the same with FP8 block-128 weights",
+HEADLINE_LABELS = {
     "moefx": "`moefx.optimize(model)` + `generate()`",
+    "moefx_fp8": "the same after `moefx.quantize(model, 'fp8_block128')`",
 }
 
 
@@ -625,24 +616,14 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     out = []
     e2e = results.get("e2e")
     if e2e:
-        decode = [x for x in e2e["decode"] if x.get("tok_s") and x.get("floor_kind") is None]
-        peers = e2e_peers(decode)
-        lines = []
-        for arm, label in HEADLINE_ARMS.items():
-            fastest: dict[tuple[int, int], dict[str, Any]] = {}  # one reading per size: the faster of repeats
-            for x in decode:
-                key = (x["layers"], x["B"])
-                if x["arm"] == arm and key in peers and x["tok_s"] > fastest.get(key, {"tok_s": 0})["tok_s"]:
-                    fastest[key] = x
-            rows = [fastest[k] for k in sorted(fastest)]
-            if rows:
-                lines.append(f"  - {label}: " + ", ".join(
-                    f"{x['tok_s'] / peers[(x['layers'], x['B'])]:.2f}× at {x['layers']} layers B={x['B']}"
-                    for x in rows) + f" ({span((x['pct_floor'] for x in rows if x.get('pct_floor') is not None), 0)}%"
-                    " of the bytes floor)")
-        if not lines:  # arms this page has no label for: the fastest moefx arm per size
-            lines = [f"  - `{top['arm']}`: {top['tok_s'] / peer:.2f}× at {layers} layers B={b} ({pct(top)} of the "
-                     "bytes floor)" for layers, b, peer, top in e2e_best(decode, peers)]
+        decode = [x for x in e2e["decode"] if x.get("tok_s")]
+        by_arm: dict[str, list[tuple[int, int, float, dict]]] = {}
+        for best in e2e_best(decode, e2e_peers(decode)):
+            by_arm.setdefault(best[3]["arm"], []).append(best)
+        lines = [f"  - {HEADLINE_LABELS.get(arm, f'`{arm}`')}: " + ", ".join(
+                     f"{top['tok_s'] / peer:.2f}× at {layers} layers B={b}" for layers, b, peer, top in best)
+                 + f" ({span((t['pct_floor'] for *_, t in best if t.get('pct_floor') is not None), 0)}% of the bytes "
+                   "floor)" for arm, best in by_arm.items()]
         out.append(f"End to end, decode tok/s over transformers' static-cache compiled `generate()` in the same run "
                    f"({e2e['date']}, moefx at `{e2e['commit']}`; Qwen3-30B-A3B widths, random weights):")
         out += lines

@@ -3,7 +3,8 @@
 # does not stop the others. Logs and JSON go to a folder that is packed into $OUT/results-<stages>.tgz
 # (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
-#                                                        #   gpu-tests backend-tests calibrate calibrate-fp8 moe-profile
+#                                                        #   gpu-tests gpu-gen (the engine and routing GPU tests only)
+#                                                        #   backend-tests calibrate calibrate-fp8 moe-profile
 #                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
@@ -90,9 +91,6 @@ for s in "${stages[@]}"; do
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
         gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
-        gpu-new) run_stage gpu-new 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py \
-            tests/test_dense_kernel.py tests/test_routing_gpu.py tests/test_generate_gpu.py tests/test_fuse_sibling_linears.py \
-            tests/test_sampler_gpu.py ;;
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
@@ -107,7 +105,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b dense" \
-            "dense-sweep gpu-new gpu-gen)" ;;
+            "dense-sweep gpu-gen)" ;;
     esac
 done
 pack

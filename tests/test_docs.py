@@ -53,7 +53,7 @@ def test_every_performance_table_names_its_run_peer_floor_and_command():
 
 
 def test_e2e_renders_with_null_fields_and_new_arms():
-    """The lead's bench/e2e.py writes this schema; every field but the keys may be null, arms may be new."""
+    """bench/e2e.py writes this schema; every field but the keys may be null, arms may be new."""
     row = {"layers": 8, "B": 1, "dtype": "bf16", "floor_tok_s": None, "pct_floor": None, "first_call_s": None,
            "peak_mem_gib": None, "agree_with_eager": None}
     r = {"stage": "e2e", "date": "2027-01-02", "device": "NVIDIA H200", "versions": {"torch": "2.11"}, "commit": None,
