@@ -227,6 +227,29 @@ def render_e2e(r: dict[str, Any]) -> str:
     return decode_md + "\n" + prefill_md
 
 
+# ------------------------------------------------------------------------------------------ dense linears
+
+DENSE_SHAPES = {"qkv": "q/k/v (three weights, one launch)", "o": "o_proj", "router": "router gate"}
+
+
+def render_dense(r: dict[str, Any]) -> str:
+    rows = [(f"{DENSE_SHAPES.get(x['shape'], x['shape'])} {x['kind']}", x["M"], num(x["gemv"], 2),
+             num(x["upstream"], 2), num(x["floor_us"], 2), ratio(x["gemv"], x["floor_us"]),
+             ratio(x["upstream"], x["gemv"])) for x in r["rows"]]
+    body = table(["shape", "M", "gemv µs", "cuBLAS µs (peer)", "floor µs", "gemv / floor", "cuBLAS / gemv"], rows)
+    body += ("\n\nCUDA-graph replay medians over rotating weight sets larger than 3× L2. Eager calls (launch "
+             "overhead included, in the kept data as `*_eager`) are 70–580 µs either way on this machine; there "
+             "the table runs cuBLAS except for FP8 q/k/v (the gemv's one launch against three block-FP8 ones) and "
+             "FP8 o_proj at M=1. Which backend each "
+             "call runs is the shipped table's ranges (docs/DENSE.md).")
+    return section(
+        "Small-M projections (`moefx::dense_linear`)", r,
+        what="Qwen3-30B-A3B projection shapes (q/k/v N = 4096 + 512 + 512, K = 2048; o N = 2048, K = 4096; router "
+             "N = 128, K = 2048), bf16 and FP8 block-128 weights, µs per call.",
+        peer="cuBLAS: `F.linear` per weight (bf16) or `moefx::fp8_block_gemm` per weight (FP8), same run",
+        floor=f"weight + activation + output bytes / {r['copy_TBps']:.2f} TB/s", body=body)
+
+
 # --------------------------------------------------------------------------------------- MoE backward
 
 BACKWARD_KINDS = {
@@ -581,6 +604,7 @@ CUDA-graph replays, and report medians.
 WORKLOADS: list[tuple[str, list[str]]] = [
     ("End to end", ["e2e"]),
     ("MoE experts", ["moe", "moe-vllm-peer", "moe-bounds", "moe-backward"]),
+    ("Dense linears", ["dense"]),
     ("Fusions", ["fusions"]),
     ("Sampling", ["sampler"]),
     ("Offload", ["offload"]),
@@ -593,7 +617,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "e2e": render_e2e, "moe": render_moe, "fusions": render_fusions,
         "sampler": render_sampler, "offload": render_offload,
         "moe-vllm-peer": render_moe_vllm_peer, "moe-bounds": lambda r: render_moe_bounds(r, moe),
-        "moe-backward": render_moe_backward,
+        "moe-backward": render_moe_backward, "dense": render_dense,
     }
     unknown = sorted(set(results) - set(renderers))
     if unknown:
@@ -657,7 +681,7 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
 
 STAGE_OUTPUTS = {  # stage -> the file(s) its run_h200.sh command leaves in the results folder
     "moe": ["moe.json"], "fusions": ["fusions.json"], "sampler": ["sampler.json"], "offload": ["offload.json"],
-    "moe-backward": ["moe_backward.json"],
+    "moe-backward": ["moe_backward.json"], "dense": ["dense.json"],
     "moe-bounds": ["moe-bounds-probe_read.json", "moe-bounds-probe_ceilings.json"],
 }
 
