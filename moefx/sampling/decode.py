@@ -3,8 +3,10 @@
 A request (prompt [B, T], new tokens, sampling params, EOS/pad ids, optional left-padding mask and stopping
 criteria) runs as:
 - prefill: the model forward over the whole prompt into a DynamicCache, as transformers' own loop runs it
-  (compiled with a dynamic prompt length, `logits_to_keep=1`, so the LM head reads one row per sequence); its
-  keys and values are copied into the bucket's StaticCache and the first token is picked;
+  (`logits_to_keep` keeps one row per sequence for the LM head); its keys and values are copied into the
+  bucket's StaticCache and the first token is picked. With prefill buckets (on by default where decode steps
+  are captured) the prompt is right-padded to its bucket, static-shaped, and on CUDA replayed from a CUDA graph
+  (moefx/sampling/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
   and writing static per-bucket buffers. On CUDA the whole step is captured once per (bucket, sampling
   params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from moefx.log import get_logger, warn_once
+from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.sampler import SamplingParams, sample
 
 log = get_logger("moefx.sampling")
@@ -90,18 +93,24 @@ class _Slot:
     mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
     # (params, masked, by_head) -> (CUDAGraph, its logits output), or (None, None) for a step run without one
     graphs: dict[tuple, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
+    # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/sampling/prefill.py)
+    prefill: dict[tuple, Any] = field(default_factory=dict)
 
 
 @dataclass
 class EngineStats:
     """What the engine did in this process: compiles per function and the seconds their backend took (inductor and
-    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one."""
+    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one. Prefill graphs are
+    counted apart, with the bytes their captures added to the allocator's reserved memory (warm-ups included)."""
 
     compiles: dict[str, int] = field(default_factory=dict)
     compile_s: dict[str, float] = field(default_factory=dict)
     captures: int = 0
     uncaptured: list[str] = field(default_factory=list)
     requests: int = 0
+    prefill_buckets: tuple[int, ...] = ()
+    prefill_captures: int = 0
+    prefill_graph_bytes: int = 0
 
 
 class DecodeLoop:
@@ -113,7 +122,9 @@ class DecodeLoop:
     must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets (None: every batch size is
     its own bucket); batches above the largest run without graphs. `max_len` fixes the cache length (None:
     the request's prompt + new tokens, rounded up to `CACHE_LEN_STEP`). `forward` is the model forward to
-    call (default `model.forward`; `optimize` passes the uncompiled one).
+    call (default `model.forward`; `optimize` passes the uncompiled one). `prefill_capture_tokens` caps
+    rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off, every prompt runs unpadded;
+    None: `PREFILL_CAPTURE_TOKENS` with `cuda_graphs` and `compile_kwargs`, else off).
     """
 
     def __init__(
@@ -124,6 +135,7 @@ class DecodeLoop:
         cuda_graphs: bool = False,
         capture_sizes: Sequence[int] | None = None,
         forward: Callable[..., Any] | None = None,
+        prefill_capture_tokens: int | None = None,
     ) -> None:
         from transformers import StaticCache
 
@@ -148,8 +160,13 @@ class DecodeLoop:
         self.stats = EngineStats()
         self._slots: dict[int, _Slot] = {}
         self._pool: Any = None
-        kw = dict(compile_kwargs or {})
+        kw = self._compile_kwargs = dict(compile_kwargs or {})
         self._prefill = self._compile("prefill", self._run, kw)
+        if prefill_capture_tokens is None:
+            prefill_capture_tokens = PREFILL_CAPTURE_TOKENS if cuda_graphs and self.compiled else 0
+        self.stats.prefill_buckets = prefill_buckets(prefill_capture_tokens)
+        self._bucketed = (BucketedPrefill(self, self.stats.prefill_buckets, prefill_capture_tokens)
+                          if prefill_capture_tokens else None)
         self._decode = self._compile("decode", self._run, kw)
         self._pick = self._compile("sampler", _advance, kw)
 
@@ -356,7 +373,7 @@ class DecodeLoop:
         slot.cache.reset()
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
         by_head = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
-        logits = self._prompt(slot, prompt, positions, masked, by_head)
+        logits = self._prompt(slot, prompt, positions, masked, by_head, graphs)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
         self._pick(logits, st, params, by_head)
@@ -382,12 +399,17 @@ class DecodeLoop:
         return st["seq"][:batch, : prompt + produced].clone()
 
     def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool,
-                by_head: bool) -> torch.Tensor:
+                by_head: bool, graphs: bool) -> torch.Tensor:
         """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
         loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
-        then copied into the static cache; other caches take the prompt directly."""
+        then copied into the static cache: padded to its bucket (captured when `graphs`) where one holds it,
+        else at its own length; other caches take the prompt directly."""
         from transformers import DynamicCache
 
+        if self._bucketed is not None and _uncapturable_cache(slot.cache) is None:
+            scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs)
+            if scores is not None:
+                return scores
         st = slot.state
         tokens = st["seq"][:, :prompt]
         cache_position = torch.arange(prompt, device=tokens.device)
