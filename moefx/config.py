@@ -66,6 +66,8 @@ class CompilationConfig:
     rules: list[str] = field(default_factory=list)
     # Prefill token budget override; None lets the plan decide (SPEC §6).
     prefill_token_budget: int | None = None
+    # Cap on rows × prompt bucket of the prefill captured in CUDA graphs (mode capture on CUDA); 0 turns it off.
+    prefill_capture_tokens: int = 4096
     # Turn "asked for but unsupported here" from a one-time warning into an error.
     strict: bool = False
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
@@ -78,6 +80,9 @@ class CompilationConfig:
             raise ValueError(
                 f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
             )
+        from moefx.sampling.prefill import prefill_buckets
+
+        prefill_buckets(self.prefill_capture_tokens)  # raises ValueError naming the key and the valid values
 
     @classmethod
     def from_any(cls, x: Any = None) -> CompilationConfig:

@@ -65,7 +65,8 @@ class GenerateFront:
         s = self.engine.stats
         return (f"{s.requests} requests on the engine, {len(self.fallbacks)} in transformers' loop; "
                 f"compiles {s.compiles or 'none'} (backend seconds {s.compile_s or 'none'}); {s.captures} CUDA graphs "
-                f"captured")
+                f"captured; prefill buckets {list(s.prefill_buckets) or 'off'}, {s.prefill_captures} prefill graphs "
+                f"({s.prefill_graph_bytes / 2**20:.0f} MiB reserved)")
 
 
 def _fallback(front: GenerateFront, why: str) -> None:

@@ -25,12 +25,17 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     sizes = list(getattr(plan, "serving", {}).get("capture_sizes") or [])
     graphs = mode == "capture" and device == "cuda" and bool(sizes)
     compile_kwargs = None if mode == "eager" else {"backend": backend(config, plan, cudagraphs=False)}
+    # Offloaded experts calls above the stream host's rows cannot be captured: their prefill stays unpadded.
+    offloaded = any(hasattr(module, "moefx_offload") for module in model.modules())
+    prefill_tokens = getattr(config, "prefill_capture_tokens", 0) if graphs and not offloaded else 0
     engine = DecodeLoop(model, compile_kwargs=compile_kwargs, cuda_graphs=graphs, capture_sizes=sizes or None,
-                        forward=model.forward)
+                        forward=model.forward, prefill_capture_tokens=prefill_tokens)
     install_generate(model, engine)
     steps = "eager steps (mode eager)" if compile_kwargs is None else "compiled prefill and decode step"
+    prefill = (f"; prefill padded to prompt buckets {list(engine.stats.prefill_buckets)} (rows × bucket <= "
+               f"{prefill_tokens}) and captured" if prefill_tokens else "")
     where = (f"decode steps replayed from CUDA graphs for batches {sizes} (padded to the bucket; larger "
-             f"batches without graphs)" if graphs else f"no CUDA graphs (mode {mode} on {device})")
+             f"batches without graphs){prefill}" if graphs else f"no CUDA graphs (mode {mode} on {device})")
     return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
             f"loop (model.moefx_generate.fallbacks says why)"]
 
