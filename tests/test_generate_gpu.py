@@ -78,3 +78,32 @@ def test_sampling_inside_the_graph_draws_fresh_numbers_each_step():
     new = first[:, 5:]
     assert len(set(new[0].tolist())) > 4  # a replayed graph that reused its random numbers would repeat a pattern
     assert model.moefx_generate.engine.stats.captures == 1
+
+
+def test_captured_prefill_gives_the_uncaptured_tokens():
+    """fp32: greedy tokens after the prefill replayed from a CUDA graph (mode capture, prompt right-padded to its
+    bucket) equal those after mode compile's prefill (unpadded, no graph) and transformers'. Prompt lengths: 16
+    (a bucket), 37 (padded to 64), 200 (above the largest bucket at prefill_capture_tokens 128: the dynamic
+    prefill); two rows left-padded or not. Mode compile captures no prefill."""
+    stock = build_model(tiny_qwen3_moe_config(), seed=6, device="cuda")
+    config = {"max_batch_size": 2, "moe_backend": "gemv", "prefill_capture_tokens": 128}
+    captured = moefx.optimize(copy.deepcopy(stock), config=config)
+    compiled = moefx.optimize(copy.deepcopy(stock), config={**config, "mode": "compile"})
+    for batch, length, padded in ((1, 16, False), (1, 37, False), (1, 200, False), (2, 37, False), (2, 37, True)):
+        ids = _ids(batch, length, length)
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[1, :11] = 0
+            ids = ids.masked_fill(mask == 0, 0)
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = compiled.generate(ids, **kwargs)
+        assert torch.equal(captured.generate(ids, **kwargs), want), (batch, length, padded)
+        assert torch.equal(stock.generate(ids, **kwargs), want), (batch, length, padded)
+        assert torch.equal(captured.generate(ids, **kwargs), want), (batch, length, padded)  # replayed again
+    stats = captured.moefx_generate.engine.stats
+    assert stats.prefill_buckets == (16, 32, 64, 128) and stats.prefill_captures == 4, stats
+    assert not stats.uncaptured and stats.prefill_graph_bytes >= 0, stats
+    assert "prefill[64]" in stats.compiles and "prefill" in stats.compiles, stats.compiles  # 200: dynamic path
+    plain = compiled.moefx_generate.engine.stats
+    assert plain.prefill_buckets == () and plain.prefill_captures == 0, plain
+    assert captured.moefx_generate.fallbacks == [] and compiled.moefx_generate.fallbacks == []
