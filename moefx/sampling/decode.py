@@ -406,7 +406,8 @@ class DecodeLoop:
         else at its own length; other caches take the prompt directly."""
         from transformers import DynamicCache
 
-        if self._bucketed is not None and _uncapturable_cache(slot.cache) is None:
+        pad = self._bucketed is not None and (graphs or not self.cuda_graphs)
+        if pad and _uncapturable_cache(slot.cache) is None:
             scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs)
             if scores is not None:
                 return scores

@@ -12,7 +12,8 @@ The forward runs over a DynamicCache, as the unpadded prefill does (attention ov
 graph its tensors live in the graph's pool, which is the decode graphs' pool. Each bucket compiles its own code
 object with static prompt dimensions, so the compiles are bounded by the buckets used. Prompts longer than the
 largest bucket, or whose rows × bucket exceed the token cap, take the dynamic compiled prefill
-(`DecodeLoop._prompt`).
+(`DecodeLoop._prompt`), as do batches an engine that captures runs without graphs (above its capture sizes):
+padding pays only where it buys a graph, or where the caller asked for it without graphs (the CPU tests).
 """
 
 from __future__ import annotations
@@ -120,12 +121,6 @@ class BucketedPrefill:
         into errors); a prefill that cannot be captured runs without a graph, with the reason in the stats."""
         loop, (bucket, masked, by_head) = self.loop, key
         device = run.tokens.device
-        from moefx.sampling.decode import _uncapturable_cache
-
-        why = _uncapturable_cache(slot.cache)
-        if why is not None:
-            self._uncaptured(slot, bucket, why)
-            return
         reserved = torch.cuda.memory_reserved(device)
         rng = torch.cuda.get_rng_state(device)
         side = torch.cuda.Stream(device)
