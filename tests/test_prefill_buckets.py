@@ -104,3 +104,24 @@ def test_compiles_are_bounded_by_the_buckets_used(model):
         assert torch.equal(loop.generate(ids, 3, GREEDY), want), (batch, length)
     compiles = loop.stats.compiles
     assert compiles["prefill[16]"] <= 2 and compiles["prefill[32]"] == 1 and compiles["prefill"] == 1, compiles
+
+
+def test_greedy_through_a_vocab_parallel_head_reads_the_last_real_position(model, monkeypatch):
+    """Greedy over the tensor-parallel head (tokens without full logits) takes the padded prefill's token at the
+    last real position: one rank, its gather replaced by the local argmax, gives transformers' tokens."""
+    import copy
+
+    from moefx.parallel.lm_head import VocabParallelLMHead
+
+    monkeypatch.setattr(VocabParallelLMHead, "greedy", lambda self, hidden: self.local_logits(hidden).argmax(-1))
+    monkeypatch.setattr(VocabParallelLMHead, "forward", lambda self, hidden: self.local_logits(hidden))
+    sharded = copy.deepcopy(model)
+    weight = sharded.lm_head.weight.detach().clone()
+    sharded.lm_head = VocabParallelLMHead(weight, weight.shape[0], rank=0, world=1, group="unused")
+    loop = DecodeLoop(sharded, prefill_capture_tokens=4096)
+    assert loop._head is sharded.lm_head
+    for length in (5, 17):
+        ids, mask = _request(length, True, 200 + length)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(loop.generate(ids, 6, GREEDY, attention_mask=mask, pad_token_id=0), want), length
+    assert {key[2] for key in loop._slots[2].prefill} == {True}  # the by-head prefill ran
