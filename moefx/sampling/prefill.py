@@ -9,9 +9,10 @@ to the real length. A left-padded request's mask is extended with ones over the 
 The MoE op sees rows × bucket tokens: padded rows cost compute, not correctness.
 
 The forward runs over a DynamicCache, as the unpadded prefill does (attention over the prompt only); under a
-graph its tensors live in the graph's pool, which is the decode graphs' pool. Each bucket compiles its own code
-object with static prompt dimensions, so the compiles are bounded by the buckets used. Prompts longer than the
-largest bucket, or whose rows × bucket exceed the token cap, take the dynamic compiled prefill
+graph its tensors live in the graph's pool, which is the decode graphs' pool. One compiled function serves every
+bucket: the prompt dimension is marked dynamic from the first call, so a new bucket is a new capture, not a new
+inductor compile (at 48 layers one prefill compile took ~75 s of inductor time on the H200, PERF-NOTES).
+Prompts longer than the largest bucket, or whose rows × bucket exceed the token cap, take the dynamic compiled prefill
 (`DecodeLoop._prompt`), as do batches an engine that captures runs without graphs (above its capture sizes):
 padding pays only where it buys a graph, or where the caller asked for it without graphs (the CPU tests).
 """
@@ -67,20 +68,13 @@ class _Bucketed:
 
 
 class BucketedPrefill:
-    """The padded prefill of a `DecodeLoop`: one compiled function per bucket, graphs kept on the slots."""
+    """The padded prefill of a `DecodeLoop`: one compiled function for all buckets, graphs kept on the slots."""
 
     def __init__(self, loop: Any, buckets: Sequence[int], max_tokens: int) -> None:
         self.loop = loop
         self.buckets = tuple(sorted(buckets))
         self.max_tokens = max_tokens
-        self._fns: dict[int, Any] = {}
-
-    def _fn(self, bucket: int) -> Any:
-        fn = self._fns.get(bucket)
-        if fn is None:
-            fn = self._fns[bucket] = self.loop._compile(f"prefill[{bucket}]", types.MethodType(_forward, self.loop),
-                                                        dict(self.loop._compile_kwargs))
-        return fn
+        self._fn = loop._compile("prefill[padded]", types.MethodType(_forward, loop), dict(loop._compile_kwargs))
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
             graphs: bool) -> torch.Tensor | None:
@@ -106,7 +100,7 @@ class BucketedPrefill:
         from transformers import DynamicCache
 
         prompt_cache = DynamicCache(config=self.loop.model.config)
-        scores = self._fn(run.tokens.shape[1])(run.tokens, run.positions, run.cache_position, run.mask,
+        scores = self._fn(run.tokens, run.positions, run.cache_position, run.mask,
                                                prompt_cache, by_head, run.last)
         n = run.keep.shape[0]
         keep = run.keep[None, None, :, None]
@@ -190,11 +184,12 @@ def _buffers(slot: Any, bucket: int, masked: bool) -> _Bucketed:
         length=torch.zeros((), **long),
         keep=torch.zeros(min(bucket, slot.max_len), dtype=torch.bool, device=device),
     )
-    # Static prompt dimensions: dynamo must not make them dynamic when a second bucket comes along.
+    # A dynamic prompt dimension from the first call: every bucket shares one compile.
     for t in (run.tokens, run.positions, run.mask):
         if t is not None:
-            torch._dynamo.mark_static(t, 1)
-    torch._dynamo.mark_static(run.cache_position, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    torch._dynamo.maybe_mark_dynamic(run.cache_position, 0)
+    torch._dynamo.maybe_mark_dynamic(run.keep, 0)
     return run
 
 
