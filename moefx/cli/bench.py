@@ -75,7 +75,8 @@ def summarize(results: dict[str, list[list[dict]]], red_line: float) -> dict:
 
     A sample with `decode_measured` false carries a decode rate the noise made up (t(n) <= t(1)), so it enters
     no aggregate, of any metric; with too few measured samples in either arm the verdict is inconclusive."""
-    measured = {arm: [s for run in runs for s in run if s.get("decode_measured", True)] for arm, runs in results.items()}
+    measured = {arm: [s for run in runs for s in run if s.get("decode_measured", True)]
+                for arm, runs in results.items()}
     counts = {arm: (len(measured[arm]), sum(len(run) for run in runs)) for arm, runs in results.items()}
     pooled = {arm: {m: [s[m] for s in kept] for m in METRICS} for arm, kept in measured.items()}
     medians = {arm: {m: statistics.median(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}

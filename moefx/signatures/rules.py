@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from moefx.config import MOE_BACKENDS, PassConfig
-from moefx.signatures.execution import ExecutionSignature
+from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean
+from moefx.signatures.execution import DEVICE_TYPES, ExecutionSignature
 from moefx.signatures.model import ModelSignature
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelSignature)}
@@ -118,7 +118,7 @@ def _frozen(value: Any) -> Any:
 def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
     side, name = _side(key, where)
     if not isinstance(spec, dict):
-        return [Condition(side, name, "eq", _frozen(spec))]
+        spec = {"eq": spec}
     if not spec:
         raise ValueError(f"{where}: match key {key!r} has an empty condition; operators: {list(_OPERATORS)}")
     out = []
@@ -136,7 +136,37 @@ def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
                 raise ValueError(f"{where}: match key {key!r}: bad regex {value!r}: {exc}") from exc
             value = str(value)
         out.append(Condition(side, name, op, _frozen(value)))
+    for cond in out:
+        _check_reachable(cond, key, where)
     return out
+
+
+def _closed_values(side: str, name: str) -> tuple[str, ...] | None:
+    """Every value a signature field can hold, for the fields whose values moefx fixes (None: any value).
+    A family comes only from a registered provider, so the families are the providers' ones."""
+    if (side, name) == ("model", "family"):
+        from moefx.signatures.registry import PROVIDERS, load_builtin_providers
+
+        load_builtin_providers()
+        return tuple(sorted({p.family for p in PROVIDERS.values()}))
+    if side == "execution" and name == "device_type":
+        return DEVICE_TYPES
+    if side == "execution" and name == "mode":
+        return MODES
+    return None
+
+
+def _check_reachable(cond: Condition, key: str, where: str) -> None:
+    """ValueError for an equality or `in` condition on a value no signature can have: the rule would never
+    match, and say nothing."""
+    valid = _closed_values(cond.side, cond.field)
+    if valid is None or cond.op not in ("eq", "in") or cond.value is None:
+        return
+    values = cond.value if cond.op == "in" else (cond.value,)
+    bad = [v for v in values if v not in valid]
+    if bad:
+        raise ValueError(f"{where}: match key {key!r}: {bad[0]!r} is no value a signature can have, so the rule "
+                         f"would never match; valid choices: {list(valid)}{did_you_mean(str(bad[0]), valid)}")
 
 
 def _passes(spec: Any, where: str) -> dict[str, bool]:
