@@ -287,13 +287,17 @@ class Sweep:
         return max((self.noise(n, m) for n, ts in self.timings.items() if m in ts), default=0.0)
 
     def tied(self, m: int) -> list[str]:
-        """The contenders at M whose gap to the fastest is within the machine's noise there (fastest first); one
-        name when the fastest is decided."""
+        """The contenders at M not clearly slower than the fastest (fastest first; one name when the fastest is
+        decided). Clearly slower: both its median and its best sample are slower by more than the machine's noise
+        there (load only ever adds time, so a contender whose median a busy moment inflated still shows its
+        cost in its best sample)."""
         ranked = sorted((ts[m], n) for n, ts in self.timings.items() if m in ts)
         if not ranked:
             return []
         (t0, first), noise = ranked[0], self.machine_noise(m)
-        return [first] + [n for t, n in ranked[1:] if t / t0 - 1.0 <= noise]
+        best0 = min(self.samples[first][m])
+        return [first] + [n for t, n in ranked[1:]
+                          if t / t0 - 1.0 <= noise or min(self.samples[n][m]) / best0 - 1.0 <= noise]
 
 
 def resolve_close_calls(result: Sweep, retime: Callable[[list[str], int], dict[str, list[float]]],
