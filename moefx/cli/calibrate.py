@@ -254,8 +254,9 @@ def interleave(timers: dict[str, Timer], reps: int, failed: dict[str, str]) -> d
 
 @dataclass
 class Sweep:
-    """One mode's measurements: median µs per (contender, M), the samples behind them, what was not timed, and
-    the grid points where the two fastest stayed within the timing noise (`uncertain`: M -> why)."""
+    """One mode's measurements: median µs per (contender, M), the samples behind them, what was not timed, the
+    grid points whose fastest the timing noise left undecided (`uncertain`: M -> why) and the backend each of
+    them keeps (`pinned`)."""
 
     timings: dict[str, dict[int, float]] = field(default_factory=dict)
     samples: dict[str, dict[int, list[float]]] = field(default_factory=dict)
@@ -329,8 +330,9 @@ def resolve_close_calls(result: Sweep, retime: Callable[[list[str], int], dict[s
                 why = f"kept {pick}"
             gap = result.timings[tied[-1]][m] / result.timings[tied[0]][m] - 1.0
             result.pinned[m] = pick
-            result.uncertain[m] = (f"{' vs '.join(tied)}: {100 * gap:.1f}% apart, within the "
-                                   f"{100 * result.machine_noise(m):.1f}% noise after {rounds} re-timings; {why}")
+            noise = 100 * result.machine_noise(m)
+            result.uncertain[m] = (f"{' vs '.join(tied)} not told apart within the {noise:.1f}% noise after {rounds} "
+                                   f"re-timings (medians up to {100 * gap:.1f}% apart); {why}")
         previous = result.pinned.get(m, tied[0] if tied else previous)
     winners = [result.pinned.get(m) or min((ts[m], n) for n, ts in result.timings.items() if m in ts)[1] for m in ms]
     noise = [result.noise(w, m) for w, m in zip(winners, ms)]
