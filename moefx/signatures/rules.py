@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean
+from moefx.log import warn_once
 from moefx.signatures.execution import DEVICE_TYPES, ExecutionSignature
 from moefx.signatures.model import ModelSignature
 
@@ -141,32 +142,34 @@ def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
     return out
 
 
-def _closed_values(side: str, name: str) -> tuple[str, ...] | None:
-    """Every value a signature field can hold, for the fields whose values moefx fixes (None: any value).
-    A family comes only from a registered provider, so the families are the providers' ones."""
-    if (side, name) == ("model", "family"):
-        from moefx.signatures.registry import PROVIDERS, load_builtin_providers
+def _registered_families() -> tuple[str, ...]:
+    from moefx.signatures.registry import PROVIDERS, load_builtin_providers
 
-        load_builtin_providers()
-        return tuple(sorted({p.family for p in PROVIDERS.values()}))
-    if side == "execution" and name == "device_type":
-        return DEVICE_TYPES
-    if side == "execution" and name == "mode":
-        return MODES
-    return None
+    load_builtin_providers()
+    return tuple(sorted({p.family for p in PROVIDERS.values()}))
 
 
 def _check_reachable(cond: Condition, key: str, where: str) -> None:
-    """ValueError for an equality or `in` condition on a value no signature can have: the rule would never
-    match, and say nothing."""
-    valid = _closed_values(cond.side, cond.field)
-    if valid is None or cond.op not in ("eq", "in") or cond.value is None:
+    """An equality or `in` condition on a value no signature can hold would never match, and say nothing:
+    a device_type or mode outside the ExecutionSignature's choices is a ValueError; a family that no registered
+    provider declares is a warning (only a hand-written signature that states it can have it)."""
+    if cond.op not in ("eq", "in") or cond.value is None:
         return
     values = cond.value if cond.op == "in" else (cond.value,)
-    bad = [v for v in values if v not in valid]
-    if bad:
-        raise ValueError(f"{where}: match key {key!r}: {bad[0]!r} is no value a signature can have, so the rule "
-                         f"would never match; valid choices: {list(valid)}{did_you_mean(str(bad[0]), valid)}")
+    if cond.side == "execution" and cond.field in ("device_type", "mode"):
+        valid = DEVICE_TYPES if cond.field == "device_type" else MODES
+        bad = [v for v in values if v not in valid]
+        if bad:
+            raise ValueError(f"{where}: match key {key!r}: {bad[0]!r} is no value an ExecutionSignature can hold, "
+                             f"so the rule would never match; valid choices: {list(valid)}"
+                             f"{did_you_mean(str(bad[0]), valid)}")
+    elif (cond.side, cond.field) == ("model", "family"):
+        families = _registered_families()
+        bad = [v for v in values if v not in families]
+        if bad:
+            warn_once(f"{where}: match key {key!r}: no registered provider has family {bad[0]!r}, so the rule "
+                      f"matches only a hand-written signature that states it; registered families: {list(families)}"
+                      f"{did_you_mean(str(bad[0]), families)}")
 
 
 def _passes(spec: Any, where: str) -> dict[str, bool]:
