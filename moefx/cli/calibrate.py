@@ -477,8 +477,8 @@ def run(args: argparse.Namespace) -> int:
         "moefx": _moefx_version(),
         "command": _command(args, grid, reps),
         "shape": label,
-        "grid": f"M {', '.join(map(str, grid))} ({len(grid)} points), {reps} reps per point, median; close calls "
-                f"re-timed up to {RETIME_ROUNDS} times",
+        "grid": f"M {', '.join(map(str, grid))} ({len(grid)} points), {reps} reps per point, contenders "
+                f"interleaved, median; close calls re-timed up to {RETIME_ROUNDS} times, then uncertain",
     }
     results, all_ranges, sources = {}, {}, {}
     for mode in modes:
