@@ -520,3 +520,23 @@ def test_calibrate_fp8_quick_writes_an_fp8_row_auto_follows(tmp_path, capsys):
     for m in (1, 5, 16, 100):
         (want,) = [r.backend for r in row.ranges if r.contains(m)]
         assert _choose_fp8(m) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["eager", "capture"])
+def test_calibrate_sweep_times_cuda_contenders_interleaved(mode):
+    """The CUDA timers (events; graph replay in capture) give every contender its reps at every M, interleaved,
+    and the sweep decides or pins every point (no contender dropped for a timer error)."""
+    from moefx.cli import calibrate
+
+    problem = calibrate.Problem(8, 128, 64, 2, torch.bfloat16, "none", torch.device("cuda"), seed=0)
+    names, _ = calibrate._check(problem, [*calibrate.available_backends(torch.device("cuda")), "upstream"])
+    result = calibrate.sweep(problem, names, mode, (1, 2, 8), reps=4)
+    assert not [why for why in result.skipped.values() if "Error" in why], result.skipped
+    assert set(result.timings) == set(names) - set(result.skipped)
+    for name, ts in result.timings.items():
+        assert all(len(result.samples[name][m]) >= 4 and t > 0 for m, t in ts.items())
+    assert set(result.pinned) == set(result.uncertain)
+    ranges = calibrate.crossover_ranges(result.timings, tolerance=result.tolerance, pinned=result.pinned)
+    assert ranges[0].min_m == 1 and ranges[-1].max_m is None
