@@ -50,7 +50,8 @@ class PassConfig:
 
 @dataclass
 class OffloadConfig:
-    experts: str = field(default="gpu", metadata=_choices(*OFFLOAD_DEVICES))
+    # None: not set (MOEFX_OFFLOAD_EXPERTS, else "gpu": the experts stay with the model).
+    experts: str | None = field(default=None, metadata=_choices(*OFFLOAD_DEVICES))
 
 
 @dataclass
@@ -119,7 +120,7 @@ class CompilationConfig:
                     prefix = ".".join(parts[: depth + 1])
                     sections = sorted(k for k, v in node.items() if isinstance(v, dict))
                     where = ".".join(parts[:depth]) or "the config"
-                    valid = (f"valid sections of {where}: {sections}{_did_you_mean(part, sections)}" if sections
+                    valid = (f"valid sections of {where}: {sections}{did_you_mean(part, sections)}" if sections
                              else f"{where} has no sections; its keys: {sorted(node)}")
                     raise ValueError(f"override {item!r}: {prefix!r} is not a config section; {valid}")
                 node = node[part]
@@ -157,7 +158,7 @@ def _load_text_or_path(text: str) -> Any:
     return json.loads(content) if path.suffix.lower() == ".json" else (yaml.safe_load(content) or {})
 
 
-def _did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
+def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -170,7 +171,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         dotted = f"{prefix}{key}"
         if key not in fields:
             raise ValueError(
-                f"unknown config key {dotted!r}; valid keys: {sorted(fields)}{_did_you_mean(key, fields)}"
+                f"unknown config key {dotted!r}; valid keys: {sorted(fields)}{did_you_mean(key, fields)}"
             )
         kwargs[key] = _coerce(hints[key], value, dotted, fields[key].metadata.get("choices"))
     return cls(**kwargs)
@@ -210,7 +211,7 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
         if choices is not None and value not in choices:
             raise ValueError(
                 f"config key {key!r} has invalid value {value!r}; valid choices: {list(choices)}"
-                f"{_did_you_mean(value, choices)}"
+                f"{did_you_mean(value, choices)}"
             )
         return value
     raise TypeError(f"config key {key!r} has an unsupported declared type {tp!r}")

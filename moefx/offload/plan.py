@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moefx.log import warn_once
 from moefx.offload.env import get_setting, setting_source, settings
 from moefx.offload.hw import host_info_from_signature
 
@@ -101,15 +102,21 @@ def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
     """User config > env MOEFX_OFFLOAD_EXPERTS > default gpu; 'auto' decides from model size and free GPU memory.
 
     Every offload/MoE env knob that is set is validated here, offload on or off: a typo fails now, not on the
-    day offload is turned on."""
+    day offload is turned on. An explicit 'gpu' for a model that is not on CUDA keeps the experts where the model
+    is, with a one-time warning and a note in the plan."""
     settings()
-    if cfg.offload.experts != "gpu":
+    if cfg.offload.experts is not None:
         choice, source = cfg.offload.experts, "user config"
     else:
         choice, source = get_setting("MOEFX_OFFLOAD_EXPERTS"), setting_source("MOEFX_OFFLOAD_EXPERTS")
     if choice == "auto":
         choice, source = _auto_decision(ms, es, cfg)
     plan = OffloadPlan(experts=choice, source=source, device_type=es.device_type)
+    if choice == "gpu" and source != "default" and es.device_type != "cuda":
+        note = (f"offload experts 'gpu' ({source}) has no GPU to use: the model runs on {es.device_type}, so its "
+                f"experts stay where the model is ('cpu' offloads the experts of a CUDA model to host memory)")
+        plan.notes.append(note)
+        warn_once(note)
     if choice != "cpu":
         return plan
     host = host_info_from_signature(es)

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from moefx.config import MODES
+from moefx.config import MODES, did_you_mean
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # CPU ISA extensions the offload path cares about, as /proc/cpuinfo spells them.
 CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_vbmi", "amx_bf16", "amx_int8")
 # Published properties of common GPUs, for planning on a machine that does not have them.
@@ -93,7 +94,13 @@ class ExecutionSignature:
         if self.dtype is not None:
             from moefx.signatures.model import normalize_dtype
 
-            object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+            dtype = normalize_dtype(self.dtype)
+            if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(
+                    f"ExecutionSignature dtype {self.dtype!r} is not a torch dtype; valid compute dtypes: "
+                    f"{list(COMPUTE_DTYPES)} (aliases bf16, fp16, fp32){did_you_mean(dtype, COMPUTE_DTYPES)}"
+                )
+            object.__setattr__(self, "dtype", dtype)
         info = self.parallel
         if info is not None and (info.tp_size, info.ep_size) != (self.tp_size, self.ep_size):
             object.__setattr__(self, "parallel", None)  # sizes changed by hand (replace()): the source is stale
@@ -115,9 +122,15 @@ class ExecutionSignature:
         (`moefx.parallel.detect_parallel`); the result's `parallel` says where they came from."""
         from moefx.parallel.info import detect_parallel
 
-        dev = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu"
-        )
+        try:
+            dev = torch.device(device) if device is not None else torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu"
+            )
+        except RuntimeError:
+            raise ValueError(
+                f"device {device!r} is invalid; valid choices: 'cpu', 'cuda', 'cuda:N', or a preset to plan for "
+                f"another machine: {sorted(DEVICE_PRESETS)}{did_you_mean(str(device).lower(), DEVICE_PRESETS)}"
+            ) from None
         name = capability = sms = None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
