@@ -1,6 +1,6 @@
-"""The decode engine's slots (CPU, fp32, eager steps): geometric cache lengths, one memory budget with least-recently-used
-eviction, a request that cannot fit raising before it allocates, the counts in stats and describe(), the
-above-the-cap line, and the budget's config key and env knob."""
+"""The decode engine's slots (CPU, fp32, eager steps): geometric cache lengths, one memory budget with
+least-recently-used eviction, a request that cannot fit raising before it allocates, the counts in stats and
+describe(), the above-the-cap line, and the budget's config key and env knob."""
 
 from __future__ import annotations
 
