@@ -10,8 +10,14 @@ on a loaded 2-core CPU.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -21,6 +27,7 @@ from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.generate import read_request
 from moefx.sampling.slots import cache_bytes
 
+ROOT = Path(__file__).resolve().parents[1]
 REQUESTS = 200
 SAMPLING = ({"temperature": 0.8}, {"temperature": 1.0, "top_k": 20}, {"temperature": 0.7, "top_p": 0.9},
             {"temperature": 1.2, "top_k": 50, "top_p": 0.8})
@@ -89,3 +96,19 @@ def test_a_stream_of_mixed_requests_gives_the_reference_tokens():
     lengths = {length for _, length in engine.slots.keys()}
     assert lengths <= {16, 24, 32, 48, 64}
     assert "evicted" in model.moefx_generate.describe()
+
+
+@pytest.mark.slow
+def test_stream_bench_smoke_run_on_the_cpu(tmp_path):
+    """bench/stream.py end to end on the tiny model (eager steps, a budget its slots overflow): JSON and PASS lines."""
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench" / "stream.py"), "--tiny", "--device", "cpu", "--mode", "eager",
+           "--layers", "2", "--requests", "60", "--max-batch", "8", "--max-prompt", "300", "--max-new", "8",
+           "--memory-budget", "3MiB", "--check-every", "3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "stream_2l.json").read_text())
+    assert data["requests"] == 60 and not data["errors"] and not data["mismatches"] and all(data["checks"].values())
+    assert data["evictions"] > 0 and data["slot_allocations"] == data["slots"] + data["evictions"]
+    assert sum(c["requests"] for c in data["classes"].values()) == 60 and data["checked"]["greedy"] > 0
+    assert proc.stdout.count("PASS: ") == 4
