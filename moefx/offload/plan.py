@@ -90,7 +90,8 @@ def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
     if experts + reserve > 0.9 * free:
         return "cpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB "
                        f"({sequences} sequences{_UNSET if cfg.max_batch_size is None else ''}) > 90% of free GPU")
-    return "gpu", f"auto: experts {experts / 2**30:.1f} GiB fit in free GPU memory {free / 2**30:.1f} GiB"
+    return "gpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB ({sequences} sequences"
+                   f"{_UNSET if cfg.max_batch_size is None else ''}) fit in free GPU memory {free / 2**30:.1f} GiB")
 
 
 def _from_cache(plan: OffloadPlan, ms: Any, es: Any, host: Any) -> None:

@@ -67,7 +67,9 @@ def _free_memory(ms: ModelSignature, es: ExecutionSignature) -> tuple[int | None
     """(free device bytes for the engine, where the figure comes from)."""
     import torch
 
-    if torch.cuda.is_available() and es.device_name == torch.cuda.get_device_name():
+    # Only a process that already uses CUDA is asked (planning must not be what initializes it, e.g. in vLLM's
+    # front-end process before it forks its workers).
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and es.device_name == torch.cuda.get_device_name():
         free, _ = torch.cuda.mem_get_info()
         free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return free, f"{free / _GIB:.1f} GiB free on this {es.device_name}"
