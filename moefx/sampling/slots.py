@@ -150,6 +150,10 @@ class SlotPool:
         """(rows, cache length) of the slots alive, least recently used first."""
         return [(rows, length) for rows, length, _ in self._slots]
 
+    def latest(self, rows: int) -> Any:
+        """The most recently used slot alive of batch bucket `rows` (None: none)."""
+        return next((slot for key, slot in reversed(self._slots.items()) if key[0] == rows), None)
+
     def __len__(self) -> int:
         return len(self._slots)
 
