@@ -1,4 +1,5 @@
-"""A stream of mixed requests through `moefx.optimize(model)` (no config: default capture sizes) + `generate()`.
+"""A stream of mixed requests through `moefx.optimize(model)` (no max_batch_size: the default capture sizes) +
+`generate()`.
 
 Qwen3-MoE at Qwen3-30B-A3B widths, `--layers` deep (default 8), seeded random weights, bf16. `--requests` requests
 (default 500) in a seeded random order, each drawn log-uniformly: batch 1..64, prompt 16..4096 tokens, 1..512 new
@@ -6,7 +7,7 @@ tokens; half greedy, half sampling (three temperature / top-k / top-p settings);
 previous request's output, so they hit), some left-padded, some with stopping criteria (a length limit, a token
 set). The warm-up is the first 50 requests; its last one is the stream's largest (batch 64, prompt 4096, 512 new
 tokens), as a server's profile run is, so memory that grows afterwards is memory the engine did not bound. The
-engine runs under `--memory-budget` (default 8GiB: small enough that its slots fill it during the warm-up and are
+engine runs under `--memory-budget` (default 10GiB: small enough that its slots fill it during the warm-up and are
 evicted and re-allocated all along the stream).
 
 Reports p50/p99 latency and tokens/s per class (batch band x greedy/sampled), captures, compiles, slots (alive,
@@ -14,9 +15,10 @@ allocated, evicted), the buckets used (distinct batch bucket x cache length x sa
 and peak allocated memory after the warm-up vs at the end. Every `--check-every`-th request runs again on the same
 engine with its CUDA graphs off (the uncaptured engine: same compiled steps, buckets and slots, steps called
 directly) from the same seed, and the tokens must be equal. PASS/FAIL lines: no error, tokens equal, peak memory
-growth <= 2% after the warm-up, captures <= 2 x buckets used.
-Estimate on the H200 (8 layers): ~4-6 minutes (decode ~80 steps per request on average, ~400 captures, the
-check-every-4 replays ~10 ms per uncaptured step). Writes $OUT/stream_<layers>l.json.
+growth <= 2% after the warm-up, captures <= 2 x buckets used, and every request ran (`--max-seconds`, default 480,
+stops issuing requests so the report is still written inside the stage's limit).
+Estimate on the H200 (8 layers): ~4-6 minutes (compiles ~1-2 min, decode ~80 steps per request on average, ~400
+captures, the check-every-4 replays ~10 ms per uncaptured step). Writes $OUT/stream_<layers>l.json.
 """
 
 from __future__ import annotations
@@ -132,8 +134,9 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=4096)
     ap.add_argument("--max-new", type=int, default=512)
-    ap.add_argument("--memory-budget", default="8GiB", help="config key memory_budget (fraction or bytes, e.g. 8GiB)")
+    ap.add_argument("--memory-budget", default="10GiB", help="config key memory_budget (fraction or bytes)")
     ap.add_argument("--check-every", type=int, default=4, help="replay every k-th request without graphs (0: none)")
+    ap.add_argument("--max-seconds", type=float, default=480, help="issue no request after this many seconds")
     ap.add_argument("--mode", default="capture")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
     ap.add_argument("--device", default="cuda")
@@ -165,6 +168,9 @@ def main() -> int:
     graphs_on = engine.cuda_graphs
     start_all = time.perf_counter()
     for r in stream:
+        if time.perf_counter() - start_all > args.max_seconds:
+            print(f"stopped after {r['i']} requests: --max-seconds {args.max_seconds:g} reached", flush=True)
+            break
         ids, kwargs = build_kwargs(r, args.device, cfg.vocab_size, last_tokens)
         try:
             torch.manual_seed(r["seed"])
@@ -218,12 +224,13 @@ def main() -> int:
         "tokens equal to the uncaptured engine's": not mismatches and sum(checked.values()) > 0,
         f"peak memory growth <= {GROWTH_BOUND:.0%} after the first {WARMUP}": growth <= GROWTH_BOUND,
         "captures <= 2 x buckets used": stats.captures <= 2 * len(buckets),
+        f"all {len(stream)} requests ran": len(rows) + len(errors) == len(stream),
     }
     result = dict(
         stage="stream", date=datetime.date.today().isoformat(),
         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)",
         versions=dict(torch=torch.__version__), command=" ".join(["python3", *sys.argv]),
-        commit=os.environ.get("MOEFX_COMMIT", "unknown"), layers=args.layers, requests=len(stream),
+        commit=os.environ.get("MOEFX_COMMIT", "unknown"), layers=args.layers, requests=len(stream), ran=len(rows),
         capture_sizes=plan_sizes, memory_budget=stats.memory_budget, seconds=round(total_s, 1),
         tok_s=round(sum(row["tokens"] for row in rows) / sum(row["seconds"] for row in rows), 1) if rows else 0,
         classes=classes, captures=stats.captures, buckets_used=len(buckets), compiles=stats.compiles,

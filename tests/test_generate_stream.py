@@ -111,4 +111,4 @@ def test_stream_bench_smoke_run_on_the_cpu(tmp_path):
     assert data["requests"] == 60 and not data["errors"] and not data["mismatches"] and all(data["checks"].values())
     assert data["evictions"] > 0 and data["slot_allocations"] == data["slots"] + data["evictions"]
     assert sum(c["requests"] for c in data["classes"].values()) == 60 and data["checked"]["greedy"] > 0
-    assert proc.stdout.count("PASS: ") == 4
+    assert proc.stdout.count("PASS: ") == 5 and data["ran"] == 60
