@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -23,6 +24,33 @@ MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "up
 DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
 OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
+# The decode engine's memory budget when neither config nor env sets it: this fraction of the free device memory
+# (measured at its first allocation) leaves the rest to activations and the prefill.
+DEFAULT_MEMORY_BUDGET = 0.7
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def check_memory_budget(value: Any, what: str) -> float:
+    """A memory budget as a number: 0 < x <= 1 is a fraction of free memory, x > 1 is bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be a number > 0 (a fraction of free device memory when <= 1, else bytes), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def parse_memory_budget(raw: str) -> float:
+    """`0.6`, `8e9`, `40GiB`, `512MiB`, `80GB` -> the budget as `check_memory_budget` reads it."""
+    text = raw.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"unknown unit {unit!r}; valid units: {sorted(u for u in _BYTE_UNITS if u)}")
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except ValueError:
+        value = None
+    return check_memory_budget(value, "the memory budget (a fraction in (0, 1] or bytes, e.g. 0.6 or 40GiB)")
 
 
 def _choices(*values: str) -> dict[str, Any]:
@@ -61,7 +89,11 @@ class CompilationConfig:
     dense_backend: str = field(default="auto", metadata=_choices(*DENSE_BACKENDS))
     # capture: compiled, with CUDA graphs where the device has them (compile and eager opt out of those steps).
     mode: str = field(default="capture", metadata=_choices(*MODES))
-    max_batch_size: int = 1
+    # Caps the decode engine's CUDA-graph batch buckets; None: a cap derived from free memory (SPEC §6).
+    max_batch_size: int | None = None
+    # Memory all of the decode engine's slots (static caches, CUDA-graph pools) share: a fraction of the free
+    # device memory when <= 1, else bytes; None: env MOEFX_MEMORY_BUDGET, else DEFAULT_MEMORY_BUDGET.
+    memory_budget: float | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     calibration: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
@@ -75,8 +107,12 @@ class CompilationConfig:
     dynamic: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"config key 'max_batch_size' must be >= 1, got {self.max_batch_size}")
+        mbs = self.max_batch_size
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            raise ValueError(f"config key 'max_batch_size' must be an integer >= 1 or null (null: a cap derived "
+                             f"from free memory), got {mbs!r}")
+        if self.memory_budget is not None:
+            check_memory_budget(self.memory_budget, "config key 'memory_budget'")
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ValueError(
                 f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
@@ -203,6 +239,10 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key {key!r} must be a number, got {value!r}")
         return value
     if tp is str:
         if not isinstance(value, str):

@@ -32,8 +32,38 @@ def test_captured_greedy_equals_transformers_fp32():
         want = stock.generate(ids, max_new_tokens=10, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), want), batch
     stats = model.moefx_generate.engine.stats
-    assert stats.captures == 2 and not stats.uncaptured, stats
-    assert model.moefx_generate.fallbacks == []
+    above = ("batches above the largest capture size 4 decode without a CUDA graph (first: batch 6); config key "
+             "'max_batch_size' sets the largest")
+    assert stats.captures == 2 and stats.uncaptured == [above] and stats.above_cap == 1, stats
+    assert model.moefx_generate.fallbacks == [f"engine: {above}"]
+    assert stats.graph_bytes > 0 and stats.slots == 3  # the graph pools count against the memory budget
+
+
+def test_default_plan_captures_lazily_and_a_request_over_the_budget_fails_before_allocating():
+    """No max_batch_size: capture sizes up to a cap from this GPU's free memory, each captured on first use. A
+    request whose cache cannot fit in the memory budget raises MemoryBudgetError with nothing allocated (no CUDA
+    out-of-memory half-way)."""
+    from moefx.sampling.slots import MemoryBudgetError, cache_bytes
+
+    stock = build_model(tiny_qwen3_moe_config(), seed=2, device="cuda")
+    budget = 4 * cache_bytes(stock.config, 16, 256, torch.float32)
+    model = moefx.optimize(copy.deepcopy(stock), config={"moe_backend": "gemv", "memory_budget": budget})
+    sizes = model.moefx_plan.serving["capture_sizes"]
+    assert sizes[:10] == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96], sizes
+    assert "from memory" in model.moefx_plan.serving_sources["capture_sizes"]
+    ids = _ids(12, 7, 12)
+    want = stock.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    stats = model.moefx_generate.engine.stats
+    assert stats.captures == 1 and stats.slots == 1  # bucket 16 only: nothing captured ahead of use
+    big = _ids(96, 7, 1)  # bucket 96: six times the 16-row cache, above the whole budget
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with pytest.raises(MemoryBudgetError, match="MOEFX_MEMORY_BUDGET"):
+        model.generate(big, max_new_tokens=6, do_sample=False)
+    assert torch.cuda.max_memory_allocated() - before < cache_bytes(stock.config, 96, 256, torch.float32) // 4
+    assert stats.slot_allocations == 1 and stats.slots == 1
 
 
 def test_a_step_that_syncs_the_host_is_not_captured_and_leaves_the_process_healthy():

@@ -38,7 +38,7 @@ def test_padded_prefill_gives_the_unpadded_logits_and_cache(model, masked):
         padded.generate(ids, 1, GREEDY, attention_mask=mask, logits_out=got)
         plain.generate(ids, 1, GREEDY, attention_mask=mask, logits_out=want)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-        slot, ref = padded._slots[2], plain._slots[2]
+        slot, ref = padded.slots.latest(2), plain.slots.latest(2)
         assert (pick_bucket(2, length, PREFILL_BUCKETS, 4096), masked, False) in slot.prefill, length
         for layer, other in zip(slot.cache.layers, ref.cache.layers):
             for name in ("keys", "values"):
@@ -46,7 +46,7 @@ def test_padded_prefill_gives_the_unpadded_logits_and_cache(model, masked):
                 torch.testing.assert_close(mine[:, :, :length], theirs[:, :, :length], atol=1e-5, rtol=1e-5)
                 assert not mine[:, :, length:].any(), (length, name)  # padded positions never written
             assert int(layer.cumulative_length) == length
-    assert not plain._slots[2].prefill and padded.stats.prefill_buckets == PREFILL_BUCKETS
+    assert not plain.slots.latest(2).prefill and padded.stats.prefill_buckets == PREFILL_BUCKETS
 
 
 def test_padded_positions_keep_what_the_cache_held(model):
@@ -54,7 +54,7 @@ def test_padded_positions_keep_what_the_cache_held(model):
     loop = DecodeLoop(model, prefill_capture_tokens=4096)
     ids, _ = _request(9, False, 0)
     loop.generate(ids, 1, GREEDY)
-    slot = loop._slots[2]
+    slot = loop.slots.latest(2)
     for layer in slot.cache.layers:
         layer.keys.fill_(7.0)
         layer.values.fill_(7.0)
@@ -72,7 +72,7 @@ def test_greedy_after_the_padded_prefill_equals_transformers(model, masked):
         want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         got = loop.generate(ids, 8, GREEDY, attention_mask=mask, pad_token_id=0)
         assert torch.equal(got, want), length
-    assert len(loop._slots[2].prefill) == 2  # 5 -> 16, 17 -> 32; 40 at two rows exceeds the cap: unpadded
+    assert len(loop.slots.latest(2).prefill) == 2  # 5 -> 16, 17 -> 32; 40 at two rows exceeds the cap: unpadded
 
 
 def test_prefill_buckets_and_the_config_key_are_validated():
@@ -124,4 +124,4 @@ def test_greedy_through_a_vocab_parallel_head_reads_the_last_real_position(model
         ids, mask = _request(length, True, 200 + length)
         want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(loop.generate(ids, 6, GREEDY, attention_mask=mask, pad_token_id=0), want), length
-    assert {key[2] for key in loop._slots[2].prefill} == {True}  # the by-head prefill ran
+    assert {key[2] for key in loop.slots.latest(2).prefill} == {True}  # the by-head prefill ran

@@ -1,4 +1,5 @@
-"""The one declarative table of offload/MoE environment knobs (SPEC §5): the single place each default lives.
+"""The one declarative table of moefx's environment knobs (SPEC §5: offload and MoE; the decode engine's memory
+budget): the single place each default lives.
 
 `get_setting(name)` reads the environment every call (so tests and launchers can change it), maps a
 legacy alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
@@ -12,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.config import DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES
+from moefx.config import DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES, parse_memory_budget
 from moefx.log import warn_once
 
 _TRUE = ("1", "true", "on", "yes")
@@ -125,6 +126,13 @@ SETTINGS: tuple[EnvSetting, ...] = (
         _choice_parser(DENSE_BACKENDS),
         "auto",
         "force the backend of every moefx::dense_linear call: upstream (torch linear) or gemv (safety checks apply)",
+    ),
+    EnvSetting(
+        "MOEFX_MEMORY_BUDGET",
+        parse_memory_budget,
+        None,
+        "memory the decode engine's slots (static caches, CUDA-graph pools) share: a fraction of free device memory "
+        "(0.6) or bytes (40GiB); config key memory_budget wins over it; unset = 0.7",
     ),
 )
 

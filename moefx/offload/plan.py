@@ -66,6 +66,15 @@ def _estimate_bytes(ms: Any) -> tuple[int | None, int | None]:
     return experts, kv
 
 
+_UNSET = ": max_batch_size unset, the decode engine's memory budget bounds the rest"
+
+
+def kv_reserve_sequences(cfg: Any) -> int:
+    """Sequences the offload KV reserve is sized for: max_batch_size, or one when it is unset (the decode engine
+    then bounds its caches by its own memory budget, SAMPLING.md)."""
+    return cfg.max_batch_size or 1
+
+
 def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
     if es.device_type != "cuda":
         return "gpu", f"auto: runs on {es.device_type}, experts stay with the model"
@@ -77,10 +86,13 @@ def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
     if not torch.cuda.is_available():
         return "gpu", "auto: free GPU memory unknown on this machine (planning for another one); experts stay on GPU"
     free, _ = torch.cuda.mem_get_info()
-    reserve = (kv or 0) * cfg.max_batch_size * (cfg.prefill_token_budget or 4096)
+    sequences = kv_reserve_sequences(cfg)
+    reserve = (kv or 0) * sequences * (cfg.prefill_token_budget or 4096)
     if experts + reserve > 0.9 * free:
-        return "cpu", f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB > 90% of free GPU"
-    return "gpu", f"auto: experts {experts / 2**30:.1f} GiB fit in free GPU memory {free / 2**30:.1f} GiB"
+        return "cpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB "
+                       f"({sequences} sequences{_UNSET if cfg.max_batch_size is None else ''}) > 90% of free GPU")
+    return "gpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB ({sequences} sequences"
+                   f"{_UNSET if cfg.max_batch_size is None else ''}) fit in free GPU memory {free / 2**30:.1f} GiB")
 
 
 def _from_cache(plan: OffloadPlan, ms: Any, es: Any, host: Any) -> None:

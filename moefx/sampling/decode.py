@@ -12,7 +12,11 @@ criteria) runs as:
   params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
 The only host read is the "every row finished?" flag, copied to pinned memory and read one step late (the
 step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
-as finished from the start; a batch above the largest bucket runs the same steps without graphs.
+as finished from the start; a batch above the largest bucket runs the same steps without graphs, and says so
+once (a warning and a line in `stats.uncaptured`).
+Slots (a bucket's static cache at one cache length, its buffers and graphs) live in a `SlotPool`
+(`moefx/sampling/slots.py`): cache lengths grow geometrically, and all slots and graph pools share one memory
+budget, least-recently-used slots freed first; a request whose slot cannot fit raises before it allocates.
 
 Each compiled function gets a code object of its own (`_own_code`): dynamo keeps compiled entries per code
 object and stops compiling one after `recompile_limit` entries, so two models must not share them, and the
@@ -35,10 +39,10 @@ import torch
 from moefx.log import get_logger, warn_once
 from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.sampler import SamplingParams, sample
+from moefx.sampling.slots import SlotPool, cache_bytes
 
 log = get_logger("moefx.sampling")
 
-CACHE_LEN_STEP = 256  # static cache lengths are rounded up to this, so nearby requests share graphs
 MAX_EOS_IDS = 8  # EOS ids live in a fixed-size buffer (padded with -1) so graphs survive a change of EOS
 
 
@@ -100,8 +104,10 @@ class _Slot:
 @dataclass
 class EngineStats:
     """What the engine did in this process: compiles per function and the seconds their backend took (inductor and
-    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one. Prefill graphs are
-    counted apart, with the bytes their captures added to the allocator's reserved memory (warm-ups included)."""
+    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one, and its slots: alive,
+    allocated, evicted, the bytes their caches and graph pools hold, and the memory budget. Prefill graphs are
+    counted apart too, with the bytes their captures added to the allocator's reserved memory (warm-ups
+    included); those bytes also count against the memory budget."""
 
     compiles: dict[str, int] = field(default_factory=dict)
     compile_s: dict[str, float] = field(default_factory=dict)
@@ -111,6 +117,19 @@ class EngineStats:
     prefill_buckets: tuple[int, ...] = ()
     prefill_captures: int = 0
     prefill_graph_bytes: int = 0
+    above_cap: int = 0  # requests whose batch was above the largest capture size
+    slots: int = 0
+    slot_allocations: int = 0
+    evictions: int = 0
+    cache_bytes: int = 0
+    graph_bytes: int = 0
+    memory_budget: str = "not set yet (fixed at the first allocation)"
+
+    def describe_slots(self) -> str:
+        mib = 2**20
+        return (f"{self.slots} slots alive ({self.slot_allocations} allocated, {self.evictions} evicted), caches "
+                f"{self.cache_bytes / mib:.1f} MiB + graph pools {self.graph_bytes / mib:.1f} MiB of budget "
+                f"{self.memory_budget}")
 
 
 class DecodeLoop:
@@ -121,10 +140,11 @@ class DecodeLoop:
     inputs) captures each decode step once per batch bucket and sampling params and replays it; the backend
     must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets (None: every batch size is
     its own bucket); batches above the largest run without graphs. `max_len` fixes the cache length (None:
-    the request's prompt + new tokens, rounded up to `CACHE_LEN_STEP`). `forward` is the model forward to
-    call (default `model.forward`; `optimize` passes the uncompiled one). `prefill_capture_tokens` caps
-    rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off, every prompt runs unpadded;
-    None: `PREFILL_CAPTURE_TOKENS` with `cuda_graphs` and `compile_kwargs`, else off).
+    the request's prompt + new tokens, rounded up to a geometric length bucket, `moefx/sampling/slots.py`).
+    `memory_budget` bounds all slots together (None: env MOEFX_MEMORY_BUDGET, else the default; see slots.py).
+    `forward` is the model forward to call (default `model.forward`; `optimize` passes the uncompiled one).
+    `prefill_capture_tokens` caps rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off,
+    every prompt runs unpadded; None: `PREFILL_CAPTURE_TOKENS` with `cuda_graphs` and `compile_kwargs`, else off).
     """
 
     def __init__(
@@ -136,6 +156,7 @@ class DecodeLoop:
         capture_sizes: Sequence[int] | None = None,
         forward: Callable[..., Any] | None = None,
         prefill_capture_tokens: int | None = None,
+        memory_budget: float | None = None,
     ) -> None:
         from transformers import StaticCache
 
@@ -158,7 +179,7 @@ class DecodeLoop:
         self.capture_sizes = sorted(set(capture_sizes)) if capture_sizes else []
         self.compiled = compile_kwargs is not None
         self.stats = EngineStats()
-        self._slots: dict[int, _Slot] = {}
+        self.slots = SlotPool(self.stats, memory_budget)
         self._pool: Any = None
         kw = self._compile_kwargs = dict(compile_kwargs or {})
         self._prefill = self._compile("prefill", self._run, kw)
@@ -232,13 +253,17 @@ class DecodeLoop:
         return batch, False
 
     def _slot(self, rows: int, needed: int, device: torch.device) -> _Slot:
-        slot = self._slots.get(rows)
-        if slot is not None and slot.max_len >= needed and slot.state["seq"].device == device:
-            return slot
-        max_len = self.max_len or -(-needed // CACHE_LEN_STEP) * CACHE_LEN_STEP
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        max_len = self.max_len or self.slots.cache_len(needed, positions)
         if needed > max_len:
             raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the cache length max_len={max_len}")
-        self._slots.pop(rows, None)  # free the old cache (and its graphs) before allocating the new one
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        nbytes = cache_bytes(self.model.config, rows, max_len, dtype)
+        slot = self.slots.find(rows, max_len, device, nbytes)
+        if slot is not None:
+            return slot
+        # Before anything is allocated: evict least-recently-used slots, or raise MemoryBudgetError.
+        self.slots.make_room(f"a static cache for batch {rows} x {max_len} positions", nbytes, device)
         cache = self._cache_cls(config=self.model.config, max_cache_len=max_len)
         long = {"dtype": torch.long, "device": device}
         state = {
@@ -258,7 +283,9 @@ class DecodeLoop:
         with torch.no_grad():
             self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
         cache.reset()
-        self._slots[rows] = slot
+        held = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None),
+                                                                 getattr(layer, "values", None)) if t is not None)
+        self.slots.add(slot, device, max(held + 2 * slot.mask.nbytes, nbytes))
         return slot
 
     def _graph(self, slot: _Slot, params: SamplingParams, masked: bool,
@@ -266,7 +293,9 @@ class DecodeLoop:
         """The captured step for these params (captured on first use), or (None, None) to run it directly."""
         key = (params, masked, by_head)
         if key not in slot.graphs:
-            slot.graphs[key] = self._capture(slot, params, masked, by_head)
+            # The graph pool's growth counts against the memory budget (other slots may be freed for it).
+            with self.slots.graph_memory("decode", slot.state["seq"].device, keep=slot):
+                slot.graphs[key] = self._capture(slot, params, masked, by_head)
         return slot.graphs[key]
 
     def _capture(self, slot: _Slot, params: SamplingParams, masked: bool,
@@ -316,6 +345,14 @@ class DecodeLoop:
         log.info("decode step captured for batch %d, cache length %d", slot.batch, slot.max_len)
         return graph, logits
 
+    def _above_cap(self, batch: int) -> None:
+        self.stats.above_cap += 1
+        if self.stats.above_cap == 1:
+            message = (f"batches above the largest capture size {self.capture_sizes[-1]} decode without a CUDA graph "
+                       f"(first: batch {batch}); config key 'max_batch_size' sets the largest")
+            self.stats.uncaptured.append(message)
+            warn_once(f"moefx generate(): {message}")
+
     def _uncaptured(self, slot: _Slot, why: str) -> tuple[None, None]:
         message = f"batch {slot.batch} decodes without a CUDA graph: {why}"
         self.stats.uncaptured.append(message)
@@ -350,6 +387,8 @@ class DecodeLoop:
         device = input_ids.device
         rows, graphs = self.bucket(batch)
         graphs = graphs and device.type == "cuda"
+        if self.cuda_graphs and self.capture_sizes and batch > self.capture_sizes[-1]:
+            self._above_cap(batch)
         slot = self._slot(rows, prompt + max_new_tokens, device)
         self.stats.requests += 1
         st = slot.state

@@ -148,7 +148,9 @@ class BucketedPrefill:
         torch.cuda.set_rng_state(rng, device)
         run.graph, run.out = graph, out
         loop.stats.prefill_captures += 1
-        loop.stats.prefill_graph_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
+        grown = max(0, torch.cuda.memory_reserved(device) - reserved)
+        loop.stats.prefill_graph_bytes += grown
+        loop.slots.record_graph_bytes("prefill", grown, device, keep=slot)  # within the engine's memory budget
         log.info("prefill captured for bucket %d, batch %d%s", bucket, slot.batch, " (left-padded)" if masked else "")
 
     def _uncaptured(self, slot: Any, bucket: int, why: str) -> None:

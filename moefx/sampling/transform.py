@@ -29,15 +29,22 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     offloaded = any(hasattr(module, "moefx_offload") for module in model.modules())
     prefill_tokens = getattr(config, "prefill_capture_tokens", 0) if graphs and not offloaded else 0
     engine = DecodeLoop(model, compile_kwargs=compile_kwargs, cuda_graphs=graphs, capture_sizes=sizes or None,
-                        forward=model.forward, prefill_capture_tokens=prefill_tokens)
+                        forward=model.forward, prefill_capture_tokens=prefill_tokens,
+                        memory_budget=getattr(config, "memory_budget", None))
     install_generate(model, engine)
     steps = "eager steps (mode eager)" if compile_kwargs is None else "compiled prefill and decode step"
     prefill = (f"; prefill padded to prompt buckets {list(engine.stats.prefill_buckets)} (rows × bucket <= "
                f"{prefill_tokens}) and captured" if prefill_tokens else "")
-    where = (f"decode steps replayed from CUDA graphs for batches {sizes} (padded to the bucket; larger "
-             f"batches without graphs){prefill}" if graphs else f"no CUDA graphs (mode {mode} on {device})")
+    where = (f"decode steps replayed from CUDA graphs for batches {sizes}, each captured on first use (padded to "
+             f"the bucket; larger batches without graphs, said once in fallbacks){prefill}" if graphs
+             else f"no CUDA graphs (mode {mode} on {device})")
+    slots = engine.slots
+    budget = f"{slots.setting:g} of free memory" if slots.setting <= 1 else f"{slots.setting / 2**20:.0f} MiB"
     return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
-            f"loop (model.moefx_generate.fallbacks says why)"]
+            f"loop (model.moefx_generate.fallbacks says why)",
+            f"decode engine memory: cache lengths {slots.min_len}, {slots.min_len * 3 // 2}, {slots.min_len * 2}, "
+            f"... (x1.5 / x4/3 steps); all slots and graph pools within a budget of {budget} ({slots.source}), "
+            f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
 
 
 @register_model_transform("sampling", order=50)

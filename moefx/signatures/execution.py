@@ -27,6 +27,11 @@ DEVICE_PRESETS: dict[str, dict[str, Any]] = {
     "l40s": {"device_name": "NVIDIA L40S", "capability": (8, 9), "multiprocessor_count": 142},
     "rtx4090": {"device_name": "NVIDIA GeForce RTX 4090", "capability": (8, 9), "multiprocessor_count": 128},
 }
+# Published memory of those GPUs (GiB), for the serving hints of a plan made without the device at hand.
+DEVICE_MEMORY_GIB: dict[str, float] = {
+    "NVIDIA H200": 140.0, "NVIDIA H100 80GB HBM3": 79.6, "NVIDIA A100-SXM4-80GB": 79.2, "NVIDIA L40S": 44.5,
+    "NVIDIA GeForce RTX 4090": 23.6,
+}
 
 
 def read_cpu_isa(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[str, ...]:
@@ -69,7 +74,7 @@ class ExecutionSignature:
     mode: str = "compile"
     tp_size: int = 1
     ep_size: int = 1
-    max_batch_size: int = 1
+    max_batch_size: int | None = None  # None: no cap given (the plan derives one from memory)
     cpu_isa: tuple[str, ...] = ()
     numa_nodes: int = 1
     # Where tp_size/ep_size came from and this process's ranks (a moefx.parallel.ParallelInfo). Not part of the
@@ -83,8 +88,11 @@ class ExecutionSignature:
             raise ValueError(f"ExecutionSignature mode {self.mode!r} is invalid; valid choices: {list(MODES)}")
         for name in ("tp_size", "ep_size", "max_batch_size", "numa_nodes"):
             value = getattr(self, name)
+            if name == "max_batch_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ExecutionSignature {name} must be an integer >= 1, got {value!r}")
+                none = " or None" if name == "max_batch_size" else ""
+                raise ValueError(f"ExecutionSignature {name} must be an integer >= 1{none}, got {value!r}")
         if self.capability is not None:
             object.__setattr__(self, "capability", tuple(int(x) for x in self.capability))
         unknown = set(self.cpu_isa) - set(CPU_ISA_FLAGS)
@@ -112,7 +120,7 @@ class ExecutionSignature:
         mode: str = "compile",
         tp_size: int | None = None,
         ep_size: int | None = None,
-        max_batch_size: int = 1,
+        max_batch_size: int | None = None,
         dtype: torch.dtype | str | None = None,
         model: torch.nn.Module | None = None,
     ) -> ExecutionSignature:
@@ -191,4 +199,5 @@ class ExecutionSignature:
     def describe(self) -> str:
         where = self.device_name or self.device_type
         cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability and len(self.capability) == 2 else ""
-        return f"{where}{cap} mode={self.mode} tp={self.tp_size} ep={self.ep_size} max_batch={self.max_batch_size}"
+        batch = self.max_batch_size or "from memory"
+        return f"{where}{cap} mode={self.mode} tp={self.tp_size} ep={self.ep_size} max_batch={batch}"
