@@ -7,7 +7,7 @@ hit instead of a compile. Dynamo still traces each function (seconds), and CUDA 
 On the CPU the generated C++ is built again on load (only its source is kept), so a warm CPU process still
 pays the C++ compiler.
 
-One file per engine identity — model signature, device (name, capability, SMs), dtype, mode, parallel sizes,
+One file per engine identity — model signature, device (name, capability, SMs, CPU ISA), dtype, mode, parallel sizes,
 max batch size, capture buckets and the config hash — under `<moefx cache folder>/compile/` (`machine.cache_dir()`,
 i.e. `$XDG_CACHE_HOME/moefx/compile`), or the folder the config key `compile_cache` / `MOEFX_COMPILE_CACHE` names.
 Its header holds the format version, that identity, a stamp (torch, triton, transformers and moefx versions,
@@ -116,6 +116,7 @@ class CompileCache:
         identity = {
             "model": plan.model.key(), "device": es.device_type, "device_name": es.device_name,
             "capability": list(es.capability) if es.capability else None, "sms": es.multiprocessor_count,
+            "cpu_isa": list(es.cpu_isa),
             "dtype": es.dtype, "mode": es.mode, "tp": es.tp_size, "ep": es.ep_size,
             "max_batch_size": es.max_batch_size, "buckets": list(buckets), "config": config.compute_hash(),
         }
