@@ -105,6 +105,9 @@ class CompilationConfig:
     strict: bool = False
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
     dynamic: bool | None = None
+    # Persistent compile artifacts of the generate() engine: true, false or a folder; None: MOEFX_COMPILE_CACHE,
+    # else on (moefx/sampling/compile_cache.py).
+    compile_cache: bool | str | None = None
 
     def __post_init__(self) -> None:
         mbs = self.max_batch_size
@@ -120,6 +123,8 @@ class CompilationConfig:
         from moefx.sampling.prefill import prefill_buckets
 
         prefill_buckets(self.prefill_capture_tokens)  # raises ValueError naming the key and the valid values
+        if isinstance(self.compile_cache, str) and not self.compile_cache.strip():
+            raise ValueError("config key 'compile_cache' must be true, false, null or a folder path, got ''")
 
     @classmethod
     def from_any(cls, x: Any = None) -> CompilationConfig:
@@ -166,6 +171,7 @@ class CompilationConfig:
     def compute_hash(self) -> str:
         """Stable across processes; covers every field and the content of referenced rule/table files."""
         payload = self.to_dict()
+        del payload["compile_cache"]  # where compile artifacts are kept is no input to a compile
         payload["_files"] = {p: _file_digest(p) for p in [*self.calibration, *self.rules]}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -219,6 +225,14 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if len(args) > 1:  # e.g. bool | str: the first type that takes the value
+            for arg in args:
+                try:
+                    return _coerce(arg, value, key, choices)
+                except ValueError:
+                    continue
+            names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+            raise ValueError(f"config key {key!r} must be {names} (or null), got {value!r}")
         tp, origin = args[0], typing.get_origin(args[0])
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
-from moefx.log import get_logger, warn_once
+from moefx.log import get_logger, progress_logger, warn_once
 from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.sampler import SamplingParams, sample
 from moefx.sampling.slots import SlotPool, cache_bytes
 
 log = get_logger("moefx.sampling")
+progress = progress_logger()
 
 MAX_EOS_IDS = 8  # EOS ids live in a fixed-size buffer (padded with -1) so graphs survive a change of EOS
 
@@ -200,16 +201,24 @@ class DecodeLoop:
         backend = kw.get("backend", "inductor")
         stats = self.stats
 
+        label = backend if isinstance(backend, str) else (
+            "inductor + moefx passes" if hasattr(backend, "pass_manager") else getattr(backend, "__name__", "backend"))
+        counters = torch._dynamo.utils.counters["inductor"]
+
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            stats.compiles[name] = stats.compiles.get(name, 0) + 1
-            start = time.perf_counter()
+            count = stats.compiles[name] = stats.compiles.get(name, 0) + 1
+            progress.info("compiling %s%s (%s)...", name, f" again (compile {count})" if count > 1 else "", label)
+            start, hits = time.perf_counter(), counters["fxgraph_cache_hit"]
             if isinstance(backend, str):
                 from torch._dynamo import lookup_backend
 
                 compiled = lookup_backend(backend)(gm, example_inputs)
             else:
                 compiled = backend(gm, example_inputs)
-            stats.compile_s[name] = round(stats.compile_s.get(name, 0.0) + time.perf_counter() - start, 2)
+            took = time.perf_counter() - start
+            stats.compile_s[name] = round(stats.compile_s.get(name, 0.0) + took, 2)
+            cached = " (from the compile cache)" if counters["fxgraph_cache_hit"] > hits else ""
+            progress.info("%s compiled in %.1f s%s", name, took, cached)
             return compiled
 
         from moefx.compile import with_exact_floats
@@ -304,6 +313,8 @@ class DecodeLoop:
         if why is not None:
             return self._uncaptured(slot, why)
         device = slot.state["seq"].device
+        progress.info("capturing the decode step for batch %d (cache length %d)...", slot.batch, slot.max_len)
+        start = time.perf_counter()
         # Warm-up steps compile the functions and advance the state; the state and each layer's write
         # position are put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
         saved = {k: v.clone() for k, v in slot.state.items()}
@@ -342,7 +353,7 @@ class DecodeLoop:
             self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
         self.stats.captures += 1
-        log.info("decode step captured for batch %d, cache length %d", slot.batch, slot.max_len)
+        progress.info("decode step for batch %d captured in %.1f s", slot.batch, time.perf_counter() - start)
         return graph, logits
 
     def _above_cap(self, batch: int) -> None:
