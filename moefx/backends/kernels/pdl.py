@@ -12,11 +12,13 @@ import os
 
 import torch
 
+from moefx.backends.memo import device_capability
+
 
 def pdl_supported(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device_capability(device) >= (9, 0)
 
 
 def pdl_launch(enabled: bool) -> dict[str, bool]:
