@@ -16,6 +16,7 @@
 #                                                        #   TP=2/4; one GPU), tp, tp-peer (2-4 GPUs: bench/tp.py)
 #                                                        #   dense (dense-linear gemv vs cuBLAS + calibration rows) dense-sweep
 #                                                        #   moe-backward (autograd vs transformers' grouped_mm)
+#                                                        #   dispatch (host time per moefx op call vs the 15 us target)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -92,6 +93,7 @@ for s in "${stages[@]}"; do
         gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
+        dispatch) run_stage dispatch 240 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
@@ -105,7 +107,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b dense" \
-            "dense-sweep gpu-gen)" ;;
+            "dense-sweep gpu-gen dispatch)" ;;
     esac
 done
 pack
