@@ -106,12 +106,16 @@ def select_backend(
     if capturing is None:
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
     bs = tuple(block_shape) if block_shape is not None else None
-    key = (tensor_meta(hidden), topk_ids.shape, tensor_meta(w13), tensor_meta(w2), w13_scale is None, bs, backend,
-           upstream, capturing, activation, gate_limit, env_token(), calibration._generation, torch.get_num_threads())
-    found = _DECISIONS.get(key)
-    if found is None or BACKENDS.get(found[0]) is not found[2]:
-        found = _DECISIONS.put(key, _decide(hidden, topk_ids, w13, w2, w13_scale, bs, backend, upstream, capturing,
-                                            activation, gate_limit))
+    args = (hidden, topk_ids, w13, w2, w13_scale, bs, backend, upstream, capturing, activation, gate_limit)
+    if torch.compiler.is_compiling():  # traced (vLLM's compiled forward calls this): shapes may be symbolic
+        found = _decide(*args)
+    else:
+        key = (tensor_meta(hidden), topk_ids.shape, tensor_meta(w13), tensor_meta(w2), w13_scale is None, bs,
+               backend, upstream, capturing, activation, gate_limit, env_token(), calibration._generation,
+               torch.get_num_threads())
+        found = _DECISIONS.get(key)
+        if found is None or BACKENDS.get(found[0]) is not found[2]:
+            found = _DECISIONS.put(key, _decide(*args))
     name, warning, _ = found
     if warning:
         warn_once(warning)  # once per process, as on the call that decided
