@@ -254,9 +254,12 @@ def cpu_stand_ins() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def run(device: str, ms: tuple[int, ...], calls: int, profile_calls: int) -> dict:
+def run(device: str, ms: tuple[int, ...], calls: int, profile_calls: int, out: Path) -> dict:
+    """Every case at every M; the JSON is rewritten after each row, so a run stopped at its limit keeps what it has
+    (the first call of each shape compiles its Triton kernels)."""
     cuda = device == "cuda"
-    rows = []
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton launches stubbed)",
+              "torch": torch.__version__, "target_us": TARGET_US, "calls": calls, "rows": []}
     weights = make_weights(device)
     for m in ms:
         inp = make_inputs(m, device, weights)
@@ -266,12 +269,12 @@ def run(device: str, ms: tuple[int, ...], calls: int, profile_calls: int) -> dic
             if cuda and profile_calls:
                 row["profiler_self_us"] = {k: round(v, 2) for k, v in profiler_self_us(fn, profile_calls).items()}
             row["ok"] = name.startswith(("aten::", "floor/")) or row["host_us"] <= TARGET_US
-            rows.append(row)
+            result["rows"].append(row)
+            (out / "dispatch.json").write_text(json.dumps(result, indent=1))
             extra = "  ".join(f"{k} {v}" for k, v in row.get("profiler_self_us", {}).items())
             print(f"{name:28s} M={m:5d}  host {row['host_us']:8.2f} us  {'ok' if row['ok'] else 'OVER'}  {extra}",
                   flush=True)
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton launches stubbed)",
-            "torch": torch.__version__, "target_us": TARGET_US, "calls": calls, "rows": rows}
+    return result
 
 
 def main() -> None:
@@ -286,6 +289,8 @@ def main() -> None:
     import moefx.backends
     import moefx.ops.decode_attention  # noqa: F401
 
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
     stand_ins = cpu_stand_ins() if args.device == "cpu" else contextlib.nullcontext()
     with torch.no_grad(), stand_ins:
         if args.cprofile:
@@ -302,10 +307,7 @@ def main() -> None:
             print(f"{name} M={m}: {args.calls} calls")
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             return
-        result = run(args.device, ms, args.calls, args.profile_calls)
-    out = Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dispatch.json").write_text(json.dumps(result, indent=1))
+        result = run(args.device, ms, args.calls, args.profile_calls, out)
     over = [f"{r['op']} M={r['M']}" for r in result["rows"] if not r["ok"]]
     print(f"target {TARGET_US} us per call: {'all within' if not over else 'over: ' + ', '.join(over)}")
 

@@ -93,7 +93,7 @@ for s in "${stages[@]}"; do
         gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
-        dispatch) run_stage dispatch 240 python3 bench/dispatch.py ;;
+        dispatch) run_stage dispatch 420 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
