@@ -152,3 +152,16 @@ def test_shape_memo_is_bounded():
     for i in range(5):
         memo.put(i, str(i))
     assert len(memo) == 3 and memo.get(0) is None and memo.get(4) == "4"
+
+
+def test_routing_checks_raise_on_every_call_and_valid_keys_run():
+    from moefx.backends.routing import fused_topk_torch
+
+    logits = torch.randn(5, 8)
+    for _ in range(2):  # a bad key is never memoized
+        with pytest.raises(ValueError, match="top_k=9"):
+            torch.ops.moefx.fused_topk(logits, 9, "softmax", True, None, 1, 1, 1.0)
+    for _ in range(2):
+        w, ids = torch.ops.moefx.fused_topk(logits, 2, "softmax", True, None, 1, 1, 1.0)
+        want_w, want_ids = fused_topk_torch(logits, 2)
+        assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
