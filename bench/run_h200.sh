@@ -19,6 +19,7 @@
 #                                                        #   moe-backward (autograd vs transformers' grouped_mm)
 #                                                        #   coldstart coldstart-48 (first call: cold vs a new process
 #                                                        #   with moefx's compile cache, vs transformers; bench/coldstart.py)
+#                                                        #   dispatch (host time per moefx op call vs the 15 us target)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -99,6 +100,7 @@ for s in "${stages[@]}"; do
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
         coldstart) run_stage coldstart 540 python3 bench/coldstart.py --layers 8 --batch 1 ;;
         coldstart-48) run_stage coldstart-48 580 python3 bench/coldstart.py --layers 48 --batch 1 ;;
+        dispatch) run_stage dispatch 420 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
@@ -112,7 +114,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b dense" \
-            "dense-sweep gpu-gen stream coldstart coldstart-48)" ;;
+            "dense-sweep gpu-gen stream coldstart coldstart-48 dispatch)" ;;
     esac
 done
 pack

@@ -137,6 +137,7 @@ SETTINGS: tuple[EnvSetting, ...] = (
 )
 
 _BY_NAME: dict[str, EnvSetting] = {s.name: s for s in SETTINGS}
+_VARS: dict[str, tuple[str, ...]] = {s.name: (s.name, *s.aliases) for s in SETTINGS}
 
 
 def _lookup(name: str) -> EnvSetting:
@@ -170,6 +171,15 @@ def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
         pairs = ", ".join(f"{var}={env[var]!r}" for var, _ in found)
         raise ValueError(f"conflicting values for {setting.name}: {pairs}; set only {setting.name}")
     return found[0][1]
+
+
+def setting_raw(name: str) -> tuple[str | None, ...]:
+    """The raw environment values of setting `name` and its aliases: part of a memo key for anything decided from
+    the setting (moefx/backends/memo.py), so a changed value gives a new key without parsing it on every call."""
+    found = _VARS.get(name)
+    if found is None:
+        _lookup(name)  # raises, naming the valid settings
+    return tuple(os.environ.get(var) for var in found)
 
 
 def setting_source(name: str, environ: Mapping[str, str] | None = None) -> str:
