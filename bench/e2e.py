@@ -16,9 +16,9 @@ Floor = weight bytes one decode step reads (every non-expert weight, in each lay
 batch's top-k hit, B embedding rows) / the measured HBM copy rate; the distinct experts are counted on the plain
 model over two decode steps of the measured batch before any arm runs (`experts_hit`: their mean per layer).
 Greedy agreement = share of the first 8 new tokens equal to hf_eager's (bf16: near-tied logits of random weights
-flip some; reported, not required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager forward, hf_compiled
-(`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor = (2 x active
-parameters x T + causal attention) / the measured bf16 matmul rate.
+flip some; reported, not required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager
+forward, hf_compiled (`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor =
+(2 x active parameters x T + causal attention) / the measured bf16 matmul rate.
 TTFT (`--ttft 256,1024,4096` at B=1, `--ttft-batch 8x512`): time to the first token, median of `--runs` after one
 warm-up call, per arm: hf_eager `generate(ids, max_new_tokens=1)`, hf_compiled a forward over the prompt under
 `torch.compile(dynamic=True)` with logits_to_keep=1 + argmax, moefx `generate(ids, max_new_tokens=1)` after
@@ -432,8 +432,9 @@ def main() -> int:
 
     path = save()
     print(f"\nwrote {path}\n")
-    print("| layers | B | dtype | arm | tok/s | % floor | floor | first call s | peak GiB | agree |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if decode or prefill:
+        print("| layers | B | dtype | arm | tok/s | % floor | floor | first call s | peak GiB | agree |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
         print(f"| {r['layers']} | {r['B']} | {r['dtype']} | {r['arm']} | {r['tok_s']} | {r['pct_floor']} | "
               f"{r['floor_tok_s']} | {r['first_call_s']} | {r['peak_mem_gib']} | {r['agree_with_eager']} |")
