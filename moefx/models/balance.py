@@ -8,8 +8,9 @@ them (measured: 30B-A3B widths, 4 layers, router rows re-drawn in the directions
 differ most, whitened: the last 16 tokens of a 256-token prompt hit 11 experts in layer 4, uniform: 82). A balanced
 build keeps every shape, dtype and tensor layout (what a kernel's cost depends on) and draws three scales differently:
   * embedding rows of unit standard deviation, so each token's identity is in the residual stream;
-  * the residual branches' output projections (`o_proj`, every `down_proj`) scaled by 1/sqrt(2 * layers), so the
-    sum of the branches stays of the order of the embedding at any depth (GPT-2's residual init);
+  * the residual branches' output projections (`o_proj`, every `down_proj`) scaled by 1/sqrt(8 * layers), so the
+    sum of the branches stays below the embedding at any depth (half GPT-2's 1/sqrt(2 * layers): with that, 48
+    layers at 30B-A3B widths hit 90% of uniform in their deepest layers at 16 tokens, with this one >= 96%);
   * each router's rows made orthogonal to the mean of that layer's router input over a calibration prompt (one
     forward pass; a forward pre-hook on each MoE block rewrites the router just before the block runs, so later
     layers see the balanced routing of earlier ones), which removes the fixed per-expert bias the mean direction
@@ -64,7 +65,7 @@ def balance_routing(model: nn.Module, seed: int) -> nn.Module:
     layers = int(model.config.num_hidden_layers)
     emb = model.get_input_embeddings().weight
     emb.mul_(1.0 / emb.float().std().clamp_min(1e-12))
-    scale = 1.0 / math.sqrt(2 * layers)
+    scale = 1.0 / math.sqrt(8 * layers)
     scaled = 0
     for name, p in model.named_parameters():
         if any(part in BRANCH_OUTPUTS for part in name.split(".")):
