@@ -1,8 +1,10 @@
 """End to end: a transformers Qwen3-MoE through `moefx.optimize` + `generate()` against transformers alone.
 
-Qwen3-MoE at Qwen3-30B-A3B widths (E=128, H=2048, I=768, top-8), `--layers` deep, seeded random weights, bf16,
-a `--prompt`-token prompt, greedy. Arms, all in this process on one model (the transformers arms first, on the
-plain model; `optimize` then rewrites it in place):
+Qwen3-MoE at Qwen3-30B-A3B widths (E=128, H=2048, I=768, top-8), `--layers` deep, seeded random weights built with
+`build_model(..., routing="balanced")` (top-k spreads over the experts as a trained model's does; `--routing
+as_built` for transformers' initialisation, which routes most tokens to a few experts), bf16, a `--prompt`-token
+prompt, greedy. Arms, all in this process on one model (the transformers arms first, on the plain model; `optimize`
+then rewrites it in place):
   hf_eager     model.generate() as shipped (dynamic cache, eager)
   hf_static    model.generate(cache_implementation="static"): transformers compiles its own decode step
   moefx        moefx.optimize(model, max_batch_size) then model.generate(): moefx's engine (static cache, compiled
@@ -10,12 +12,19 @@ plain model; `optimize` then rewrites it in place):
   moefx_fp8    a second model, moefx.quantize(model, "fp8_block128") then the same (`--fp8`)
 Decode tok/s = B * (n2 - n1) / (t(n2) - t(n1)), t = median wall time of generate(max_new_tokens=n); the prefill
 cancels out. First call = the first generate() of the arm at that batch (compiles and captures included).
-Floor = weight bytes one decode step must read (every non-expert weight, the experts a batch of B tokens
-touches under uniform routing, B embedding rows) / the measured HBM copy rate. Greedy agreement = share of the
-first 8 new tokens equal to hf_eager's (bf16: near-tied logits of random weights flip some; reported, not
-required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager forward, hf_compiled
-(`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor = (2 x active
-parameters x T + causal attention) / the measured bf16 matmul rate.
+Floor = weight bytes one decode step reads (every non-expert weight, in each layer the distinct experts the
+batch's top-k hit, B embedding rows) / the measured HBM copy rate; the distinct experts are counted on the plain
+model over two decode steps of the measured batch before any arm runs (`experts_hit`: their mean per layer).
+Greedy agreement = share of the first 8 new tokens equal to hf_eager's (bf16: near-tied logits of random weights
+flip some; reported, not required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager
+forward, hf_compiled (`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor =
+(2 x active parameters x T + causal attention) / the measured bf16 matmul rate.
+TTFT (`--ttft 256,1024,4096` at B=1, `--ttft-batch 8x512`): time to the first token, median of `--runs` after one
+warm-up call, per arm: hf_eager `generate(ids, max_new_tokens=1)`, hf_compiled a forward over the prompt under
+`torch.compile(dynamic=True)` with logits_to_keep=1 + argmax, moefx `generate(ids, max_new_tokens=1)` after
+`optimize`; then one run under torch.profiler for its GPU kernel time, wall time and kernel count. Floors: FLOPs
+as for the prefill rows / the bf16 matmul rate, and bytes = every non-expert weight, the distinct experts the
+prompt's tokens hit in each layer, the prompt's embedding rows / the HBM copy rate.
 Writes JSON (the `e2e` schema of bench/report.py) to $OUT and prints a table last.
 """
 
@@ -39,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moefx
 from moefx.integrations.transformers import is_experts_module
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
+from moefx.models.routing_stats import decode_distinct_experts, distinct_experts, experts_modules
+from moefx.models.tiny import ROUTINGS
 
 AGREE_TOKENS = 8
 # moefx's first two steps' logits against transformers' eager ones (bf16 through every layer: fusion and kernel
@@ -59,25 +70,35 @@ def wall(fn) -> float:
     return time.perf_counter() - start
 
 
-def step_bytes(model: torch.nn.Module, batch: int) -> float:
-    """Bytes of weights one decode step of `batch` tokens must read (see the module docstring)."""
-    cfg = model.config
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    touched = 1 - (1 - 1 / e) ** (batch * k)  # the expected share of experts a step of batch x k picks touches
-    expert_params = {id(p) for m in model.modules() if is_experts_module(m) for p in m.parameters()}
+def step_bytes(model: torch.nn.Module, tokens: int, hit: dict[str, float]) -> float:
+    """Bytes of weights a step over `tokens` tokens reads: every non-expert weight, `tokens` embedding rows, and of
+    each experts module the share `hit[name] / E` of its experts (`hit`: distinct experts per module, counted on
+    the plain model; a module not in it, e.g. renamed by a rewrite, reads the mean share)."""
+    e = model.config.num_experts
+    mean = sum(hit.values()) / len(hit) / e
+    share = {}
+    for name, m in model.named_modules():
+        if is_experts_module(m):
+            for p in m.parameters():
+                share[id(p)] = hit[name] / e if name in hit else mean
     total = 0.0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
-        if id(p) in expert_params:
-            total += nbytes * touched
+        if id(p) in share:
+            total += nbytes * share[id(p)]
         elif "embed_tokens" in name:
-            total += batch * p.shape[-1] * p.element_size()
+            total += tokens * p.shape[-1] * p.element_size()
         else:
             total += nbytes
     return total
 
 
-def prefill_flops(model: torch.nn.Module, tokens: int) -> float:
+def mean_hit(hit: dict[str, float]) -> float:
+    return round(sum(hit.values()) / len(hit), 1)
+
+
+def prefill_flops(model: torch.nn.Module, tokens: int, batch: int = 1) -> float:
+    """FLOPs of a prefill of `batch` prompts of `tokens` tokens (last-position logits only)."""
     cfg = model.config
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
     heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -85,7 +106,7 @@ def prefill_flops(model: torch.nn.Module, tokens: int) -> float:
     experts = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
     linear = layers * (attn_w + experts + h * cfg.num_experts) + cfg.vocab_size * h / tokens  # LM head: 1 row
     causal = layers * 2 * 2 * heads * hd * tokens * tokens / 2
-    return 2 * linear * tokens + causal
+    return batch * (2 * linear * tokens + causal)
 
 
 def greedy_kwargs(n: int) -> dict:
@@ -93,7 +114,7 @@ def greedy_kwargs(n: int) -> dict:
 
 
 def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s: float, layers: int,
-               dtype: str, ref: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+               dtype: str, ref: torch.Tensor | None, routing: dict) -> tuple[dict, torch.Tensor]:
     batch = ids.shape[0]
     if ids.is_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -116,10 +137,42 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
     row = dict(layers=layers, B=batch, dtype=dtype, arm=arm, tok_s=round(tok_s, 1), step_ms=round(1e3 * (t2 - t1) /
                (n2 - n1), 3), floor_tok_s=round(floor_tok_s, 1), pct_floor=round(100 * tok_s / floor_tok_s, 1),
                first_call_s=round(first_s, 1), peak_mem_gib=round(_peak_gib(ids), 1),
-               agree_with_eager=agree)
+               agree_with_eager=agree, **routing)
     print(f"  {arm:10s} B={batch:3d}: {tok_s:8.1f} tok/s ({row['pct_floor']}% of floor), first call "
           f"{first_s:.1f} s, agree {agree}", flush=True)
     return row, new
+
+
+def profile_run(fn) -> dict:
+    """One call of `fn` under torch.profiler: its wall time, the summed time of the GPU activity (kernels, copies,
+    memsets) it ran and how many there were."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        seconds = wall(fn)
+    kern = [e for e in prof.key_averages() if e.device_type is not None and "CUDA" in str(e.device_type)]
+    kernel_ms = sum(e.device_time_total for e in kern) / 1e3
+    return dict(prof_wall_ms=round(1e3 * seconds, 2), kernel_ms=round(kernel_ms, 2), kernels=sum(e.count for e in kern),
+                kernel_pct=round(100 * kernel_ms / (1e3 * seconds), 1))
+
+
+def ttft_row(arm: str, fn, layers: int, batch: int, tokens: int, runs: int, floors: tuple[float, float],
+             routing: dict) -> dict:
+    """Time to first token of `fn` (one warm-up call, then the median of `runs`), then one profiled call."""
+    with torch.no_grad():
+        first = wall(fn)
+        ms = 1e3 * statistics.median(wall(fn) for _ in range(runs))
+        prof = profile_run(fn)
+    flop_ms, bytes_ms = floors
+    floor = max(flop_ms, bytes_ms)
+    row = dict(layers=layers, B=batch, tokens=tokens, arm=arm, ms=round(ms, 2), first_call_s=round(first, 1),
+               flop_floor_ms=round(flop_ms, 2), bytes_floor_ms=round(bytes_ms, 2), floor_ms=round(floor, 2),
+               x_floor=round(ms / floor, 2), **prof, **routing)
+    print(f"  ttft {arm:11s} {batch}x{tokens}: {ms:.1f} ms ({ms / floor:.2f}x floor {floor:.1f} ms), profiled "
+          f"{prof['prof_wall_ms']:.1f} ms wall, {prof['kernel_ms']:.1f} ms kernels ({prof['kernel_pct']}%), "
+          f"{prof['kernels']} kernels, first call {first:.1f} s", flush=True)
+    return row
 
 
 def check_logits(engine, ids: torch.Tensor, ref_tokens: torch.Tensor, ref: list[torch.Tensor]) -> list[float]:
@@ -169,7 +222,7 @@ def profile_step(model, ids, n: int = 8) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default="1,16,64", help="decode batch sizes ('' for none)")
     ap.add_argument("--arms", default="hf_eager,hf_static,moefx")
     ap.add_argument("--fp8", action="store_true", help="add moefx_fp8")
     ap.add_argument("--fp8-batches", default="", help="batches of moefx_fp8 (default: --batches)")
@@ -185,13 +238,18 @@ def main() -> int:
     ap.add_argument("--prefill-peers", default="hf_eager,hf_compiled",
                     help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
+    ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
+    ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
+    ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
+    ap.add_argument("--routing", default="balanced", choices=ROUTINGS, help="build_model's routing")
+    ap.add_argument("--mode", default="", help="moefx config mode (default: the config's; eager for CPU smoke runs)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     fp8_batches = [int(b) for b in args.fp8_batches.split(",")] if args.fp8_batches else batches
     eager_batches = [int(b) for b in args.eager_batches.split(",")] if args.eager_batches else batches
     calibration = args.calibration or str(out_dir / "dense_calibration.yaml")
@@ -210,13 +268,26 @@ def main() -> int:
     print(f"ceilings: copy {hbm / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     cfg = tiny_qwen3_moe_config(num_hidden_layers=args.layers) if args.tiny else qwen3_moe_config(args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_model(cfg, seed=0, dtype=dtype, device=args.device).eval()
+    model = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(1)
     inputs = {b: torch.randint(1, cfg.vocab_size, (b, args.prompt), generator=gen).to(args.device) for b in batches}
-    floors = {b: b / (step_bytes(model, b) / hbm) for b in batches}
-    decode, prefill, refs, extra = [], [], {}, {}
+    shapes = [(1, int(t)) for t in args.ttft.split(",") if t]
+    shapes += [tuple(int(x) for x in bt.split("x")) for bt in args.ttft_batch.split(",") if bt]
+    ttft_ids = {bt: torch.randint(1, cfg.vocab_size, bt, generator=gen).to(args.device) for bt in shapes}
+    # the routing each row measures, counted on the plain model before any arm rewrites it
+    names = list(experts_modules(model))
+    hits = {b: decode_distinct_experts(model, inputs[b], steps=2) for b in batches}
+    prompt_hits = {bt: dict(zip(names, distinct_experts(model, ids))) for bt, ids in ttft_ids.items()}
+    routing = {b: dict(routing=args.routing, experts_hit=mean_hit(h)) for b, h in {**hits, **prompt_hits}.items()}
+    print(f"routing {args.routing}: mean distinct experts per layer (of {cfg.num_experts}) "
+          + ", ".join(f"{_label(k)}: {v['experts_hit']}" for k, v in routing.items()), flush=True)
+    floors = {b: b / (step_bytes(model, b, hits[b]) / hbm) for b in batches}
+    ttft_floors = {(b, t): (1e3 * prefill_flops(model, t, b) / ceil["bf16_flops"],
+                            1e3 * step_bytes(model, b * t, prompt_hits[(b, t)]) / hbm) for b, t in shapes}
+    ttft_arms = args.ttft_arms.split(",")
+    decode, prefill, ttft, refs, extra = [], [], [], {}, {}
     stock_generate = type(model).generate.__get__(model)
 
     def save() -> Path:
@@ -227,7 +298,7 @@ def main() -> int:
                       commit=os.environ.get("MOEFX_COMMIT", "unknown"), command=" ".join(["python3", *sys.argv]),
                       ceilings=dict(hbm_copy_TBps=round(hbm / 1e12, 3),
                                     bf16_matmul_TFLOPs=round(ceil["bf16_flops"] / 1e12, 1)),
-                      decode=decode, prefill=prefill, extra=extra)
+                      routing=args.routing, decode=decode, prefill=prefill, ttft=ttft, extra=extra)
         path = out_dir / f"e2e_{args.layers}l{args.tag}.json"
         path.write_text(json.dumps(result, indent=1))
         return path
@@ -245,11 +316,11 @@ def main() -> int:
 
 
     ref_logits = None
-    if "hf_eager" in arms:
+    if "hf_eager" in arms and eager_batches:
         print("hf_eager", flush=True)
         for b in eager_batches:
             row, new = decode_row("hf_eager", lambda x, n: stock_generate(x, **greedy_kwargs(n)),
-                                  inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None)
+                                  inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None, routing[b])
             decode.append(row)
             refs[b] = new
         with torch.no_grad():
@@ -278,6 +349,23 @@ def main() -> int:
             prefill_row("hf_compiled", lambda: compiled_fwd(input_ids=ptoks, logits_to_keep=1))
             del compiled_fwd
             torch._dynamo.reset()
+
+    def ttft_rows(arm: str, make) -> None:
+        for bt in shapes:
+            ttft.append(ttft_row(arm, make(ttft_ids[bt]), args.layers, *bt, args.runs, ttft_floors[bt], routing[bt]))
+            save()
+
+    if shapes and "hf_eager" in ttft_arms:
+        print("ttft, hf_eager", flush=True)
+        guarded("ttft_hf_eager", lambda: ttft_rows("hf_eager", lambda ids: lambda: stock_generate(
+            ids, **greedy_kwargs(1))))
+    if shapes and "hf_compiled" in ttft_arms:
+        print("ttft, hf_compiled", flush=True)
+        compiled_ttft = torch.compile(model.forward, dynamic=True)
+        guarded("ttft_hf_compiled", lambda: ttft_rows("hf_compiled", lambda ids: lambda: compiled_ttft(
+            input_ids=ids, logits_to_keep=1).logits.argmax(-1)))
+        del compiled_ttft
+        torch._dynamo.reset()
     if "hf_static" in arms:
         print("hf_static", flush=True)
 
@@ -285,25 +373,29 @@ def main() -> int:
             for b in batches:
                 fn = lambda x, n: stock_generate(x, cache_implementation="static", **greedy_kwargs(n))  # noqa: E731
                 row, _ = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
-                                    args.layers, "bf16", refs.get(b))
+                                    args.layers, "bf16", refs.get(b), routing[b])
                 decode.append(row)
                 save()
 
         guarded("hf_static", hf_static)
         torch._dynamo.reset()
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    config = {"max_batch_size": max(batches + [b for b, _ in shapes] or [1])}
+    if args.mode:
+        config["mode"] = args.mode
 
     def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int]) -> None:
         print(name, flush=True)
         start = time.perf_counter()
-        opt = moefx.optimize(mdl, config={"max_batch_size": max(batches)})
+        opt = moefx.optimize(mdl, config=config)
         extra[f"{name}_optimize_s"] = round(time.perf_counter() - start, 1)
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         for b in arm_batches:
-            row, _ = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs, b / (step_bytes(opt, b) / hbm),
-                                args.layers, dtype, refs.get(b))
+            row, _ = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs,
+                                b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
             decode.append(row)
             save()  # a stage stopped at its limit keeps the rows measured so far
         front = opt.moefx_generate
@@ -314,10 +406,13 @@ def main() -> int:
                                        uncaptured=front.engine.stats.uncaptured, fallbacks=front.fallbacks)
         extra[f"{name}_matches"] = _pass_matches()
         print(f"  {front.describe()}; passes {extra[f'{name}_matches']}", flush=True)
-        if args.profile and name == "moefx":
+        if args.profile and name == "moefx" and batches:
             extra["profile_B1"] = profile_step(opt, inputs[min(batches)])
         if ptoks is not None and name == "moefx":
             prefill_row("moefx", lambda: opt.generate(ptoks, **greedy_kwargs(1)))
+        if shapes and name == "moefx" and "moefx" in ttft_arms:
+            print("ttft, moefx", flush=True)
+            ttft_rows("moefx", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
 
     save()
     if "moefx" in arms:
@@ -328,7 +423,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
         def fp8_arm() -> None:
-            fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device).eval()
+            fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
             fp8.generation_config.eos_token_id = None
             moefx.quantize(fp8, "fp8_block128")
             moefx_arm("moefx_fp8", fp8, "fp8_block128", fp8_batches)
@@ -337,15 +432,28 @@ def main() -> int:
 
     path = save()
     print(f"\nwrote {path}\n")
-    print("| layers | B | dtype | arm | tok/s | % floor | floor | first call s | peak GiB | agree |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if decode or prefill:
+        print("| layers | B | dtype | arm | tok/s | % floor | floor | first call s | peak GiB | agree |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
         print(f"| {r['layers']} | {r['B']} | {r['dtype']} | {r['arm']} | {r['tok_s']} | {r['pct_floor']} | "
               f"{r['floor_tok_s']} | {r['first_call_s']} | {r['peak_mem_gib']} | {r['agree_with_eager']} |")
     for r in prefill:
         print(f"| {r['layers']} | prefill {r['tokens']} | bf16 | {r['arm']} | {r['ms']} ms | {r['x_floor']}x floor | "
               f"{r['floor_ms']} ms | {r['first_call_s']} | | |")
+    if ttft:
+        print("\n| layers | B x tokens | arm | TTFT ms | FLOP floor ms | bytes floor ms | x floor | profiled wall ms | "
+              "kernel ms | kernel % | kernels | experts hit |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in ttft:
+        print(f"| {r['layers']} | {r['B']}x{r['tokens']} | {r['arm']} | {r['ms']} | {r['flop_floor_ms']} | "
+              f"{r['bytes_floor_ms']} | {r['x_floor']} | {r['prof_wall_ms']} | {r['kernel_ms']} | {r['kernel_pct']} | "
+              f"{r['kernels']} | {r['experts_hit']} |")
     return 0
+
+
+def _label(key: int | tuple[int, int]) -> str:
+    return f"decode B={key}" if isinstance(key, int) else f"prompt {key[0]}x{key[1]}"
 
 
 def _peak_gib(t: torch.Tensor) -> float:

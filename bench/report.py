@@ -139,6 +139,12 @@ E2E_ARMS = {
              "step, one CUDA graph per step)",
     "moefx_fp8": "the same model after `moefx.quantize(model, 'fp8_block128')`, then as `moefx`",
 }
+TTFT_ARMS = {
+    "hf_eager": "transformers `generate(ids, max_new_tokens=1)`, eager",
+    "hf_compiled": "transformers forward over the prompt under `torch.compile(dynamic=True)`, logits_to_keep=1 + "
+                   "argmax",
+    "moefx": "`generate(ids, max_new_tokens=1)` after `moefx.optimize`",
+}
 PREFILL_ARMS = {
     "hf_eager": "transformers forward, eager (grouped_mm experts)",
     "hf_compiled": "transformers forward (grouped_mm experts) under `torch.compile`",
@@ -180,6 +186,7 @@ def e2e_best(decode: list[dict[str, Any]], peers: dict[tuple[int, int], float]) 
 def render_e2e(r: dict[str, Any]) -> str:
     decode = sorted(r.get("decode") or [], key=lambda x: (x["layers"], x["B"], _arm_order(x["arm"])))
     peers = e2e_peers(decode)
+    hit = any("experts_hit" in row for row in decode)  # rows of runs before routing was counted have none
     rows = []
     for row in decode:
         peer = peers.get((row["layers"], row["B"]))
@@ -189,9 +196,11 @@ def render_e2e(r: dict[str, Any]) -> str:
                      num(row.get("pct_floor"), 1) + ("%" if row.get("pct_floor") is not None else ""),
                      ratio(row.get("tok_s"), peer) if row["arm"] != "hf_static" and peer else "–",
                      num(row.get("first_call_s"), 1), num(row.get("peak_mem_gib"), 1),
-                     "–" if agree is None else f"{agree:.2f}"))
+                     "–" if agree is None else f"{agree:.2f}") + ((routing_cell(row),) if hit else ()))
     body = [table(["layers", "B", "dtype", "arm", "tok/s", "floor tok/s", "% of floor", "× peer", "first call s",
-                   "peak GiB", "tokens = eager"], rows)]
+                   "peak GiB", "tokens = eager"] + (["experts hit / layer"] if hit else []), rows)]
+    if hit:
+        body.append(ROUTING_NOTE)
     errors = (r.get("extra") or {}).get("errors") or {}
     if errors:  # an arm that failed has no row: say so under the table
         body.append("Failed arms: " + "; ".join(f"`{arm}`: {why.splitlines()[0]}" for arm, why in errors.items()))
@@ -206,11 +215,13 @@ def render_e2e(r: dict[str, Any]) -> str:
         "Decode", r, what=r.get("workload") or "transformers MoE decode, greedy (`bench/e2e.py`).",
         peer="`hf_static` in the same run (where it ran twice at one size, the faster reading); `× peer` = tok/s "
              "over the peer's tok/s",
-        floor=f"weight bytes one decode step must read / the measured HBM copy rate "
-              f"({num((r.get('ceilings') or {}).get('hbm_copy_TBps'), 2)} TB/s)", body="\n\n".join(body))
+        floor=("weight bytes one decode step reads (in each layer the experts its batch hit)" if hit else
+               "weight bytes one decode step must read") + " / the measured HBM copy rate "
+              + f"({num((r.get('ceilings') or {}).get('hbm_copy_TBps'), 2)} TB/s)", body="\n\n".join(body))
     prefill = r.get("prefill") or []
+    ttft_md = render_ttft(r)
     if not prefill:
-        return decode_md
+        return decode_md + ttft_md
     peer_arm = "hf_compiled" if any(p["arm"] == "hf_compiled" for p in prefill) else "hf_eager"
     ppeer = {(p["layers"], p["tokens"]): p["ms"] for p in prefill if p["arm"] == peer_arm}
     prow = [(p["layers"], p["tokens"], f"`{p['arm']}`", num(p["ms"], 1), num(p.get("floor_ms"), 1),
@@ -224,8 +235,45 @@ def render_e2e(r: dict[str, Any]) -> str:
         peer=f"`{peer_arm}` in the same run", body=pbody,
         floor=f"the forward's FLOPs / the measured bf16 matmul rate "
               f"({num((r.get('ceilings') or {}).get('bf16_matmul_TFLOPs'), 0)} TFLOP/s)")
-    return decode_md + "\n" + prefill_md
+    return decode_md + "\n" + prefill_md + ttft_md
 
+
+ROUTING_NOTE = ("Experts hit / layer: the mean over layers of the distinct experts the row's tokens routed to "
+                "(counted on the plain model before any arm ran; the floor reads those experts); `balanced` = "
+                "`build_model(..., routing=\"balanced\")`, `as built` = transformers' initialisation (rows without "
+                "a count: the floor assumed uniform routing).")
+
+
+def routing_cell(row: dict[str, Any]) -> str:
+    if "experts_hit" not in row:
+        return "– (as built)"
+    return f"{num(row['experts_hit'], 1)} ({(row.get('routing') or 'as_built').replace('_', ' ')})"
+
+
+def render_ttft(r: dict[str, Any]) -> str:
+    """Time to first token rows (bench/e2e.py --ttft / --ttft-batch); empty when the run had none."""
+    ttft = r.get("ttft") or []
+    if not ttft:
+        return ""
+    peer = {(t["layers"], t["B"], t["tokens"]): t["ms"] for t in ttft if t["arm"] == "hf_compiled"}
+    rows = [(t["layers"], f"{t['B']} × {t['tokens']}", f"`{t['arm']}`", num(t.get("ms"), 1),
+             ratio(peer.get((t["layers"], t["B"], t["tokens"])), t.get("ms")) if t["arm"] != "hf_compiled" else "–",
+             num(t.get("flop_floor_ms"), 1), num(t.get("bytes_floor_ms"), 1), num(t.get("x_floor"), 2),
+             num(t.get("prof_wall_ms"), 1), num(t.get("kernel_ms"), 1), num(t.get("kernel_pct"), 0),
+             t.get("kernels", "–"), routing_cell(t), num(t.get("first_call_s"), 1)) for t in ttft]
+    body = table(["layers", "B × tokens", "arm", "TTFT ms", "peer ms / ms", "FLOP floor ms", "bytes floor ms",
+                  "× floor", "profiled wall ms", "kernel ms", "kernel %", "kernels", "experts hit / layer",
+                  "first call s"], rows)
+    body += "\n\nArms:\n" + "\n".join(f"- `{a}`: {TTFT_ARMS.get(a, a)}" for a in dict.fromkeys(t["arm"] for t in ttft))
+    body += "\n\n" + ROUTING_NOTE
+    ceil = r.get("ceilings") or {}
+    return "\n" + section(
+        "Time to first token", r, what="A prompt of B × tokens, to its first generated token, median of 3 after a "
+        "warm-up call, all arms in one process; then one call under torch.profiler (its wall time, the GPU kernels' "
+        "summed time and count).", peer="`hf_compiled` in the same run", body=body,
+        floor=f"the larger of the prefill's FLOPs / {num(ceil.get('bf16_matmul_TFLOPs'), 0)} TFLOP/s and the weight "
+              f"bytes it reads (every non-expert weight, the experts the prompt hit) / "
+              f"{num(ceil.get('hbm_copy_TBps'), 2)} TB/s")
 
 # ------------------------------------------------------------------------------------------ dense linears
 
@@ -694,6 +742,7 @@ def merge_e2e(paths: list[Path]) -> dict[str, Any]:
     first = runs_[0]
     return {**first, "decode": [row for r in runs_ for row in r["decode"]],
             "prefill": [row for r in runs_ for row in r.get("prefill") or []],
+            "ttft": [row for r in runs_ for row in r.get("ttft") or []],
             "commit": ", ".join(dict.fromkeys(str(r.get("commit")) for r in runs_)),
             "command": " and ".join(dict.fromkeys(r["command"] for r in runs_))}
 

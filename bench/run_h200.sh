@@ -12,6 +12,8 @@
 #                                                        #   e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
 #                                                        #   stream (500 mixed requests on the engine, bench/stream.py)
+#                                                        #   ttft-8 ttft-48 (time to first token: 256/1024/4096 x B=1 and
+#                                                        #   8 x 512, hf eager, hf compiled, moefx; bench/e2e.py --ttft)
 #                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
 #                                                        #   tp-calibrate (per-rank expert shapes of Qwen3-30B-A3B at
 #                                                        #   TP=2/4; one GPU), tp, tp-peer (2-4 GPUs: bench/tp.py)
@@ -95,6 +97,10 @@ for s in "${stages[@]}"; do
             --profile --tag _b1_16 --prefill-peers hf_eager ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
         stream) run_stage stream 560 python3 bench/stream.py --layers 8 ;;
+        ttft-8) run_stage ttft-8 300 python3 bench/e2e.py --layers 8 --batches "" --arms moefx --ttft 256,1024,4096 \
+            --ttft-batch 8x512 --tag _ttft ;;
+        ttft-48) run_stage ttft-48 560 python3 bench/e2e.py --layers 48 --batches "" --arms moefx --ttft 256,1024,4096 \
+            --ttft-batch 8x512 --tag _ttft ;;
         gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
@@ -114,7 +120,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b dense" \
-            "dense-sweep gpu-gen stream coldstart coldstart-48 dispatch)" ;;
+            "dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
     esac
 done
 pack

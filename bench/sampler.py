@@ -1,6 +1,7 @@
 """Sampling without host syncs, and last_token_logits at prefill: moefx vs transformers' generate.
 
-Model: 8-layer Qwen3-MoE at Qwen3-30B-A3B widths, seeded random weights, bf16 (tiny model with --quick).
+Model: 8-layer Qwen3-MoE at Qwen3-30B-A3B widths, seeded random weights with balanced routing
+(`build_model(..., routing="balanced")`), bf16 (tiny model with --quick).
 Decode arms (B=1 and B=16, top-k=50, top-p=0.9, temperature 0.8, and greedy):
   hf          transformers' generate(), static cache, its own torch.compile (reduce-overhead)
   hf+stop     the same, with moefx's deferred stop check (what moefx.optimize turns on for CUDA)
@@ -8,7 +9,8 @@ Decode arms (B=1 and B=16, top-k=50, top-p=0.9, temperature 0.8, and greedy):
               rewrite_sampler_syncs + last_token_logits on, sync-free sampler, no per-step host read
 All arms run the same transformers model forward; what differs is the loop and the sampler.
 Decode throughput = (n - 1) / (t(n tokens) - t(1 token)), medians of runs; host syncs per decode step are
-counted with torch.cuda.set_sync_debug_mode("warn"). Floor: bytes a step must read / measured HBM bandwidth.
+counted with torch.cuda.set_sync_debug_mode("warn"). Floor: bytes a step reads (the experts: the distinct ones the
+batch hit per layer, counted on two greedy decode steps of the plain model, `experts_hit`) / measured HBM bandwidth.
 Prefill: one 4096-token sequence, `model(ids).logits[:, -1]` compiled with last_token_logits on vs off:
 peak memory and time; floor for the LM head it removes: its FLOPs / measured bf16 matmul rate.
 --quick (CPU smoke run, no timing claims) runs the graphs through the passes without code generation.
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moefx
 from moefx.cli.common import progress
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
+from moefx.models.routing_stats import decode_distinct_experts
 from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.sampler import SamplingParams
 from moefx.sampling.stop import enable_deferred_stop
@@ -135,13 +138,12 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / t
 
 
-def decode_bytes(cfg, batch: int, dtype: torch.dtype) -> float:
-    """Weight bytes one decode step must read: attention, the distinct experts hit (uniform routing), LM head."""
+def decode_bytes(cfg, hit: float, dtype: torch.dtype) -> float:
+    """Weight bytes one decode step reads: attention, `hit` distinct experts per layer, the routers, the LM head."""
     el = torch.finfo(dtype).bits // 8
     h, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     attn = h * hd * (2 * heads + 2 * kv)
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    hit = e * (1 - (1 - 1 / e) ** (batch * k))
+    e = cfg.num_experts
     experts = hit * 3 * h * cfg.moe_intermediate_size
     return el * (cfg.num_hidden_layers * (attn + experts + h * e) + cfg.vocab_size * h)
 
@@ -187,6 +189,9 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
     floor_bw = bandwidth(device)
     for batch in batches:
         ids = torch.randint(1, cfg.vocab_size, (batch, prompt), device=device, generator=None)
+        with progress(f"routing B={batch}"):
+            per_layer = decode_distinct_experts(model, ids, steps=2)
+        hit = sum(per_layer.values()) / len(per_layer)
         with progress(f"correctness B={batch}"):
             checks[f"B{batch}"] = check_correctness(model, ids, eager_loop, loop, device)
         arms = {
@@ -194,7 +199,7 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
             "hf+stop": lambda p, m, s, ids=ids: hf_generate(model, ids, p, m, s, deferred=True),
             "moefx": lambda p, m, s, ids=ids: loop.generate(ids, s or m, p),
         }
-        floor_s = decode_bytes(cfg, batch, dtype) / floor_bw
+        floor_s = decode_bytes(cfg, hit, dtype) / floor_bw
         for name, fn in arms.items():
             for label, params in (("sample", SAMPLE), ("greedy", GREEDY)):
                 with progress(f"{name} {label} B={batch} (compile + warm-up)"):
@@ -220,6 +225,8 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
                         syncs_per_step=syncs,
                         step_ms=1e3 * (t_n - t_1) / max(steps, 1),
                         floor_step_ms=1e3 * floor_s,
+                        experts_hit=round(hit, 1),
+                        routing="balanced",
                     )
                 )
     return rows, checks
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill = 64 if args.quick else args.prefill
     runs = 1 if args.quick else args.runs
     with progress(f"building {cfg.num_hidden_layers}-layer Qwen3-MoE ({dtype}, {device})"):
-        model = build_model(cfg, seed=0, dtype=dtype, device=device)
+        model = build_model(cfg, seed=0, dtype=dtype, device=device, routing="balanced")
         model.generation_config.eos_token_id = None  # random weights: never stop early
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

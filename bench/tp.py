@@ -1,7 +1,8 @@
 """Tensor-parallel decode: moefx at TP=1, 2, 4 with the vocab-parallel head's distributed greedy off and on,
 and transformers' own `tp_plan="auto"` + static-cache compile as the peer.
 
-Model: Qwen3-MoE at Qwen3-30B-A3B widths, 48 layers (--layers), seeded random weights, bf16, built on each GPU
+Model: Qwen3-MoE at Qwen3-30B-A3B widths, 48 layers (--layers), seeded random weights with balanced routing
+(`build_model(..., routing="balanced")`), bf16, built on each GPU
 and sharded by its own TP plan (`moefx.parallel.shard_model`), then `moefx.optimize` (eager mode: it picks the
 MoE backend from the calibration rows of the per-rank expert shape and installs the vocab-parallel head).
 One process per GPU, NCCL; NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
@@ -19,7 +20,8 @@ them identical in fp32 on CPUs).
 Communication per step is timed separately (a CUDA graph of the step's collectives alone): the all-reduces
 (embedding + 2 per layer, B x H bf16 each) and the head's gather in both forms.
 Floor per GPU: the bytes a step reads on one GPU (its attention and LM-head slices, the distinct experts B
-rows hit under uniform routing, the router, the KV cache) / the measured HBM copy rate.
+rows hit, the router, the KV cache) / the measured HBM copy rate; the distinct experts per layer are counted on the
+unsharded model over two greedy decode steps of the batch's prompts (`experts_hit`).
 Peer (--peer): rank 0 of the TP=1 run saves the model (--ckpt, default /dev/shm), each TP run loads it with
 `from_pretrained(..., tp_plan="auto")` and times `generate(cache_implementation="static")` (transformers
 compiles the step itself): decode tok/s = B (n - 1) / (t(n tokens) - t(1 token)).
@@ -65,11 +67,14 @@ def distinct_experts(experts: int, top_k: int, batch: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** batch)
 
 
-def step_bytes(cfg: Any, tp: int, batch: int, context: int, elem: int = 2) -> float:
-    """Bytes one decode step reads on one GPU of a TP group (experts split on their intermediate dim)."""
+def step_bytes(cfg: Any, tp: int, batch: int, context: int, elem: int = 2, hit: float | None = None) -> float:
+    """Bytes one decode step reads on one GPU of a TP group (experts split on their intermediate dim); `hit`: the
+    distinct experts per layer the batch routes to (None: the uniform-routing expectation)."""
     h, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     attn = h * hd * (2 * heads + 2 * kv) / tp
-    experts = distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) * 3 * h * cfg.moe_intermediate_size
+    if hit is None:
+        hit = distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+    experts = hit * 3 * h * cfg.moe_intermediate_size
     router = h * cfg.num_experts
     kv_cache = batch * context * 2 * kv * hd / tp
     per_layer = attn + experts / tp + router + kv_cache
@@ -266,19 +271,27 @@ def model_config(args: argparse.Namespace) -> Any:
 
 
 def moefx_model(cfg: Any, tp: int, device: torch.device, dtype: torch.dtype, config: dict,
-                save: str | None = None) -> Any:
-    """The seeded model on `device`, saved as the peer's checkpoint first if asked, sharded, optimized."""
+                save: str | None = None, hits: dict[int, float] | None = None,
+                prompts: dict[int, torch.Tensor] | None = None) -> Any:
+    """The seeded balanced-routing model on `device`, saved as the peer's checkpoint first if asked, sharded,
+    optimized; with `prompts` (batch -> ids) it first fills `hits` with each batch's mean distinct experts per layer
+    over two greedy decode steps of the unsharded model."""
     import moefx
     from moefx.models import build_model
+    from moefx.models.routing_stats import decode_distinct_experts
     from moefx.parallel import shard_model
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in bf16 directly: the 48-layer model in fp32 would not fit one GPU
     try:
-        model = build_model(cfg, seed=0, dtype=dtype, device=device)
+        model = build_model(cfg, seed=0, dtype=dtype, device=device, routing="balanced")
     finally:
         torch.set_default_dtype(default)
     model.generation_config.eos_token_id = None  # random weights: never stop early
+    for batch, ids in (prompts or {}).items():
+        per_layer = decode_distinct_experts(model, ids.to(device), steps=2)
+        if hits is not None:
+            hits[batch] = sum(per_layer.values()) / len(per_layer)
     if save is not None and dist.get_rank() == 0:
         model.save_pretrained(save)
     if tp > 1:
@@ -293,19 +306,22 @@ def moefx_arms(args: argparse.Namespace, cfg: Any, tp: int, device: torch.device
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = {"mode": "eager", "max_batch_size": max(args.batches)}
-    model = moefx_model(cfg, tp, device, dtype, config, save=args.ckpt if args.save_ckpt else None)
+    g = torch.Generator().manual_seed(1)  # the same prompts as the peer's
+    prompts = {batch: torch.randint(1, cfg.vocab_size, (batch, PROMPT), generator=g) for batch in args.batches}
+    hits: dict[int, float] = {}
+    model = moefx_model(cfg, tp, device, dtype, config, save=args.ckpt if args.save_ckpt else None, hits=hits,
+                        prompts=prompts)
     plan = model.moefx_plan
     facts = {"plan": plan.explain(), "moe_policy": plan.moe.spec(), "weights_gib": sum(
         p.numel() * p.element_size() for p in model.parameters()) / 2**30}
     rate = hbm_rate(device)
     facts["hbm_gbs"] = rate / 1e9
     head = greedy_head(model)
-    g = torch.Generator().manual_seed(1)
     rows = []
     arms = ("full", "greedy") if head is not None else ("full",)
     max_len = PROMPT + args.runs * args.steps + 4
     for batch in args.batches:
-        ids = torch.randint(1, cfg.vocab_size, (batch, PROMPT), generator=g).to(device)
+        ids = prompts[batch].to(device)
         if head is not None:
             with torch.no_grad():
                 hidden = model.model(input_ids=ids).last_hidden_state[:, -1]
@@ -322,7 +338,8 @@ def moefx_arms(args: argparse.Namespace, cfg: Any, tp: int, device: torch.device
             peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
             comm = comm_seconds(cfg, batch, tp, arm == "greedy", device, args.steps)
             rows.append(dict(tp=tp, arm=arm, batch=batch, tok_s=batch / step_s, step_ms=1e3 * step_s,
-                             floor_ms=1e3 * step_bytes(cfg, tp, batch, max_len) / rate,
+                             floor_ms=1e3 * step_bytes(cfg, tp, batch, max_len, hit=hits[batch]) / rate,
+                             experts_hit=round(hits[batch], 1), routing="balanced",
                              comm_ms=None if comm is None else 1e3 * comm, peak_mib=peak,
                              head_bytes=head_gather_bytes(cfg, tp, batch, arm == "greedy") if tp > 1 else 0,
                              tokens=decoder.tokens(args.check_tokens).cpu(), note=decoder.note))

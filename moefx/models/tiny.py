@@ -80,15 +80,28 @@ def qwen3_moe_config(num_layers: int = 8, **overrides: Any) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**params)
 
 
+ROUTINGS = ("as_built", "balanced")
+
+
 def build_model(
-    config: Any, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    config: Any, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    routing: str = "as_built",
 ) -> torch.nn.Module:
     """Instantiate the causal LM of `config` (Qwen3MoeForCausalLM for a Qwen3MoeConfig) with weights drawn from a
-    seeded generator."""
+    seeded generator. `routing="as_built"` keeps transformers' initialisation (a deep model then routes most tokens
+    to a few experts); `"balanced"` draws the scales that make top-k routing spread like a trained model's
+    (moefx/models/balance.py; benchmarks use it)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing={routing!r}: valid choices are {', '.join(ROUTINGS)}")
     torch.manual_seed(seed)
     with torch.device(device):
         if isinstance(config, Qwen3MoeConfig):
             model = Qwen3MoeForCausalLM(config)
         else:
             model = AutoModelForCausalLM.from_config(config)
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if routing == "balanced":
+        from moefx.models.balance import balance_routing
+
+        balance_routing(model, seed)
+    return model

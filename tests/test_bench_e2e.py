@@ -1,0 +1,39 @@
+"""bench/e2e.py's CPU smoke path: the tiny model, balanced routing, decode and TTFT rows, JSON that bench/report.py
+renders (hf_compiled is left out: an inductor compile of the forward is minutes on a small CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_e2e_tiny_cpu_writes_decode_and_ttft_rows(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
+           "--batches", "2", "--arms", "hf_eager,moefx", "--mode", "eager", "--prompt", "8", "--n1", "2", "--n2", "4",
+           "--eager-n", "2,4", "--runs", "1", "--ttft", "8", "--ttft-batch", "2x8", "--ttft-arms", "hf_eager,moefx"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "e2e_2l.json").read_text())
+    assert r["routing"] == "balanced" and not (r["extra"].get("errors"))
+    assert {x["arm"] for x in r["decode"]} == {"hf_eager", "moefx"}
+    for row in r["decode"]:
+        assert row["routing"] == "balanced" and 1 <= row["experts_hit"] <= 8  # the tiny model: 8 experts, top-2
+    ttft = {(t["arm"], t["B"], t["tokens"]): t for t in r["ttft"]}
+    assert set(ttft) == {(a, b, t) for a in ("hf_eager", "moefx") for b, t in ((1, 8), (2, 8))}
+    for t in ttft.values():
+        assert t["ms"] > 0 and t["prof_wall_ms"] > 0 and t["floor_ms"] == max(t["flop_floor_ms"], t["bytes_floor_ms"])
+        assert t["kernels"] == 0  # no GPU here: the profiler sees no kernels
+        assert t["routing"] == "balanced" and 1 <= t["experts_hit"] <= 8
+
+    spec = importlib.util.spec_from_file_location("moefx_bench_report_e2e", ROOT / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    page = report.render_e2e({**r, "_file": "e2e.json"})
+    assert "### Time to first token" in page and "experts hit / layer" in page and "(balanced)" in page
