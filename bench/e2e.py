@@ -7,8 +7,8 @@ prompt, greedy. Arms, all in this process on one model (the transformers arms fi
 then rewrites it in place):
   hf_eager     model.generate() as shipped (dynamic cache, eager)
   hf_static    model.generate(cache_implementation="static"): transformers compiles its own decode step
-  moefx        moefx.optimize(model, max_batch_size) then model.generate(): moefx's engine (static cache, compiled
-               prefill and decode step replayed from CUDA graphs)
+  moefx        moefx.optimize(model) (no config: the README path; `--max-batch-size` caps the capture sizes) then
+               model.generate(): moefx's engine (static cache, compiled prefill and decode step from CUDA graphs)
   moefx_fp8    a second model, moefx.quantize(model, "fp8_block128") then the same (`--fp8`)
 Decode tok/s = B * (n2 - n1) / (t(n2) - t(n1)), t = median wall time of generate(max_new_tokens=n); the prefill
 cancels out. First call = the first generate() of the arm at that batch (compiles and captures included).
@@ -242,6 +242,8 @@ def main() -> int:
     ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
     ap.add_argument("--routing", default="balanced", choices=ROUTINGS, help="build_model's routing")
+    ap.add_argument("--max-batch-size", type=int, default=0,
+                    help="moefx config max_batch_size (default 0: no config key, the plan's capture sizes)")
     ap.add_argument("--mode", default="", help="moefx config mode (default: the config's; eager for CPU smoke runs)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
@@ -382,7 +384,7 @@ def main() -> int:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    config = {"max_batch_size": max(batches + [b for b, _ in shapes] or [1])}
+    config = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}  # default: the README path
     if args.mode:
         config["mode"] = args.mode
 

@@ -133,7 +133,7 @@ def test_captured_prefill_gives_the_uncaptured_tokens():
     stats = captured.moefx_generate.engine.stats
     assert stats.prefill_buckets == (16, 32, 64, 128) and stats.prefill_captures == 4, stats
     assert not stats.uncaptured and stats.prefill_graph_bytes >= 0, stats
-    assert stats.compiles.get("prefill[padded]", 0) <= 2 and "prefill" in stats.compiles, stats.compiles  # 200: dynamic
+    assert stats.compiles.get("prefill[padded]", 0) <= 3 and "prefill" in stats.compiles, stats.compiles  # B 1, 2, mask
     plain = compiled.moefx_generate.engine.stats
     assert plain.prefill_buckets == () and plain.prefill_captures == 0, plain
     assert captured.moefx_generate.fallbacks == [] and compiled.moefx_generate.fallbacks == []
