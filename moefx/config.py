@@ -70,6 +70,8 @@ class CompilationConfig:
     strict: bool = False
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
     dynamic: bool | None = None
+    # Compile identical decoder layers once, as one nested compile region (moefx/sampling/regions.py).
+    layer_regions: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
