@@ -186,8 +186,9 @@ def main() -> int:
                     help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--layer-regions", choices=("on", "off"), default="on",
-                    help="moefx config layer_regions: decoder layers compiled as one region, or inlined")
+    ap.add_argument("--layer-regions", choices=("all", "prefill", "none"), default="all",
+                    help="moefx config layer_regions: decoder layers compiled as one region (prefill and decode, "
+                         "prefill only) or inlined")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -299,7 +300,7 @@ def main() -> int:
     def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int]) -> None:
         print(name, flush=True)
         start = time.perf_counter()
-        opt = moefx.optimize(mdl, config={"max_batch_size": max(batches), "layer_regions": args.layer_regions == "on"})
+        opt = moefx.optimize(mdl, config={"max_batch_size": max(batches), "layer_regions": args.layer_regions})
         extra[f"{name}_optimize_s"] = round(time.perf_counter() - start, 1)
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731

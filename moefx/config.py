@@ -22,6 +22,7 @@ import yaml
 MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
 DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
+LAYER_REGIONS = ("all", "prefill", "none")
 OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 
 
@@ -70,8 +71,9 @@ class CompilationConfig:
     strict: bool = False
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
     dynamic: bool | None = None
-    # Compile identical decoder layers once, as one nested compile region (moefx/sampling/regions.py).
-    layer_regions: bool = True
+    # Compile identical decoder layers once, as one nested compile region (moefx/sampling/regions.py): in the
+    # prefill and the decode step, in the prefill only (the decode step keeps its cross-layer fusions), or nowhere.
+    layer_regions: str = field(default="all", metadata=_choices(*LAYER_REGIONS))
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

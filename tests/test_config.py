@@ -80,7 +80,8 @@ def test_hash_changes_with_every_field():
         if f.name in ("pass_config", "offload"):
             continue
         value = getattr(base, f.name)
-        new = {"moe_backend": "gemv", "dense_backend": "gemv", "mode": "eager", "prefill_token_budget": 4096}.get(
+        new = {"moe_backend": "gemv", "dense_backend": "gemv", "mode": "eager", "prefill_token_budget": 4096,
+               "layer_regions": "prefill"}.get(
             f.name, _changed(value)
         )
         variants.append({f.name: new})

@@ -113,7 +113,10 @@ def test_optimize_says_whether_layers_share_a_region():
     stock = build_model(tiny_qwen3_moe_config(), seed=2)
     on = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile"})
     assert any("layer_regions: decoder layers (2 x" in line for line in on.moefx_plan.provenance)
-    off = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile", "layer_regions": False})
+    assert any("(prefill and decode step)" in line for line in on.moefx_plan.provenance)
+    pre = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile", "layer_regions": "prefill"})
+    assert any("(prefill only;" in line for line in pre.moefx_plan.provenance)
+    off = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile", "layer_regions": "none"})
     assert any("layer_regions: decoder layers compiled inline (config" in line for line in off.moefx_plan.provenance)
     eager = moefx.optimize(copy.deepcopy(stock), config={"mode": "eager"})
     assert any("layer_regions: decoder layers: no compiled regions (mode eager)" in line
@@ -140,7 +143,7 @@ def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=4), seed=2, device="cuda")
     ids = _ids(2, 7, 5).cuda()
     want = stock.generate(ids, max_new_tokens=10, do_sample=False)
-    for regions in (True, False):
+    for regions in ("all", "none"):
         torch._dynamo.reset()
         model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 2, "moe_backend": "gemv",
                                                              "layer_regions": regions})

@@ -19,7 +19,8 @@ passes run on it like on any graph. Any other case — eager calls, other cache 
 DynamicLayer that already holds tokens), no cache — runs the layer's own forward unchanged.
 
 What is lost: inductor does not fuse across the region boundary, so a layer's last residual add and the next
-layer's input RMSNorm are separate kernels (in one inlined graph they fuse into one).
+layer's input RMSNorm are separate kernels (in one inlined graph they fuse into one). `decode=False` keeps the
+regions to the prefill, so the decode step (replayed from a CUDA graph every token) keeps that fusion.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _region_kwargs(layers: int) -> dict[str, Any]:
     return {"max_reuse_entries": layers + 1} if "max_reuse_entries" in names else {}
 
 
-def _region_forward(region: Any, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any,
-                    **kwargs: Any) -> Any:
+def _region_forward(region: Any, decode: bool, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor,
+                    *args: Any, **kwargs: Any) -> Any:
     """A decoder layer's forward: through the shared region while compiling, when its cache layer is one the
     views reproduce; the layer's own forward otherwise."""
     forward = type(layer).forward
@@ -96,7 +97,7 @@ def _region_forward(region: Any, index: int, layer: torch.nn.Module, hidden_stat
     entry = layers[index]
     kind = type(entry).__name__
     rest = {k: v for k, v in kwargs.items() if k != name}
-    if kind == "StaticLayer" and getattr(entry, "is_initialized", False):
+    if decode and kind == "StaticLayer" and getattr(entry, "is_initialized", False):
         (out,) = region(layer, hidden_states, name, (entry.keys, entry.values, entry.cumulative_length), args, rest)
         return out
     if kind == "DynamicLayer" and not getattr(entry, "is_initialized", True):
@@ -131,19 +132,21 @@ def why_no_regions(model: Any) -> str | None:
     return None
 
 
-def install_layer_regions(model: Any) -> list[str]:
-    """Route every decoder layer of `model` through one nested compile region; returns what was done."""
+def install_layer_regions(model: Any, decode: bool = True) -> list[str]:
+    """Route every decoder layer of `model` through one nested compile region (in the prefill, and with `decode`
+    in the static-cache decode step too); returns what was done."""
     why = why_no_regions(model)
     if why is not None:
         return [f"decoder layers compiled inline: {why}"]
     layers = decoder_layers(model)
     region = torch.compiler.nested_compile_region(_own_body(), **_region_kwargs(len(layers)))
     for index, layer in enumerate(layers):
-        layer.forward = functools.partial(_region_forward, region, index, layer)
+        layer.forward = functools.partial(_region_forward, region, decode, index, layer)
     kinds = sorted({type(layer).__name__ for layer in layers})
+    where = "prefill and decode step" if decode else "prefill only; the decode step inlines them"
     return [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
-            f"layer graph (static-cache decode and empty-cache prefill); the last residual add of a layer and the "
-            f"next layer's input norm are not fused across the boundary"]
+            f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
+            f"input norm are two kernels"]
 
 
 def _own_body() -> Any:
@@ -159,10 +162,11 @@ def _own_body() -> Any:
 def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
     if getattr(config, "mode", "compile") == "eager":
         return ["decoder layers: no compiled regions (mode eager)"]
-    if not getattr(config, "layer_regions", True):
-        return ["decoder layers compiled inline (config layer_regions: false)"]
+    scope = getattr(config, "layer_regions", "all")
+    if scope == "none":
+        return ["decoder layers compiled inline (config layer_regions: none)"]
     offload = getattr(plan, "offload", None)
     if offload is not None and getattr(offload, "experts", "gpu") == "cpu":
         # Offloaded experts keep per-layer host state that the region's guards would see; not proven shared.
         return ["decoder layers compiled inline: experts are offloaded (regions not proven with offload)"]
-    return install_layer_regions(model)
+    return install_layer_regions(model, decode=scope == "all")
