@@ -98,6 +98,32 @@ def test_compile_work_does_not_grow_with_depth_and_tokens_equal_eager():
     assert inline[1] > work[2][1], (inline, work)  # the count sees per-layer work when layers are inlined
 
 
+def test_prefill_only_regions_leave_the_decode_step_inlined():
+    """`decode=False` (config layer_regions: prefill): the prefill's dynamo graph calls the one region per layer,
+    the decode step's has no region call; tokens equal eager (dynamo graphs run as traced, no inductor)."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=6).eval()
+    model = copy.deepcopy(stock)
+    assert "prefill only" in install_layer_regions(model, decode=False)[0]
+    graphs: dict[str, list[torch.fx.GraphModule]] = {}
+
+    def record(name: str) -> Any:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            graphs.setdefault(name, []).append(gm)
+            return gm.forward
+        return backend
+
+    engine = DecodeLoop(model, compile_kwargs={"backend": record("step")})
+    engine._prefill = torch.compile(engine._run, backend=record("prefill"))
+    ids = _ids(2, 6, 7)
+    got = engine.generate(ids, 4, GREEDY)
+    assert torch.equal(got, DecodeLoop(stock).generate(ids, 4, GREEDY))
+    calls = {name: sum(1 for g in gms for n in g.graph.nodes if n.op == "call_function"
+                       and n.target is torch.ops.higher_order.invoke_subgraph) for name, gms in graphs.items()}
+    assert calls == {"prefill": 3, "step": 0}, calls
+    torch._dynamo.reset()
+
+
 def test_regions_are_a_no_op_outside_compile():
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=4).eval()
     model = copy.deepcopy(stock)
