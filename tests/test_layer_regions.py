@@ -124,6 +124,33 @@ def test_prefill_only_regions_leave_the_decode_step_inlined():
     torch._dynamo.reset()
 
 
+def test_a_compiled_direct_forward_through_the_regions_equals_eager():
+    """`model(ids)` compiled (transformers makes its DynamicCache inside the forward): the prefill path of the
+    regions, the cache it returns holds the same keys and values as eager's."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=8).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model)
+    ids = _ids(2, 6, 9)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        got = torch.compile(model.forward, backend=record, fullgraph=True)(ids, use_cache=True)
+        want = stock(ids, use_cache=True)
+    assert sum(1 for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph) == 3
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    cache = getattr(got, "past_key_values", None) or got.cache
+    ref = getattr(want, "past_key_values", None) or want.cache
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_regions_are_a_no_op_outside_compile():
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=4).eval()
     model = copy.deepcopy(stock)
