@@ -13,17 +13,22 @@
 #                                                        #   vs transformers, bench/e2e.py)
 #                                                        #   e2e-48-regions e2e-48-inline (48 layers B=1, config
 #                                                        #   layer_regions all / none: compile seconds, launches per step)
+#                                                        #   stream (500 mixed requests on the engine, bench/stream.py)
 #                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
 #                                                        #   tp-calibrate (per-rank expert shapes of Qwen3-30B-A3B at
 #                                                        #   TP=2/4; one GPU), tp, tp-peer (2-4 GPUs: bench/tp.py)
 #                                                        #   dense (dense-linear gemv vs cuBLAS + calibration rows) dense-sweep
 #                                                        #   moe-backward (autograd vs transformers' grouped_mm)
+#                                                        #   coldstart coldstart-48 (first call: cold vs a new process
+#                                                        #   with moefx's compile cache, vs transformers; bench/coldstart.py)
+#                                                        #   dispatch (host time per moefx op call vs the 15 us target)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 RES=$(mktemp -d /tmp/moefx-res.XXXX)
 export TORCHINDUCTOR_CACHE_DIR=$RES/inductor
+export MOEFX_COMPILE_CACHE=$RES/moefx-compile  # every call starts cold, like the inductor cache
 mkdir -p "$OUT"
 stages=("$@")
 
@@ -42,7 +47,7 @@ run_stage() {  # name, limit seconds, command...
 }
 
 pack() {
-    tar czf "$OUT/results-$(IFS=-; echo "${stages[*]}").tgz" --exclude=./inductor -C "$RES" .
+    tar czf "$OUT/results-$(IFS=-; echo "${stages[*]}").tgz" --exclude=./inductor --exclude=./moefx-compile -C "$RES" .
 }
 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -95,9 +100,13 @@ for s in "${stages[@]}"; do
         e2e-48-inline) run_stage e2e-48-inline 560 python3 bench/e2e.py --layers 48 --batches 1 --arms moefx --runs 1 \
             --profile --layer-regions none --tag _regions_none ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
+        stream) run_stage stream 560 python3 bench/stream.py --layers 8 ;;
         gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
+        coldstart) run_stage coldstart 540 python3 bench/coldstart.py --layers 8 --batch 1 ;;
+        coldstart-48) run_stage coldstart-48 580 python3 bench/coldstart.py --layers 48 --batch 1 ;;
+        dispatch) run_stage dispatch 420 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
@@ -112,7 +121,7 @@ for s in "${stages[@]}"; do
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
             "e2e-48-regions e2e-48-inline dense" \
-            "dense-sweep gpu-gen)" ;;
+            "dense-sweep gpu-gen stream coldstart coldstart-48 dispatch)" ;;
     esac
 done
 pack

@@ -39,11 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     input_ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     input_ids = input_ids.to(args.device)
 
-    # [readme:optimize]
     model = moefx.optimize(model, config={"mode": args.mode, "max_batch_size": 1})
     print(model.moefx_plan.explain())  # every decision and who made it
     out = model.generate(input_ids, max_new_tokens=args.new_tokens, do_sample=False)
-    # [/readme]
 
     print("generated:", out[0, input_ids.shape[1]:].tolist())
     if reference is not None:

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "backend": "moefx.compile",
     "explain_fusions": "moefx.explain",
     "optimize": "moefx.optimize",
+    "precompile": "moefx.precompile",
     "quantize": "moefx.quantize",
 }
 
@@ -44,6 +45,7 @@ __all__ = [
     "compile_reports",
     "explain_fusions",
     "optimize",
+    "precompile",
     "quantize",
 ]
 
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from moefx.config import CompilationConfig, OffloadConfig, PassConfig
     from moefx.explain import explain_fusions
     from moefx.optimize import optimize
+    from moefx.precompile import precompile
     from moefx.quantize import quantize
     from moefx.reports import CompileReport, clear_compile_reports, compile_reports
 

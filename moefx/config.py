@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -24,6 +25,33 @@ DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
 LAYER_REGIONS = ("all", "prefill", "none")
 OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
+# The decode engine's memory budget when neither config nor env sets it: this fraction of the free device memory
+# (measured at its first allocation) leaves the rest to activations and the prefill.
+DEFAULT_MEMORY_BUDGET = 0.7
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def check_memory_budget(value: Any, what: str) -> float:
+    """A memory budget as a number: 0 < x <= 1 is a fraction of free memory, x > 1 is bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be a number > 0 (a fraction of free device memory when <= 1, else bytes), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def parse_memory_budget(raw: str) -> float:
+    """`0.6`, `8e9`, `40GiB`, `512MiB`, `80GB` -> the budget as `check_memory_budget` reads it."""
+    text = raw.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"unknown unit {unit!r}; valid units: {sorted(u for u in _BYTE_UNITS if u)}")
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except ValueError:
+        value = None
+    return check_memory_budget(value, "the memory budget (a fraction in (0, 1] or bytes, e.g. 0.6 or 40GiB)")
 
 
 def _choices(*values: str) -> dict[str, Any]:
@@ -51,7 +79,8 @@ class PassConfig:
 
 @dataclass
 class OffloadConfig:
-    experts: str = field(default="gpu", metadata=_choices(*OFFLOAD_DEVICES))
+    # None: not set (MOEFX_OFFLOAD_EXPERTS, else "gpu": the experts stay with the model).
+    experts: str | None = field(default=None, metadata=_choices(*OFFLOAD_DEVICES))
 
 
 @dataclass
@@ -61,27 +90,45 @@ class CompilationConfig:
     dense_backend: str = field(default="auto", metadata=_choices(*DENSE_BACKENDS))
     # capture: compiled, with CUDA graphs where the device has them (compile and eager opt out of those steps).
     mode: str = field(default="capture", metadata=_choices(*MODES))
-    max_batch_size: int = 1
+    # Caps the decode engine's CUDA-graph batch buckets; None: a cap derived from free memory (SPEC §6).
+    max_batch_size: int | None = None
+    # Memory all of the decode engine's slots (static caches, CUDA-graph pools) share: a fraction of the free
+    # device memory when <= 1, else bytes; None: env MOEFX_MEMORY_BUDGET, else DEFAULT_MEMORY_BUDGET.
+    memory_budget: float | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     calibration: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
     # Prefill token budget override; None lets the plan decide (SPEC §6).
     prefill_token_budget: int | None = None
+    # Cap on rows × prompt bucket of the prefill captured in CUDA graphs (mode capture on CUDA); 0 turns it off.
+    prefill_capture_tokens: int = 4096
     # Turn "asked for but unsupported here" from a one-time warning into an error.
     strict: bool = False
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
     dynamic: bool | None = None
+    # Persistent compile artifacts of the generate() engine: true, false or a folder; None: MOEFX_COMPILE_CACHE,
+    # else on (moefx/sampling/compile_cache.py).
+    compile_cache: bool | str | None = None
     # Compile identical decoder layers once, as one nested compile region (moefx/sampling/regions.py): in the
     # prefill and the decode step, in the prefill only (the decode step keeps its cross-layer fusions), or nowhere.
     layer_regions: str = field(default="all", metadata=_choices(*LAYER_REGIONS))
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"config key 'max_batch_size' must be >= 1, got {self.max_batch_size}")
+        mbs = self.max_batch_size
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            raise ValueError(f"config key 'max_batch_size' must be an integer >= 1 or null (null: a cap derived "
+                             f"from free memory), got {mbs!r}")
+        if self.memory_budget is not None:
+            check_memory_budget(self.memory_budget, "config key 'memory_budget'")
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ValueError(
                 f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
             )
+        from moefx.sampling.prefill import prefill_buckets
+
+        prefill_buckets(self.prefill_capture_tokens)  # raises ValueError naming the key and the valid values
+        if isinstance(self.compile_cache, str) and not self.compile_cache.strip():
+            raise ValueError("config key 'compile_cache' must be true, false, null or a folder path, got ''")
 
     @classmethod
     def from_any(cls, x: Any = None) -> CompilationConfig:
@@ -118,7 +165,7 @@ class CompilationConfig:
                     prefix = ".".join(parts[: depth + 1])
                     sections = sorted(k for k, v in node.items() if isinstance(v, dict))
                     where = ".".join(parts[:depth]) or "the config"
-                    valid = (f"valid sections of {where}: {sections}{_did_you_mean(part, sections)}" if sections
+                    valid = (f"valid sections of {where}: {sections}{did_you_mean(part, sections)}" if sections
                              else f"{where} has no sections; its keys: {sorted(node)}")
                     raise ValueError(f"override {item!r}: {prefix!r} is not a config section; {valid}")
                 node = node[part]
@@ -128,6 +175,7 @@ class CompilationConfig:
     def compute_hash(self) -> str:
         """Stable across processes; covers every field and the content of referenced rule/table files."""
         payload = self.to_dict()
+        del payload["compile_cache"]  # where compile artifacts are kept is no input to a compile
         payload["_files"] = {p: _file_digest(p) for p in [*self.calibration, *self.rules]}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -156,7 +204,7 @@ def _load_text_or_path(text: str) -> Any:
     return json.loads(content) if path.suffix.lower() == ".json" else (yaml.safe_load(content) or {})
 
 
-def _did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
+def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -169,7 +217,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         dotted = f"{prefix}{key}"
         if key not in fields:
             raise ValueError(
-                f"unknown config key {dotted!r}; valid keys: {sorted(fields)}{_did_you_mean(key, fields)}"
+                f"unknown config key {dotted!r}; valid keys: {sorted(fields)}{did_you_mean(key, fields)}"
             )
         kwargs[key] = _coerce(hints[key], value, dotted, fields[key].metadata.get("choices"))
     return cls(**kwargs)
@@ -181,6 +229,14 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if len(args) > 1:  # e.g. bool | str: the first type that takes the value
+            for arg in args:
+                try:
+                    return _coerce(arg, value, key, choices)
+                except ValueError:
+                    continue
+            names = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+            raise ValueError(f"config key {key!r} must be {names} (or null), got {value!r}")
         tp, origin = args[0], typing.get_origin(args[0])
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -202,6 +258,10 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
         return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key {key!r} must be a number, got {value!r}")
+        return value
     if tp is str:
         if not isinstance(value, str):
             valid = f"; valid choices: {list(choices)}" if choices is not None else ""
@@ -209,7 +269,7 @@ def _coerce(tp: Any, value: Any, key: str, choices: tuple[str, ...] | None) -> A
         if choices is not None and value not in choices:
             raise ValueError(
                 f"config key {key!r} has invalid value {value!r}; valid choices: {list(choices)}"
-                f"{_did_you_mean(value, choices)}"
+                f"{did_you_mean(value, choices)}"
             )
         return value
     raise TypeError(f"config key {key!r} has an unsupported declared type {tp!r}")

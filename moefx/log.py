@@ -1,5 +1,9 @@
 """moefx logging: `MOEFX_LOG=debug|info|warning` sets the level; `warn_once` never repeats a message.
 
+Progress lines (what a first call compiles and captures, and how long it took) go to `progress_logger()`,
+shown by default so nobody kills a process that is working; `MOEFX_LOG=warning` (or error) silences them, and
+other info lines stay hidden unless `MOEFX_LOG=info`.
+
 `warn_once` may be called inside code that `torch.compile` traces (an experts forward that falls back): it is
 marked `assume_constant_result`, so dynamo runs it once while tracing (the message must be a constant there, as
 every moefx message is) instead of breaking the graph on `warnings.warn`; `fullgraph=True` compiles through it.
@@ -36,6 +40,21 @@ def get_logger(name: str = "moefx") -> logging.Logger:
         root.setLevel(level.upper())
         root.propagate = False
         root._moefx_configured = True  # type: ignore[attr-defined]
+    return logger
+
+
+def progress_logger() -> logging.Logger:
+    """The `moefx.progress` logger: "moefx: ..." lines on stderr, at INFO unless MOEFX_LOG asks for warning or
+    error (read once, when the logger is first set up)."""
+    logger = logging.getLogger("moefx.progress")
+    if not getattr(logger, "_moefx_configured", False):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("moefx: %(message)s"))
+        logger.addHandler(handler)
+        asked = os.environ.get("MOEFX_LOG", "").strip() and log_level()
+        logger.setLevel(asked.upper() if asked in ("warning", "error") else "INFO")
+        logger.propagate = False
+        logger._moefx_configured = True  # type: ignore[attr-defined]
     return logger
 
 

@@ -147,11 +147,26 @@ def resolve_config(config: str | QuantizeConfig) -> QuantizeConfig:
     return SCHEMES[config]()
 
 
+def _scheme_name(cfg: QuantizeConfig) -> str:
+    """The SCHEMES name a config equals, else its repr (a custom config)."""
+    return next((repr(name) for name, make in SCHEMES.items() if make() == cfg), repr(cfg))
+
+
 def quantize(model: nn.Module, config: str | QuantizeConfig = "fp8_block128") -> nn.Module:
     """Replace, in place, every linear and experts module the config's handler takes (except skipped
     names); returns the model with `moefx_quantization` set to the config and, for a transformers model
-    without one, `config.quantization_config` describing the result (so signatures and plans see it)."""
+    without one, `config.quantization_config` describing the result (so signatures and plans see it).
+
+    A model is quantized once: the same config again returns it unchanged, another one raises (its modules
+    already hold the first format, which a second pass would neither convert nor describe)."""
     cfg = resolve_config(config)
+    previous = getattr(model, "moefx_quantization", None)
+    if previous is not None:
+        if previous == cfg:
+            log.info("quantize: %s is already quantized with %s; unchanged", type(model).__name__, previous)
+            return model
+        raise ValueError(f"moefx.quantize: the model is already quantized with {_scheme_name(previous)}; it cannot "
+                         f"be re-quantized to {_scheme_name(cfg)} (quantize a fresh copy of the unquantized model)")
     handler = _HANDLERS[type(cfg)]
     replaced = 0
     for name, module in list(model.named_modules()):

@@ -3,8 +3,9 @@
 - `<!-- generated: supported -->`: the "what is supported" table, resolved from the registries (providers, passes,
   calibration tables, device presets) for every published config in `moefx.models.catalog`;
 - `<!-- generated: headline -->`: the measured lines, from `bench/results/` through `bench/report.py`;
-- `<!-- example: examples/FILE.py#NAME -->` + a fenced block: the code between `# [readme:NAME]` and
-  `# [/readme]` in that example (the examples run in CI, so the README's snippets do too).
+- `<!-- example: examples/FILE.py#NAME -->` + a fenced block: `# excerpt of examples/FILE.py`, then the code
+  between `# [readme:NAME]` and `# [/readme]` in that example (the examples run in CI; the first line says that
+  the snippet alone does not run, its file does).
 
     python scripts/readme.py            # rewrite README.md
     python scripts/readme.py --check    # exit 1 when README.md is not what this script generates
@@ -115,7 +116,7 @@ def render(text: str) -> str:
         return m.group(1) + parts[m["name"]]() + m.group(4)
 
     def example(m: re.Match) -> str:
-        return m.group(1) + example_region(ROOT / m["file"], m["name"]) + m.group(5)
+        return m.group(1) + f"# excerpt of {m['file']}\n" + example_region(ROOT / m["file"], m["name"]) + m.group(5)
 
     return EXAMPLE.sub(example, GENERATED.sub(generated, text))
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/moefx/inductor"))
+# Tests do not share engine compile-cache files across runs and worktrees; tests/test_compile_cache.py turns it on.
+os.environ.setdefault("MOEFX_COMPILE_CACHE", "off")
 # Without a GPU, Triton kernels run (and are tested) in Triton's interpreter. Must be set before any
 # module that defines a @triton.jit kernel is imported.
 if not torch.cuda.is_available():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from moefx.cli import main as cli_main
-from moefx.cli.bench import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION, spread_pct, verdict
+from moefx.cli.bench import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION, spread_pct, summarize, verdict
 
 EAGER = '{"mode": "eager"}'
 
@@ -47,3 +47,31 @@ def test_verdict_is_inconclusive_when_the_noise_is_wider_than_the_red_line():
 def test_bench_validates_before_running(extra, message, capsys):
     assert cli_main(["bench", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def _sample(tok_s: float, measured: bool = True) -> dict:
+    return {"prefill_ms": 10.0, "itl_ms": 1e3 / tok_s, "decode_tok_s": tok_s, "decode_measured": measured}
+
+
+def test_unmeasured_samples_enter_no_aggregate():
+    """A sample whose decode steps the noise swallowed carries a made-up rate (~1e10 tok/s): it must not move any
+    median or spread, and the verdict is the one of the measured samples alone."""
+    a = [[_sample(t) for t in (1000.0, 1001.0, 999.0)], [_sample(1000.5), _sample(1.5e10, measured=False)]]
+    b = [[_sample(t) for t in (1000.0, 1000.2, 999.8)], [_sample(1.5e10, measured=False), _sample(999.9)]]
+    s = summarize({"a": a, "b": b}, red_line=3.0)
+    assert s["measured"] == {"a": (4, 5), "b": (4, 5)}
+    assert s["medians"]["a"]["decode_tok_s"] == pytest.approx(1000.25)
+    assert s["spread_pct"]["b"]["decode_tok_s"] < 1.0 and s["noise_pct"] < 1.0
+    assert s["exit_code"] == EXIT_OK and s["verdict"].endswith(": ok") and abs(s["change_pct"]) < 0.1
+
+
+def test_too_few_measured_samples_is_inconclusive():
+    a = [[_sample(1000.0), _sample(1000.0), _sample(1000.0)]]
+    b = [[_sample(1000.0), _sample(1.5e10, False), _sample(1.5e10, False)]]  # 1 of 3 measured: under half
+    s = summarize({"a": a, "b": b}, red_line=3.0)
+    assert s["exit_code"] == EXIT_INCONCLUSIVE
+    assert "inconclusive: 1 of 3 samples measured in arm B" in s["verdict"] and "REGRESSION" not in s["verdict"]
+    assert s["medians"]["b"]["decode_tok_s"] == 1000.0 and s["change_pct"] is None
+    none = summarize({"a": a, "b": [[_sample(1.5e10, False)] * 3]}, red_line=3.0)
+    assert none["exit_code"] == EXIT_INCONCLUSIVE and none["medians"]["b"]["decode_tok_s"] is None
+    assert "0 of 3 samples measured in arm B" in none["verdict"]

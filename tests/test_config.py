@@ -77,10 +77,11 @@ def test_hash_changes_with_every_field():
     for f in dataclasses.fields(PassConfig):
         variants.append({"pass_config": {f.name: "/tmp/x" if f.name == "dump_graph_dir" else True}})
     for f in dataclasses.fields(CompilationConfig):
-        if f.name in ("pass_config", "offload"):
+        if f.name in ("pass_config", "offload", "compile_cache"):
             continue
         value = getattr(base, f.name)
         new = {"moe_backend": "gemv", "dense_backend": "gemv", "mode": "eager", "prefill_token_budget": 4096,
+               "prefill_capture_tokens": 2048, "max_batch_size": 8, "memory_budget": 0.5,
                "layer_regions": "prefill"}.get(
             f.name, _changed(value)
         )
@@ -90,6 +91,16 @@ def test_hash_changes_with_every_field():
         h = CompilationConfig.from_any(v).compute_hash()
         assert h not in seen, v
         seen.add(h)
+
+
+def test_compile_cache_key_is_validated_and_not_hashed():
+    base = CompilationConfig().compute_hash()
+    for value in (True, False, "/tmp/moefx-cc"):
+        cfg = CompilationConfig.from_any({"compile_cache": value})
+        assert cfg.compile_cache == value and cfg.compute_hash() == base  # where artifacts live changes no compile
+    for bad in (3, ["a"], ""):
+        with pytest.raises(ValueError, match="compile_cache"):
+            CompilationConfig.from_any({"compile_cache": bad})
 
 
 def test_hash_follows_rule_file_content(tmp_path):

@@ -219,3 +219,22 @@ def test_changelog_version_is_the_package_version(capsys):
         main(["--version"])
     assert exc.value.code in (0, None)
     assert capsys.readouterr().out.split() == ["moefx", version]
+
+
+def test_every_readme_python_block_runs_or_names_the_example_that_does():
+    """A python block in the README either runs as written (`<!-- runnable -->`: test_runnable_blocks_run execs it)
+    or its first line is `# excerpt of examples/NAME.py`, an example that tests/test_examples.py runs."""
+    examples = _module(ROOT / "tests" / "test_examples.py", "moefx_tests_examples").EXAMPLES
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"(<!-- runnable -->\n)?```python\n(.*?)```", text, flags=re.S)
+    assert blocks and any(runnable for runnable, _ in blocks)
+    for runnable, body in blocks:
+        if runnable:
+            continue
+        first = body.splitlines()[0]
+        m = re.fullmatch(r"# excerpt of examples/([\w.]+\.py)", first)
+        assert m, f"README python block is neither runnable nor an excerpt line: {first!r}"
+        assert m[1] in examples and (ROOT / "examples" / m[1]).is_file(), f"{m[1]} is not an example CI runs"
+        code = [line.strip() for line in body.splitlines()[1:] if line.strip()]
+        source = (ROOT / "examples" / m[1]).read_text()
+        assert code and all(line in source for line in code), f"the excerpt of {m[1]} is not that file's code"

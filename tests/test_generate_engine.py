@@ -88,7 +88,7 @@ def test_batches_padded_to_the_bucket_give_the_same_tokens(models):
         want = stock.generate(ids, max_new_tokens=6, do_sample=False)
         assert torch.equal(loop.generate(ids, 6, GREEDY), want), batch
     assert loop.bucket(3) == (4, False) and loop.bucket(9) == (9, False)
-    assert sorted(loop._slots) == [4, 8, 9]
+    assert sorted(rows for rows, _ in loop.slots.keys()) == [4, 8, 9]
 
 
 def test_sampling_runs_on_the_engine_and_follows_the_seed(models):

@@ -32,8 +32,38 @@ def test_captured_greedy_equals_transformers_fp32():
         want = stock.generate(ids, max_new_tokens=10, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), want), batch
     stats = model.moefx_generate.engine.stats
-    assert stats.captures == 2 and not stats.uncaptured, stats
-    assert model.moefx_generate.fallbacks == []
+    above = ("batches above the largest capture size 4 decode without a CUDA graph (first: batch 6); config key "
+             "'max_batch_size' sets the largest")
+    assert stats.captures == 2 and stats.uncaptured == [above] and stats.above_cap == 1, stats
+    assert model.moefx_generate.fallbacks == [f"engine: {above}"]
+    assert stats.graph_bytes > 0 and stats.slots == 3  # the graph pools count against the memory budget
+
+
+def test_default_plan_captures_lazily_and_a_request_over_the_budget_fails_before_allocating():
+    """No max_batch_size: capture sizes up to a cap from this GPU's free memory, each captured on first use. A
+    request whose cache cannot fit in the memory budget raises MemoryBudgetError with nothing allocated (no CUDA
+    out-of-memory half-way)."""
+    from moefx.sampling.slots import MemoryBudgetError, cache_bytes
+
+    stock = build_model(tiny_qwen3_moe_config(), seed=2, device="cuda")
+    budget = 4 * cache_bytes(stock.config, 16, 256, torch.float32)
+    model = moefx.optimize(copy.deepcopy(stock), config={"moe_backend": "gemv", "memory_budget": budget})
+    sizes = model.moefx_plan.serving["capture_sizes"]
+    assert sizes[:10] == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96], sizes
+    assert "from memory" in model.moefx_plan.serving_sources["capture_sizes"]
+    ids = _ids(12, 7, 12)
+    want = stock.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    stats = model.moefx_generate.engine.stats
+    assert stats.captures == 1 and stats.slots == 1  # bucket 16 only: nothing captured ahead of use
+    big = _ids(96, 7, 1)  # bucket 96: six times the 16-row cache, above the whole budget
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with pytest.raises(MemoryBudgetError, match="MOEFX_MEMORY_BUDGET"):
+        model.generate(big, max_new_tokens=6, do_sample=False)
+    assert torch.cuda.max_memory_allocated() - before < cache_bytes(stock.config, 96, 256, torch.float32) // 4
+    assert stats.slot_allocations == 1 and stats.slots == 1
 
 
 def test_a_step_that_syncs_the_host_is_not_captured_and_leaves_the_process_healthy():
@@ -78,3 +108,32 @@ def test_sampling_inside_the_graph_draws_fresh_numbers_each_step():
     new = first[:, 5:]
     assert len(set(new[0].tolist())) > 4  # a replayed graph that reused its random numbers would repeat a pattern
     assert model.moefx_generate.engine.stats.captures == 1
+
+
+def test_captured_prefill_gives_the_uncaptured_tokens():
+    """fp32: greedy tokens after the prefill replayed from a CUDA graph (mode capture, prompt right-padded to its
+    bucket) equal those after mode compile's prefill (unpadded, no graph) and transformers'. Prompt lengths: 16
+    (a bucket), 37 (padded to 64), 200 (above the largest bucket at prefill_capture_tokens 128: the dynamic
+    prefill); two rows left-padded or not. Mode compile captures no prefill."""
+    stock = build_model(tiny_qwen3_moe_config(), seed=6, device="cuda")
+    config = {"max_batch_size": 2, "moe_backend": "gemv", "prefill_capture_tokens": 128}
+    captured = moefx.optimize(copy.deepcopy(stock), config=config)
+    compiled = moefx.optimize(copy.deepcopy(stock), config={**config, "mode": "compile"})
+    for batch, length, padded in ((1, 16, False), (1, 37, False), (1, 200, False), (2, 37, False), (2, 37, True)):
+        ids = _ids(batch, length, length)
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[1, :11] = 0
+            ids = ids.masked_fill(mask == 0, 0)
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = compiled.generate(ids, **kwargs)
+        assert torch.equal(captured.generate(ids, **kwargs), want), (batch, length, padded)
+        assert torch.equal(stock.generate(ids, **kwargs), want), (batch, length, padded)
+        assert torch.equal(captured.generate(ids, **kwargs), want), (batch, length, padded)  # replayed again
+    stats = captured.moefx_generate.engine.stats
+    assert stats.prefill_buckets == (16, 32, 64, 128) and stats.prefill_captures == 4, stats
+    assert not stats.uncaptured and stats.prefill_graph_bytes >= 0, stats
+    assert stats.compiles.get("prefill[padded]", 0) <= 2 and "prefill" in stats.compiles, stats.compiles  # 200: dynamic
+    plain = compiled.moefx_generate.engine.stats
+    assert plain.prefill_buckets == () and plain.prefill_captures == 0, plain
+    assert captured.moefx_generate.fallbacks == [] and compiled.moefx_generate.fallbacks == []

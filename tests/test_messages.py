@@ -50,3 +50,19 @@ def test_explain_says_what_runs_on_a_cpu_without_calibration(isolated_moe_tables
     assert "dtype=float32 [config 'dtype']" in text
     unknown = resolve(ModelSignature.from_config({}), ExecutionSignature()).explain()
     assert "profile = unknown  [the config states no model_type]" in unknown and "None" not in unknown.split("\n")[2]
+
+
+def test_offload_gpu_on_a_cpu_model_says_the_experts_stay_with_the_model(monkeypatch) -> None:
+    ms, es = ModelSignature.from_config(catalog_config("tiny-qwen3-moe")), ExecutionSignature(dtype="float32")
+    monkeypatch.delenv("MOEFX_OFFLOAD_EXPERTS", raising=False)
+    with pytest.warns(UserWarning, match=r"offload experts 'gpu' \(user config\) has no GPU to use: the model runs "
+                                         r"on cpu, so its experts stay where the model is"):
+        plan = resolve(ms, es, {"offload": {"experts": "gpu"}})
+    assert plan.offload.experts == "gpu"
+    assert "offload note: offload experts 'gpu' (user config) has no GPU to use" in plan.explain()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = resolve(ms, es)  # not asked for: nothing to warn about
+    assert "offload note" not in default.explain()

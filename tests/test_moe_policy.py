@@ -252,7 +252,8 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
             "--quick", "--backends", "legacy,upstream", "--output", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "eager row cpu.yaml#1" in printed and "best" in printed
+    assert "eager row cpu.yaml#1" in printed and "chosen" in printed
+    assert f"wrote {out}: from now on moefx.optimize and `moefx plan` on this device read it" in printed
     (row,) = load_table(out)
     hidden, ids, w13, w2 = _tensors(1)
     assert row.key == key_for_tensors(hidden, ids, w13, None, "eager")
@@ -280,7 +281,10 @@ def test_calibrate_without_matplotlib_writes_the_row_and_skips_the_plot(tmp_path
     argv = ["calibrate", "--experts", str(E), "--hidden", str(H), "--intermediate", str(I), "--topk", str(TOPK),
             "--quick", "--max-m", "2", "--backends", "legacy,upstream", "--output", str(out)]
     assert main(argv) == 0
-    assert "plot skipped: matplotlib is not installed (pip install 'moefx[plot]')" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "plot skipped: matplotlib is not installed (pip install 'moefx[plot]')" in captured.err
+    assert f"wrote {out}: plans read it only when a config lists it, e.g. config={{'calibration': ['{out}']}}" in (
+        captured.out)
     assert len(load_table(out)) == 1 and not list(tmp_path.glob("*.png"))
 
 
@@ -325,7 +329,7 @@ def test_sweep_stops_timing_a_contender_slow_at_two_m_in_a_row(monkeypatch):
     cost = {"fast": lambda m: float(m), "spiky": lambda m: 50.0 if m == 2 else float(m), "slow": lambda m: 10.0 * m}
     problem = calibrate.Problem(4, 16, 8, 2, torch.float32, "none", torch.device("cpu"), seed=0)
     monkeypatch.setattr(problem, "call", lambda name: cost[name])
-    monkeypatch.setattr(calibrate, "_time_cpu", lambda fn, sets, reps: [fn(sets[0][0].shape[0])])
+    monkeypatch.setattr(calibrate, "_cpu_timer", lambda fn, sets: lambda r: fn(sets[0][0].shape[0]))
     result = calibrate.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
     timings, skipped = result.timings, result.skipped
     assert set(timings["fast"]) == set(timings["spiky"]) == {1, 2, 4, 8}  # one spike is not enough
@@ -342,21 +346,101 @@ def test_close_calls_are_retimed_then_reported_uncertain():
         result.add("b", m, [t * m * (1.02 if m < 4 else 3.0) for t in noisy])  # a near-tie at M 1, 2 only
     calls = []
 
-    def retime(name: str, m: int) -> list[float]:
-        calls.append((name, m))
-        return [t * m * (1.02 if name == "b" else 1.0) for t in noisy]
+    def retime(names: list[str], m: int) -> dict[str, list[float]]:
+        calls.append((tuple(names), m))
+        return {name: [t * m * (1.02 if name == "b" else 1.0) for t in noisy] for name in names}
 
-    resolve_close_calls(result, retime)
+    resolve_close_calls(result, retime, default=None)
     assert sorted(result.uncertain) == [1, 2] and "within the" in result.uncertain[1]
-    assert len(calls) == 2 * 2 * RETIME_ROUNDS and all(m in (1, 2) for _, m in calls)  # M=4 is decided
+    assert calls == [(("a", "b"), m) for m in (1, 2) for _ in range(RETIME_ROUNDS)]  # together; M=4 decided
     assert len(result.samples["a"][1]) == len(noisy) * (1 + RETIME_ROUNDS)
+    assert result.pinned == {1: "a", 2: "a"}  # no default among them: the fastest, then the previous M's choice
     assert 0.03 <= result.tolerance <= 0.25  # the measured noise widens the crossover hysteresis
     # Quiet samples: a 2% gap is decided at once, nothing re-timed.
     quiet = Sweep()
     quiet.add("a", 1, [100.0] * 5)
     quiet.add("b", 1, [102.0] * 5)
-    resolve_close_calls(quiet, lambda name, m: pytest.fail("re-timed a decided point"))
-    assert quiet.uncertain == {} and quiet.tolerance == 0.03
+    resolve_close_calls(quiet, lambda names, m: pytest.fail("re-timed a decided point"))
+    assert quiet.uncertain == {} and quiet.pinned == {} and quiet.tolerance == 0.03
+
+
+def _noisy_run(cpu_bias: float, seed: int):
+    """A synthetic --quick sweep on a loaded machine: cpu and gemv about as fast as upstream at M<=4 (one run sees
+    cpu 5% ahead, the other 5% behind), a spike or two per contender, and gemv clearly ahead (3x) at M=8, 16."""
+    import random
+
+    from moefx.cli.calibrate import Sweep, resolve_close_calls
+
+    rng = random.Random(seed)
+
+    def samples(base: float) -> list[float]:
+        return [base * rng.uniform(0.7, 1.3) * (rng.choice([1.0, 1.0, 40.0])) for _ in range(3)]
+
+    base = {"upstream": lambda m: 100.0 * m, "cpu": lambda m: 100.0 * m * cpu_bias,
+            "gemv": lambda m: 100.0 * m if m <= 4 else 33.0 * m}
+    result = Sweep()
+    for m in (1, 2, 4, 8, 16):
+        for name, cost in base.items():
+            result.add(name, m, [cost(m) * rng.uniform(0.98, 1.02) for _ in range(3)] if m > 4 else samples(cost(m)))
+
+    def retime(names: list[str], m: int) -> dict[str, list[float]]:
+        return {n: samples(base[n](m)) if m <= 4 else [base[n](m)] * 3 for n in names}
+
+    resolve_close_calls(result, retime)
+    return result
+
+
+def test_calibrate_on_a_noisy_machine_keeps_the_default_where_the_noise_decides_and_is_repeatable():
+    """Two runs whose noisy medians disagree about M<=4 write the same row: upstream (the default) kept there and
+    marked uncertain, gemv only where it wins beyond the noise."""
+    from moefx.backends.calibration import crossover_ranges
+
+    rows = []
+    for bias, seed in ((0.95, 1), (1.05, 2)):
+        result = _noisy_run(bias, seed)
+        assert result.pinned == {1: "upstream", 2: "upstream", 4: "upstream"}, result.uncertain
+        assert all("kept the default, upstream" in result.uncertain[m] for m in (1, 2, 4))
+        rows.append(crossover_ranges(result.timings, tolerance=result.tolerance, pinned=result.pinned))
+    assert rows[0] == rows[1] and rows[0][0].backend == "upstream" and rows[0][-1].backend == "gemv"
+
+
+def test_crossover_ranges_follow_pinned_points():
+    from moefx.backends.calibration import crossover_ranges
+
+    timings = {"a": {1: 1.0, 2: 1.0, 4: 1.0}, "upstream": {1: 1.1, 2: 1.1, 4: 1.1}}
+    assert crossover_ranges(timings) == (MRange("a", 1, None),)
+    pinned = crossover_ranges(timings, pinned={1: "upstream", 2: "upstream"})
+    assert pinned[0].backend == "upstream" and pinned[0].contains(2) and pinned[-1] == MRange("a", pinned[0].max_m + 1,
+                                                                                               None)
+    lone = crossover_ranges(timings, pinned={2: "upstream"})  # a pinned point is not smoothed away as a lone win
+    assert any(r.backend == "upstream" and r.contains(2) for r in lone)
+
+
+def test_interleaved_rounds_share_the_load_of_the_machine():
+    """Each round times every contender once, order rotated: a round the machine is loaded slows all of them,
+    so the medians keep their ratio; a contender that raises is dropped with the reason."""
+    from moefx.cli.calibrate import interleave
+
+    load = [1.0, 30.0, 1.0, 1.0, 25.0]  # two rounds with a heavy spike
+    order = []
+
+    def timer(name: str, cost: float):
+        def one(r: int) -> float:
+            order.append((r, name))
+            return cost * load[r]
+        return one
+
+    def broken(r: int) -> float:
+        raise RuntimeError("no graph for you")
+
+    failed: dict[str, str] = {}
+    out = interleave({"a": timer("a", 10.0), "b": timer("b", 20.0), "c": broken}, len(load), failed)
+    assert sorted(out) == ["a", "b"] and failed == {"c": "RuntimeError: no graph for you"}
+    assert [n for r, n in order if r == 0] == ["a", "b"] and [n for r, n in order if r == 1] == ["b", "a"]  # rotated
+    import statistics
+
+    assert statistics.median(out["b"]) / statistics.median(out["a"]) == 2.0
+    assert all(len(v) == len(load) for v in out.values())
 
 
 FP8_H, FP8_I = 128, 128  # smallest shape a 128x128 weight block fits
@@ -436,3 +520,23 @@ def test_calibrate_fp8_quick_writes_an_fp8_row_auto_follows(tmp_path, capsys):
     for m in (1, 5, 16, 100):
         (want,) = [r.backend for r in row.ranges if r.contains(m)]
         assert _choose_fp8(m) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["eager", "capture"])
+def test_calibrate_sweep_times_cuda_contenders_interleaved(mode):
+    """The CUDA timers (events; graph replay in capture) give every contender its reps at every M, interleaved,
+    and the sweep decides or pins every point (no contender dropped for a timer error)."""
+    from moefx.cli import calibrate
+
+    problem = calibrate.Problem(8, 128, 64, 2, torch.bfloat16, "none", torch.device("cuda"), seed=0)
+    names, _ = calibrate._check(problem, [*calibrate.available_backends(torch.device("cuda")), "upstream"])
+    result = calibrate.sweep(problem, names, mode, (1, 2, 8), reps=4)
+    assert not [why for why in result.skipped.values() if "Error" in why], result.skipped
+    assert result.timings and set(result.timings) <= set(names)
+    for name, ts in result.timings.items():
+        assert all(len(result.samples[name][m]) >= 4 and t > 0 for m, t in ts.items())
+    assert set(result.pinned) == set(result.uncertain)
+    ranges = calibrate.crossover_ranges(result.timings, tolerance=result.tolerance, pinned=result.pinned)
+    assert ranges[0].min_m == 1 and ranges[-1].max_m is None

@@ -17,6 +17,7 @@ SPEC_ROWS = {
     "MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS": (None, {"VLLM_XIAOTU_GPU_PREFILL_MIN_TOKENS"}),
     "MOEFX_MOE_BACKEND": ("auto", set()),
     "MOEFX_DENSE_BACKEND": ("auto", set()),
+    "MOEFX_MEMORY_BUDGET": (None, set()),
 }
 
 

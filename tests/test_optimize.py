@@ -71,6 +71,7 @@ def test_demo_runs_and_matches(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "plan:" in out and "greedy tokens match eager: yes" in out and "decode tok/s" in out
     assert "median of 2 runs" in out and "moefx optimize + generate()" in out and "requests on the engine" in out
+    assert "moefx decode: " in out or "moefx is " in out or "decode speed not compared" in out  # the verdict line
 
 
 def test_cli_help_version_and_bad_config(capsys):
@@ -79,3 +80,30 @@ def test_cli_help_version_and_bad_config(capsys):
     assert exc.value.code == 0 and moefx.__version__ in capsys.readouterr().out
     assert cli_main(["demo", "-cc.moe_backend=gemm"]) == 2
     assert "valid choices" in capsys.readouterr().err
+
+
+def test_demo_comparison_says_why_moefx_is_not_faster():
+    """The demo's verdict line from synthetic timings (no clock): faster, within the noise, slower for a stated
+    cause, or not measured."""
+    from moefx.cli.demo import _metrics, comparison
+
+    def arm(step_s: float, jitter: float) -> dict:
+        ones = [0.010, 0.010, 0.010, 0.010, 0.010]
+        fulls = [0.010 + 7 * step_s * (1 + jitter * d) for d in (-1.0, -0.5, 0.0, 0.5, 1.0)]
+        return _metrics(ones, fulls, 1, 8)
+
+    hf, quiet_fast = arm(0.002, 0.01), arm(0.001, 0.01)
+    assert comparison(hf, quiet_fast, "capture", None, 0.5, 2, 2).startswith("moefx decode: 2.00x transformers'")
+    noisy_hf, noisy_fx = arm(0.002, 0.5), arm(0.0022, 0.5)  # 10% slower, 50% spread
+    line = comparison(noisy_hf, noisy_fx, "capture", None, 3.0, 2, 2)
+    assert line.startswith("moefx is not faster here: within the noise of the machine") and "load average 3.0" in line
+    slow = arm(0.004, 0.01)
+    assert "mode eager compiles nothing" in comparison(hf, slow, "eager", None, 0.5, 2, 2)
+    loaded = comparison(hf, slow, "capture", None, 6.0, 2, 2)
+    assert loaded.startswith("moefx is 2.00x slower than transformers' loop here, beyond the noise")
+    assert "the machine is loaded (load average 6.0 on 2 cores)" in loaded
+    assert "transformers' own loop (beam search)" in comparison(hf, slow, "capture", "beam search", 0.5, 2, 2)
+    assert "does not beat transformers' eager loop" in comparison(hf, slow, "capture", None, 0.5, 2, 2)
+    swallowed = _metrics([0.02] * 3, [0.01] * 3, 1, 8)
+    assert not swallowed["decode_measured"] and comparison(hf, swallowed, "capture", None, 0.5, 2, 2).startswith(
+        "decode speed not compared")

@@ -63,8 +63,12 @@ def test_skip_list_and_config_errors():
     assert isinstance(other["lm_head"], Int8Linear)
     with pytest.raises(ValueError, match="fp8_block128"):
         moefx.quantize(nn.Linear(4, 4), "fp8_block")
-    again = moefx.quantize(model, "fp8_block128")["mlp"]["gate_proj"]
-    assert again is model["mlp"]["gate_proj"] and isinstance(again, Int8Linear)  # already quantized: kept
+    kept = model["mlp"]["gate_proj"]
+    assert moefx.quantize(model, "int8")["mlp"]["gate_proj"] is kept  # the same scheme again: unchanged
+    with pytest.raises(ValueError, match=r"already quantized with 'int8'; it cannot be re-quantized to "
+                                         r"'fp8_block128'"):
+        moefx.quantize(model, "fp8_block128")
+    assert model["mlp"]["gate_proj"] is kept and model.moefx_quantization == Int8Config()  # refused: untouched
     fp8 = nn.Sequential(nn.Linear(8, 8))
     fp8[0].weight.data = fp8[0].weight.data.to(torch.float8_e4m3fn)
     with pytest.warns(UserWarning, match="already quantized"):
@@ -140,3 +144,13 @@ def test_load_fp8_checkpoint_written_with_safetensors(tmp_path):
     bad["model.layers.0.self_attn.q_proj.weight_scale_inv"] = torch.ones(2, 2)
     with pytest.raises(ValueError, match="q_proj.weight_scale_inv"):
         load_fp8_checkpoint(_tiny_moe(seed=1), bad)
+
+
+def test_a_second_scheme_is_refused_and_the_model_stays_consistent():
+    model = _tiny_moe()
+    moefx.quantize(model, "fp8_block128")
+    with pytest.raises(ValueError, match="already quantized with 'fp8_block128'.*'int8'"):
+        moefx.quantize(model, "int8")
+    assert isinstance(model.model.layers[1].mlp.experts, Fp8BlockExperts)
+    assert isinstance(model.moefx_quantization, Fp8BlockConfig)  # what the attribute says is what the modules are
+    assert model.config.quantization_config["quant_method"] == "fp8"

@@ -45,7 +45,8 @@ def test_detect_fills_this_machine() -> None:
 @pytest.mark.parametrize(
     "fields, message",
     [({"mode": "fast"}, "mode"), ({"device_type": "gpu"}, "device_type"), ({"tp_size": 0}, "tp_size"),
-     ({"max_batch_size": True}, "max_batch_size"), ({"cpu_isa": ("avx9",)}, "cpu_isa")],
+     ({"max_batch_size": True}, "max_batch_size"), ({"cpu_isa": ("avx9",)}, "cpu_isa"),
+     ({"dtype": "fp33"}, r"dtype 'fp33' is not a torch dtype; valid compute dtypes: \['bfloat16', 'float16'")],
 )
 def test_bad_execution_fields_raise(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -102,7 +103,7 @@ def test_cli_plan_builtin_on_a_preset(capsys: pytest.CaptureFixture[str]) -> Non
     assert rc == 0
     assert "profile = deepseek_v3" in out and "NVIDIA H200" in out
     assert "serving prefill_token_budget = 4096" in out and "vocab_parallel_lm_head = True" in out
-    assert "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24, 32]" in out
+    assert "serving capture_sizes = [1, 2, 4, 8, 16, 24, 32]" in out
 
 
 def test_cli_plan_json_from_a_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,3 +135,18 @@ def test_cli_plan_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     bad.write_text(yaml.safe_dump({"model": {}, "gpu": {}}))
     assert main(["plan", str(bad)]) == 2
     assert "unknown sections" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [(["--device", "h300"], ["device 'h300' is invalid", "'cpu', 'cuda'", "'h200'", "did you mean 'h200'?"]),
+     (["--dtype", "fp33"], ["dtype 'fp33' is not a torch dtype", "['bfloat16', 'float16', 'float32']"]),
+     (["--device", "h200", "--dtype", "fp33"], ["dtype 'fp33'"])],
+)
+def test_cli_plan_bad_device_or_dtype_is_one_line_exit_2(argv: list[str], fragments: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "tiny-qwen3-moe", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moefx plan: error: "), err
+    assert all(f in err for f in fragments), err
+    assert ExecutionSignature(dtype="bf16").dtype == "bfloat16"  # aliases still read

@@ -14,7 +14,7 @@ from moefx.passes.base import MoefxPass
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
 from moefx.signatures.env import pass_overrides
 from moefx.signatures.rules import parse_rule
-from moefx.signatures.serving import capture_sizes
+from moefx.signatures.serving import CAPTURE_SIZE_LIMIT, capture_sizes
 
 
 class _Plain(MoefxPass):
@@ -182,16 +182,44 @@ def test_no_stale_plan_after_execution_changes() -> None:
 
 
 @pytest.mark.parametrize(
-    "mbs, expected_tail",
-    [(1, [1]), (16, list(range(1, 17))), (17, [*range(1, 17), 17]), (24, [*range(1, 17), 24]),
-     (31, [*range(1, 17), 24, 31]), (32, [*range(1, 17), 24, 32]), (33, [*range(1, 17), 24, 32, 33])],
+    "mbs, expected",
+    [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (16, [1, 2, 4, 8, 16]), (17, [1, 2, 4, 8, 16, 17]),
+     (24, [1, 2, 4, 8, 16, 24]), (31, [1, 2, 4, 8, 16, 24, 31]), (64, [1, 2, 4, 8, 16, 24, 32, 48, 64]),
+     (100, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100])],
 )
-def test_capture_sizes_boundaries(mbs: int, expected_tail: list[int]) -> None:
+def test_capture_sizes_are_geometric_up_to_max_batch_size(mbs: int, expected: list[int]) -> None:
     sizes = capture_sizes(mbs)
-    assert sizes == expected_tail
+    assert sizes == expected
     assert max(sizes) == mbs and sizes == sorted(set(sizes))
     plan = resolve(QWEN, H200.replace(mode="capture", max_batch_size=mbs))
     assert plan.serving["capture_sizes"] == sizes
+    assert f"max_batch_size {mbs}" in plan.serving_sources["capture_sizes"]
+
+
+def test_default_plan_on_an_h200_captures_up_to_a_cap_from_memory() -> None:
+    """No max_batch_size: the H200 preset's published memory, less the weights, sizes the cap (Qwen3-30B-A3B:
+    96 sequences of 4096 KV tokens fit in half of it); explain() lists the sizes and says where the cap came from."""
+    es = ExecutionSignature.preset("h200", mode="capture", dtype="bfloat16")
+    assert es.max_batch_size is None and "max_batch=from memory" in es.describe()
+    plan = resolve(QWEN, es)
+    sizes = plan.serving["capture_sizes"]
+    assert sizes[:9] == [1, 2, 4, 8, 16, 24, 32, 48, 64] and max(sizes) >= 64
+    assert max(sizes) <= CAPTURE_SIZE_LIMIT and sizes == sorted(set(sizes))
+    line = next(x for x in plan.explain().splitlines() if "serving capture_sizes" in x)
+    assert str(sizes) in line and "max_batch_size unset" in line and "from memory" in line and "H200" in line
+    assert plan.serving["prefill_token_budget"] == 4096  # the cap stands for max_batch_size (>= 32)
+    # A model with more KV per token gets a lower cap; one with unknown geometry the largest.
+    deep = ModelSignature.from_config({**catalog_config("qwen3-30b-a3b"), "num_hidden_layers": 480})
+    assert max(resolve(deep, es).serving["capture_sizes"]) < max(sizes)
+    bare = resolve(ModelSignature(model_type="llama"), es)
+    assert max(bare.serving["capture_sizes"]) == CAPTURE_SIZE_LIMIT
+    assert "KV bytes per token unknown" in bare.serving_sources["capture_sizes"]
+
+
+def test_unset_max_batch_size_off_cuda_has_no_cap_and_no_prefill_budget() -> None:
+    plan = resolve(QWEN, CPU.replace(mode="capture"))
+    assert plan.serving["capture_sizes"] == [] and plan.serving["prefill_token_budget"] is None
+    assert "max_batch_size unset on cpu" in plan.serving_sources["prefill_token_budget"]
 
 
 def test_capture_sizes_only_in_capture_mode_on_cuda() -> None:

@@ -101,23 +101,28 @@ def test_operators(match: dict, hits: bool) -> None:
 @pytest.mark.parametrize(
     "rule, message",
     [
-        ({"match": {"family": "x"}, "passes": {"eliminate_noops": True}, "extra": 1}, "unknown rule keys"),
+        ({"match": {"family": "qwen3_moe"}, "passes": {"eliminate_noops": True}, "extra": 1}, "unknown rule keys"),
         ({"passes": {"eliminate_noops": True}}, "'match' must be"),
-        ({"match": {"family": "x"}}, "'passes' and/or 'moe'"),
+        ({"match": {"family": "qwen3_moe"}}, "'passes' and/or 'moe'"),
         ({"match": {"famly": "x"}, "passes": {"eliminate_noops": True}}, "not a signature field"),
         ({"match": {"dtype": "bfloat16"}, "passes": {"eliminate_noops": True}}, "both signatures"),
         ({"match": {"gpu.device_name": "x"}, "passes": {"eliminate_noops": True}}, "prefix"),
         ({"match": {"num_experts": {"between": [1, 2]}}, "passes": {"eliminate_noops": True}}, "unknown operator"),
         ({"match": {"num_experts": {"min": "8"}}, "passes": {"eliminate_noops": True}}, "must be a number"),
         ({"match": {"device_name": {"regex": "("}}, "passes": {"eliminate_noops": True}}, "bad regex"),
-        ({"match": {"family": "x"}, "passes": {"fuse_everything": True}}, "unknown pass"),
-        ({"match": {"family": "x"}, "passes": {"eliminate_noops": "yes"}}, "true or false"),
-        ({"match": {"family": "x"}, "moe": {"backend": "fast"}}, "moe backend 'fast' is invalid"),
-        ({"match": {"family": "x"}, "moe": {"backend": "gemv", "ranges": "gemv@1-"}}, "'moe' must be"),
-        ({"match": {"family": "x"}, "moe": {"ranges": "gemv@1-16,grouped@18-"}}, "starts at M=18"),
-        ({"match": {"family": "x"}, "moe": {"ranges": "warp@1-"}}, "unknown backends"),
-        ({"match": {"family": "x"}, "moe": {"backend": "gemv", "mode": "compile"}}, "moe mode"),
+        ({"match": {"family": "qwen3_moe"}, "passes": {"fuse_everything": True}}, "unknown pass"),
+        ({"match": {"family": "qwen3_moe"}, "passes": {"eliminate_noops": "yes"}}, "true or false"),
+        ({"match": {"family": "qwen3_moe"}, "moe": {"backend": "fast"}}, "moe backend 'fast' is invalid"),
+        ({"match": {"family": "qwen3_moe"}, "moe": {"backend": "gemv", "ranges": "gemv@1-"}}, "'moe' must be"),
+        ({"match": {"family": "qwen3_moe"}, "moe": {"ranges": "gemv@1-16,grouped@18-"}}, "starts at M=18"),
+        ({"match": {"family": "qwen3_moe"}, "moe": {"ranges": "warp@1-"}}, "unknown backends"),
+        ({"match": {"family": "qwen3_moe"}, "moe": {"backend": "gemv", "mode": "compile"}}, "moe mode"),
         ("just a string", "must be a mapping"),
+        ({"match": {"device_type": "gpu"}, "passes": {"eliminate_noops": True}},
+         r"'gpu' is no value an ExecutionSignature can hold, so the rule would never match; valid choices: "
+         r"\['cpu', 'cuda'"),
+        ({"match": {"mode": {"in": ["capture", "graphs"]}}, "passes": {"eliminate_noops": True}},
+         r"'graphs' is no value.*'capture'"),
     ],
 )
 def test_malformed_rule_names_file_and_index(tmp_path: Path, rule: object, message: str) -> None:
@@ -157,3 +162,19 @@ def test_rule_file_content_is_part_of_the_config_hash(tmp_path: Path) -> None:
     before = CompilationConfig.from_any({"rules": [str(path)]}).compute_hash()
     _write(tmp_path, [{"match": {"family": "qwen3_moe"}, "passes": {"eliminate_noops": False}}])
     assert CompilationConfig.from_any({"rules": [str(path)]}).compute_hash() != before
+
+
+def test_a_rule_on_a_family_no_provider_declares_warns_with_the_families(tmp_path: Path) -> None:
+    path = _write(tmp_path, [{"match": {"family": "qwen3-moe"}, "passes": {"eliminate_noops": True}}])
+    with pytest.warns(UserWarning, match=r"rules\[0\]: match key 'family': no registered provider has family "
+                                         r"'qwen3-moe', so the rule matches only a hand-written signature that "
+                                         r"states it; registered families: \[.*'qwen3_moe'.*\]; did you mean "
+                                         r"'qwen3_moe'\?"):
+        (rule,) = load_rules(path)
+    assert not rule.matches(QWEN, H200)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_rules(_write(tmp_path, [{"match": {"family": {"in": ["qwen3_moe", "mixtral"]}},
+                                      "passes": {"eliminate_noops": True}}]))  # registered families: silent

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,8 +331,10 @@ def find_row(key: Any, extra: Sequence[str] = (), load: Callable[[str], list[Cal
     return _index(tuple(extra), _generation, load or load_table).get(key)
 
 
-def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float = 0.03) -> tuple[MRange, ...]:
-    """Fastest backend per measured M, turned into contiguous ranges.
+def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float = 0.03,
+                     pinned: Mapping[int, str] | None = None) -> tuple[MRange, ...]:
+    """Fastest backend per measured M, turned into contiguous ranges; `pinned` M keep their given backend (the
+    points the timing noise left undecided: `moefx calibrate` pins them to the default).
 
     The previous M's winner is kept while it stays within `tolerance` of the fastest, so timing noise
     between near-equal backends does not split the M axis into slivers; a backend that wins at one grid
@@ -344,14 +346,18 @@ def crossover_ranges(timings_us: dict[str, dict[int, float]], tolerance: float =
     ms = sorted({m for ts in timings_us.values() for m in ts})
     if not ms:
         raise ValueError("no timings to find crossovers from")
+    pinned = pinned or {}
     best: list[str] = []
     for m in ms:
+        if m in pinned:
+            best.append(pinned[m])
+            continue
         fastest_t, fastest = min((ts[m], b) for b, ts in sorted(timings_us.items()) if m in ts)
         prev = best[-1] if best else None
         keep = prev is not None and m in timings_us[prev] and timings_us[prev][m] <= fastest_t * (1 + tolerance)
         best.append(prev if keep else fastest)  # type: ignore[arg-type]
     for i in range(1, len(ms) - 1):
-        if best[i - 1] == best[i + 1] != best[i] and ms[i] in timings_us[best[i - 1]]:
+        if best[i - 1] == best[i + 1] != best[i] and ms[i] in timings_us[best[i - 1]] and ms[i] not in pinned:
             best[i] = best[i - 1]
     out: list[MRange] = []
     lo = 1

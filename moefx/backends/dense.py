@@ -29,8 +29,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.dense_policy import GEMV, dense_key, requested
+from moefx.backends import calibration
+from moefx.backends.dense_policy import GEMV, dense_key, env_token, requested
 from moefx.backends.kernels.common import FLOAT_DTYPES
+from moefx.backends.memo import ShapeMemo, on_device, tensor_meta
 from moefx.backends.policy import UPSTREAM
 from moefx.config import DENSE_BACKENDS
 from moefx.log import get_logger, warn_once
@@ -143,12 +145,15 @@ def gemv(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> 
     x2 = x.reshape(-1, k)
     xs2 = x_scale.reshape(-1, x_scale.shape[-1]) if x_scale is not None else None
     bs = tuple(int(v) for v in block_shape) if block_shape is not None else None
-    with torch.cuda.device(x.device):
+    with on_device(x.device):
         outs = dense_gemv(x2, list(weights), list(biases), xs2, list(weight_scales) or None, bs, out_dtype)
     return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 
 RUNNERS = {GEMV: gemv, UPSTREAM: upstream}
+
+
+_DECISIONS = ShapeMemo()
 
 
 def select_backend(
@@ -162,24 +167,41 @@ def select_backend(
 ) -> str:
     """The backend one call runs: the policy's choice for its M, or upstream with a one-time warning why.
 
-    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run."""
+    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run. The choice
+    reads only the key below (metadata of x and the weights, the arguments, MOEFX_DENSE_BACKEND's raw value, the
+    tables' generation, the thread count of CPU rows), so it is made once per key (memo.py)."""
     if capturing is None:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (tensor_meta(x), tuple(tensor_meta(w) for w in weights), bool(weight_scales),
+           tuple(block_shape) if block_shape is not None else None, out_dtype, backend, capturing, env_token(),
+           calibration._generation, torch.get_num_threads())
+    found = _DECISIONS.get(key)
+    if found is None:
+        found = _DECISIONS.put(key, _decide(x, weights, weight_scales, block_shape, out_dtype, backend, capturing))
+    name, warning = found
+    if warning:
+        warn_once(warning)  # once per process, as on the call that decided
+    return name
+
+
+def _decide(x, weights, weight_scales, block_shape, out_dtype, backend, capturing) -> tuple[str, str | None]:
+    """(backend name, the warning that says why it is upstream or None) for one key."""
     mode = "capture" if capturing else "eager"
     m = x.numel() // max(x.shape[-1], 1)
     dtype = out_dtype if weight_scales else x.dtype
     quant = tuple(block_shape) if weight_scales else None
     key = dense_key(x.device, [w.shape[0] for w in weights], x.shape[-1], dtype, quant, mode)
     name, source = requested(m, backend, key)
+    warning = None
     if name == GEMV:
         reason = gemv_unsupported_reason(x, weights, weight_scales, block_shape)
         if reason:
-            warn_once(f"dense backend gemv (from {source}) cannot run these inputs: {reason}; running upstream")
+            warning = f"dense backend gemv (from {source}) cannot run these inputs: {reason}; running upstream"
             name = UPSTREAM
     elif name not in RUNNERS:
-        warn_once(f"dense backend {name!r} (from {source}) is unknown; running upstream")
+        warning = f"dense backend {name!r} (from {source}) is unknown; running upstream"
         name = UPSTREAM
-    return name
+    return name, warning
 
 
 @torch.library.custom_op("moefx::dense_linear", mutates_args=())

@@ -27,6 +27,7 @@ import torch
 from moefx.backends import calibration
 from moefx.backends.calibration import MODES, device_identity, dtype_name
 from moefx.backends.policy import UPSTREAM, MoePolicy
+from moefx.offload.env import setting_raw
 
 GEMV = "gemv"
 RUNNERS = (GEMV, UPSTREAM)
@@ -135,6 +136,11 @@ def dense_key(
     name, cap, sms = device_identity(device)
     return DenseKey(name, cap, sms, tuple(int(n) for n in ns), int(k), dtype_name(dtype),
                     tuple(int(b) for b in quant_block) if quant_block is not None else None, mode)  # type: ignore[arg-type]
+
+
+def env_token() -> tuple[str | None, ...]:
+    """The raw values of the variables `env_override()` reads: part of the op's memo key (backends/memo.py)."""
+    return setting_raw(ENV)
 
 
 def env_override() -> tuple[str | None, str]:

@@ -20,13 +20,16 @@ from collections.abc import Sequence
 import torch
 
 from moefx.backends import backward as _backward
+from moefx.backends import calibration
 from moefx.backends.activation import check_limit, gate_up, get_activation
 from moefx.backends.calibration import find_row, key_for_tensors
+from moefx.backends.memo import ShapeMemo, tensor_meta
 from moefx.backends.policy import (
     HOST_SYNCING_BACKENDS,
     UPSTREAM,
     MoePolicy,
     env_override,
+    env_token,
     is_policy_spec,
     parse_policy_spec,
 )
@@ -78,6 +81,9 @@ def _requested(m: int, backend: str, key_args: tuple, capturing: bool) -> tuple[
     return pol.backend_for(m), row.source
 
 
+_DECISIONS = ShapeMemo()
+
+
 def select_backend(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -93,31 +99,64 @@ def select_backend(
 ) -> str:
     """The backend one call runs: the policy's choice for M, or the plain path with a one-time warning why.
 
-    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run.
+    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run. The choice
+    reads only the key below (shapes, strides, dtypes, devices, the arguments, the MoE env knobs' raw values, the
+    calibration tables' generation and, for CPU rows, the thread count), so it is made once per key (memo.py).
     """
     if capturing is None:
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    # transformers' FP8 experts path lives on its module (and needs its hub kernels): FP8 runs the oracle.
-    plain = "legacy" if upstream == "transformers" and w13_scale is not None else upstream
-    key_args = (hidden, topk_ids, w13, block_shape)
-    name, source = _requested(int(hidden.shape[0]), backend, key_args, capturing)
-    if name == UPSTREAM:
-        name = plain
-    elif name not in BACKENDS:
-        warn_once(f"MoE backend {name!r} (from {source}) is not registered here; running {plain}")
-        name = plain
+    bs = tuple(block_shape) if block_shape is not None else None
+    args = (hidden, topk_ids, w13, w2, w13_scale, bs, backend, upstream, capturing, activation, gate_limit)
+    if torch.compiler.is_compiling():  # traced (vLLM's compiled forward calls this): shapes may be symbolic
+        found = _decide(*args)
     else:
-        bs = tuple(block_shape) if block_shape is not None else None
-        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs, activation, gate_limit)
-        if reason:
-            warn_once(f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}")
-            name = plain
+        key = (tensor_meta(hidden), topk_ids.shape, tensor_meta(w13), tensor_meta(w2), w13_scale is None, bs,
+               backend, upstream, capturing, activation, gate_limit, env_token(), calibration._generation,
+               torch.get_num_threads())
+        found = _DECISIONS.get(key)
+        if found is None or BACKENDS.get(found[0]) is not found[2]:
+            found = _DECISIONS.put(key, _decide(*args))
+    name, warning, _ = found
+    if warning:
+        warn_once(warning)  # once per process, as on the call that decided
     if capturing and name in HOST_SYNCING_BACKENDS:
         raise RuntimeError(
             f"moefx::moe_experts: backend {name!r} syncs the host and cannot run inside CUDA-graph capture; "
             f"calibrate a capture row (`moefx calibrate --modes capture`) or force a capture-safe backend"
         )
     return name
+
+
+def _decide(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    bs: tuple[int, ...] | None,
+    backend: str,
+    upstream: str,
+    capturing: bool,
+    activation: str,
+    gate_limit: float | None,
+) -> tuple[str, str | None, object]:
+    """(backend name, the warning that says why it is the plain path or None, the registered backend object)."""
+    # transformers' FP8 experts path lives on its module (and needs its hub kernels): FP8 runs the oracle.
+    plain = "legacy" if upstream == "transformers" and w13_scale is not None else upstream
+    key_args = (hidden, topk_ids, w13, bs)
+    name, source = _requested(int(hidden.shape[0]), backend, key_args, capturing)
+    warning = None
+    if name == UPSTREAM:
+        name = plain
+    elif name not in BACKENDS:
+        warning = f"MoE backend {name!r} (from {source}) is not registered here; running {plain}"
+        name = plain
+    else:
+        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs, activation, gate_limit)
+        if reason:
+            warning = f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}"
+            name = plain
+    return name, warning, BACKENDS.get(name)
 
 
 class _UpstreamExperts:

@@ -33,6 +33,7 @@ from moefx.backends.calibration import (
 from moefx.backends.registry import BACKENDS
 from moefx.config import MOE_BACKENDS
 from moefx.log import warn_once
+from moefx.offload.env import setting_raw
 
 UPSTREAM = "upstream"
 # Backends that wait on the host inside a call (legacy: torch.unique/.tolist; cpu: copies the activations to
@@ -55,6 +56,11 @@ def _enum_setting(environ: Mapping[str, str]) -> tuple[str, str]:
     from moefx.offload.env import get_setting, setting_source
 
     return get_setting("MOEFX_MOE_BACKEND", environ), setting_source("MOEFX_MOE_BACKEND", environ)
+
+
+def env_token() -> tuple[str | None, ...]:
+    """The raw values of every variable `env_override()` reads: part of the op's memo key (backends/memo.py)."""
+    return (*setting_raw("MOEFX_MOE_BACKEND"), *(os.environ.get(var) for var in LEGACY_SWITCHES))
 
 
 def env_override(environ: Mapping[str, str] | None = None) -> EnvOverride:

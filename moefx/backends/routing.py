@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from moefx.backends.memo import ShapeMemo, on_device
+
 KINDS = ("softmax", "topk_softmax", "sigmoid")
 # transformers' DeepSeek-V3 / GLM4-MoE renormalization denominator (+ this); the Triton kernel adds the same literal
 SIGMOID_RENORM_EPS = 1e-20
@@ -117,6 +119,19 @@ def _weights_for(
     return w * routed_scaling_factor
 
 
+_CHECKED = ShapeMemo()
+
+
+def _use_kernel(router_logits: torch.Tensor, top_k: int, kind: str, n_group: int, topk_group: int) -> bool:
+    """The arguments checked (ValueError when bad) and whether the Triton kernel runs them: once per key."""
+    key = (router_logits.shape, router_logits.dtype, router_logits.device, top_k, kind, n_group, topk_group)
+    found = _CHECKED.get(key)
+    if found is None:
+        _check(router_logits, top_k, kind, n_group, topk_group)  # raises on every call with a bad key
+        found = _CHECKED.put(key, router_logits.is_cuda and kernel_supports(router_logits.shape[1], n_group) is None)
+    return found
+
+
 @torch.library.custom_op("moefx::fused_topk", mutates_args=())
 def _fused_topk_op(
     router_logits: torch.Tensor,
@@ -128,11 +143,10 @@ def _fused_topk_op(
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(router_logits, top_k, kind, n_group, topk_group)
-    if router_logits.is_cuda and kernel_supports(router_logits.shape[1], n_group) is None:
+    if _use_kernel(router_logits, top_k, kind, n_group, topk_group):
         from moefx.backends.kernels.routing import fused_topk_triton
 
-        with torch.cuda.device(router_logits.device):
+        with on_device(router_logits.device):
             return fused_topk_triton(
                 router_logits, top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor
             )

@@ -17,6 +17,7 @@ from moefx import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("moefx.cli.demo", "run the embedded tiny Qwen3-MoE, eager vs optimized"),
     "plan": ("moefx.cli.plan", "explain the plan for a model, here or for another machine"),
+    "precompile": ("moefx.cli.precompile", "build a model's persistent compile artifacts ahead of time"),
     "bench": ("moefx.cli.bench", "A/B two configs: separate caches, interleaved runs, medians, noise"),
     "calibrate": ("moefx.cli.calibrate", "measure MoE backend crossovers on this device"),
     "audit-syncs": ("moefx.cli.audit_syncs", "list host syncs and graph breaks in a decode step"),

@@ -23,6 +23,7 @@ from moefx.config import CompilationConfig
 
 METRICS = ("prefill_ms", "itl_ms", "decode_tok_s")
 EXIT_OK, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
+MIN_MEASURED = 2  # measured samples an arm needs (and at least half of its samples) for a verdict
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +70,29 @@ def verdict(a: list[float], b: list[float], red_line: float) -> tuple[str, int, 
     return f"{head}: ok", EXIT_OK, change, noise
 
 
+def summarize(results: dict[str, list[list[dict]]], red_line: float) -> dict:
+    """Medians, spreads and the verdict from each arm's per-process samples, over the measured samples only.
+
+    A sample with `decode_measured` false carries a decode rate the noise made up (t(n) <= t(1)), so it enters
+    no aggregate, of any metric; with too few measured samples in either arm the verdict is inconclusive."""
+    measured = {arm: [s for run in runs for s in run if s.get("decode_measured", True)]
+                for arm, runs in results.items()}
+    counts = {arm: (len(measured[arm]), sum(len(run) for run in runs)) for arm, runs in results.items()}
+    pooled = {arm: {m: [s[m] for s in kept] for m in METRICS} for arm, kept in measured.items()}
+    medians = {arm: {m: statistics.median(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}
+    spreads = {arm: {m: spread_pct(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}
+    short = [(arm, n, total) for arm, (n, total) in counts.items() if n < max(MIN_MEASURED, (total + 1) // 2)]
+    if short:
+        line = "decode tok/s B vs A: inconclusive: " + "; ".join(
+            f"{n} of {total} samples measured in arm {arm.upper()}" for arm, n, total in short
+        ) + " (the machine's noise swallowed the decode steps: use a quieter machine or more --new-tokens)"
+        code, change, noise = EXIT_INCONCLUSIVE, None, None
+    else:
+        line, code, change, noise = verdict(pooled["a"]["decode_tok_s"], pooled["b"]["decode_tok_s"], red_line)
+    return {"medians": medians, "spread_pct": spreads, "measured": counts, "verdict": line, "exit_code": code,
+            "change_pct": change, "noise_pct": noise}
+
+
 def _configs(args: argparse.Namespace) -> dict[str, str]:
     """Both arms' configs, validated (with the -cc overrides applied) before any time is spent."""
     overrides = getattr(args, "config_overrides", [])
@@ -102,19 +126,24 @@ def run(args: argparse.Namespace) -> int:
                     print(proc.stderr[-4000:], file=sys.stderr)
                     raise ValueError(f"arm {arm.upper()} failed (exit {proc.returncode}); its stderr is above")
                 results[arm].append(json.loads(proc.stdout.strip().splitlines()[-1])["samples"])
-    pooled = {arm: {m: [s[m] for run in runs for s in run] for m in METRICS} for arm, runs in results.items()}
-    medians = {arm: {m: statistics.median(v) for m, v in p.items()} for arm, p in pooled.items()}
-    spreads = {arm: {m: spread_pct(v) for m, v in p.items()} for arm, p in pooled.items()}
-    rows = [(m, f"{medians['a'][m]:.3f}", f"{spreads['a'][m]:.1f}%", f"{medians['b'][m]:.3f}",
-             f"{spreads['b'][m]:.1f}%") for m in METRICS]
-    samples = args.runs * args.repeats
-    print(format_table([f"median of {samples} runs", "A", "A spread", "B", "B spread"], rows))
-    line, code, change, noise = verdict(pooled["a"]["decode_tok_s"], pooled["b"]["decode_tok_s"], args.red_line)
+    summary = summarize(results, args.red_line)
+    medians, spreads = summary["medians"], summary["spread_pct"]
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value)
+
+    rows = [(m, cell(medians["a"][m], "{:.3f}"), cell(spreads["a"][m], "{:.1f}%"), cell(medians["b"][m], "{:.3f}"),
+             cell(spreads["b"][m], "{:.1f}%")) for m in METRICS]
+    counts = summary["measured"]
+    head = " / ".join(f"{arm.upper()} {n} of {total}" for arm, (n, total) in counts.items())
+    print(format_table([f"median of measured samples ({head})", "A", "A spread", "B", "B spread"], rows))
+    line, code, change, noise = summary["verdict"], summary["exit_code"], summary["change_pct"], summary["noise_pct"]
     print(f"\n{line}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "configs": {k: json.loads(v) for k, v in configs.items()}, "runs": results,
             "medians": medians, "spread_pct": spreads, "change_pct": change, "noise_pct": noise,
+            "measured": {arm: {"measured": n, "samples": total} for arm, (n, total) in counts.items()},
             "red_line_pct": args.red_line, "verdict": line, "exit_code": code,
         }, indent=1))
     return code

@@ -175,33 +175,38 @@ def _check(problem: Problem, names: list[str]) -> tuple[list[str], dict[str, str
     return [n for n in names if n not in rejected], rejected
 
 
-def _time_cpu(fn: Callable, sets: list[tuple], reps: int) -> list[float]:
-    fn(*sets[0])
-    times = []
-    for r in range(reps):
+Timer = Callable[[int], float]  # round r -> µs of one call on the r-th routing set
+
+
+def _cpu_timer(fn: Callable, sets: list[tuple]) -> Timer:
+    fn(*sets[0])  # warm-up
+
+    def one(r: int) -> float:
         start = time.perf_counter()
         fn(*sets[r % len(sets)])
-        times.append((time.perf_counter() - start) * 1e6)
-    return times
+        return (time.perf_counter() - start) * 1e6
+
+    return one
 
 
-def _time_cuda_eager(fn: Callable, sets: list[tuple], reps: int) -> list[float]:
+def _cuda_eager_timer(fn: Callable, sets: list[tuple]) -> Timer:
     for s in sets:
         fn(*s)
     torch.cuda.synchronize()
-    times = []
-    for r in range(reps):
+
+    def one(r: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         args = sets[r % len(sets)]
         start.record()
         fn(*args)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return times
+        return start.elapsed_time(end) * 1e3
+
+    return one
 
 
-def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> list[float]:
+def _cuda_capture_timer(fn: Callable, sets: list[tuple]) -> Timer:
     static = [t.clone() for t in sets[0]]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -212,8 +217,11 @@ def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> list[float
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(*static)
-    times = []
-    for r in range(reps + 2):
+    for _ in range(2):  # the first replays upload the graph
+        graph.replay()
+    torch.cuda.synchronize()
+
+    def one(r: int) -> float:
         for dst, src in zip(static, sets[r % len(sets)]):
             dst.copy_(src)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -221,20 +229,40 @@ def _time_cuda_capture(fn: Callable, sets: list[tuple], reps: int) -> list[float
         graph.replay()
         end.record()
         end.synchronize()
-        if r >= 2:
-            times.append(start.elapsed_time(end) * 1e3)
-    return times
+        return start.elapsed_time(end) * 1e3
+
+    return one
+
+
+def interleave(timers: dict[str, Timer], reps: int, failed: dict[str, str]) -> dict[str, list[float]]:
+    """`reps` rounds, each timing every contender once, the order rotated per round: load that the machine takes
+    on during a round slows every contender alike instead of one contender's whole sample. A contender whose
+    call raises is dropped, with the reason in `failed`."""
+    names = list(timers)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            if name in failed:
+                continue
+            try:
+                out[name].append(timers[name](r))
+            except Exception as exc:  # e.g. a path that syncs the host inside capture
+                failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return {n: ts for n, ts in out.items() if n not in failed}
 
 
 @dataclass
 class Sweep:
-    """One mode's measurements: median µs per (contender, M), the samples behind them, what was not timed, and
-    the grid points where the two fastest stayed within the timing noise (`uncertain`: M -> why)."""
+    """One mode's measurements: median µs per (contender, M), the samples behind them, what was not timed, the
+    grid points whose fastest the timing noise left undecided (`uncertain`: M -> why) and the backend each of
+    them keeps (`pinned`)."""
 
     timings: dict[str, dict[int, float]] = field(default_factory=dict)
     samples: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     uncertain: dict[int, str] = field(default_factory=dict)
+    pinned: dict[int, str] = field(default_factory=dict)  # M -> the backend an uncertain point keeps
     tolerance: float = TOLERANCE
 
     def add(self, name: str, m: int, samples: list[float]) -> None:
@@ -254,35 +282,59 @@ class Sweep:
         q1, _, q3 = statistics.quantiles(kept, n=4, method="inclusive")
         return (q3 - q1) / mid
 
-    def close_call(self, m: int) -> tuple[str, str, float, float] | None:
-        """(fastest, runner-up, their gap, the noise) at M when the gap is within the noise, else None."""
+    def machine_noise(self, m: int) -> float:
+        """The widest spread of any contender at M: the machine's noise there. A contender whose few samples all
+        landed in a loaded moment has a narrow spread around a wrong median; the others' spread shows it."""
+        return max((self.noise(n, m) for n, ts in self.timings.items() if m in ts), default=0.0)
+
+    def tied(self, m: int) -> list[str]:
+        """The contenders at M not clearly slower than the fastest (fastest first; one name when the fastest is
+        decided). Clearly slower: both its median and its best sample are slower by more than the machine's noise
+        there (load only ever adds time, so a contender whose median a busy moment inflated still shows its
+        cost in its best sample)."""
         ranked = sorted((ts[m], n) for n, ts in self.timings.items() if m in ts)
-        if len(ranked) < 2:
-            return None
-        (t0, first), (t1, second) = ranked[:2]
-        gap, noise = t1 / t0 - 1.0, max(self.noise(first, m), self.noise(second, m))
-        return (first, second, gap, noise) if gap <= noise else None
+        if not ranked:
+            return []
+        (t0, first), noise = ranked[0], self.machine_noise(m)
+        best0 = min(self.samples[first][m])
+        return [first] + [n for t, n in ranked[1:]
+                          if t / t0 - 1.0 <= noise or min(self.samples[n][m]) / best0 - 1.0 <= noise]
 
 
-def resolve_close_calls(result: Sweep, retime: Callable[[str, int], list[float]], rounds: int = RETIME_ROUNDS) -> None:
-    """Re-time the two fastest contenders at every M where they are within the noise, pooling the samples,
-    until the gap exceeds the noise or `rounds` re-timings are spent; what stays close is marked uncertain.
-    The crossover tolerance becomes the median noise of the winners (3%..25%), so near-ties between backends
-    keep the previous M's winner instead of flipping between runs."""
-    for m in sorted({m for ts in result.timings.values() for m in ts}):
-        for _ in range(rounds):
-            close = result.close_call(m)
-            if close is None:
-                break
-            for name in close[:2]:
-                result.add(name, m, retime(name, m))
-        close = result.close_call(m)
-        if close is not None:
-            first, second, gap, noise = close
-            result.uncertain[m] = f"{first} vs {second}: {100 * gap:.1f}% apart, within the {100 * noise:.1f}% noise"
-    winners = [min((ts[m], n) for n, ts in result.timings.items() if m in ts)[1]
-               for m in sorted({m for ts in result.timings.values() for m in ts})]
+def resolve_close_calls(result: Sweep, retime: Callable[[list[str], int], dict[str, list[float]]],
+                        default: str | None = UPSTREAM, rounds: int = RETIME_ROUNDS) -> None:
+    """Re-time, interleaved, every contender at each M where some are tied with the fastest (their gap within
+    the machine's noise there), pooling the samples, until the fastest is decided or `rounds` re-timings are
+    spent (all of them: a contender that looked clearly slow may owe its median to a loaded moment). A point
+    still tied is uncertain and pinned: to `default` (what runs without a row) when it is among the tied, so the
+    row moves an M off the default only on a difference the noise cannot explain; else to the previous M's
+    choice when tied, else the fastest. The crossover tolerance becomes the median noise of the winners
+    (3%..25%), so near-ties keep the previous M's winner instead of flipping between runs."""
     ms = sorted({m for ts in result.timings.values() for m in ts})
+    previous: str | None = None
+    for m in ms:
+        for _ in range(rounds):
+            tied = result.tied(m)
+            if len(tied) < 2:
+                break
+            for name, samples in retime([n for n, ts in result.timings.items() if m in ts], m).items():
+                result.add(name, m, samples)
+        tied = result.tied(m)
+        if len(tied) >= 2:
+            pick = next(n for n in (default, previous, tied[0]) if n in tied)
+            if pick == default:
+                why = f"kept the default, {default}"
+            elif default is not None:
+                why = f"each beats the default {default} beyond the noise; kept {pick}"
+            else:
+                why = f"kept {pick}"
+            gap = result.timings[tied[-1]][m] / result.timings[tied[0]][m] - 1.0
+            result.pinned[m] = pick
+            noise = 100 * result.machine_noise(m)
+            result.uncertain[m] = (f"{' vs '.join(tied)} not told apart within the {noise:.1f}% noise after {rounds} "
+                                   f"re-timings (medians up to {100 * gap:.1f}% apart); {why}")
+        previous = result.pinned.get(m, tied[0] if tied else previous)
+    winners = [result.pinned.get(m) or min((ts[m], n) for n, ts in result.timings.items() if m in ts)[1] for m in ms]
     noise = [result.noise(w, m) for w, m in zip(winners, ms)]
     result.tolerance = min(MAX_TOLERANCE, max(TOLERANCE, statistics.median(noise) if noise else 0.0))
 
@@ -294,7 +346,8 @@ def sweep(problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], 
     (latency grows with M, so it cannot win there): a GEMV at M=4096 would otherwise cost minutes. Close calls
     are re-timed (resolve_close_calls).
     """
-    timer = _time_cpu if problem.device.type == "cpu" else (_time_cuda_eager if mode == "eager" else _time_cuda_capture)
+    cpu = problem.device.type == "cpu"
+    make_timer = _cpu_timer if cpu else (_cuda_eager_timer if mode == "eager" else _cuda_capture_timer)
     result = Sweep()
     skipped = result.skipped
     if mode == "capture":
@@ -303,19 +356,34 @@ def sweep(problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], 
         # the plain path for FP8 weights is the legacy loop (op.select_backend): timed as legacy, never captured
         skipped[UPSTREAM] = "FP8: upstream runs the legacy loop (timed as legacy; syncs the host)"
     live = [n for n in names if n not in skipped]
+    # what runs without a row: upstream, which for FP8 weights is the legacy loop
+    default = UPSTREAM if UPSTREAM in live else ("legacy" if problem.block is not None and "legacy" in live else None)
     calls = {n: problem.call(n) for n in live}
+
+    def timed(contenders: list[str], m: int) -> dict[str, list[float]]:
+        """`reps` interleaved samples of each contender at M on fresh routings; failures are skipped for good."""
+        sets = [problem.inputs(m) for _ in range(ROUTING_SETS)]
+        failed: dict[str, str] = {}
+        timers = {}
+        for name in contenders:
+            try:
+                timers[name] = make_timer(calls[name], sets)
+            except Exception as exc:  # e.g. a path that syncs the host inside capture
+                failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        samples = interleave(timers, reps, failed)
+        for name, why in failed.items():
+            skipped[name] = why
+            result.timings.pop(name, None)
+            result.samples.pop(name, None)
+            if name in live:
+                live.remove(name)
+        return samples
+
     strikes: dict[str, int] = {}
     for idx, m in enumerate(grid):
         with progress(f"[{mode} M={m} {idx + 1}/{len(grid)}] {', '.join(live)}"):
-            sets = [problem.inputs(m) for _ in range(ROUTING_SETS)]
-            for name in list(live):
-                try:
-                    result.add(name, m, timer(calls[name], sets, reps))
-                except Exception as exc:  # e.g. a path that syncs the host inside capture
-                    skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                    result.timings.pop(name, None)
-                    result.samples.pop(name, None)
-                    live.remove(name)
+            for name, samples in timed(list(live), m).items():
+                result.add(name, m, samples)
         fastest = min((result.timings[n][m] for n in live), default=0.0)
         for name in list(live):
             slow = result.timings[name][m] > PRUNE_FACTOR * fastest
@@ -324,10 +392,8 @@ def sweep(problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], 
                 skipped[name] = f"not timed above M={m}: over {PRUNE_FACTOR:.0f}x the fastest at two M in a row"
                 live.remove(name)
 
-    def retime(name: str, m: int) -> list[float]:
-        return timer(calls[name], [problem.inputs(m) for _ in range(ROUTING_SETS)], reps)
-
-    resolve_close_calls(result, retime)
+    with progress(f"[{mode}] re-timing close calls"):
+        resolve_close_calls(result, timed, default if default in result.timings else None)
     return result
 
 
@@ -411,8 +477,8 @@ def run(args: argparse.Namespace) -> int:
         "moefx": _moefx_version(),
         "command": _command(args, grid, reps),
         "shape": label,
-        "grid": f"M {', '.join(map(str, grid))} ({len(grid)} points), {reps} reps per point, median; close calls "
-                f"re-timed up to {RETIME_ROUNDS} times",
+        "grid": f"M {', '.join(map(str, grid))} ({len(grid)} points), {reps} reps per point, contenders "
+                f"interleaved, median; close calls re-timed up to {RETIME_ROUNDS} times, then uncertain",
     }
     results, all_ranges, sources = {}, {}, {}
     for mode in modes:
@@ -421,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {mode}: {name}: {why}", file=sys.stderr)
         if not result.timings:
             raise ValueError(f"no contender could be timed in mode {mode}")
-        ranges = crossover_ranges(result.timings, tolerance=result.tolerance)
+        ranges = crossover_ranges(result.timings, tolerance=result.tolerance, pinned=result.pinned)
         key = key_for_tensors(hidden, ids, problem.w13, problem.block, mode)
         notes = dict(provenance, skipped=result.skipped or None, tolerance=round(result.tolerance, 3),
                      uncertain={int(m): why for m, why in result.uncertain.items()} or None)
@@ -435,16 +501,29 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("plot skipped: matplotlib is not installed (pip install 'moefx[plot]')", file=sys.stderr)
     for mode in modes:
-        timings = results[mode].timings
+        timings, pinned = results[mode].timings, results[mode].pinned
         cols = sorted(timings)
         rows = [[m, *(f"{timings[c][m]:.1f}" if m in timings[c] else "-" for c in cols),
+                 f"{pinned[m]} (uncertain)" if m in pinned else
                  min(cols, key=lambda c: timings[c].get(m, float("inf")))] for m in grid]
-        print(f"\n{mode} (µs, median of {reps} or more):")
-        print(format_table(["M", *cols, "best"], rows))
+        print(f"\n{mode} (µs, median of {reps} or more, contenders interleaved):")
+        print(format_table(["M", *cols, "chosen"], rows))
         print(f"{mode} row {sources[mode]} in {output}: " + ", ".join(r.text() for r in all_ranges[mode]))
         for m, why in results[mode].uncertain.items():
-            print(f"{mode} crossover uncertain at M={m}: {why} (either backend is about as fast there)")
+            print(f"{mode} crossover uncertain at M={m}: {why}")
+    print(f"\n{where_read(output)}")
     return 0
+
+
+def where_read(output: Path) -> str:
+    """Where the row went and which later plans read it: the user folder is read by every plan on this device,
+    any other file only through a config's `calibration` list."""
+    user = user_table_dir()
+    if output.resolve().parent == user.resolve():
+        return (f"wrote {output}: from now on moefx.optimize and `moefx plan` on this device read it for this shape "
+                f"(the user table folder {user}, read before the shipped tables; delete the row or the file to undo)")
+    return (f"wrote {output}: plans read it only when a config lists it, e.g. "
+            f"config={{'calibration': ['{output}']}} (rows in the user table folder {user} are read without that)")
 
 
 def _command(args: argparse.Namespace, grid: tuple[int, ...], reps: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -44,22 +45,81 @@ def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repe
     return statistics.median(times)
 
 
+def _metrics(ones: list[float], fulls: list[float], batch: int, new_tokens: int) -> dict:
+    """The metrics of `generate_metrics` from the wall times of 1-token and `new_tokens`-token runs, plus
+    `spread_pct`: the interquartile range of the per-round decode times over their median (inf when unknown)."""
+    one, full = statistics.median(ones), statistics.median(fulls)
+    step = max(full - one, 1e-9) / (new_tokens - 1)
+    decode = [f - o for o, f in zip(ones, fulls)]
+    mid = statistics.median(decode)
+    spread = float("inf")
+    if len(decode) >= 2 and mid > 0:
+        q1, _, q3 = statistics.quantiles(decode, n=4, method="inclusive")
+        spread = 100.0 * (q3 - q1) / mid
+    # decode_measured False: the machine's noise swallowed the decode steps (t(n) <= t(1)); the rate is meaningless
+    return {"prefill_ms": one * 1e3, "itl_ms": step * 1e3, "decode_tok_s": batch / step,
+            "decode_measured": full > one, "spread_pct": spread}
+
+
 def generate_metrics(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int = 1) -> dict:
     """prefill_ms (prefill + first token), itl_ms (mean decode step) and decode_tok_s = B * (n - 1) / (t(n) - t(1))
     of greedy `generate()`: the prefill cancels out of the rate (also `moefx bench`'s arms)."""
-    one = _generate_s(model, ids, 1, repeats)
-    full = _generate_s(model, ids, new_tokens, repeats)
-    step = max(full - one, 1e-9) / (new_tokens - 1)
-    # decode_measured False: the machine's noise swallowed the decode steps (t(n) <= t(1)); the rate is meaningless
-    return {"prefill_ms": one * 1e3, "itl_ms": step * 1e3, "decode_tok_s": ids.shape[0] / step,
-            "decode_measured": full > one}
+    ones = [_generate_s(model, ids, 1) for _ in range(repeats)]
+    fulls = [_generate_s(model, ids, new_tokens) for _ in range(repeats)]
+    return _metrics(ones, fulls, ids.shape[0], new_tokens)
 
 
-def _row(name: str, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int) -> tuple:
-    m = generate_metrics(model, ids, new_tokens, repeats)
+def time_arms(arms: dict[str, torch.nn.Module], ids: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, dict]:
+    """Each arm's metrics, timed fairly on a shared machine: every arm is warmed up first, then each round runs
+    every arm once (1 token, then `new_tokens`), the order alternating per round, so load other jobs put on the
+    machine during a round hits both arms; medians over the rounds."""
+    for model in arms.values():
+        _generate_s(model, ids, 1)
+        _generate_s(model, ids, new_tokens)
+    names = list(arms)
+    ones: dict[str, list[float]] = {n: [] for n in names}
+    fulls: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            ones[name].append(_generate_s(arms[name], ids, 1))
+            fulls[name].append(_generate_s(arms[name], ids, new_tokens))
+    return {n: _metrics(ones[n], fulls[n], ids.shape[0], new_tokens) for n in names}
+
+
+def _row(name: str, m: dict) -> tuple:
     if not m["decode_measured"]:
-        return name, f"{m['prefill_ms']:.2f}", "noise", "noise (busy machine: rerun, or raise --new-tokens)"
-    return name, f"{m['prefill_ms']:.2f}", f"{m['itl_ms']:.2f}", f"{m['decode_tok_s']:.1f}"
+        return name, f"{m['prefill_ms']:.2f}", "noise", "noise (busy machine: rerun, or raise --new-tokens)", "-"
+    spread = "-" if m["spread_pct"] == float("inf") else f"{m['spread_pct']:.0f}%"
+    return name, f"{m['prefill_ms']:.2f}", f"{m['itl_ms']:.2f}", f"{m['decode_tok_s']:.1f}", spread
+
+
+def comparison(hf: dict, fx: dict, mode: str, engine: str | None, load: float | None, cores: int,
+               threads: int) -> str:
+    """One line: moefx's decode rate against transformers' loop, and when moefx is not faster, why: the
+    machine's noise, or the facts of this run that explain it (never a number the timings do not support)."""
+    if not (hf["decode_measured"] and fx["decode_measured"]):
+        return ("decode speed not compared: the machine's noise swallowed the decode steps (rerun, or raise "
+                "--new-tokens)")
+    ratio = fx["decode_tok_s"] / hf["decode_tok_s"]
+    noise = max(hf["spread_pct"], fx["spread_pct"])
+    spread = "unknown" if noise == float("inf") else f"{noise:.0f}%"
+    if ratio >= 1.0:
+        return f"moefx decode: {ratio:.2f}x transformers' loop (decode-time spread {spread})"
+    machine = f"load average {load:.1f} on {cores} cores" if load is not None else f"{cores} cores"
+    if 100.0 * (1.0 - ratio) <= noise:
+        return (f"moefx is not faster here: within the noise of the machine (the arms {100 * (1 - ratio):.0f}% "
+                f"apart, decode-time spread {spread}; {machine}): rerun on a quieter machine or with more --repeats")
+    if engine is not None:
+        cause = f"generate() ran transformers' own loop ({engine})"
+    elif mode == "eager":
+        cause = "mode eager compiles nothing, so the optimized model runs the same eager kernels plus the engine"
+    elif load is not None and load > cores:
+        cause = (f"the machine is loaded ({machine}): the compiled step's {threads} thread(s) wait for cores other "
+                 f"jobs hold, which slows it more than transformers' eager loop")
+    else:
+        cause = (f"on this CPU ({machine}, {threads} torch thread(s)) the compiled step does not beat transformers' "
+                 f"eager loop at this size")
+    return f"moefx is {1 / ratio:.2f}x slower than transformers' loop here, beyond the noise (spread {spread}): {cause}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,16 +150,21 @@ def run(args: argparse.Namespace) -> int:
         want = ref.logits[0].float()
         rel = ((got - want).norm() / want.norm()).item()
         match = torch.equal(tokens, ref.sequences)
-        rows = [_row(name, m, ids, args.new_tokens, args.repeats)
-                for name, m in (("transformers generate()", eager), ("moefx optimize + generate()", optimized))]
+        arms = {"transformers generate()": eager, "moefx optimize + generate()": optimized}
+        with progress(f"timing both, interleaved: {args.repeats} rounds after a warm-up"):
+            timed = time_arms(arms, ids, args.new_tokens, args.repeats)
+        rows = [_row(name, m) for name, m in timed.items()]
     bound = 1e-4 if dtype == torch.float32 else 3e-2
     print(f"\nfirst-step logits relative error: {rel:.2e} (bound {bound:.0e})")
     print(f"greedy tokens match eager: {'yes' if match else 'NO'} ({args.new_tokens} tokens x {args.batch})")
     if front is not None:
         print(f"generate(): {front.describe()}")
     print()
-    print(format_table([f"median of {args.repeats} runs", "prefill + 1 token ms", "ms per step", "decode tok/s"],
-                       rows))
+    print(format_table([f"median of {args.repeats} runs", "prefill + 1 token ms", "ms per step", "decode tok/s",
+                        "spread"], rows))
+    engine = None if front is None else ("; ".join(front.fallbacks) or None)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    print("\n" + comparison(*timed.values(), cfg.mode, engine, load, os.cpu_count() or 1, torch.get_num_threads()))
     print(f"\ndevice={device.type} dtype={str(dtype).replace('torch.', '')} prompt={args.prompt_len} "
           f"batch={args.batch} torch={torch.__version__}")
     return 0 if (match and rel <= bound) else 1

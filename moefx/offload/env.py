@@ -1,4 +1,5 @@
-"""The one declarative table of offload/MoE environment knobs (SPEC §5): the single place each default lives.
+"""The one declarative table of moefx's environment knobs (SPEC §5: offload and MoE; the decode engine's memory
+budget): the single place each default lives.
 
 `get_setting(name)` reads the environment every call (so tests and launchers can change it), maps a
 legacy alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
@@ -12,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.config import DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES
+from moefx.config import DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES, parse_memory_budget
 from moefx.log import warn_once
 
 _TRUE = ("1", "true", "on", "yes")
@@ -126,9 +127,17 @@ SETTINGS: tuple[EnvSetting, ...] = (
         "auto",
         "force the backend of every moefx::dense_linear call: upstream (torch linear) or gemv (safety checks apply)",
     ),
+    EnvSetting(
+        "MOEFX_MEMORY_BUDGET",
+        parse_memory_budget,
+        None,
+        "memory the decode engine's slots (static caches, CUDA-graph pools) share: a fraction of free device memory "
+        "(0.6) or bytes (40GiB); config key memory_budget wins over it; unset = 0.7",
+    ),
 )
 
 _BY_NAME: dict[str, EnvSetting] = {s.name: s for s in SETTINGS}
+_VARS: dict[str, tuple[str, ...]] = {s.name: (s.name, *s.aliases) for s in SETTINGS}
 
 
 def _lookup(name: str) -> EnvSetting:
@@ -162,6 +171,15 @@ def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
         pairs = ", ".join(f"{var}={env[var]!r}" for var, _ in found)
         raise ValueError(f"conflicting values for {setting.name}: {pairs}; set only {setting.name}")
     return found[0][1]
+
+
+def setting_raw(name: str) -> tuple[str | None, ...]:
+    """The raw environment values of setting `name` and its aliases: part of a memo key for anything decided from
+    the setting (moefx/backends/memo.py), so a changed value gives a new key without parsing it on every call."""
+    found = _VARS.get(name)
+    if found is None:
+        _lookup(name)  # raises, naming the valid settings
+    return tuple(os.environ.get(var) for var in found)
 
 
 def setting_source(name: str, environ: Mapping[str, str] | None = None) -> str:

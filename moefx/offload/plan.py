@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moefx.log import warn_once
 from moefx.offload.env import get_setting, setting_source, settings
 from moefx.offload.hw import host_info_from_signature
 
@@ -65,6 +66,15 @@ def _estimate_bytes(ms: Any) -> tuple[int | None, int | None]:
     return experts, kv
 
 
+_UNSET = ": max_batch_size unset, the decode engine's memory budget bounds the rest"
+
+
+def kv_reserve_sequences(cfg: Any) -> int:
+    """Sequences the offload KV reserve is sized for: max_batch_size, or one when it is unset (the decode engine
+    then bounds its caches by its own memory budget, SAMPLING.md)."""
+    return cfg.max_batch_size or 1
+
+
 def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
     if es.device_type != "cuda":
         return "gpu", f"auto: runs on {es.device_type}, experts stay with the model"
@@ -76,10 +86,13 @@ def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
     if not torch.cuda.is_available():
         return "gpu", "auto: free GPU memory unknown on this machine (planning for another one); experts stay on GPU"
     free, _ = torch.cuda.mem_get_info()
-    reserve = (kv or 0) * cfg.max_batch_size * (cfg.prefill_token_budget or 4096)
+    sequences = kv_reserve_sequences(cfg)
+    reserve = (kv or 0) * sequences * (cfg.prefill_token_budget or 4096)
     if experts + reserve > 0.9 * free:
-        return "cpu", f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB > 90% of free GPU"
-    return "gpu", f"auto: experts {experts / 2**30:.1f} GiB fit in free GPU memory {free / 2**30:.1f} GiB"
+        return "cpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB "
+                       f"({sequences} sequences{_UNSET if cfg.max_batch_size is None else ''}) > 90% of free GPU")
+    return "gpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB ({sequences} sequences"
+                   f"{_UNSET if cfg.max_batch_size is None else ''}) fit in free GPU memory {free / 2**30:.1f} GiB")
 
 
 def _from_cache(plan: OffloadPlan, ms: Any, es: Any, host: Any) -> None:
@@ -101,15 +114,21 @@ def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
     """User config > env MOEFX_OFFLOAD_EXPERTS > default gpu; 'auto' decides from model size and free GPU memory.
 
     Every offload/MoE env knob that is set is validated here, offload on or off: a typo fails now, not on the
-    day offload is turned on."""
+    day offload is turned on. An explicit 'gpu' for a model that is not on CUDA keeps the experts where the model
+    is, with a one-time warning and a note in the plan."""
     settings()
-    if cfg.offload.experts != "gpu":
+    if cfg.offload.experts is not None:
         choice, source = cfg.offload.experts, "user config"
     else:
         choice, source = get_setting("MOEFX_OFFLOAD_EXPERTS"), setting_source("MOEFX_OFFLOAD_EXPERTS")
     if choice == "auto":
         choice, source = _auto_decision(ms, es, cfg)
     plan = OffloadPlan(experts=choice, source=source, device_type=es.device_type)
+    if choice == "gpu" and source != "default" and es.device_type != "cuda":
+        note = (f"offload experts 'gpu' ({source}) has no GPU to use: the model runs on {es.device_type}, so its "
+                f"experts stay where the model is ('cpu' offloads the experts of a CUDA model to host memory)")
+        plan.notes.append(note)
+        warn_once(note)
     if choice != "cpu":
         return plan
     host = host_info_from_signature(es)

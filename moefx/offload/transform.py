@@ -31,6 +31,7 @@ from moefx.offload.cpu_experts import KERNEL_MAX_ROWS_PER_EXPERT, CpuMath, Exper
 from moefx.offload.hw import host_info
 from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
+from moefx.offload.plan import kv_reserve_sequences
 from moefx.offload.staging import StagingRing
 from moefx.offload.stream_host import StreamHost, build_stream_host
 from moefx.signatures.weights import is_stacked_experts
@@ -298,7 +299,8 @@ def _model_device_dtype(model: torch.nn.Module, skip: set[int]) -> tuple[torch.d
 
 
 def _kv_reserve(model: torch.nn.Module, cfg: Any, width: int) -> int:
-    """Bytes the KV pool reserves first: max_batch_size sequences of prefill_token_budget (or 4096) tokens."""
+    """Bytes the KV pool reserves first: max_batch_size sequences (one when unset) of prefill_token_budget (or 4096)
+    tokens."""
     conf = getattr(model, "config", None)
     layers = getattr(conf, "num_hidden_layers", None)
     kv_heads = getattr(conf, "num_key_value_heads", None)
@@ -307,7 +309,7 @@ def _kv_reserve(model: torch.nn.Module, cfg: Any, width: int) -> int:
         head_dim = conf.hidden_size // conf.num_attention_heads
     if not (layers and kv_heads and head_dim):
         return 0
-    tokens = cfg.max_batch_size * (cfg.prefill_token_budget or KV_RESERVE_TOKENS)
+    tokens = kv_reserve_sequences(cfg) * (cfg.prefill_token_budget or KV_RESERVE_TOKENS)
     return tokens * kv_bytes_per_token(layers, kv_heads, head_dim, width)
 
 

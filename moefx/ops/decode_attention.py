@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moefx.backends.kernels.common import triton_available
+from moefx.backends.memo import ShapeMemo, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -60,10 +61,22 @@ def splits_for(batch: int, kv_heads: int, length: int) -> int:
     return min(want, -(-length // SPLIT_POSITIONS), 64)
 
 
+_CHECKED = ShapeMemo()
+
+
+def _use_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the Triton kernels take this call: decided from metadata only, once per key (backends/memo.py)."""
+    key = (tensor_meta(q), tensor_meta(k), tensor_meta(v), None if mask is None else tensor_meta(mask))
+    found = _CHECKED.get(key)
+    if found is None:
+        found = _CHECKED.put(key, q.is_cuda and triton_available() and unsupported_reason(q, k, v, mask) is None)
+    return found
+
+
 @torch.library.custom_op("moefx::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
-    if q.is_cuda and triton_available() and unsupported_reason(q, k, v, mask) is None:
+    if _use_kernel(q, k, v, mask):
         from moefx.ops.triton_attention import decode_attention_triton
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

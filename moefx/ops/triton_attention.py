@@ -10,6 +10,9 @@ The launcher accepts CPU tensors too, so the kernels run under TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
@@ -116,24 +119,40 @@ def decode_attention_triton(q, k, v, mask, scale: float, out, splits: int) -> No
 
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
+    mask_kind = None if mask is None else mask.dtype == torch.bool
+    p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32)
+    part = (torch.empty(p.part_numel, dtype=torch.float32, device=q.device) if p.splits > 1 else out)
+    mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
+    _decode_attn_kernel[p.grid](
+        q, k, v, mask_args[0], out, part,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask_args[1], mask_args[2], out.stride(0), out.stride(1), kv_heads, length, scale, **p.kw,
+    )
+    if p.splits > 1:
+        _combine_kernel[p.combine_grid](part, out, kv_heads, p.splits, out.stride(0), out.stride(1), **p.combine_kw)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    splits: int
+    part_numel: int
+    grid: tuple[int, int]
+    kw: dict
+    combine_grid: tuple[int, int]
+    combine_kw: dict
+
+
+@functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
+def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
+                 ieee: bool) -> _Plan:
+    """Slices, buffer size, grids and constexpr arguments of one call shape (mask_bool None: no mask)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = -(-length // splits)
     per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
     splits = -(-length // per_split)
-    part = (torch.empty(batch * kv_heads * splits * g_pad * (d + 2), dtype=torch.float32, device=q.device)
-            if splits > 1 else out)
-    mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
-    _decode_attn_kernel[(batch * kv_heads, splits)](
-        q, k, v, mask_args[0], out, part,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask_args[1], mask_args[2], out.stride(0), out.stride(1), kv_heads, length, scale,
-        PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask is not None,
-        MASK_BOOL=mask is not None and mask.dtype == torch.bool, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
-        num_warps=4,
-    )
-    if splits > 1:
-        _combine_kernel[(batch * kv_heads, g)](
-            part, out, kv_heads, splits, out.stride(0), out.stride(1),
-            G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1,
-        )
+    kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
+              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, IEEE=ieee, num_warps=4)
+    combine_kw = dict(G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
+    return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw,
+                 (batch * kv_heads, g), combine_kw)

@@ -107,11 +107,12 @@ def greedy_head(model: nn.Module) -> VocabParallelLMHead | None:
     return head if isinstance(head, VocabParallelLMHead) else None
 
 
-def greedy_step(model: nn.Module, **forward_kwargs: Any) -> torch.Tensor:
+def greedy_step(model: nn.Module, last: torch.Tensor | None = None, **forward_kwargs: Any) -> torch.Tensor:
     """Next greedy token per sequence, [batch] int64: the decoder's last hidden state through `greedy`.
 
     `forward_kwargs` are the decoder's (input_ids, position_ids, past_key_values, cache_position, ...); only
     for causal LMs whose logits are `lm_head(last hidden state)`, which is where `optimize` installs the head.
+    `last` (a one-element position tensor) reads that position instead of the last one (a right-padded prompt).
     """
     head = greedy_head(model)
     if head is None:
@@ -121,4 +122,4 @@ def greedy_step(model: nn.Module, **forward_kwargs: Any) -> torch.Tensor:
     forward_kwargs.setdefault("use_cache", True)
     out = decoder(**forward_kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return head.greedy(hidden[:, -1, :])
+    return head.greedy(hidden[:, -1, :] if last is None else hidden.index_select(1, last)[:, 0, :])

@@ -3,14 +3,20 @@
 A request (prompt [B, T], new tokens, sampling params, EOS/pad ids, optional left-padding mask and stopping
 criteria) runs as:
 - prefill: the model forward over the whole prompt into a DynamicCache, as transformers' own loop runs it
-  (compiled with a dynamic prompt length, `logits_to_keep=1`, so the LM head reads one row per sequence); its
-  keys and values are copied into the bucket's StaticCache and the first token is picked;
+  (`logits_to_keep` keeps one row per sequence for the LM head); its keys and values are copied into the
+  bucket's StaticCache and the first token is picked. With prefill buckets (on by default where decode steps
+  are captured) the prompt is right-padded to its bucket, static-shaped, and on CUDA replayed from a CUDA graph
+  (moefx/sampling/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
   and writing static per-bucket buffers. On CUDA the whole step is captured once per (bucket, sampling
   params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
 The only host read is the "every row finished?" flag, copied to pinned memory and read one step late (the
 step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
-as finished from the start; a batch above the largest bucket runs the same steps without graphs.
+as finished from the start; a batch above the largest bucket runs the same steps without graphs, and says so
+once (a warning and a line in `stats.uncaptured`).
+Slots (a bucket's static cache at one cache length, its buffers and graphs) live in a `SlotPool`
+(`moefx/sampling/slots.py`): cache lengths grow geometrically, and all slots and graph pools share one memory
+budget, least-recently-used slots freed first; a request whose slot cannot fit raises before it allocates.
 
 Each compiled function gets a code object of its own (`_own_code`): dynamo keeps compiled entries per code
 object and stops compiling one after `recompile_limit` entries, so two models must not share them, and the
@@ -30,12 +36,14 @@ from typing import Any
 
 import torch
 
-from moefx.log import get_logger, warn_once
+from moefx.log import get_logger, progress_logger, warn_once
+from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.sampler import SamplingParams, sample
+from moefx.sampling.slots import SlotPool, cache_bytes
 
 log = get_logger("moefx.sampling")
+progress = progress_logger()
 
-CACHE_LEN_STEP = 256  # static cache lengths are rounded up to this, so nearby requests share graphs
 MAX_EOS_IDS = 8  # EOS ids live in a fixed-size buffer (padded with -1) so graphs survive a change of EOS
 
 
@@ -90,18 +98,39 @@ class _Slot:
     mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
     # (params, masked, by_head) -> (CUDAGraph, its logits output), or (None, None) for a step run without one
     graphs: dict[tuple, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
+    # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/sampling/prefill.py)
+    prefill: dict[tuple, Any] = field(default_factory=dict)
 
 
 @dataclass
 class EngineStats:
     """What the engine did in this process: compiles per function and the seconds their backend took (inductor and
-    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one."""
+    the moefx passes, not dynamo's tracing), graphs captured, why steps ran without one, and its slots: alive,
+    allocated, evicted, the bytes their caches and graph pools hold, and the memory budget. Prefill graphs are
+    counted apart too, with the bytes their captures added to the allocator's reserved memory (warm-ups
+    included); those bytes also count against the memory budget."""
 
     compiles: dict[str, int] = field(default_factory=dict)
     compile_s: dict[str, float] = field(default_factory=dict)
     captures: int = 0
     uncaptured: list[str] = field(default_factory=list)
     requests: int = 0
+    prefill_buckets: tuple[int, ...] = ()
+    prefill_captures: int = 0
+    prefill_graph_bytes: int = 0
+    above_cap: int = 0  # requests whose batch was above the largest capture size
+    slots: int = 0
+    slot_allocations: int = 0
+    evictions: int = 0
+    cache_bytes: int = 0
+    graph_bytes: int = 0
+    memory_budget: str = "not set yet (fixed at the first allocation)"
+
+    def describe_slots(self) -> str:
+        mib = 2**20
+        return (f"{self.slots} slots alive ({self.slot_allocations} allocated, {self.evictions} evicted), caches "
+                f"{self.cache_bytes / mib:.1f} MiB + graph pools {self.graph_bytes / mib:.1f} MiB of budget "
+                f"{self.memory_budget}")
 
 
 class DecodeLoop:
@@ -112,8 +141,11 @@ class DecodeLoop:
     inputs) captures each decode step once per batch bucket and sampling params and replays it; the backend
     must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets (None: every batch size is
     its own bucket); batches above the largest run without graphs. `max_len` fixes the cache length (None:
-    the request's prompt + new tokens, rounded up to `CACHE_LEN_STEP`). `forward` is the model forward to
-    call (default `model.forward`; `optimize` passes the uncompiled one).
+    the request's prompt + new tokens, rounded up to a geometric length bucket, `moefx/sampling/slots.py`).
+    `memory_budget` bounds all slots together (None: env MOEFX_MEMORY_BUDGET, else the default; see slots.py).
+    `forward` is the model forward to call (default `model.forward`; `optimize` passes the uncompiled one).
+    `prefill_capture_tokens` caps rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off,
+    every prompt runs unpadded; None: `PREFILL_CAPTURE_TOKENS` with `cuda_graphs` and `compile_kwargs`, else off).
     """
 
     def __init__(
@@ -124,6 +156,8 @@ class DecodeLoop:
         cuda_graphs: bool = False,
         capture_sizes: Sequence[int] | None = None,
         forward: Callable[..., Any] | None = None,
+        prefill_capture_tokens: int | None = None,
+        memory_budget: float | None = None,
     ) -> None:
         from transformers import StaticCache
 
@@ -146,10 +180,15 @@ class DecodeLoop:
         self.capture_sizes = sorted(set(capture_sizes)) if capture_sizes else []
         self.compiled = compile_kwargs is not None
         self.stats = EngineStats()
-        self._slots: dict[int, _Slot] = {}
+        self.slots = SlotPool(self.stats, memory_budget)
         self._pool: Any = None
-        kw = dict(compile_kwargs or {})
+        kw = self._compile_kwargs = dict(compile_kwargs or {})
         self._prefill = self._compile("prefill", self._run, kw)
+        if prefill_capture_tokens is None:
+            prefill_capture_tokens = PREFILL_CAPTURE_TOKENS if cuda_graphs and self.compiled else 0
+        self.stats.prefill_buckets = prefill_buckets(prefill_capture_tokens)
+        self._bucketed = (BucketedPrefill(self, self.stats.prefill_buckets, prefill_capture_tokens)
+                          if prefill_capture_tokens else None)
         self._decode = self._compile("decode", self._run, kw)
         self._pick = self._compile("sampler", _advance, kw)
 
@@ -162,16 +201,24 @@ class DecodeLoop:
         backend = kw.get("backend", "inductor")
         stats = self.stats
 
+        label = backend if isinstance(backend, str) else (
+            "inductor + moefx passes" if hasattr(backend, "pass_manager") else getattr(backend, "__name__", "backend"))
+        counters = torch._dynamo.utils.counters["inductor"]
+
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            stats.compiles[name] = stats.compiles.get(name, 0) + 1
-            start = time.perf_counter()
+            count = stats.compiles[name] = stats.compiles.get(name, 0) + 1
+            progress.info("compiling %s%s (%s)...", name, f" again (compile {count})" if count > 1 else "", label)
+            start, hits = time.perf_counter(), counters["fxgraph_cache_hit"]
             if isinstance(backend, str):
                 from torch._dynamo import lookup_backend
 
                 compiled = lookup_backend(backend)(gm, example_inputs)
             else:
                 compiled = backend(gm, example_inputs)
-            stats.compile_s[name] = round(stats.compile_s.get(name, 0.0) + time.perf_counter() - start, 2)
+            took = time.perf_counter() - start
+            stats.compile_s[name] = round(stats.compile_s.get(name, 0.0) + took, 2)
+            cached = " (from the compile cache)" if counters["fxgraph_cache_hit"] > hits else ""
+            progress.info("%s compiled in %.1f s%s", name, took, cached)
             return compiled
 
         from moefx.compile import with_exact_floats
@@ -215,13 +262,17 @@ class DecodeLoop:
         return batch, False
 
     def _slot(self, rows: int, needed: int, device: torch.device) -> _Slot:
-        slot = self._slots.get(rows)
-        if slot is not None and slot.max_len >= needed and slot.state["seq"].device == device:
-            return slot
-        max_len = self.max_len or -(-needed // CACHE_LEN_STEP) * CACHE_LEN_STEP
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        max_len = self.max_len or self.slots.cache_len(needed, positions)
         if needed > max_len:
             raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the cache length max_len={max_len}")
-        self._slots.pop(rows, None)  # free the old cache (and its graphs) before allocating the new one
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        nbytes = cache_bytes(self.model.config, rows, max_len, dtype)
+        slot = self.slots.find(rows, max_len, device, nbytes)
+        if slot is not None:
+            return slot
+        # Before anything is allocated: evict least-recently-used slots, or raise MemoryBudgetError.
+        self.slots.make_room(f"a static cache for batch {rows} x {max_len} positions", nbytes, device)
         cache = self._cache_cls(config=self.model.config, max_cache_len=max_len)
         long = {"dtype": torch.long, "device": device}
         state = {
@@ -241,7 +292,9 @@ class DecodeLoop:
         with torch.no_grad():
             self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
         cache.reset()
-        self._slots[rows] = slot
+        held = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None),
+                                                                 getattr(layer, "values", None)) if t is not None)
+        self.slots.add(slot, device, max(held + 2 * slot.mask.nbytes, nbytes))
         return slot
 
     def _graph(self, slot: _Slot, params: SamplingParams, masked: bool,
@@ -249,7 +302,9 @@ class DecodeLoop:
         """The captured step for these params (captured on first use), or (None, None) to run it directly."""
         key = (params, masked, by_head)
         if key not in slot.graphs:
-            slot.graphs[key] = self._capture(slot, params, masked, by_head)
+            # The graph pool's growth counts against the memory budget (other slots may be freed for it).
+            with self.slots.graph_memory("decode", slot.state["seq"].device, keep=slot):
+                slot.graphs[key] = self._capture(slot, params, masked, by_head)
         return slot.graphs[key]
 
     def _capture(self, slot: _Slot, params: SamplingParams, masked: bool,
@@ -258,6 +313,8 @@ class DecodeLoop:
         if why is not None:
             return self._uncaptured(slot, why)
         device = slot.state["seq"].device
+        progress.info("capturing the decode step for batch %d (cache length %d)...", slot.batch, slot.max_len)
+        start = time.perf_counter()
         # Warm-up steps compile the functions and advance the state; the state and each layer's write
         # position are put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
         saved = {k: v.clone() for k, v in slot.state.items()}
@@ -296,8 +353,16 @@ class DecodeLoop:
             self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
         self.stats.captures += 1
-        log.info("decode step captured for batch %d, cache length %d", slot.batch, slot.max_len)
+        progress.info("decode step for batch %d captured in %.1f s", slot.batch, time.perf_counter() - start)
         return graph, logits
+
+    def _above_cap(self, batch: int) -> None:
+        self.stats.above_cap += 1
+        if self.stats.above_cap == 1:
+            message = (f"batches above the largest capture size {self.capture_sizes[-1]} decode without a CUDA graph "
+                       f"(first: batch {batch}); config key 'max_batch_size' sets the largest")
+            self.stats.uncaptured.append(message)
+            warn_once(f"moefx generate(): {message}")
 
     def _uncaptured(self, slot: _Slot, why: str) -> tuple[None, None]:
         message = f"batch {slot.batch} decodes without a CUDA graph: {why}"
@@ -333,6 +398,8 @@ class DecodeLoop:
         device = input_ids.device
         rows, graphs = self.bucket(batch)
         graphs = graphs and device.type == "cuda"
+        if self.cuda_graphs and self.capture_sizes and batch > self.capture_sizes[-1]:
+            self._above_cap(batch)
         slot = self._slot(rows, prompt + max_new_tokens, device)
         self.stats.requests += 1
         st = slot.state
@@ -356,7 +423,7 @@ class DecodeLoop:
         slot.cache.reset()
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
         by_head = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
-        logits = self._prompt(slot, prompt, positions, masked, by_head)
+        logits = self._prompt(slot, prompt, positions, masked, by_head, graphs)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
         self._pick(logits, st, params, by_head)
@@ -382,12 +449,18 @@ class DecodeLoop:
         return st["seq"][:batch, : prompt + produced].clone()
 
     def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool,
-                by_head: bool) -> torch.Tensor:
+                by_head: bool, graphs: bool) -> torch.Tensor:
         """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
         loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
-        then copied into the static cache; other caches take the prompt directly."""
+        then copied into the static cache: padded to its bucket (captured when `graphs`) where one holds it,
+        else at its own length; other caches take the prompt directly."""
         from transformers import DynamicCache
 
+        pad = self._bucketed is not None and (graphs or not self.cuda_graphs)
+        if pad and _uncapturable_cache(slot.cache) is None:
+            scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs)
+            if scores is not None:
+                return scores
         st = slot.state
         tokens = st["seq"][:, :prompt]
         cache_position = torch.arange(prompt, device=tokens.device)

@@ -59,19 +59,32 @@ class GenerateFront:
     """What `optimize` puts on `model.moefx_generate`: the engine, and why requests went elsewhere."""
 
     engine: DecodeLoop
+    # Why requests ran transformers' loop (one line per request), and once each, "engine: ..." lines for steps
+    # the engine ran without a CUDA graph (a batch above the largest capture size, a step that cannot be captured).
     fallbacks: list[str] = field(default_factory=list)
+    loop_requests: int = 0
+    _engine_notes: int = 0
 
     def describe(self) -> str:
         s = self.engine.stats
-        return (f"{s.requests} requests on the engine, {len(self.fallbacks)} in transformers' loop; "
+        above = f" ({s.above_cap} above the largest capture size, without graphs)" if s.above_cap else ""
+        return (f"{s.requests} requests on the engine{above}, {self.loop_requests} in transformers' loop; "
                 f"compiles {s.compiles or 'none'} (backend seconds {s.compile_s or 'none'}); {s.captures} CUDA graphs "
-                f"captured")
+                f"captured; prefill buckets {list(s.prefill_buckets) or 'off'}, {s.prefill_captures} prefill graphs "
+                f"({s.prefill_graph_bytes / 2**20:.0f} MiB reserved); {s.describe_slots()}")
+
+    def note_engine(self) -> None:
+        """Copy the engine's new "decoded without a CUDA graph" lines into `fallbacks`."""
+        lines = self.engine.stats.uncaptured
+        self.fallbacks.extend(f"engine: {line}" for line in lines[self._engine_notes:])
+        self._engine_notes = len(lines)
 
 
 def _fallback(front: GenerateFront, why: str) -> None:
     if why not in front.fallbacks:
         log.warning("generate() runs transformers' own loop: %s", why)
     front.fallbacks.append(why)
+    front.loop_requests += 1
 
 
 def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[EngineRequest | None, str]:
@@ -165,10 +178,13 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
             if len(args) < 2 and "generation_config" not in kwargs:
                 kwargs.setdefault("disable_compile", True)  # the forward is compiled already
             return original(*args, **kwargs)
-        return engine.generate(
-            request.input_ids, request.max_new_tokens, request.params, eos_token_id=request.eos,
-            pad_token_id=request.pad, attention_mask=request.attention_mask, stopping_criteria=request.criteria,
-        )
+        try:
+            return engine.generate(
+                request.input_ids, request.max_new_tokens, request.params, eos_token_id=request.eos,
+                pad_token_id=request.pad, attention_mask=request.attention_mask, stopping_criteria=request.criteria,
+            )
+        finally:
+            front.note_engine()
 
     model.generate = generate
     model.moefx_generate = front

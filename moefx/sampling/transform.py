@@ -4,7 +4,8 @@ On every device a transformers causal LM's `generate()` runs on the engine (`moe
 the requests it reproduces (`moefx/sampling/generate.py`): static KV cache, prefill and decode step compiled
 with the moefx backend (mode compile or capture), and in mode capture on CUDA each decode step replayed from a
 CUDA graph per capture bucket. Other requests run transformers' loop, which on CUDA reads its stop flag one
-step late (`moefx/sampling/stop.py`).
+step late (`moefx/sampling/stop.py`). The engine's compile artifacts persist across processes
+(`moefx/sampling/compile_cache.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from moefx.transforms import register_model_transform
 
 def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     from moefx.compile import backend
+    from moefx.sampling.compile_cache import engine_cache
     from moefx.sampling.decode import DecodeLoop
     from moefx.sampling.generate import install_generate
 
@@ -25,14 +27,31 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     sizes = list(getattr(plan, "serving", {}).get("capture_sizes") or [])
     graphs = mode == "capture" and device == "cuda" and bool(sizes)
     compile_kwargs = None if mode == "eager" else {"backend": backend(config, plan, cudagraphs=False)}
+    # Offloaded experts calls above the stream host's rows cannot be captured: their prefill stays unpadded.
+    offloaded = any(hasattr(module, "moefx_offload") for module in model.modules())
+    prefill_tokens = getattr(config, "prefill_capture_tokens", 0) if graphs and not offloaded else 0
     engine = DecodeLoop(model, compile_kwargs=compile_kwargs, cuda_graphs=graphs, capture_sizes=sizes or None,
-                        forward=model.forward)
+                        forward=model.forward, prefill_capture_tokens=prefill_tokens,
+                        memory_budget=getattr(config, "memory_budget", None))
+    cache = None if compile_kwargs is None else engine_cache(plan, config, compile_kwargs["backend"], sizes)
+    if cache is not None:
+        cache.attach(engine)
     install_generate(model, engine)
     steps = "eager steps (mode eager)" if compile_kwargs is None else "compiled prefill and decode step"
-    where = (f"decode steps replayed from CUDA graphs for batches {sizes} (padded to the bucket; larger "
-             f"batches without graphs)" if graphs else f"no CUDA graphs (mode {mode} on {device})")
+    prefill = (f"; prefill padded to prompt buckets {list(engine.stats.prefill_buckets)} (rows × bucket <= "
+               f"{prefill_tokens}) and captured" if prefill_tokens else "")
+    where = (f"decode steps replayed from CUDA graphs for batches {sizes}, each captured on first use (padded to "
+             f"the bucket; larger batches without graphs, said once in fallbacks){prefill}" if graphs
+             else f"no CUDA graphs (mode {mode} on {device})")
+    kept = "" if compile_kwargs is None else (f"; compile artifacts kept in {cache.path}" if cache is not None
+                                             else "; compile cache off")
+    slots = engine.slots
+    budget = f"{slots.setting:g} of free memory" if slots.setting <= 1 else f"{slots.setting / 2**20:.0f} MiB"
     return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
-            f"loop (model.moefx_generate.fallbacks says why)"]
+            f"loop (model.moefx_generate.fallbacks says why){kept}",
+            f"decode engine memory: cache lengths {slots.min_len}, {slots.min_len * 3 // 2}, {slots.min_len * 2}, "
+            f"... (x1.5 / x4/3 steps); all slots and graph pools within a budget of {budget} ({slots.source}), "
+            f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
 
 
 @register_model_transform("sampling", order=50)

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from moefx.config import MODES
+from moefx.config import MODES, did_you_mean
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # CPU ISA extensions the offload path cares about, as /proc/cpuinfo spells them.
 CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_vbmi", "amx_bf16", "amx_int8")
 # Published properties of common GPUs, for planning on a machine that does not have them.
@@ -25,6 +26,11 @@ DEVICE_PRESETS: dict[str, dict[str, Any]] = {
     "a100": {"device_name": "NVIDIA A100-SXM4-80GB", "capability": (8, 0), "multiprocessor_count": 108},
     "l40s": {"device_name": "NVIDIA L40S", "capability": (8, 9), "multiprocessor_count": 142},
     "rtx4090": {"device_name": "NVIDIA GeForce RTX 4090", "capability": (8, 9), "multiprocessor_count": 128},
+}
+# Published memory of those GPUs (GiB), for the serving hints of a plan made without the device at hand.
+DEVICE_MEMORY_GIB: dict[str, float] = {
+    "NVIDIA H200": 140.0, "NVIDIA H100 80GB HBM3": 79.6, "NVIDIA A100-SXM4-80GB": 79.2, "NVIDIA L40S": 44.5,
+    "NVIDIA GeForce RTX 4090": 23.6,
 }
 
 
@@ -68,7 +74,7 @@ class ExecutionSignature:
     mode: str = "compile"
     tp_size: int = 1
     ep_size: int = 1
-    max_batch_size: int = 1
+    max_batch_size: int | None = None  # None: no cap given (the plan derives one from memory)
     cpu_isa: tuple[str, ...] = ()
     numa_nodes: int = 1
     # Where tp_size/ep_size came from and this process's ranks (a moefx.parallel.ParallelInfo). Not part of the
@@ -82,8 +88,11 @@ class ExecutionSignature:
             raise ValueError(f"ExecutionSignature mode {self.mode!r} is invalid; valid choices: {list(MODES)}")
         for name in ("tp_size", "ep_size", "max_batch_size", "numa_nodes"):
             value = getattr(self, name)
+            if name == "max_batch_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ExecutionSignature {name} must be an integer >= 1, got {value!r}")
+                none = " or None" if name == "max_batch_size" else ""
+                raise ValueError(f"ExecutionSignature {name} must be an integer >= 1{none}, got {value!r}")
         if self.capability is not None:
             object.__setattr__(self, "capability", tuple(int(x) for x in self.capability))
         unknown = set(self.cpu_isa) - set(CPU_ISA_FLAGS)
@@ -93,7 +102,13 @@ class ExecutionSignature:
         if self.dtype is not None:
             from moefx.signatures.model import normalize_dtype
 
-            object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+            dtype = normalize_dtype(self.dtype)
+            if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(
+                    f"ExecutionSignature dtype {self.dtype!r} is not a torch dtype; valid compute dtypes: "
+                    f"{list(COMPUTE_DTYPES)} (aliases bf16, fp16, fp32){did_you_mean(dtype, COMPUTE_DTYPES)}"
+                )
+            object.__setattr__(self, "dtype", dtype)
         info = self.parallel
         if info is not None and (info.tp_size, info.ep_size) != (self.tp_size, self.ep_size):
             object.__setattr__(self, "parallel", None)  # sizes changed by hand (replace()): the source is stale
@@ -105,7 +120,7 @@ class ExecutionSignature:
         mode: str = "compile",
         tp_size: int | None = None,
         ep_size: int | None = None,
-        max_batch_size: int = 1,
+        max_batch_size: int | None = None,
         dtype: torch.dtype | str | None = None,
         model: torch.nn.Module | None = None,
     ) -> ExecutionSignature:
@@ -115,9 +130,15 @@ class ExecutionSignature:
         (`moefx.parallel.detect_parallel`); the result's `parallel` says where they came from."""
         from moefx.parallel.info import detect_parallel
 
-        dev = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu"
-        )
+        try:
+            dev = torch.device(device) if device is not None else torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu"
+            )
+        except RuntimeError:
+            raise ValueError(
+                f"device {device!r} is invalid; valid choices: 'cpu', 'cuda', 'cuda:N', or a preset to plan for "
+                f"another machine: {sorted(DEVICE_PRESETS)}{did_you_mean(str(device).lower(), DEVICE_PRESETS)}"
+            ) from None
         name = capability = sms = None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -178,4 +199,5 @@ class ExecutionSignature:
     def describe(self) -> str:
         where = self.device_name or self.device_type
         cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability and len(self.capability) == 2 else ""
-        return f"{where}{cap} mode={self.mode} tp={self.tp_size} ep={self.ep_size} max_batch={self.max_batch_size}"
+        batch = self.max_batch_size or "from memory"
+        return f"{where}{cap} mode={self.mode} tp={self.tp_size} ep={self.ep_size} max_batch={batch}"

@@ -27,8 +27,9 @@ from typing import Any
 
 import yaml
 
-from moefx.config import MOE_BACKENDS, PassConfig
-from moefx.signatures.execution import ExecutionSignature
+from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean
+from moefx.log import warn_once
+from moefx.signatures.execution import DEVICE_TYPES, ExecutionSignature
 from moefx.signatures.model import ModelSignature
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelSignature)}
@@ -118,7 +119,7 @@ def _frozen(value: Any) -> Any:
 def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
     side, name = _side(key, where)
     if not isinstance(spec, dict):
-        return [Condition(side, name, "eq", _frozen(spec))]
+        spec = {"eq": spec}
     if not spec:
         raise ValueError(f"{where}: match key {key!r} has an empty condition; operators: {list(_OPERATORS)}")
     out = []
@@ -136,7 +137,39 @@ def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
                 raise ValueError(f"{where}: match key {key!r}: bad regex {value!r}: {exc}") from exc
             value = str(value)
         out.append(Condition(side, name, op, _frozen(value)))
+    for cond in out:
+        _check_reachable(cond, key, where)
     return out
+
+
+def _registered_families() -> tuple[str, ...]:
+    from moefx.signatures.registry import PROVIDERS, load_builtin_providers
+
+    load_builtin_providers()
+    return tuple(sorted({p.family for p in PROVIDERS.values()}))
+
+
+def _check_reachable(cond: Condition, key: str, where: str) -> None:
+    """An equality or `in` condition on a value no signature can hold would never match, and say nothing:
+    a device_type or mode outside the ExecutionSignature's choices is a ValueError; a family that no registered
+    provider declares is a warning (only a hand-written signature that states it can have it)."""
+    if cond.op not in ("eq", "in") or cond.value is None:
+        return
+    values = cond.value if cond.op == "in" else (cond.value,)
+    if cond.side == "execution" and cond.field in ("device_type", "mode"):
+        valid = DEVICE_TYPES if cond.field == "device_type" else MODES
+        bad = [v for v in values if v not in valid]
+        if bad:
+            raise ValueError(f"{where}: match key {key!r}: {bad[0]!r} is no value an ExecutionSignature can hold, "
+                             f"so the rule would never match; valid choices: {list(valid)}"
+                             f"{did_you_mean(str(bad[0]), valid)}")
+    elif (cond.side, cond.field) == ("model", "family"):
+        families = _registered_families()
+        bad = [v for v in values if v not in families]
+        if bad:
+            warn_once(f"{where}: match key {key!r}: no registered provider has family {bad[0]!r}, so the rule "
+                      f"matches only a hand-written signature that states it; registered families: {list(families)}"
+                      f"{did_you_mean(str(bad[0]), families)}")
 
 
 def _passes(spec: Any, where: str) -> dict[str, bool]:

@@ -1,31 +1,97 @@
 """Serving hints (SPEC §6): CUDA-graph capture sizes, prefill token budget, vocab-parallel LM head.
 
-Each hint comes with the source that decided it, so `Plan.explain()` can say why.
+Each hint comes with the source that decided it, so `Plan.explain()` can say why. Capture sizes are a geometric
+set of batch buckets (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ...: powers of two, and above 16 also 1.5x each) up to
+`max_batch_size`, or without it up to a cap derived from memory, as vLLM sizes its graphs from memory; the decode
+engine captures each one lazily, on first use, so a large cap costs nothing until a batch that size arrives.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from moefx.signatures.execution import ExecutionSignature
+from moefx.signatures.execution import DEVICE_MEMORY_GIB, ExecutionSignature
 from moefx.signatures.model import ModelSignature
 from moefx.signatures.registry import PlanFragment
 
-DENSE_CAPTURE_MAX = 16  # every batch size up to here gets its own graph
-CAPTURE_STEP = 8  # above it, multiples of 8
+GEOMETRIC_FROM = 16  # powers of two up to here; above, each power of two and 1.5x it
+CAPTURE_SIZE_LIMIT = 512  # the largest capture size a plan proposes without max_batch_size
+CAP_SEQUENCE_TOKENS = 4096  # KV tokens per sequence the memory-derived cap makes room for ...
+CAP_MEMORY_FRACTION = 0.5  # ... in this fraction of the free device memory
 MOE_PREFILL_TOKEN_BUDGET = 4096
 PREFILL_BUDGET_MIN_BATCH = 32
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+_GIB = 2**30
+
+
+def geometric_sizes(limit: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to `limit` (inclusive)."""
+    sizes, size = [], 1
+    while size <= limit:
+        sizes.append(size)
+        if size >= GEOMETRIC_FROM and size * 3 // 2 <= limit:
+            sizes.append(size * 3 // 2)
+        size *= 2
+    return sizes
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
-    """1..16, then multiples of 8, plus max_batch_size itself; nothing above it."""
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    sizes = list(range(1, min(DENSE_CAPTURE_MAX, max_batch_size) + 1))
-    sizes += range(DENSE_CAPTURE_MAX + CAPTURE_STEP, max_batch_size + 1, CAPTURE_STEP)
+    """The geometric sizes up to max_batch_size, plus max_batch_size itself; nothing above it."""
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    sizes = geometric_sizes(max_batch_size)
     if sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes
+
+
+def _kv_bytes_per_token(ms: ModelSignature) -> int | None:
+    width = _DTYPE_BYTES.get(ms.dtype or "")
+    if not (ms.num_layers and ms.num_kv_heads and ms.head_dim and width):
+        return None
+    return 2 * ms.num_layers * ms.num_kv_heads * ms.head_dim * width
+
+
+def _weight_bytes(ms: ModelSignature) -> int:
+    """Rough weight bytes from the signature (experts, embeddings, attention); 0 where facts are missing."""
+    width = _DTYPE_BYTES.get(ms.dtype or "", 2)
+    h, layers = ms.hidden_size or 0, ms.num_layers or 0
+    experts = (ms.num_experts or 0) * 3 * h * (ms.moe_intermediate_size or 0) * layers
+    heads = (ms.num_heads or 0) + 2 * (ms.num_kv_heads or 0)
+    attention = layers * 2 * h * heads * (ms.head_dim or 0)
+    embeddings = 2 * (ms.vocab_size or 0) * h
+    return (experts + attention + embeddings) * width
+
+
+def _free_memory(ms: ModelSignature, es: ExecutionSignature) -> tuple[int | None, str]:
+    """(free device bytes for the engine, where the figure comes from)."""
+    import torch
+
+    # Only a process that already uses CUDA is asked (planning must not be what initializes it, e.g. in vLLM's
+    # front-end process before it forks its workers).
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and es.device_name == torch.cuda.get_device_name():
+        free, _ = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return free, f"{free / _GIB:.1f} GiB free on this {es.device_name}"
+    total = DEVICE_MEMORY_GIB.get(es.device_name or "")
+    if total is None:
+        return None, f"free memory of {es.device_name or 'this device'} unknown"
+    free = max(0, int(total * _GIB) - _weight_bytes(ms))
+    return free, f"{es.device_name} {total:.0f} GiB less about {_weight_bytes(ms) / _GIB:.1f} GiB of weights"
+
+
+def capture_cap(ms: ModelSignature, es: ExecutionSignature) -> tuple[int, str]:
+    """(largest capture size, why) when max_batch_size is not given: the largest geometric size whose KV cache at
+    CAP_SEQUENCE_TOKENS per sequence fits in CAP_MEMORY_FRACTION of the free memory, at most CAPTURE_SIZE_LIMIT."""
+    free, where = _free_memory(ms, es)
+    kv = _kv_bytes_per_token(ms)
+    if free is None or kv is None:
+        why = where if free is None else "KV bytes per token unknown"
+        return CAPTURE_SIZE_LIMIT, f"{why}: the largest, {CAPTURE_SIZE_LIMIT}"
+    fits = int(free * CAP_MEMORY_FRACTION) // (kv * CAP_SEQUENCE_TOKENS)
+    sizes = geometric_sizes(min(CAPTURE_SIZE_LIMIT, max(1, fits)))
+    return sizes[-1], (f"{where}: {CAP_MEMORY_FRACTION:.0%} of it holds {fits} sequences of "
+                       f"{CAP_SEQUENCE_TOKENS} KV tokens ({kv} B each); at most {CAPTURE_SIZE_LIMIT}")
 
 
 def serving_hints(
@@ -35,9 +101,16 @@ def serving_hints(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     mbs = es.max_batch_size
+    if mbs is None and es.device_type == "cuda":
+        mbs, cap_why = capture_cap(ms, es)
+        cap_source = f"max_batch_size unset: cap {mbs} from memory ({cap_why})"
+        mbs_label = f"capture cap {mbs} (max_batch_size unset)"
+    else:
+        cap_source = mbs_label = f"max_batch_size {mbs}"
     if es.mode == "capture" and es.device_type == "cuda":
         values["capture_sizes"] = capture_sizes(mbs)
-        sources["capture_sizes"] = f"mode capture, max_batch_size {mbs}: 1..16, multiples of 8, the maximum"
+        sources["capture_sizes"] = (f"mode capture, {cap_source}: 1, 2, 4, 8, 16, then x1.5 steps, captured on "
+                                    f"first use; larger batches decode without a graph")
     else:
         values["capture_sizes"] = []
         sources["capture_sizes"] = f"no CUDA-graph capture in mode {es.mode} on {es.device_type}"
@@ -45,14 +118,19 @@ def serving_hints(
     if cfg.prefill_token_budget is not None:
         values["prefill_token_budget"] = cfg.prefill_token_budget
         sources["prefill_token_budget"] = "user config"
-    elif fragment is not None and fragment.moe_family and mbs >= PREFILL_BUDGET_MIN_BATCH:
+    elif fragment is not None and fragment.moe_family and mbs is not None and mbs >= PREFILL_BUDGET_MIN_BATCH:
         values["prefill_token_budget"] = MOE_PREFILL_TOKEN_BUDGET
         sources["prefill_token_budget"] = (
-            f"provider {fragment.provider}: MoE family at max_batch_size {mbs} >= {PREFILL_BUDGET_MIN_BATCH}"
+            f"provider {fragment.provider}: MoE family at {mbs_label} >= {PREFILL_BUDGET_MIN_BATCH}"
         )
     else:
         values["prefill_token_budget"] = None
-        why = "profile unknown" if fragment is None else f"max_batch_size {mbs} < {PREFILL_BUDGET_MIN_BATCH}"
+        if fragment is None:
+            why = "profile unknown"
+        elif mbs is None:
+            why = f"max_batch_size unset on {es.device_type} (no capture cap to size it from)"
+        else:
+            why = f"max_batch_size {mbs} < {PREFILL_BUDGET_MIN_BATCH}"
         sources["prefill_token_budget"] = f"no budget: {why}"
 
     if fragment is None or not fragment.causal_lm:

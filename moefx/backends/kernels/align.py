@@ -18,6 +18,9 @@ version it replaces took 12.5-21 µs; the one-program path 3-5 µs up to 128 pai
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -127,47 +130,67 @@ def _align_scatter_kernel(
                          BLOCK_E, BLOCK_B, STEP_B, pid == 0)
 
 
+@dataclass(frozen=True)
+class AlignPlan:
+    """Buffer sizes, grids and constexpr arguments of one align shape (numel, E, BLOCK_M): no tensor values."""
+
+    max_padded: int
+    max_blocks: int
+    progs: int  # 0: the one-program path
+    block_e: int
+    kw_small: dict[str, int] | None = None
+    kw_count: dict[str, int] | None = None
+    kw_scatter: dict[str, int] | None = None
+
+
+@functools.lru_cache(maxsize=512)  # pure in its arguments; asked per call
+def align_plan(
+    numel: int, num_experts: int, block_m: int, one_program: bool | None = None, chunk: int = 0
+) -> AlignPlan:
+    max_padded = max_padded_len(numel, num_experts, block_m)
+    max_blocks = max_padded // block_m
+    block_e = triton.next_power_of_2(num_experts)
+    np2 = triton.next_power_of_2(max(numel, 1))
+    if np2 <= SMALL_ALIGN_PAIRS if one_program is None else one_program:
+        block_b = triton.next_power_of_2(max_blocks)
+        kw = dict(BLOCK_M=block_m, NP=np2, BLOCK_E=block_e, PAD=triton.next_power_of_2(max_padded),
+                  BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e), num_warps=8)
+        return AlignPlan(max_padded, max_blocks, 0, block_e, kw_small=kw)
+    chunk = chunk or ALIGN_CHUNK
+    chunks = triton.cdiv(numel, chunk)
+    per_prog = triton.cdiv(chunks, ALIGN_MAX_PROGRAMS)
+    progs = triton.cdiv(chunks, per_prog)
+    fill_span = triton.next_power_of_2(triton.cdiv(max_padded, progs))  # sentinel slots per program
+    table_rows = min(triton.next_power_of_2(progs), SMALL_ALIGN_ELEMS // block_e)  # count-table rows per step
+    block_b = triton.next_power_of_2(triton.cdiv(max_blocks, progs))  # expert_ids entries per program
+    count = dict(CHUNK=chunk, CHUNKS=per_prog, BLOCK_E=block_e, FILL_SPAN=fill_span, FILL=min(fill_span, 1024),
+                 num_warps=8)
+    scatter = dict(BLOCK_M=block_m, CHUNK=chunk, CHUNKS=per_prog, BLOCK_E=block_e, BLOCK_P=table_rows,
+                   TABLE_STEPS=triton.cdiv(progs, table_rows), BLOCK_B=block_b,
+                   STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e), num_warps=8)
+    return AlignPlan(max_padded, max_blocks, progs, block_e, kw_count=count, kw_scatter=scatter)
+
+
 def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None, chunk: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton sort/align: (sorted_ids int32, expert_ids int32, num_post int32[1]); no host sync; one launch up to
     SMALL_ALIGN_PAIRS pairs, two above (`one_program` forces either way). `chunk`: pairs a program of the
-    two-launch path sorts at once (a power of two; 0: ALIGN_CHUNK)."""
+    two-launch path sorts at once (a power of two; 0: ALIGN_CHUNK). Sizes and launch arguments come from
+    `align_plan`, once per shape."""
     ids = topk_ids.reshape(-1)
     numel = ids.numel()
-    max_padded = max_padded_len(numel, num_experts, block_m)
-    max_blocks = max_padded // block_m
+    p = align_plan(numel, num_experts, block_m, one_program, chunk)
     dev = topk_ids.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(p.max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(p.max_blocks, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
-    block_e = triton.next_power_of_2(num_experts)
-    np2 = triton.next_power_of_2(max(numel, 1))
-    if np2 <= SMALL_ALIGN_PAIRS if one_program is None else one_program:
-        block_b = triton.next_power_of_2(max_blocks)
+    if not p.progs:
         _align_small_kernel[(1,)](
-            ids, sorted_ids, expert_ids, num_post, numel, max_padded, max_blocks, num_experts,
-            BLOCK_M=block_m, NP=np2, BLOCK_E=block_e, PAD=triton.next_power_of_2(max_padded),
-            BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e), num_warps=8,
-        )
+            ids, sorted_ids, expert_ids, num_post, numel, p.max_padded, p.max_blocks, num_experts, **p.kw_small)
         return sorted_ids, expert_ids, num_post
-    chunk = chunk or ALIGN_CHUNK
-    chunks = triton.cdiv(numel, chunk)
-    per_prog = triton.cdiv(chunks, ALIGN_MAX_PROGRAMS)
-    progs = triton.cdiv(chunks, per_prog)
-    hist = torch.empty(progs, block_e, dtype=torch.int32, device=dev)
-    fill_span = triton.next_power_of_2(triton.cdiv(max_padded, progs))  # sentinel slots per program
-    table_rows = min(triton.next_power_of_2(progs), SMALL_ALIGN_ELEMS // block_e)  # count-table rows per step
-    block_b = triton.next_power_of_2(triton.cdiv(max_blocks, progs))  # expert_ids entries per program
-    _align_count_kernel[(progs,)](
-        ids, hist, sorted_ids, numel, max_padded,
-        CHUNK=chunk, CHUNKS=per_prog, BLOCK_E=block_e, FILL_SPAN=fill_span, FILL=min(fill_span, 1024),
-        num_warps=8,
-    )
-    _align_scatter_kernel[(progs,)](
-        ids, hist, sorted_ids, expert_ids, num_post, numel, progs, num_experts, max_blocks,
-        BLOCK_M=block_m, CHUNK=chunk, CHUNKS=per_prog, BLOCK_E=block_e, BLOCK_P=table_rows,
-        TABLE_STEPS=triton.cdiv(progs, table_rows), BLOCK_B=block_b, STEP_B=min(block_b, SMALL_ALIGN_ELEMS // block_e),
-        num_warps=8,
-    )
+    hist = torch.empty(p.progs, p.block_e, dtype=torch.int32, device=dev)
+    _align_count_kernel[(p.progs,)](ids, hist, sorted_ids, numel, p.max_padded, **p.kw_count)
+    _align_scatter_kernel[(p.progs,)](
+        ids, hist, sorted_ids, expert_ids, num_post, numel, p.progs, num_experts, p.max_blocks, **p.kw_scatter)
     return sorted_ids, expert_ids, num_post

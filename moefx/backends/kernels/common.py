@@ -7,6 +7,7 @@ import importlib.util
 
 import torch
 
+from moefx.backends.memo import device_capability, on_device
 from moefx.backends.registry import MoEBackend
 
 FP8_MAX = 448.0
@@ -59,7 +60,7 @@ def cuda_fp8_problem(
 ) -> str | None:
     if w13_scale is None or not hidden.is_cuda:
         return None
-    if torch.cuda.get_device_capability(hidden.device) < (8, 9):
+    if device_capability(hidden.device) < (8, 9):
         return "FP8 tensor-core dot needs compute capability >= 8.9"
     if block_shape[1] < min_block_k:
         return f"FP8 tensor-core dot needs a quant block k >= {min_block_k} on CUDA, got {block_shape}"
@@ -111,7 +112,7 @@ class TritonMoEBackend(MoEBackend):
         args = (hidden.contiguous(), topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
         gate = dict(activation=activation, gate_limit=gate_limit)
         if hidden.is_cuda:
-            with torch.cuda.device(hidden.device):  # Triton launches on the current device
+            with on_device(hidden.device):  # Triton launches on the current device
                 return self.cuda_kernel(*args, **gate)
         return self.torch_path(*args, **gate)
 

@@ -257,6 +257,7 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     return buf
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs per split suffice to test the split-K path
@@ -314,13 +315,6 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     bs = [b if b is not None else outs[0] for b in biases] + [outs[0]] * pad
     ys = list(outs) + [outs[0]] * pad
     scales = list(weight_scales) + [weight_scales[0]] * pad if fp8 else [outs[0]] * MAX_WEIGHTS
-    nn = list(ns) + [1] * pad
-    hb = [b is not None for b in biases] + [False] * pad
-    starts = [0]
-    for t in lp.tiles:
-        starts.append(starts[-1] + t)
-    starts += [starts[-1]] * (MAX_WEIGHTS + 1 - len(starts))
-    sbn, sbk = block_shape if fp8 else (1, 1)
     xs = x_scale if fp8 else x
     xs_strides = (x_scale.stride(0), x_scale.stride(1)) if fp8 else (0, 0)
     wsn = [s.stride(0) for s in scales] if fp8 else [0] * MAX_WEIGHTS
@@ -331,14 +325,32 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     args = []
     for i in range(MAX_WEIGHTS):
         args += [ws[i], scales[i], bs[i], ys[i]]
-    grid = (starts[len(weights)], lp.split_k, lp.m_tiles)
+    grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
+                             x.dtype == torch.float32)
     _dense_kernel[grid](
         x, xs, part, counters, *args,
         m, x.stride(0), *xs_strides,
-        *[w.stride(0) for w in ws], *wsn, wsk,
-        N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(weights),
-        HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
-        K=k, N_TOTAL=n_total, M_TILES=lp.m_tiles, FP8=fp8, SBN=sbn, SBK=sbk,
-        BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
-        DOT=cfg.dot, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *[w.stride(0) for w in ws], *wsn, wsk, **kw,
     )
+
+
+@functools.lru_cache(maxsize=512)  # pure in its arguments; asked per launch
+def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
+                  block_shape: tuple[int, int] | None, k: int, ieee: bool) -> tuple[tuple[int, int, int], dict]:
+    """The grid and the constexpr/launch arguments of one group's launch."""
+    pad = MAX_WEIGHTS - len(ns)
+    nn = list(ns) + [1] * pad
+    hb = list(has_bias) + [False] * pad
+    starts = [0]
+    for t in lp.tiles:
+        starts.append(starts[-1] + t)
+    starts += [starts[-1]] * (MAX_WEIGHTS + 1 - len(starts))
+    sbn, sbk = block_shape if block_shape is not None else (1, 1)
+    kw = dict(
+        N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(ns),
+        HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
+        K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, SBN=sbn, SBK=sbk,
+        BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
+        DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (starts[len(ns)], lp.split_k, lp.m_tiles), kw

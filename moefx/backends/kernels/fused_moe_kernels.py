@@ -47,8 +47,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moefx.backends.activation import get_activation
 from moefx.backends.kernels.align import moe_align
+from moefx.backends.kernels.common import max_padded_len
 from moefx.backends.kernels.epilogue import gate_up
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
+from moefx.backends.memo import device_capability
 
 FP8_MAX = tl.constexpr(448.0)
 # RUNNING accumulators divide by scales: a weight scale is clamped here (an all-zero block has zero weights, so
@@ -418,11 +420,17 @@ def topk_sum(x: torch.Tensor, top_k: int) -> torch.Tensor:
     """[M * top_k, H] -> [M, H]: the sum over each token's top_k rows, in x's dtype (fp32 accumulation)."""
     rows, h = x.shape
     out = torch.empty(rows // top_k, h, dtype=x.dtype, device=x.device)
-    block_h = min(triton.next_power_of_2(h), 1024)
     if rows:
-        _topk_sum_kernel[(rows // top_k, triton.cdiv(h, block_h))](
-            x, out, H=h, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=4)
+        grid, kw = _topk_sum_launch(rows, h, top_k)
+        _topk_sum_kernel[grid](x, out, **kw)
     return out
+
+
+@functools.lru_cache(maxsize=512)
+def _topk_sum_launch(rows: int, h: int, top_k: int) -> tuple[tuple[int, int], dict]:
+    block_h = min(triton.next_power_of_2(h), 1024)
+    kw = dict(H=h, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=4)
+    return (rows // top_k, triton.cdiv(h, block_h)), kw
 
 
 def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,9 +439,13 @@ def quant_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
     if m:
-        ng = triton.next_power_of_2(triton.cdiv(k, group))
-        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), K=k, GROUP=group, NG=ng, EXACT=_INTERPRET)
+        _quant_rows_kernel[(m,)](x, q, s, x.stride(0), K=k, GROUP=group, NG=_groups_pow2(k, group), EXACT=_INTERPRET)
     return q, s
+
+
+@functools.lru_cache(maxsize=64)
+def _groups_pow2(k: int, group: int) -> int:
+    return triton.next_power_of_2(triton.cdiv(k, group))
 
 
 def default_tiles(m: int, top_k: int, num_experts: int, fp8: bool) -> tuple[GemmConfig, GemmConfig]:
@@ -487,25 +499,17 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
     fp8 = w13_scale is not None
-    sbn, sbk = block_shape if fp8 else (1, 1)
-    if config is None:
-        cfg1, cfg2 = default_tiles(m, top_k, num_experts, fp8)
-    else:
-        cfg1, cfg2 = config, config2 or config
-    cfg1, cfg2 = normalize_tiles(cfg1, cfg2, block_shape if fp8 else None)
-    if (cfg1.tma or cfg2.tma) and tma_problem(w13, w2):
-        cfg1, cfg2 = replace(cfg1, tma=False), replace(cfg2, tma=False)
-    if hidden.is_cuda:  # e.g. fp32 weights, or a GPU with less shared memory than the H200 the tiles came from
-        limit, min_k = _shared_memory_limit(hidden.device), 32 if fp8 else 16
-        cfg1 = fit_shared_memory(cfg1, 2, w13.element_size(), limit, min_k)
-        cfg2 = fit_shared_memory(cfg2, 1, w2.element_size(), limit, min_k)
+    dev = hidden.device
+    p = _launch_plan(m, h, top_k, num_experts, inter, tuple(block_shape) if fp8 else None, config, config2, activation,
+                     gate_limit, w13.element_size(), w2.element_size(), tma_problem(w13, w2) is None, dev,
+                     pdl_supported(dev))
+    cfg1, cfg2 = p.cfg1, p.cfg2
     num_pairs = m * top_k
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, num_experts, cfg1.block_m)
-    align_m = cfg1.block_m
     rows = sorted_ids.numel()  # the intermediate is stored in sorted (padded) order
-    dev = hidden.device
     tw = topk_weights.reshape(-1).contiguous()
     if fp8:
+        sbk = block_shape[1]
         a, a_s = quant_rows_fp8(hidden, sbk)
         inter_buf = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=dev)
         inter_s = torch.empty(rows, inter // sbk, dtype=torch.float32, device=dev)
@@ -517,20 +521,11 @@ def fused_moe(
         inter_s = inter_buf
         s13 = s2 = hidden
         s13_strides = s2_strides = (0, 0, 0)
-    pdl1, pdl2 = (cfg.pdl and pdl_supported(dev) for cfg in (cfg1, cfg2))
     w13_desc = _weight_desc(w13, cfg1.block_n, cfg1.block_k) if cfg1.tma else w13
-    num_pid_m = rows // cfg1.block_m
-    grid1 = (num_pid_m * triton.cdiv(inter, cfg1.block_n),)
-    _gemm1_kernel[grid1](
+    _gemm1_kernel[p.grid1](
         a, a_s, w13, w13_desc, s13, inter_buf, inter_s,
-        sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
-        a.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg1.half,
-        BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running, ACT=get_activation(activation).kernel_id,
-        LIMIT=float(gate_limit or 0.0),
-        num_warps=cfg1.num_warps, num_stages=cfg1.num_stages,
-        **pdl_launch(pdl1),
+        sorted_ids, expert_ids, num_post, num_pairs, p.num_pid_m1,
+        a.stride(0), w13.stride(0), w13.stride(1), *s13_strides, **p.kw1,
     )
     pair_out = torch.empty(num_pairs, h, dtype=hidden.dtype, device=dev)
     if cfg2.tma:
@@ -540,19 +535,60 @@ def fused_moe(
     else:
         a2_desc = a2_half = inter_buf
         w2_desc = w2
-    num_pid_m = rows // cfg2.block_m
-    grid2 = (num_pid_m * triton.cdiv(h, cfg2.block_n),)
-    _gemm2_kernel[grid2](
+    _gemm2_kernel[p.grid2](
         inter_buf, a2_desc, a2_half, inter_s, w2, w2_desc, s2, pair_out, tw,
-        sorted_ids, expert_ids, num_post, num_pairs, num_pid_m,
-        w2.stride(0), w2.stride(1), *s2_strides,
-        H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=align_m, HALF=cfg2.half,
-        BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k, GROUP_M=cfg2.group_m,
-        INTERPRET=_INTERPRET, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running,
-        num_warps=cfg2.num_warps, num_stages=cfg2.num_stages,
-        **pdl_launch(pdl2),
+        sorted_ids, expert_ids, num_post, num_pairs, p.num_pid_m2,
+        w2.stride(0), w2.stride(1), *s2_strides, **p.kw2,
     )
     return topk_sum(pair_out, top_k)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The tiles, grids and constexpr/launch arguments of one fused_moe shape (no tensor values)."""
+
+    cfg1: GemmConfig
+    cfg2: GemmConfig
+    num_pid_m1: int
+    num_pid_m2: int
+    grid1: tuple[int]
+    grid2: tuple[int]
+    kw1: dict
+    kw2: dict
+
+
+@functools.lru_cache(maxsize=512)  # pure in its arguments (shapes, configs, device facts); asked per call
+def _launch_plan(
+    m: int, h: int, top_k: int, num_experts: int, inter: int, block_shape: tuple[int, int] | None,
+    config: GemmConfig | None, config2: GemmConfig | None, activation: str, gate_limit: float | None,
+    elem13: int, elem2: int, tma_ok: bool, device: torch.device, pdl_ok: bool,
+) -> _Plan:
+    fp8 = block_shape is not None
+    sbn, sbk = block_shape if fp8 else (1, 1)
+    if config is None:
+        cfg1, cfg2 = default_tiles(m, top_k, num_experts, fp8)
+    else:
+        cfg1, cfg2 = config, config2 or config
+    cfg1, cfg2 = normalize_tiles(cfg1, cfg2, block_shape)
+    if (cfg1.tma or cfg2.tma) and not tma_ok:
+        cfg1, cfg2 = replace(cfg1, tma=False), replace(cfg2, tma=False)
+    if device.type == "cuda":  # e.g. fp32 weights, or a GPU with less shared memory than the H200 the tiles came from
+        limit, min_k = _shared_memory_limit(device), 32 if fp8 else 16
+        cfg1 = fit_shared_memory(cfg1, 2, elem13, limit, min_k)
+        cfg2 = fit_shared_memory(cfg2, 1, elem2, limit, min_k)
+    rows = max_padded_len(m * top_k, num_experts, cfg1.block_m)  # the align's sorted length
+    pdl1, pdl2 = (cfg.pdl and pdl_ok for cfg in (cfg1, cfg2))
+    common = dict(H=h, I=inter, FP8=fp8, SBN=sbn, SBK=sbk, ALIGN_M=cfg1.block_m, INTERPRET=_INTERPRET)
+    kw1 = dict(common, TOP_K=top_k, HALF=cfg1.half, BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n,
+               BLOCK_K=cfg1.block_k, GROUP_M=cfg1.group_m, TMA=cfg1.tma, PDL=pdl1, RUNNING=cfg1.running,
+               ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0),
+               num_warps=cfg1.num_warps, num_stages=cfg1.num_stages, **pdl_launch(pdl1))
+    kw2 = dict(common, HALF=cfg2.half, BLOCK_M=cfg2.block_m, BLOCK_N=cfg2.block_n, BLOCK_K=cfg2.block_k,
+               GROUP_M=cfg2.group_m, TMA=cfg2.tma, PDL=pdl2, RUNNING=cfg2.running,
+               num_warps=cfg2.num_warps, num_stages=cfg2.num_stages, **pdl_launch(pdl2))
+    m1, m2 = rows // cfg1.block_m, rows // cfg2.block_m
+    return _Plan(cfg1, cfg2, m1, m2, (m1 * triton.cdiv(inter, cfg1.block_n),), (m2 * triton.cdiv(h, cfg2.block_n),),
+                 kw1, kw2)
 
 
 def tile_smem_bytes(cfg: GemmConfig, weight_tiles: int, elem: int) -> int:
@@ -586,7 +622,7 @@ def _weight_desc(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescripto
 
 def tma_problem(w13: torch.Tensor, w2: torch.Tensor) -> str | None:
     """Why the weights cannot be read through TMA descriptors (GemmConfig.tma), or None."""
-    if w13.is_cuda and torch.cuda.get_device_capability(w13.device) < (9, 0):
+    if w13.is_cuda and device_capability(w13.device) < (9, 0):
         return "TMA needs compute capability >= 9.0"
     for name, w in (("w13", w13), ("w2", w2)):
         if not w.is_contiguous():

@@ -28,6 +28,7 @@ stage 2 as one K step whose whole w2 tile is loaded before the wait while stage 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -198,9 +199,8 @@ def gemv_moe(
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
     fp8 = w13_scale is not None
-    sbn, sbk = block_shape if fp8 else (1, 1)
-    cfg = config or default_gemv_config(m, fp8)
-    bn1, bk1, bn2, bk2, kp = stage_tiles(cfg, h, inter, top_k, block_shape if fp8 else None)
+    grid1, kw1, grid2, kw2 = _launch_plan(m, h, inter, top_k, tuple(block_shape) if fp8 else None, config,
+                                          activation, gate_limit, pdl_supported(hidden.device))
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
@@ -209,17 +209,25 @@ def gemv_moe(
     s2 = w2_scale if fp8 else act
     s13_strides = w13_scale.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
-    pdl = cfg.pdl and pdl_supported(hidden.device)
-    _gemv_gate_up_kernel[(m * top_k, triton.cdiv(inter, bn1))](
-        hidden, ids, w13, s13, act,
-        hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides,
-        H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1,
-        PDL=pdl, ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), num_warps=cfg.num_warps1,
-    )
-    _gemv_down_kernel[(m, triton.cdiv(h, bn2))](
-        act, ids, tw, w2, s2, out,
-        out.stride(0), w2.stride(0), w2.stride(1), *s2_strides,
-        H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2,
-        BLOCK_K=bk2, PDL=pdl, num_warps=cfg.num_warps2, **pdl_launch(pdl),
-    )
+    _gemv_gate_up_kernel[grid1](
+        hidden, ids, w13, s13, act, hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides, **kw1)
+    _gemv_down_kernel[grid2](act, ids, tw, w2, s2, out, out.stride(0), w2.stride(0), w2.stride(1), *s2_strides, **kw2)
     return out
+
+
+@functools.lru_cache(maxsize=512)  # pure in its arguments (shapes, config, device facts); asked per call
+def _launch_plan(
+    m: int, h: int, inter: int, top_k: int, block_shape: tuple[int, int] | None, config: GemvConfig | None,
+    activation: str, gate_limit: float | None, pdl_ok: bool,
+) -> tuple[tuple[int, int], dict, tuple[int, int], dict]:
+    """(stage 1 grid, its constexpr/launch arguments, stage 2 grid, its arguments) for one gemv_moe shape."""
+    fp8 = block_shape is not None
+    sbn, sbk = block_shape if fp8 else (1, 1)
+    cfg = config or default_gemv_config(m, fp8)
+    bn1, bk1, bn2, bk2, kp = stage_tiles(cfg, h, inter, top_k, block_shape)
+    pdl = cfg.pdl and pdl_ok
+    kw1 = dict(H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1, PDL=pdl,
+               ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), num_warps=cfg.num_warps1)
+    kw2 = dict(H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=bk2, PDL=pdl,
+               num_warps=cfg.num_warps2, **pdl_launch(pdl))
+    return (m * top_k, triton.cdiv(inter, bn1)), kw1, (m, triton.cdiv(h, bn2)), kw2

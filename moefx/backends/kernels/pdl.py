@@ -8,15 +8,22 @@ Off under the Triton interpreter (the wait is inline PTX) and below capability 9
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
+from moefx.backends.memo import device_capability
 
+# Read once, as Triton does: whether a kernel runs in the interpreter is fixed when its module defines it.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache  # launchers ask per call
 def pdl_supported(device: torch.device) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if _INTERPRET or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device_capability(device) >= (9, 0)
 
 
 def pdl_launch(enabled: bool) -> dict[str, bool]:

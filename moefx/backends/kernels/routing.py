@@ -8,6 +8,8 @@ is also what inductor emits). TOP_K is any k >= 1; the k slots live in a power-o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -101,8 +103,13 @@ def fused_topk_triton(
         _fused_topk_kernel[(t,)](
             router_logits, bias, w, ids, router_logits.stride(0), router_logits.stride(1),
             float(routed_scaling_factor),
-            E=e, TOP_K=top_k, KIND=KIND_CODES[kind], RENORM=renormalize, HAS_BIAS=correction_bias is not None,
-            N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e),
-            K_BLOCK=triton.next_power_of_2(top_k),
+            **_constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group),
         )
     return w, ids
+
+
+@functools.lru_cache(maxsize=256)  # pure in its arguments; asked per call
+def _constexprs(e: int, top_k: int, kind: str, renormalize: bool, has_bias: bool, n_group: int,
+                topk_group: int) -> dict:
+    return dict(E=e, TOP_K=top_k, KIND=KIND_CODES[kind], RENORM=renormalize, HAS_BIAS=has_bias, N_GROUP=n_group,
+                TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e), K_BLOCK=triton.next_power_of_2(top_k))

@@ -1,0 +1,59 @@
+"""`moefx precompile MODEL`: build the persistent compile artifacts of a model ahead of time.
+
+MODEL is a built-in name, a config.json or a model folder; it is built at full depth (or `--layers`) with random
+weights, since compiled code depends on shapes, not weight values. One greedy request per batch size and prompt
+length compiles what `generate()` needs and the artifacts are saved where a later process on this machine (same
+config, device, dtype and buckets) loads them: `$XDG_CACHE_HOME/moefx/compile/`, or `--cache-dir`. Run it, for
+example, in a container build on the target GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moefx.cli.common import add_config_arg, load_config
+from moefx.config import MODES, CompilationConfig
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from moefx.models.catalog import catalog_names
+
+    p.add_argument("model", help=f"built-in name ({', '.join(catalog_names())}), a config.json or a model folder")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all of them)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--mode", default=None, choices=[m for m in MODES if m != "eager"])
+    p.add_argument("--max-batch-size", type=int, default=None, help="caps the capture buckets (config key)")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,4,16 (default: the plan's buckets, or 1)")
+    p.add_argument("--prompt-lengths", type=_ints, default=[128], help="e.g. 128,512 (default 128)")
+    p.add_argument("--new-tokens", type=int, default=2, help="tokens per request (default 2)")
+    p.add_argument("--cache-dir", default=None, help="folder for the artifacts (the config key compile_cache)")
+    add_config_arg(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moefx.precompile import precompile
+
+    cfg = load_config(args)
+    cache = str(Path(args.cache_dir).expanduser().resolve()) if args.cache_dir else None
+    overrides = {"mode": args.mode, "max_batch_size": args.max_batch_size, "compile_cache": cache}
+    chosen = {k: v for k, v in overrides.items() if v is not None}
+    if chosen:
+        cfg = CompilationConfig.from_any({**cfg.to_dict(), **chosen})
+    result = precompile(args.model, batch_sizes=args.batch_sizes, prompt_lengths=args.prompt_lengths,
+                        new_tokens=args.new_tokens, device=args.device, dtype=args.dtype, layers=args.layers,
+                        config=cfg)
+    print(result.describe())
+    return 0

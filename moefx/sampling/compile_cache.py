@@ -1,0 +1,245 @@
+"""Compile artifacts that outlive the process: the decode engine's compiles kept with PyTorch's Mega-Cache.
+
+`torch.compiler.save_cache_artifacts()` serializes what inductor, AOTAutograd and Triton's autotuner built
+in this process (generated code, on CUDA the compiled Triton kernels, autotune results);
+`load_cache_artifacts()` writes them back into those caches, so the next compile of the same graph is a cache
+hit instead of a compile. Dynamo still traces each function (seconds), and CUDA graphs are captured afresh.
+On the CPU the generated C++ is built again on load (only its source is kept), so a warm CPU process still
+pays the C++ compiler.
+
+One file per engine identity — model signature, device (name, capability, SMs, CPU ISA), dtype, mode, parallel sizes,
+max batch size, capture buckets and the config hash — under `<moefx cache folder>/compile/` (`machine.cache_dir()`,
+i.e. `$XDG_CACHE_HOME/moefx/compile`), or the folder the config key `compile_cache` / `MOEFX_COMPILE_CACHE` names.
+Its header holds the format version, that identity, a stamp (torch, triton, transformers and moefx versions,
+the pass manager's uuid, which hashes the config, the plan and the passes' sources) and the payload's
+length and SHA-256. A file whose stamp differs (stale) or whose header, checksum or payload does not load
+(corrupt) is named in one warning line, deleted, and rebuilt by compiling afresh; it is never loaded.
+
+moefx's own plan inputs need nothing extra: calibration tables are files already (their content is in the
+config hash), and what the plan derives at run time (capture buckets from free memory) is in the identity.
+`save_cache_artifacts()` holds every artifact of the process, so the file may also carry other compiles made
+in it (harmless: each artifact is keyed by inductor's own hash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moefx.log import get_logger, progress_logger
+
+log = get_logger("moefx.sampling")
+
+FORMAT_VERSION = 1
+MAGIC = b"moefx-compile-cache\n"
+ENV = "MOEFX_COMPILE_CACHE"
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def cache_folder(value: bool | str | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """Where compile artifacts live, or None when the cache is off. `value` is the config key `compile_cache`
+    (true, false or a folder); unset (None), MOEFX_COMPILE_CACHE decides (on/off words or a folder); both unset:
+    on, in `<moefx cache folder>/compile`."""
+    from moefx.machine import cache_dir
+
+    if value is None:
+        raw = (os.environ if environ is None else environ).get(ENV, "").strip()
+        low = raw.lower()
+        if low in _TRUE or not raw:
+            value = True
+        elif low in _FALSE:
+            value = False
+        elif "/" in raw or raw.startswith((".", "~")):
+            value = raw
+        else:
+            raise ValueError(f"environment variable {ENV}={raw!r} is invalid; valid values: "
+                             f"{list(_TRUE + _FALSE)} or a folder path (containing '/')")
+    if value is False:
+        return None
+    if value is True:
+        return cache_dir() / "compile"
+    return Path(value).expanduser()
+
+
+def versions() -> dict[str, str | None]:
+    """The library versions a compiled artifact depends on."""
+    import transformers
+
+    import moefx
+
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
+            "moefx": moefx.__version__}
+
+
+def _misses() -> int:
+    """Compiles inductor and AOTAutograd could not serve from their caches so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"]) + int(counters["aot_autograd"]["autograd_cache_miss"])
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class CompileCache:
+    """One engine's artifact file: loaded once before the first compile, saved after requests that compiled."""
+
+    path: Path
+    identity: dict[str, Any]
+    stamp: dict[str, Any]
+    loaded: int = 0  # artifacts loaded from the file (0: none, or not yet)
+    saved: int = 0  # artifacts in the file after the last save
+    _tried: bool = False
+    _misses_at_save: int = 0
+
+    @classmethod
+    def for_plan(cls, folder: Path, plan: Any, config: Any, pass_uuid: str, buckets: list[int]) -> CompileCache:
+        es = plan.execution
+        identity = {
+            "model": plan.model.key(), "device": es.device_type, "device_name": es.device_name,
+            "capability": list(es.capability) if es.capability else None, "sms": es.multiprocessor_count,
+            "cpu_isa": list(es.cpu_isa),
+            "dtype": es.dtype, "mode": es.mode, "tp": es.tp_size, "ep": es.ep_size,
+            "max_batch_size": es.max_batch_size, "buckets": list(buckets), "config": config.compute_hash(),
+        }
+        stamp = {"format": FORMAT_VERSION, **versions(), "passes": pass_uuid}
+        name = f"{plan.model.key()}-{_digest(identity)[:16]}.bin"
+        return cls(folder / name, identity, stamp)
+
+    # -- reading ---------------------------------------------------------------------------------------------
+
+    def _read(self) -> tuple[bytes | None, str]:
+        """(payload, "") for a sound file of this identity and stamp; (None, why not) otherwise."""
+        with self.path.open("rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return None, "corrupt (not a moefx compile cache file)"
+            try:
+                header = json.loads(f.readline())
+            except (ValueError, UnicodeDecodeError):
+                return None, "corrupt (unreadable header)"
+            payload = f.read()
+        if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+            return None, f"stale (format {header.get('format') if isinstance(header, dict) else '?'}, "\
+                         f"this moefx writes {FORMAT_VERSION})"
+        if header.get("identity") != self.identity:
+            return None, "stale (built for another model, device or config)"
+        stamp = header.get("stamp") or {}
+        changed = [f"{k} {stamp.get(k)} -> {v}" for k, v in self.stamp.items() if stamp.get(k) != v]
+        if changed:
+            return None, f"stale ({', '.join(changed)})"
+        if len(payload) != header.get("size") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            return None, "corrupt (payload checksum mismatch)"
+        return payload, ""
+
+    def _discard(self, why: str) -> None:
+        log.warning("compile cache %s is %s; deleting it and compiling afresh", self.path, why)
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    def load(self) -> int:
+        """Load the file into torch's compile caches (once); the number of artifacts loaded."""
+        if self._tried:
+            return self.loaded
+        self._tried = True
+        self._misses_at_save = _misses()
+        start = time.perf_counter()
+        try:
+            payload, why = self._read()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            payload, why = None, f"unreadable ({exc})"
+        if payload is None:
+            self._discard(why)
+            return 0
+        try:
+            info = torch.compiler.load_cache_artifacts(payload)
+        except Exception as exc:  # whatever torch raises, the file must not be trusted
+            info, why = None, f"corrupt (torch could not load it: {type(exc).__name__}: {exc})"
+        else:
+            why = "corrupt (torch could not load it)"
+        if info is None:
+            self._discard(why)
+            return 0
+        self.loaded = self.saved = sum(len(keys) for keys in info.artifacts.values())
+        progress_logger().info("loaded compile cache (%d artifacts) from %s in %.1f s", self.loaded, self.path,
+                               time.perf_counter() - start)
+        return self.loaded
+
+    # -- writing ---------------------------------------------------------------------------------------------
+
+    def save(self, force: bool = False) -> int:
+        """Write this process's artifacts when something was compiled since the last save (always with
+        `force`); the number of artifacts in the file, 0 when there was nothing to write."""
+        misses = _misses()
+        if not force and misses == self._misses_at_save and self.saved:
+            return 0  # nothing compiled since the file was loaded or written
+        self._misses_at_save = misses
+        start = time.perf_counter()
+        result = torch.compiler.save_cache_artifacts()
+        if result is None:
+            return 0
+        payload, info = result
+        header = {"format": FORMAT_VERSION, "identity": self.identity, "stamp": self.stamp, "size": len(payload),
+                  "sha256": hashlib.sha256(payload).hexdigest(),
+                  "artifacts": {kind: len(keys) for kind, keys in info.artifacts.items()}}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tmp.open("wb") as f:
+                f.write(MAGIC)
+                f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
+                f.write(payload)
+            os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
+        except OSError as exc:
+            log.warning("compile cache %s could not be written (%s); the next process compiles afresh", self.path,
+                        exc)
+            tmp.unlink(missing_ok=True)
+            return 0
+        self.saved = sum(header["artifacts"].values())
+        progress_logger().info("saved compile cache (%d artifacts, %.1f MiB) to %s in %.1f s", self.saved,
+                               len(payload) / 2**20, self.path, time.perf_counter() - start)
+        return self.saved
+
+    def attach(self, engine: Any) -> None:
+        """Load before the engine's first request compiles; save after each request that compiled something."""
+        run: Callable[..., Any] = engine.generate
+
+        @functools.wraps(run)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            self.load()
+            out = run(*args, **kwargs)
+            self.save()
+            return out
+
+        engine.generate = generate
+        engine.compile_cache = self
+
+
+def engine_cache(plan: Any, config: Any, backend: Any, buckets: list[int]) -> CompileCache | None:
+    """The artifact file for an engine compiled with `backend` (moefx's), or None when the cache is off."""
+    folder = cache_folder(getattr(config, "compile_cache", None))
+    manager = getattr(backend, "pass_manager", None)
+    if folder is None or manager is None:
+        return None
+    return CompileCache.for_plan(folder, plan, config, manager.uuid(), buckets)

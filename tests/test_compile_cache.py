@@ -1,0 +1,222 @@
+"""Persistent compile artifacts (moefx/sampling/compile_cache.py): a new process loads them and compiles nothing,
+a stale or corrupt file is named in one warning, deleted and rebuilt, never loaded.
+
+The file-format checks swap torch's Mega-Cache calls for fakes (no compile). The process tests share one cold
+compile, `moefx precompile` of a 1-layer tiny Qwen3-MoE; the processes after it run `optimize` + `generate()` on
+the same model, with an empty TORCHINDUCTOR_CACHE_DIR where they must depend on the file alone (the warm process)
+and with the cold one's where only the rebuild is under test (a cheap recompile).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefx.sampling import compile_cache as cc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the file, without compiles ------------------------------------------------------------------------------
+
+
+def _fake_mega_cache(monkeypatch, payload: bytes = b"artifact bytes") -> list[bytes]:
+    loaded: list[bytes] = []
+
+    def save():
+        info = torch.compiler._cache.CacheInfo(defaultdict(list, {"inductor": ["a", "b"], "aot_autograd": ["c"]}))
+        return payload, info
+
+    def load(data):
+        loaded.append(data)
+        return torch.compiler._cache.CacheInfo(defaultdict(list, {"inductor": ["a", "b"], "aot_autograd": ["c"]}))
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", save)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
+    return loaded
+
+
+def _cache(tmp_path: Path, **stamp) -> cc.CompileCache:
+    return cc.CompileCache(tmp_path / "m.bin", {"model": "m", "buckets": [1]},
+                           {"format": cc.FORMAT_VERSION, "torch": "2.13", "moefx": "1", **stamp})
+
+
+def test_sound_file_loads_and_a_nothing_new_request_does_not_rewrite(tmp_path, monkeypatch):
+    loaded = _fake_mega_cache(monkeypatch)
+    assert _cache(tmp_path).save(force=True) == 3
+    again = _cache(tmp_path)
+    assert again.load() == 3 and loaded == [b"artifact bytes"]
+    before = again.path.stat().st_mtime_ns
+    assert again.save() == 0 and again.path.stat().st_mtime_ns == before  # nothing compiled since the load
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "magic", "truncated"])
+def test_corrupt_file_is_deleted_with_one_warning_never_loaded(tmp_path, monkeypatch, caplog, damage):
+    loaded = _fake_mega_cache(monkeypatch)
+    first = _cache(tmp_path)
+    first.save(force=True)
+    data = bytearray(first.path.read_bytes())
+    if damage == "payload":
+        data[-1] ^= 0xFF
+    elif damage == "header":
+        data[len(cc.MAGIC)] = ord("#")  # the header is no JSON any more
+    elif damage == "magic":
+        data[0] ^= 0xFF
+    else:
+        data = data[:-4]
+    first.path.write_bytes(bytes(data))
+    second = _cache(tmp_path)
+    assert second.load() == 0 and loaded == [] and not second.path.exists()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "corrupt" in warnings[0].getMessage()
+    assert second.save() == 3 and second.path.exists()  # the first request after a rebuild writes it again
+
+
+def test_changed_version_is_stale_and_torch_load_failure_is_corrupt(tmp_path, monkeypatch, caplog):
+    loaded = _fake_mega_cache(monkeypatch)
+    _cache(tmp_path).save(force=True)
+    newer = _cache(tmp_path, moefx="2")
+    assert newer.load() == 0 and loaded == [] and not newer.path.exists()
+    assert "stale (moefx 1 -> 2)" in caplog.records[-1].getMessage()
+    newer.save(force=True)
+
+    def broken(data):
+        raise RuntimeError("bad pickle")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", broken)
+    again = _cache(tmp_path, moefx="2")
+    assert again.load() == 0 and not again.path.exists()
+    assert "torch could not load it: RuntimeError: bad pickle" in caplog.records[-1].getMessage()
+
+
+def test_cache_folder_from_config_and_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cc.cache_folder(None, {}) == tmp_path / "moefx" / "compile"
+    assert cc.cache_folder(None, {cc.ENV: "off"}) is None
+    assert cc.cache_folder(None, {cc.ENV: "/x/y"}) == Path("/x/y")
+    assert cc.cache_folder(True, {cc.ENV: "off"}) == tmp_path / "moefx" / "compile"  # the config key wins
+    assert cc.cache_folder(False, {}) is None and cc.cache_folder("/z", {}) == Path("/z")
+    with pytest.raises(ValueError, match="MOEFX_COMPILE_CACHE='maybe'"):
+        cc.cache_folder(None, {cc.ENV: "maybe"})
+
+
+def test_precompile_errors_are_one_line(monkeypatch, capsys):
+    from moefx.cli import main
+
+    if not torch.cuda.is_available():
+        assert main(["precompile", "tiny-qwen3-moe", "--device", "cuda"]) == 2
+        assert "no CUDA device is available" in capsys.readouterr().err
+    monkeypatch.setenv(cc.ENV, "off")
+    assert main(["precompile", "tiny-qwen3-moe", "--layers", "1", "--device", "cpu", "--mode", "compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("moefx precompile: error: nothing to precompile: the compile cache is off")
+    monkeypatch.setenv(cc.ENV, "sometimes")
+    assert main(["precompile", "tiny-qwen3-moe", "--layers", "1", "--device", "cpu"]) == 2
+    assert "MOEFX_COMPILE_CACHE='sometimes' is invalid" in capsys.readouterr().err
+
+
+# -- new processes -------------------------------------------------------------------------------------------
+
+# What a serving process does: the tiny model (as `moefx precompile tiny-qwen3-moe --layers 1` builds it),
+# transformers' own tokens first (uncompiled), then optimize + generate() on the engine.
+SCRIPT = r"""
+import json, os
+import torch
+import moefx
+from torch._dynamo.utils import counters
+from moefx.cli.common import build_model_from_spec
+if os.environ.get("FAKE_MOEFX_VERSION"):
+    moefx.__version__ = os.environ["FAKE_MOEFX_VERSION"]
+model, _ = build_model_from_spec("tiny-qwen3-moe", 1, torch.device("cpu"), torch.float32)
+ids = torch.randint(1, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+stock = model.generate(ids, **kwargs)
+model = moefx.optimize(model, config={"mode": "compile"})
+out = model.generate(ids, **kwargs)
+cache = model.moefx_generate.engine.compile_cache
+print(json.dumps({"tokens": out.tolist(), "stock": stock.tolist(),
+                  "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+                  "aot_miss": counters["aot_autograd"]["autograd_cache_miss"], "loaded": cache.loaded,
+                  "saved": cache.saved, "path": str(cache.path)}))
+"""
+
+
+def _env(tmp: Path, inductor: str, **env: str) -> dict[str, str]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp / "xdg"),
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp / inductor), **env}
+    for var in ("MOEFX_COMPILE_CACHE", "MOEFX_LOG"):
+        if var not in env:
+            full.pop(var, None)
+    return full
+
+
+def _run(tmp: Path, inductor: str, **env: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=_env(tmp, inductor, **env),
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == result["stock"]  # fp32: the compiled engine gives transformers' tokens
+    return result, proc.stderr
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "compile cache" in line and "WARNING" in line]
+
+
+@pytest.fixture(scope="module")
+def precompiled(tmp_path_factory):
+    """`moefx precompile` in a cold process: the one full compile of this module."""
+    tmp = tmp_path_factory.mktemp("compile_cache")
+    cmd = [sys.executable, "-m", "moefx.cli", "precompile", "tiny-qwen3-moe", "--layers", "1", "--device", "cpu",
+           "--mode", "compile", "--batch-sizes", "1", "--prompt-lengths", "6", "--new-tokens", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp, "inductor-cold"), capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list((tmp / "xdg" / "moefx" / "compile").glob("*.bin"))
+    return tmp, files, proc
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_precompile_then_a_new_process_compiles_nothing_and_gives_the_same_tokens(precompiled):
+    tmp, files, proc = precompiled
+    assert len(files) == 1 and f"artifacts in {files[0]}" in proc.stdout and "precompiled tiny-qwen3-moe" in proc.stdout
+    assert "moefx: compiling prefill" in proc.stderr and "moefx: saved compile cache" in proc.stderr
+    before = files[0].stat().st_mtime_ns
+    # Inductor's own cache folder is empty: every hit comes from the file.
+    warm, warm_err = _run(tmp, "inductor-warm")
+    assert warm["path"] == str(files[0])
+    assert warm["fx_miss"] == 0 and warm["aot_miss"] == 0 and warm["fx_hit"] >= 3 and warm["loaded"] >= 3
+    assert "moefx: loaded compile cache" in warm_err and "(from the compile cache)" in warm_err
+    assert files[0].stat().st_mtime_ns == before  # nothing new, nothing rewritten
+    quiet, quiet_err = _run(tmp, "inductor-warm", MOEFX_LOG="warning")
+    assert quiet["fx_miss"] == 0 and "moefx: " not in quiet_err
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_corrupt_file_and_changed_version_each_rebuild_once_with_one_warning(precompiled):
+    tmp, files, _ = precompiled
+    path = files[0]
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    # The cold process's inductor folder: the rebuild itself is cheap, the file is what is under test.
+    rebuilt, stderr = _run(tmp, "inductor-cold")
+    assert rebuilt["loaded"] == 0 and rebuilt["saved"] >= 3
+    assert len(_warnings(stderr)) == 1 and "is corrupt (payload checksum mismatch)" in stderr
+    newer, stderr = _run(tmp, "inductor-cold", FAKE_MOEFX_VERSION="99.0")
+    assert newer["loaded"] == 0 and newer["saved"] >= 3
+    warnings = _warnings(stderr)
+    assert len(warnings) == 1 and "stale (moefx" in warnings[0] and "-> 99.0)" in warnings[0]
+    header = json.loads(path.read_bytes()[len(cc.MAGIC):].split(b"\n", 1)[0])
+    assert header["stamp"]["moefx"] == "99.0"
+    again, stderr = _run(tmp, "inductor-cold", FAKE_MOEFX_VERSION="99.0")  # rebuilt once: loads from now on
+    assert again["loaded"] >= 3 and not _warnings(stderr)

@@ -1,0 +1,127 @@
+"""The prefill padded to its prompt-length bucket (moefx/sampling/prefill.py) gives the unpadded prefill's logits and
+cache (fp32, CPU: the same padding logic as under CUDA graphs, without the graph), and transformers' tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefx.config import CompilationConfig
+from moefx.models import build_model, tiny_qwen3_moe_config
+from moefx.sampling.decode import DecodeLoop
+from moefx.sampling.prefill import PREFILL_BUCKETS, pick_bucket, prefill_buckets
+from moefx.sampling.sampler import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(tiny_qwen3_moe_config(), seed=5)
+
+
+def _request(length: int, masked: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ids = torch.randint(1, 256, (2, length), generator=torch.Generator().manual_seed(seed))
+    if not masked:
+        return ids, None
+    mask = torch.ones_like(ids)
+    mask[1, : length // 2] = 0  # row 1 left-padded (nothing to pad at length 1)
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unpadded", "left-padded"])
+def test_padded_prefill_gives_the_unpadded_logits_and_cache(model, masked):
+    padded, plain = DecodeLoop(model, prefill_capture_tokens=4096), DecodeLoop(model, prefill_capture_tokens=0)
+    for length in (1, 7, 16, 17, 100):
+        ids, mask = _request(length, masked, length)
+        got, want = [], []
+        padded.generate(ids, 1, GREEDY, attention_mask=mask, logits_out=got)
+        plain.generate(ids, 1, GREEDY, attention_mask=mask, logits_out=want)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        slot, ref = padded.slots.latest(2), plain.slots.latest(2)
+        assert (pick_bucket(2, length, PREFILL_BUCKETS, 4096), masked, False) in slot.prefill, length
+        for layer, other in zip(slot.cache.layers, ref.cache.layers):
+            for name in ("keys", "values"):
+                mine, theirs = getattr(layer, name), getattr(other, name)
+                torch.testing.assert_close(mine[:, :, :length], theirs[:, :, :length], atol=1e-5, rtol=1e-5)
+                assert not mine[:, :, length:].any(), (length, name)  # padded positions never written
+            assert int(layer.cumulative_length) == length
+    assert not plain.slots.latest(2).prefill and padded.stats.prefill_buckets == PREFILL_BUCKETS
+
+
+def test_padded_positions_keep_what_the_cache_held(model):
+    """Not zeros by luck: a cache filled with a sentinel keeps it past the prompt after a padded prefill."""
+    loop = DecodeLoop(model, prefill_capture_tokens=4096)
+    ids, _ = _request(9, False, 0)
+    loop.generate(ids, 1, GREEDY)
+    slot = loop.slots.latest(2)
+    for layer in slot.cache.layers:
+        layer.keys.fill_(7.0)
+        layer.values.fill_(7.0)
+    loop._prompt(slot, 9, torch.arange(9).expand(2, 9), masked=False, by_head=False, graphs=False)
+    for layer in slot.cache.layers:
+        assert bool((layer.keys[:, :, 9:] == 7).all()) and bool((layer.values[:, :, 9:] == 7).all())
+        assert not bool((layer.keys[:, :, :9] == 7).any())
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unpadded", "left-padded"])
+def test_greedy_after_the_padded_prefill_equals_transformers(model, masked):
+    loop = DecodeLoop(model, prefill_capture_tokens=64)  # buckets 16, 32, 64 at two rows: 17 and 40 padded
+    for length in (5, 17, 40):
+        ids, mask = _request(length, masked, 100 + length)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = loop.generate(ids, 8, GREEDY, attention_mask=mask, pad_token_id=0)
+        assert torch.equal(got, want), length
+    assert len(loop.slots.latest(2).prefill) == 2  # 5 -> 16, 17 -> 32; 40 at two rows exceeds the cap: unpadded
+
+
+def test_prefill_buckets_and_the_config_key_are_validated():
+    assert prefill_buckets(0) == () and prefill_buckets(64) == (16, 32, 64)
+    assert pick_bucket(1, 17, PREFILL_BUCKETS, 4096) == 32 and pick_bucket(1, 16, PREFILL_BUCKETS, 4096) == 16
+    assert pick_bucket(8, 512, PREFILL_BUCKETS, 4096) == 512 and pick_bucket(8, 513, PREFILL_BUCKETS, 4096) is None
+    assert pick_bucket(1, 4097, PREFILL_BUCKETS, 4096) is None
+    assert CompilationConfig.from_any({"prefill_capture_tokens": 0}).prefill_capture_tokens == 0
+    with pytest.raises(ValueError, match="prefill_capture_tokens.*16, 32"):
+        CompilationConfig.from_any({"prefill_capture_tokens": 100})
+    with pytest.raises(ValueError, match="prefill_capture_tokens"):
+        DecodeLoop(build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=0), prefill_capture_tokens=8)
+
+
+def test_no_padded_prefill_where_nothing_is_captured(model):
+    """Without CUDA graphs (the CPU, modes compile and eager) the default prefill runs at the prompt's length."""
+    assert DecodeLoop(model).stats.prefill_buckets == ()
+
+
+@pytest.mark.compile
+def test_compiles_are_bounded_by_the_buckets_used(model):
+    """dynamo only (backend "eager"): the padded prefill compiles once for every bucket and prompt length (its
+    prompt dimension is dynamic), plus once when a second batch size makes the batch dimension dynamic; a prompt
+    above the cap takes the dynamic prefill."""
+    loop = DecodeLoop(model, compile_kwargs={"backend": "eager"}, prefill_capture_tokens=32)
+    for batch, length in ((1, 3), (1, 9), (1, 16), (1, 20), (1, 31), (2, 5), (2, 12), (1, 40)):
+        ids = torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(length))
+        want = model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert torch.equal(loop.generate(ids, 3, GREEDY), want), (batch, length)
+    compiles = loop.stats.compiles
+    assert compiles["prefill[padded]"] <= 2 and compiles["prefill"] == 1, compiles
+
+
+def test_greedy_through_a_vocab_parallel_head_reads_the_last_real_position(model, monkeypatch):
+    """Greedy over the tensor-parallel head (tokens without full logits) takes the padded prefill's token at the
+    last real position: one rank, its gather replaced by the local argmax, gives transformers' tokens."""
+    import copy
+
+    from moefx.parallel.lm_head import VocabParallelLMHead
+
+    monkeypatch.setattr(VocabParallelLMHead, "greedy", lambda self, hidden: self.local_logits(hidden).argmax(-1))
+    monkeypatch.setattr(VocabParallelLMHead, "forward", lambda self, hidden: self.local_logits(hidden))
+    sharded = copy.deepcopy(model)
+    weight = sharded.lm_head.weight.detach().clone()
+    sharded.lm_head = VocabParallelLMHead(weight, weight.shape[0], rank=0, world=1, group="unused")
+    loop = DecodeLoop(sharded, prefill_capture_tokens=4096)
+    assert loop._head is sharded.lm_head
+    for length in (5, 17):
+        ids, mask = _request(length, True, 200 + length)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(loop.generate(ids, 6, GREEDY, attention_mask=mask, pad_token_id=0), want), length
+    assert {key[2] for key in loop.slots.latest(2).prefill} == {True}  # the by-head prefill ran
