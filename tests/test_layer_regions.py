@@ -79,7 +79,7 @@ def _run(layers: int, regions: bool) -> tuple[tuple[int, int], torch.Tensor, lis
     want_logits: list[torch.Tensor] = []
     got = engine.generate(ids, 4, GREEDY, logits_out=got_logits)
     # The region writes each layer's keys and values in place: no whole-cache copy per layer and step.
-    assert recorder.cache_copies(engine._slots[2].cache.layers[0].keys.shape) == 0
+    assert recorder.cache_copies(engine.slots.latest(2).cache.layers[0].keys.shape) == 0
     want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
     torch._dynamo.reset()
     return recorder.work(), got, got_logits, want, want_logits
