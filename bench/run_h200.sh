@@ -11,6 +11,8 @@
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
 #                                                        #   e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
+#                                                        #   e2e-48-regions e2e-48-inline (48 layers B=1, config
+#                                                        #   layer_regions all / none: compile seconds, launches per step)
 #                                                        #   stream (500 mixed requests on the engine, bench/stream.py)
 #                                                        #   ttft-8 ttft-48 (time to first token: 256/1024/4096 x B=1 and
 #                                                        #   8 x 512, hf eager, hf compiled, moefx; bench/e2e.py --ttft)
@@ -95,6 +97,10 @@ for s in "${stages[@]}"; do
         e2e-8-fp8) run_stage e2e-8-fp8 260 python3 bench/e2e.py --layers 8 --batches 16 --arms moefx --fp8 --tag _fp8 ;;
         e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 \
             --profile --tag _b1_16 --prefill-peers hf_eager ;;
+        e2e-48-regions) run_stage e2e-48-regions 560 python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 \
+            --arms hf_eager,moefx --runs 1 --profile --tag _regions_all ;;
+        e2e-48-inline) run_stage e2e-48-inline 560 python3 bench/e2e.py --layers 48 --batches 1 --arms moefx --runs 1 \
+            --profile --layer-regions none --tag _regions_none ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
         stream) run_stage stream 560 python3 bench/stream.py --layers 8 ;;
         ttft-8) run_stage ttft-8 300 python3 bench/e2e.py --layers 8 --batches "" --arms moefx --ttft 256,1024,4096 \
@@ -119,8 +125,8 @@ for s in "${stages[@]}"; do
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
-            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b dense" \
-            "dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
+            "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
+            "e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
     esac
 done
 pack

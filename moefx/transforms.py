@@ -30,6 +30,7 @@ TRANSFORM_MODULES: tuple[str, ...] = (
     "moefx.integrations.attention",
     "moefx.parallel.transform",
     "moefx.sampling.transform",
+    "moefx.sampling.regions",
 )
 
 

@@ -81,7 +81,8 @@ def test_hash_changes_with_every_field():
             continue
         value = getattr(base, f.name)
         new = {"moe_backend": "gemv", "dense_backend": "gemv", "mode": "eager", "prefill_token_budget": 4096,
-               "prefill_capture_tokens": 2048, "max_batch_size": 8, "memory_budget": 0.5}.get(
+               "prefill_capture_tokens": 2048, "max_batch_size": 8, "memory_budget": 0.5,
+               "layer_regions": "prefill"}.get(
             f.name, _changed(value)
         )
         variants.append({f.name: new})

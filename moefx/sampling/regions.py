@@ -1,0 +1,172 @@
+"""One compiled region per distinct decoder layer: compile time that does not grow with depth.
+
+Dynamo inlines every decoder layer of a transformers model and specializes each on its cache: the attention
+calls `cache.update(k, v, self.layer_idx)`, which picks `cache.layers[layer_idx]`, so each layer is traced,
+lowered and code-generated again although all run the same code on same-shaped weights. `install_layer_regions`
+gives each decoder layer a forward that, while torch.compile traces it, calls the layer through a
+`torch.compiler.nested_compile_region` with that layer's cache state as explicit tensor arguments:
+
+- a StaticLayer (the engine's decode step): its keys, values and write position go in; the region writes the
+  new keys and values in place (`_StaticLayerView.update`, the same index_copy_ at `cumulative_length` as
+  transformers' StaticLayer), so it mutates its inputs and returns only the hidden states;
+- an empty DynamicLayer (the engine's prefill): the region returns the new keys and values next to the hidden
+  states, and they are appended to the real cache outside it (for an empty layer the update only stores them).
+
+Inside the region the layer sees a one-layer cache view that ignores `layer_idx`, so the traced body is the same
+for every layer: dynamo traces it once and stamps out the rest (torch >= 2.12; earlier versions trace each
+call and deduplicate identical bodies), AOTAutograd and inductor compile it once, and the moefx post-grad
+passes run on it like on any graph. Any other case — eager calls, other cache layers (sliding window, a
+DynamicLayer that already holds tokens), no cache — runs the layer's own forward unchanged.
+
+What is lost: inductor does not fuse across the region boundary, so a layer's last residual add and the next
+layer's input RMSNorm are separate kernels (in one inlined graph they fuse into one). `decode=False` keeps the
+regions to the prefill, so the decode step (replayed from a CUDA graph every token) keeps that fusion.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from moefx.transforms import register_model_transform
+
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+class _StaticLayerView:
+    """One StaticLayer's tensors as a cache: the update transformers' StaticLayer does, whatever the layer index."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor) -> None:
+        self.keys, self.values, self.length = keys, values, length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(key_states.shape[-2], device=key_states.device) + self.length
+        self.length.add_(key_states.shape[-2])
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
+        return self.keys, self.values
+
+
+class _EmptyLayerView:
+    """An empty DynamicLayer as a cache: the update returns the new states (and keeps them for the region)."""
+
+    def __init__(self) -> None:
+        self.states: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.states = (key_states, value_states)
+        return key_states, value_states
+
+
+def _layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, static: tuple[torch.Tensor, ...],
+                args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The region: the layer's own forward over a one-layer view of its cache."""
+    view: Any = _StaticLayerView(*static) if static else _EmptyLayerView()
+    out = type(layer).forward(layer, hidden, *args, **{cache_name: view}, **kwargs)
+    if static:
+        return (out,)
+    keys, values = view.states
+    return out, keys, values
+
+
+def _region_kwargs(layers: int) -> dict[str, Any]:
+    """nested_compile_region's reuse limit, where this torch has one: room for one entry per layer, so a model
+    whose layers all differ compiles as before instead of failing."""
+    try:
+        names = inspect.signature(torch.compiler.nested_compile_region).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"max_reuse_entries": layers + 1} if "max_reuse_entries" in names else {}
+
+
+def _region_forward(region: Any, decode: bool, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor,
+                    *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward: through the shared region while compiling, when its cache layer is one the
+    views reproduce; the layer's own forward otherwise."""
+    forward = type(layer).forward
+    name = next((n for n in _CACHE_NAMES if n in kwargs), None)
+    cache = kwargs.get(name) if name else None
+    layers = getattr(cache, "layers", None)
+    if not torch.compiler.is_compiling() or layers is None or index >= len(layers):
+        return forward(layer, hidden_states, *args, **kwargs)
+    entry = layers[index]
+    kind = type(entry).__name__
+    rest = {k: v for k, v in kwargs.items() if k != name}
+    if decode and kind == "StaticLayer" and getattr(entry, "is_initialized", False):
+        (out,) = region(layer, hidden_states, name, (entry.keys, entry.values, entry.cumulative_length), args, rest)
+        return out
+    if kind == "DynamicLayer" and not getattr(entry, "is_initialized", True):
+        out, keys, values = region(layer, hidden_states, name, (), args, rest)
+        cache.update(keys, values, index)
+        return out
+    return forward(layer, hidden_states, *args, **kwargs)
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module] | None:
+    """The decoder layer stack of a transformers causal LM (`model.model.layers`), or None."""
+    decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+        return list(layers)
+    return None
+
+
+def why_no_regions(model: Any) -> str | None:
+    """Why the decoder layers of `model` cannot share compiled regions (None: they can)."""
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        return f"torch {torch.__version__} has no torch.compiler.nested_compile_region"
+    layers = decoder_layers(model)
+    if layers is None:
+        return "no decoder layer stack (model.model.layers) found"
+    for index, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if getattr(attn, "layer_idx", None) != index:
+            return f"layer {index} has no self_attn.layer_idx == {index} (its cache is not indexed the known way)"
+    if len(layers) < 2:
+        return "one decoder layer (nothing to share)"
+    return None
+
+
+def install_layer_regions(model: Any, decode: bool = True) -> list[str]:
+    """Route every decoder layer of `model` through one nested compile region (in the prefill, and with `decode`
+    in the static-cache decode step too); returns what was done."""
+    why = why_no_regions(model)
+    if why is not None:
+        return [f"decoder layers compiled inline: {why}"]
+    layers = decoder_layers(model)
+    region = torch.compiler.nested_compile_region(_own_body(), **_region_kwargs(len(layers)))
+    for index, layer in enumerate(layers):
+        layer.forward = functools.partial(_region_forward, region, decode, index, layer)
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    where = "prefill and decode step" if decode else "prefill only; the decode step inlines them"
+    return [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
+            f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
+            f"input norm are two kernels"]
+
+
+def _own_body() -> Any:
+    """`_layer_body` with a code object of its own: dynamo keys region reuse by code object, so two models
+    (each with its own reuse limit) do not share entries."""
+    import types
+
+    code = _layer_body.__code__.replace()
+    return types.FunctionType(code, _layer_body.__globals__, _layer_body.__name__)
+
+
+@register_model_transform("layer_regions", order=45)
+def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
+    if getattr(config, "mode", "compile") == "eager":
+        return ["decoder layers: no compiled regions (mode eager)"]
+    scope = getattr(config, "layer_regions", "all")
+    if scope == "none":
+        return ["decoder layers compiled inline (config layer_regions: none)"]
+    offload = getattr(plan, "offload", None)
+    if offload is not None and getattr(offload, "experts", "gpu") == "cpu":
+        # Offloaded experts keep per-layer host state that the region's guards would see; not proven shared.
+        return ["decoder layers compiled inline: experts are offloaded (regions not proven with offload)"]
+    return install_layer_regions(model, decode=scope == "all")

@@ -1,0 +1,206 @@
+"""Decoder layers compiled as one nested region (moefx/sampling/regions.py): compile work that does not grow with
+depth, and the engine's tokens and logits unchanged.
+
+Compile work is counted on the post-grad graphs inductor would generate code for (moefx's passes run on each;
+`post_grad_only` skips the code generation): the graphs, and the matmuls in them. With regions the layer body is
+one subgraph whatever the depth; inlined, every layer adds its matmuls again.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import moefx
+from moefx.compile import backend as moefx_backend
+from moefx.compile import post_grad_only
+from moefx.models import build_model, tiny_qwen3_moe_config
+from moefx.sampling.decode import DecodeLoop
+from moefx.sampling.regions import install_layer_regions, why_no_regions
+from moefx.sampling.sampler import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _all_graphs(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    subs = [m for _, m in gm.named_children() if isinstance(m, torch.fx.GraphModule)]
+    return [gm, *(g for sub in subs for g in _all_graphs(sub))]
+
+
+class _Recorder:
+    """A backend: moefx's inductor config and passes, post-grad graphs recorded, no code generation."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.inner = moefx_backend({"mode": "compile"})
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        def inner(graph: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+            compiled = post_grad_only(graph, inputs, **kwargs)
+            self.graphs.extend(_all_graphs(graph))
+            return compiled
+
+        patches = {"post_grad_custom_post_pass": self.inner.pass_manager, "fx_graph_cache": False}
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+    def work(self) -> tuple[int, int]:
+        """(graphs, matmul nodes) over every post-grad graph and subgraph."""
+        mms = sum(1 for g in self.graphs for n in g.graph.nodes if n.op == "call_function" and n.target in MATMULS)
+        return len(self.graphs), mms
+
+    def cache_copies(self, shape: torch.Size) -> int:
+        """copy_ nodes that write a whole KV-cache-shaped tensor from another value (a self-copy lowers to nothing)."""
+        return sum(1 for g in self.graphs for n in g.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+                   and n.args[0] is not n.args[1] and tuple(n.args[0].meta["val"].shape) == tuple(shape))
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(layers: int, regions: bool) -> tuple[tuple[int, int], torch.Tensor, list[torch.Tensor], torch.Tensor,
+                                              list[torch.Tensor]]:
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
+    model = copy.deepcopy(stock)
+    if regions:
+        assert "one nested region" in install_layer_regions(model)[0]
+    recorder = _Recorder()
+    engine = DecodeLoop(model, compile_kwargs={"backend": recorder})
+    ids = _ids(2, 7, layers)
+    got_logits: list[torch.Tensor] = []
+    want_logits: list[torch.Tensor] = []
+    got = engine.generate(ids, 4, GREEDY, logits_out=got_logits)
+    # The region writes each layer's keys and values in place: no whole-cache copy per layer and step.
+    assert recorder.cache_copies(engine.slots.latest(2).cache.layers[0].keys.shape) == 0
+    want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
+    torch._dynamo.reset()
+    return recorder.work(), got, got_logits, want, want_logits
+
+
+@pytest.mark.compile
+def test_compile_work_does_not_grow_with_depth_and_tokens_equal_eager():
+    work = {}
+    for layers in (2, 8):
+        work[layers], got, got_logits, want, want_logits = _run(layers, regions=True)
+        assert torch.equal(got, want), layers
+        for a, b in zip(got_logits, want_logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert work[8] == work[2], work
+    inline, *_ = _run(4, regions=False)
+    assert inline[1] > work[2][1], (inline, work)  # the count sees per-layer work when layers are inlined
+
+
+def test_prefill_only_regions_leave_the_decode_step_inlined():
+    """`decode=False` (config layer_regions: prefill): the prefill's dynamo graph calls the one region per layer,
+    the decode step's has no region call; tokens equal eager (dynamo graphs run as traced, no inductor)."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=6).eval()
+    model = copy.deepcopy(stock)
+    assert "prefill only" in install_layer_regions(model, decode=False)[0]
+    graphs: dict[str, list[torch.fx.GraphModule]] = {}
+
+    def record(name: str) -> Any:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            graphs.setdefault(name, []).append(gm)
+            return gm.forward
+        return backend
+
+    engine = DecodeLoop(model, compile_kwargs={"backend": record("step")})
+    engine._prefill = torch.compile(engine._run, backend=record("prefill"))
+    ids = _ids(2, 6, 7)
+    got = engine.generate(ids, 4, GREEDY)
+    assert torch.equal(got, DecodeLoop(stock).generate(ids, 4, GREEDY))
+    calls = {name: sum(1 for g in gms for n in g.graph.nodes if n.op == "call_function"
+                       and n.target is torch.ops.higher_order.invoke_subgraph) for name, gms in graphs.items()}
+    assert calls == {"prefill": 3, "step": 0}, calls
+    torch._dynamo.reset()
+
+
+def test_a_compiled_direct_forward_through_the_regions_equals_eager():
+    """`model(ids)` compiled (transformers makes its DynamicCache inside the forward): the prefill path of the
+    regions, the cache it returns holds the same keys and values as eager's."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=8).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model)
+    ids = _ids(2, 6, 9)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        got = torch.compile(model.forward, backend=record, fullgraph=True)(ids, use_cache=True)
+        want = stock(ids, use_cache=True)
+    assert sum(1 for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph) == 3
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    cache = getattr(got, "past_key_values", None) or got.cache
+    ref = getattr(want, "past_key_values", None) or want.cache
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_regions_are_a_no_op_outside_compile():
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=4).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model)
+    ids = _ids(2, 6, 1)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, stock(ids).logits)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                       stock.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_optimize_says_whether_layers_share_a_region():
+    stock = build_model(tiny_qwen3_moe_config(), seed=2)
+    on = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile"})
+    assert any("layer_regions: decoder layers (2 x" in line for line in on.moefx_plan.provenance)
+    assert any("(prefill and decode step)" in line for line in on.moefx_plan.provenance)
+    pre = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile", "layer_regions": "prefill"})
+    assert any("(prefill only;" in line for line in pre.moefx_plan.provenance)
+    off = moefx.optimize(copy.deepcopy(stock), config={"mode": "compile", "layer_regions": "none"})
+    assert any("layer_regions: decoder layers compiled inline (config" in line for line in off.moefx_plan.provenance)
+    eager = moefx.optimize(copy.deepcopy(stock), config={"mode": "eager"})
+    assert any("layer_regions: decoder layers: no compiled regions (mode eager)" in line
+               for line in eager.moefx_plan.provenance)
+    with pytest.raises(ValueError, match="layer_regions"):
+        moefx.optimize(copy.deepcopy(stock), config={"layer_regions": "yes please"})
+
+
+def test_models_without_the_known_layer_stack_stay_inline():
+    assert "no decoder layer stack" in why_no_regions(torch.nn.Linear(2, 2))
+    one = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=2)
+    assert "one decoder layer" in why_no_regions(one)
+    odd = build_model(tiny_qwen3_moe_config(), seed=2)
+    odd.model.layers[1].self_attn.layer_idx = 0
+    assert "layer 1 has no self_attn.layer_idx == 1" in why_no_regions(odd)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
+    """fp32, 4 layers, mode capture: with the layers as one region the decode step is still captured once (no graph
+    break, no host sync) and the tokens equal transformers' eager ones, as with the layers inlined."""
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=4), seed=2, device="cuda")
+    ids = _ids(2, 7, 5).cuda()
+    want = stock.generate(ids, max_new_tokens=10, do_sample=False)
+    for regions in ("all", "none"):
+        torch._dynamo.reset()
+        model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 2, "moe_backend": "gemv",
+                                                             "layer_regions": regions})
+        assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), want), regions
+        stats = model.moefx_generate.engine.stats
+        assert stats.captures == 1 and not stats.uncaptured, (regions, stats)
+        assert stats.compiles["decode"] == 1, (regions, stats)
