@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the tests need and run them; CI calls this through .ci/run, which adds --vllm.
 #
-#   bash scripts/test.sh           the main stage: ruff + pytest on this checkout (about 5-10 min on 2 cores, cold)
+#   bash scripts/test.sh           the main stage: ruff + pytest on this checkout (budget: 10 min on 2 cores, cold)
 #   bash scripts/test.sh --vllm    the main stage, then the vLLM stage: the vLLM integration and FX-level pass
 #                                  tests in a cached venv with vLLM 0.33 (torch 2.14); its first run builds that
 #                                  venv (about 9.4 GB download and disk)

@@ -55,4 +55,4 @@ def test_docs_state_the_triton_range_pyproject_allows():
     low, high = re.search(r'"triton>=([\d.]+),<([\d.]+);', dev).groups()
     tested = f"Triton {low} through 3.{int(high.split('.')[1]) - 1}"
     for page in ("README.md", "docs/CLI.md"):
-        assert tested in (ROOT / page).read_text(), f"{page} does not say '{tested}'"
+        assert tested in " ".join((ROOT / page).read_text().split()), f"{page} does not say '{tested}'"
