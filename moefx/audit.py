@@ -136,27 +136,34 @@ _NOT_USER = ("torch", "warnings", "_py_warnings")
 
 
 def _user_line(frame: types.FrameType | None, stop: types.FrameType) -> str | None:
-    """`"file", line N` of the innermost frame under `stop` outside torch, the warnings module and this one.
+    """`"file", line N` of the innermost frame under `stop` outside torch, the warnings module and this one; ""
+    when every frame under `stop` is one of those; None when `stop` is not on the stack (another thread warned).
 
     A sync warning names the innermost Python frame running when the device was read, which is inside torch
     when the sync came through one of its Python functions (torch.unique, a torch.cuda helper); the line to
     report is the caller's."""
-    while frame is not None and frame is not stop:
+    found = ""
+    while frame is not None:
+        if frame is stop:
+            return found
         module = str(frame.f_globals.get("__name__", ""))
-        if module.split(".", 1)[0] not in _NOT_USER and module != __name__:
-            return f'"{frame.f_code.co_filename}", line {frame.f_lineno}'
+        if not found and module.split(".", 1)[0] not in _NOT_USER and module != __name__:
+            found = f'"{frame.f_code.co_filename}", line {frame.f_lineno}'
         frame = frame.f_back
     return None
 
 
 def _record_sync_warnings(call: Callable[[], Any]) -> list[str]:
-    """Run `call()` and return where each sync warning it raised came from, attributed by `_user_line`."""
+    """Run `call()` and return where each sync warning it raised came from, attributed by `_user_line` (sync
+    warnings of other threads, which the process-wide debug mode also raises, are not the call's)."""
     stop = sys._getframe()
     found: list[str] = []
 
     def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         if "synchroniz" in str(message):
-            found.append(_user_line(sys._getframe(1), stop) or f'"{filename}", line {lineno}')
+            where = _user_line(sys._getframe(1), stop)
+            if where is not None:
+                found.append(where or f'"{filename}", line {lineno}')
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

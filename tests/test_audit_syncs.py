@@ -75,7 +75,9 @@ exec(compile(_SYNC_SRC, "torch/fake_helper.py", "exec"), _TORCH_SIDE)
 
 def test_runtime_sync_warnings_name_the_audited_line_not_torch():
     """A sync raised inside torch's Python code is reported at the audited function's line that called it; one
-    raised directly there at its own line; other warnings are not syncs."""
+    raised directly there at its own line; other warnings are not syncs, and another thread's syncs (the debug
+    mode is process-wide) are not the function's."""
+    import threading
     import warnings
 
     from moefx.audit import _record_sync_warnings, _same_line
@@ -84,6 +86,9 @@ def test_runtime_sync_warnings_name_the_audited_line_not_torch():
         warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # direct
         _TORCH_SIDE["sync"]()  # through torch
         warnings.warn("something else", stacklevel=1)
+        other = threading.Thread(target=_TORCH_SIDE["sync"])
+        other.start()
+        other.join()
 
     lines, start = __import__("inspect").getsourcelines(step)
     direct, through = (start + next(i for i, ln in enumerate(lines) if tag in ln) for tag in ("# direct", "# through"))
