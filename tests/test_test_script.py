@@ -56,3 +56,44 @@ def test_docs_state_the_triton_range_pyproject_allows():
     tested = f"Triton {low} through 3.{int(high.split('.')[1]) - 1}"
     for page in ("README.md", "docs/CLI.md"):
         assert tested in " ".join((ROOT / page).read_text().split()), f"{page} does not say '{tested}'"
+
+
+def _stub_venv(path: Path) -> Path:
+    """A venv whose python logs its arguments and succeeds (pytest exits with STUB_PYTEST_RC): runs the script's
+    whole flow without installing or testing anything."""
+    py = path / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text('#!/usr/bin/env bash\necho "$*" >> "$STUB_LOG"\n'
+                  'case "$*" in *"-m pytest"*) exit "${STUB_PYTEST_RC:-0}" ;; esac\n')
+    py.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize(("args", "env", "vllm_runs"), [
+    ((), {}, False),
+    (("--vllm",), {}, True),
+    ((), {"MOEFX_TEST_VLLM": "1"}, True),
+    (("--vllm",), {"MOEFX_SKIP_VLLM": "1"}, False),
+])
+def test_vllm_stage_runs_only_when_asked(tmp_path, args, env, vllm_runs):
+    log = tmp_path / "log"
+    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")), "MOEFX_VLLM_VENV": str(_stub_venv(tmp_path / "vllm"))}
+    out = _script(*args, VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path), **venvs, **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = log.read_text().splitlines()
+    assert sum("-m pytest" in c for c in calls) == 1 + vllm_runs
+    assert not any("triton==" in c for c in calls)  # no pin unless MOEFX_TRITON names one
+    summary = out.stdout.splitlines()[-1]
+    assert summary.startswith("== vLLM stage: ") and ("passed" in summary) == vllm_runs
+    if not args and not env:
+        assert "--vllm" in summary and "NOT tested" in summary
+
+
+def test_triton_knob_and_failed_stages_set_the_exit_code(tmp_path):
+    log = tmp_path / "log"
+    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")), "MOEFX_VLLM_VENV": str(_stub_venv(tmp_path / "vllm"))}
+    common = dict(VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path), **venvs)
+    out = _script(MOEFX_TRITON="triton==3.6.0", STUB_PYTEST_RC="5", **common)
+    assert out.returncode == 1 and "collected no tests" in out.stderr  # pytest exit 5 is a failure
+    assert any("-e .[dev] triton==3.6.0" in c for c in log.read_text().splitlines())
+    assert _script("--vllm", STUB_PYTEST_RC="1", **common).returncode == 3  # both stages failed
