@@ -13,6 +13,8 @@ Three views of the same function:
 from __future__ import annotations
 
 import copy
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -129,16 +131,63 @@ def _graph_breaks(fn: Callable[..., Any], args: tuple, kwargs: dict, capture: bo
     return breaks
 
 
-def _runtime_syncs(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
-    with warnings.catch_warnings(record=True) as log:
+# Top-level modules a sync warning passes through that are not the code being audited (this module is skipped too).
+_NOT_USER = ("torch", "warnings", "_py_warnings")
+
+
+def _user_line(frame: types.FrameType | None, stop: types.FrameType) -> str | None:
+    """`"file", line N` of the innermost frame under `stop` outside torch, the warnings module and this one; ""
+    when every frame under `stop` is one of those; None when `stop` is not on the stack (another thread warned).
+
+    A sync warning names the innermost Python frame running when the device was read, which is inside torch
+    when the sync came through one of its Python functions (torch.unique, a torch.cuda helper); the line to
+    report is the caller's."""
+    found = ""
+    while frame is not None:
+        if frame is stop:
+            return found
+        module = str(frame.f_globals.get("__name__", ""))
+        if not found and module.split(".", 1)[0] not in _NOT_USER and module != __name__:
+            found = f'"{frame.f_code.co_filename}", line {frame.f_lineno}'
+        frame = frame.f_back
+    return None
+
+
+def _record_sync_warnings(call: Callable[[], Any]) -> list[str]:
+    """Run `call()` and return where each sync warning it raised came from, attributed by `_user_line` (sync
+    warnings of other threads, which the process-wide debug mode also raises, are not the call's)."""
+    stop = sys._getframe()
+    found: list[str] = []
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" in str(message):
+            where = _user_line(sys._getframe(1), stop)
+            if where is not None:
+                found.append(where or f'"{filename}", line {lineno}')
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
+        call()
+    return found
+
+
+def _runtime_syncs(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+    def call() -> None:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.current_stream().synchronize()  # after: this wait is the audit's, not the function's
-    return [f'"{w.filename}", line {w.lineno}' for w in log if "synchroniz" in str(w.message)]
+
+    found = _record_sync_warnings(call)
+    torch.cuda.current_stream().synchronize()  # after: this wait is the audit's, not the function's
+    return found
+
+
+def _same_line(where: str, line: str) -> bool:
+    """Whether a finding's `where` (`"file", line N` then ` (code)` or `, in fn`) names `line` exactly (not line N0)."""
+    return where.startswith(line) and where[len(line):len(line) + 1] in ("", " ", ",")
 
 
 def _why_kept(where: str, what: str, skipped: list[str]) -> str:
@@ -204,7 +253,7 @@ def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs
             eager = _runtime_syncs(fn, copy.deepcopy(args), kwargs)
             after = _runtime_syncs(compiled, copy.deepcopy(args), kwargs)
             for where in eager:
-                static = [f for f in report.findings if f.where.startswith(where)]
+                static = [f for f in report.findings if _same_line(f.where, where)]
                 gone = bool(static) and all(f.removed for f in static)
                 why = static[0].why if static else "not seen by the compiler (outside the traced code)"
                 report.findings.append(Finding("runtime sync", where, "device->host sync", gone, why))

@@ -1,22 +1,47 @@
 #!/usr/bin/env bash
-# Install what the tests need and run them in two stages; CI calls this through .ci/run.
+# Install what the tests need and run them; CI calls this through .ci/run, which adds --vllm.
 #
-#   main stage   ruff + pytest on this checkout, in the Python environment chosen below
-#   vLLM stage   the vLLM integration and FX-level pass tests in a cached venv with vLLM 0.33 (torch 2.14)
+#   bash scripts/test.sh           the main stage: ruff + pytest on this checkout (budget: 10 min on 2 cores, cold)
+#   bash scripts/test.sh --vllm    the main stage, then the vLLM stage: the vLLM integration and FX-level pass
+#                                  tests in a cached venv with vLLM 0.33 (torch 2.14); its first run builds that
+#                                  venv (about 9.4 GB download and disk)
+#   bash scripts/test.sh --help    this text
 #
-# Both stages always run; the exit code says which failed: 0 both passed, 1 main failed, 2 vLLM failed, 3 both.
+# Exit code: 0 every stage that ran passed, 1 main failed, 2 vLLM failed, 3 both failed, 4 bad argument or knob
+# (nothing ran). pytest collecting no test (exit 5) counts as a failure.
 #
 # Environment, in the order it is chosen:
 #   VIRTUAL_ENV       an active virtualenv is used as it is (its torch is kept; moefx[dev] is installed into it)
 #   MOEFX_VENV        else this venv folder (default .venv), created when missing with torch 2.13 (CPU)
 #   MOEFX_TORCH       what pip installs as torch into a venv that has none (default: this machine's local
 #                     torch 2.13.0+cpu wheel in /opt/wheels when present, else torch==2.13.0)
+#   MOEFX_TRITON      a pip requirement for Triton installed with moefx[dev], e.g. triton==3.6.0 (the GPU
+#                     machine's); default none: pip keeps or resolves the newest Triton moefx[dev] allows
 #   PYTEST_ARGS       extra pytest arguments for both stages, e.g. "-k config"
 #   MOEFX_TEST_WORKERS pytest-xdist workers for the main stage (default 2; 0 = serial)
-#   MOEFX_SKIP_VLLM=1 skip the vLLM stage (and say so)
+#   MOEFX_TEST_VLLM=1 run the vLLM stage too (the same as --vllm)
+#   MOEFX_SKIP_VLLM=1 skip the vLLM stage even when --vllm or MOEFX_TEST_VLLM=1 asks for it (and say so)
 #   MOEFX_VLLM_VENV   the vLLM venv (default $HOME/.cache/moefx/venv-vllm, which CI caches between runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' scripts/test.sh; }
+
+want_vllm=${MOEFX_TEST_VLLM:-0}
+for arg in "$@"; do
+    case "$arg" in
+        --vllm) want_vllm=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "scripts/test.sh: unknown argument '$arg' (valid: --vllm, --help)" >&2; exit 4 ;;
+    esac
+done
+for knob in MOEFX_TEST_VLLM MOEFX_SKIP_VLLM; do
+    value=${!knob:-0}
+    if [ "$value" != "0" ] && [ "$value" != "1" ]; then
+        echo "scripts/test.sh: $knob='$value' is not valid (valid: 0, 1)" >&2
+        exit 4
+    fi
+done
 
 # pytest that collected nothing (exit 5) is a failure here: a filter or import that hides every test must not pass.
 run_pytest() {
@@ -40,17 +65,18 @@ main_stage() {
         fi
         PY="$venv/bin/python"
     fi
-    local pinned_triton=()
     if ! "$PY" -c "import torch" 2>/dev/null; then
         local local_wheel
         local_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
         local torch_req=${MOEFX_TORCH:-${local_wheel:-torch==2.13.0}}
         echo "== installing torch: $torch_req"
         "$PY" -m pip install -q "$torch_req" || return 1
-        pinned_triton=("triton==3.6.0")  # the Triton the tests are written against, next to a torch we chose
     fi
-    echo "== installing moefx[dev]"
-    "$PY" -m pip install -q -e ".[dev]" "${pinned_triton[@]}" || return 1
+    # No Triton pin by default: the tests run on what a fresh resolve of moefx[dev] installs.
+    local triton_req=()
+    if [ -n "${MOEFX_TRITON:-}" ]; then triton_req=("$MOEFX_TRITON"); fi
+    echo "== installing moefx[dev]${MOEFX_TRITON:+ with $MOEFX_TRITON (MOEFX_TRITON)}"
+    "$PY" -m pip install -q -e ".[dev]" "${triton_req[@]}" || return 1
     "$PY" -c "import moefx, torch, triton; print('moefx', moefx.__version__, 'from', moefx.__path__[0], 'torch', \
 torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').executable)" || return 1
 
@@ -73,7 +99,7 @@ torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').exe
 }
 
 # vLLM 0.33 pins torch 2.14, so it lives in its own venv, cached between runs and created when missing (about
-# 8 GB). These tests also run moefx's FX-level pass tests on torch 2.14.
+# 9.4 GB). These tests also run moefx's FX-level pass tests on torch 2.14.
 vllm_stage() {
     local venv=${MOEFX_VLLM_VENV:-$HOME/.cache/moefx/venv-vllm}
     if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
@@ -99,7 +125,9 @@ main_stage || main_rc=1
 main_s=$((SECONDS - start))
 
 vllm_rc=0
-if [ "${MOEFX_SKIP_VLLM:-0}" = "1" ]; then
+if [ "$want_vllm" != "1" ]; then
+    vllm_result="not run: vLLM integration NOT tested (bash scripts/test.sh --vllm, or MOEFX_TEST_VLLM=1, runs it)"
+elif [ "${MOEFX_SKIP_VLLM:-0}" = "1" ]; then
     vllm_result="skipped (MOEFX_SKIP_VLLM=1): vLLM integration NOT tested"
 else
     vllm_stage || vllm_rc=1

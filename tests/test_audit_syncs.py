@@ -64,3 +64,35 @@ def test_cli_audits_the_tiny_model_decode_step(tmp_path, capsys):
 
 def test_cli_rejects_unknown_model():
     assert cli_main(["audit-syncs", "no-such-model", "--device", "cpu"]) == 2
+
+
+# Stands for a torch Python function that syncs (torch.unique, a torch.cuda helper): a function in a module named
+# torch.*, the innermost frame a real sync warning would name.
+_TORCH_SIDE = {"__name__": "torch.fake_helper", "warnings": __import__("warnings")}
+_SYNC_SRC = 'def sync():\n    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)\n'
+exec(compile(_SYNC_SRC, "torch/fake_helper.py", "exec"), _TORCH_SIDE)
+
+
+def test_runtime_sync_warnings_name_the_audited_line_not_torch():
+    """A sync raised inside torch's Python code is reported at the audited function's line that called it; one
+    raised directly there at its own line; other warnings are not syncs, and another thread's syncs (the debug
+    mode is process-wide) are not the function's."""
+    import threading
+    import warnings
+
+    from moefx.audit import _record_sync_warnings, _same_line
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # direct
+        _TORCH_SIDE["sync"]()  # through torch
+        warnings.warn("something else", stacklevel=1)
+        other = threading.Thread(target=_TORCH_SIDE["sync"])
+        other.start()
+        other.join()
+
+    lines, start = __import__("inspect").getsourcelines(step)
+    direct, through = (start + next(i for i, ln in enumerate(lines) if tag in ln) for tag in ("# direct", "# through"))
+    found = _record_sync_warnings(step)
+    assert found == [f'"{__file__}", line {direct}', f'"{__file__}", line {through}']
+    assert _same_line(f'"{__file__}", line {direct} (warnings.warn(...))', found[0])
+    assert not _same_line(f'"{__file__}", line {direct}0, in step', found[0])

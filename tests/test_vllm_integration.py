@@ -1,4 +1,4 @@
-"""Runs only where vLLM is installed (scripts/test.sh runs it in its own vLLM venv); CPU-only checks."""
+"""Runs only where vLLM is installed (scripts/test.sh --vllm runs it in its own vLLM venv); CPU-only checks."""
 
 import importlib.metadata
 import os

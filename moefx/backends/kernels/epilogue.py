@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# A module-level constexpr stays a constexpr object in Triton's interpreter (3.9), and constexpr * tensor wraps
+# the tensor in a constexpr, which tl.exp then rejects; so each constant multiplies with the tensor on the left.
 INV_SQRT2 = tl.constexpr(0.7071067811865476)
 TWO_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi)
 
@@ -30,7 +32,7 @@ def gate_act(g, ACT: tl.constexpr):
     if ACT == 1:
         y = 0.5 * g * (1.0 + tl.erf(g * INV_SQRT2))
     elif ACT == 2:
-        y = g / (1.0 + tl.exp(-TWO_K * (g + 0.044715 * g * g * g)))
+        y = g / (1.0 + tl.exp((g + 0.044715 * g * g * g) * -TWO_K))
     else:
         y = g / (1.0 + tl.exp(-g))
     return y
