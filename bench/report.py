@@ -650,7 +650,7 @@ CUDA-graph replays, and report medians.
 """
 
 WORKLOADS: list[tuple[str, list[str]]] = [
-    ("End to end", ["e2e"]),
+    ("End to end", ["e2e", "ttft"]),
     ("MoE experts", ["moe", "moe-vllm-peer", "moe-bounds", "moe-backward"]),
     ("Dense linears", ["dense"]),
     ("Fusions", ["fusions"]),
@@ -665,7 +665,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "e2e": render_e2e, "moe": render_moe, "fusions": render_fusions,
         "sampler": render_sampler, "offload": render_offload,
         "moe-vllm-peer": render_moe_vllm_peer, "moe-bounds": lambda r: render_moe_bounds(r, moe),
-        "moe-backward": render_moe_backward, "dense": render_dense,
+        "moe-backward": render_moe_backward, "dense": render_dense, "ttft": render_ttft,
     }
     unknown = sorted(set(results) - set(renderers))
     if unknown:
@@ -756,17 +756,20 @@ def ingest(folder: Path, commit: str | None, day: str | None) -> list[Path]:
     day = day or _date.today().isoformat()
     written = []
     stages: dict[str, list[Path]] = {stage: [folder / f for f in files] for stage, files in STAGE_OUTPUTS.items()}
-    stages["e2e"] = sorted(folder.glob("e2e_*.json"))
+    # TTFT runs (`--tag _ttft`) are kept apart from the decode runs: a stage's kept result replaces the last one.
+    e2e_files = sorted(folder.glob("e2e_*.json"))
+    stages["ttft"] = [p for p in e2e_files if p.stem.endswith("_ttft")]
+    stages["e2e"] = [p for p in e2e_files if not p.stem.endswith("_ttft")]
     for stage, paths in stages.items():
         if not paths or not all(p.exists() for p in paths):
             continue
-        if stage == "e2e":
+        if stage in ("e2e", "ttft"):
             data = merge_e2e(paths)
         elif stage == "moe-bounds":
             data = {"probe_read": json.loads(paths[0].read_text()), "probe_ceilings": json.loads(paths[1].read_text())}
         else:
             data = json.loads(paths[0].read_text())
-        command = data["command"] if stage == "e2e" else f"bash bench/run_h200.sh {stage}"
+        command = data["command"] if stage in ("e2e", "ttft") else f"bash bench/run_h200.sh {stage}"
         data = {**data, "stage": stage, "date": day, "device": device, "versions": vers,
                 "commit": commit or data.get("commit"), "command": command}
         for old in RESULTS.glob(f"{stage}_*.json"):
