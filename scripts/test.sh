@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Install what the tests need and run them; CI calls this through .ci/run, which adds --vllm.
+# Install what the tests need and run them; CI calls this through .ci/run, which adds --full --vllm.
 #
-#   bash scripts/test.sh           the main stage: ruff + pytest on this checkout (budget: 10 min on 2 cores, cold)
-#   bash scripts/test.sh --vllm    the main stage, then the vLLM stage: the vLLM integration and FX-level pass
-#                                  tests in a cached venv with vLLM 0.33 (torch 2.14); its first run builds that
-#                                  venv (about 9.4 GB download and disk)
+#   bash scripts/test.sh           the main stage: ruff + pytest on this checkout, without the tests marked slow or
+#                                  compile (budget: 10 min on 2 busy cores, cold caches)
+#   bash scripts/test.sh --full    the main stage with every test: also the whole-model inductor compiles, the
+#                                  bench/CLI subprocess runs, sm_90a kernel compiles, examples, multi-process ranks
+#   bash scripts/test.sh --vllm    then the vLLM stage too: the vLLM integration and FX-level pass tests in a
+#                                  cached venv with vLLM 0.33 (torch 2.14); its first run builds that venv (about
+#                                  9.4 GB download and disk)
 #   bash scripts/test.sh --help    this text
 #
 # Exit code: 0 every stage that ran passed, 1 main failed, 2 vLLM failed, 3 both failed, 4 bad argument or knob
@@ -19,6 +22,7 @@
 #                     machine's); default none: pip keeps or resolves the newest Triton moefx[dev] allows
 #   PYTEST_ARGS       extra pytest arguments for both stages, e.g. "-k config"
 #   MOEFX_TEST_WORKERS pytest-xdist workers for the main stage (default 2; 0 = serial)
+#   MOEFX_TEST_FULL=1 every test in the main stage (the same as --full)
 #   MOEFX_TEST_VLLM=1 run the vLLM stage too (the same as --vllm)
 #   MOEFX_SKIP_VLLM=1 skip the vLLM stage even when --vllm or MOEFX_TEST_VLLM=1 asks for it (and say so)
 #   MOEFX_VLLM_VENV   the vLLM venv (default $HOME/.cache/moefx/venv-vllm, which CI caches between runs)
@@ -28,14 +32,16 @@ cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' scripts/test.sh; }
 
 want_vllm=${MOEFX_TEST_VLLM:-0}
+want_full=${MOEFX_TEST_FULL:-0}
 for arg in "$@"; do
     case "$arg" in
         --vllm) want_vllm=1 ;;
+        --full) want_full=1 ;;
         -h|--help) usage; exit 0 ;;
-        *) echo "scripts/test.sh: unknown argument '$arg' (valid: --vllm, --help)" >&2; exit 4 ;;
+        *) echo "scripts/test.sh: unknown argument '$arg' (valid: --full, --vllm, --help)" >&2; exit 4 ;;
     esac
 done
-for knob in MOEFX_TEST_VLLM MOEFX_SKIP_VLLM; do
+for knob in MOEFX_TEST_FULL MOEFX_TEST_VLLM MOEFX_SKIP_VLLM; do
     value=${!knob:-0}
     if [ "$value" != "0" ] && [ "$value" != "1" ]; then
         echo "scripts/test.sh: $knob='$value' is not valid (valid: 0, 1)" >&2
@@ -86,7 +92,14 @@ torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').exe
 
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/moefx/inductor}
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.cache/moefx/triton}
-    echo "== pytest (inductor cache: $TORCHINDUCTOR_CACHE_DIR)"
+    local tier=()
+    if [ "$want_full" = "1" ]; then
+        echo "== pytest, every test (inductor cache: $TORCHINDUCTOR_CACHE_DIR)"
+    else
+        tier=(-m "not slow and not compile")
+        echo "== pytest without the tests marked slow or compile (--full runs them; CI does) (inductor cache:" \
+            "$TORCHINDUCTOR_CACHE_DIR)"
+    fi
     # shellcheck disable=SC2086
     # Two workers, one thread each: on an idle 2-core machine the suite took 306 s this way against 510 s serial
     # (cold caches, 2026-12-01); MOEFX_TEST_WORKERS=0 runs it serially.
@@ -94,7 +107,7 @@ torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').exe
     local xdist=()
     if [ "$workers" != "0" ]; then xdist=(-n "$workers"); fi
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} run_pytest "$PY" -m pytest -q -ra --durations=25 --timeout=900 \
-        "${xdist[@]}" ${PYTEST_ARGS:-} tests || rc=1
+        "${xdist[@]}" "${tier[@]}" ${PYTEST_ARGS:-} tests || rc=1
     return "$rc"
 }
 
@@ -134,6 +147,7 @@ else
     vllm_result=$([ "$vllm_rc" -eq 0 ] && echo passed || echo FAILED)
 fi
 
-echo "== main stage: $([ "$main_rc" -eq 0 ] && echo passed || echo FAILED) (${main_s} s)"
+tier_name=$([ "$want_full" = "1" ] && echo "every test" || echo "without slow/compile tests: --full runs them")
+echo "== main stage ($tier_name): $([ "$main_rc" -eq 0 ] && echo passed || echo FAILED) (${main_s} s)"
 echo "== vLLM stage: $vllm_result ($((SECONDS - start - main_s)) s)"
 exit $((main_rc + 2 * vllm_rc))

@@ -268,6 +268,7 @@ def test_fp32_weights_at_large_m_with_default_tiles() -> None:
     assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_default_tiles_compile_for_sm90(kind: str) -> None:
     """Every DEFAULT_TILES row's GEMM 1 and GEMM 2 (and the gemv stages at theirs) compile for sm_90a (the H200) as

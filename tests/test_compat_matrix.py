@@ -24,6 +24,7 @@ def rows() -> list[tc.Row]:
     return tc.run_matrix()
 
 
+@pytest.mark.slow
 def test_every_row_passes_what_grouped_mm_passes_or_names_its_fallback(rows):
     failing = {r.model_type: tc.failures(r) for r in rows if tc.failures(r)}
     assert not failing, failing

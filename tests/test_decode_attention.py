@@ -92,6 +92,7 @@ def test_kernel_on_the_gpu(dtype):
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), (batch, length, dtype, err)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """The kernels compile for sm_90a (the H200) at Qwen3-30B-A3B's attention shape, within shared memory and
     without spills (tests/compile_sm90.py; the interpreter never compiles)."""

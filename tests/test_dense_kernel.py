@@ -90,6 +90,7 @@ def test_plan_launch_splits_k_only_when_n_tiles_are_few():
     assert (prefill.block_m, prefill.m_tiles) == (64, 32)  # more M tiles, never one 2048-row tile
 
 
+@pytest.mark.slow
 def test_default_tiles_compile_for_sm90():
     """Each dense DEFAULT_TILES row compiles for sm_90a (the H200) as dense_gemv launches it at the q/k/v shape, fits
     shared memory and spills nothing: the GPU compiler sees branches the interpreter never runs."""

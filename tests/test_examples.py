@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # example -> (CI arguments, a line its output must contain); the compiling example first
@@ -42,6 +44,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_examples_run_on_the_cpu(tmp_path):
     assert sorted(EXAMPLES) == sorted(p.name for p in (ROOT / "examples").glob("*.py")), "an example is not run"
     jobs = [(str(ROOT / "examples" / name), args) for name, (args, _) in EXAMPLES.items()]

@@ -65,6 +65,7 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
+@pytest.mark.slow  # spawns 2- and 4-rank gloo process groups (tens of CPU-seconds)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_model_generates_the_unsharded_tokens(runs, world, family):
@@ -84,6 +85,7 @@ def test_sharded_model_generates_the_unsharded_tokens(runs, world, family):
     assert res["w13_shapes"] == {(experts, 2 * cfg.moe_intermediate_size // world, H)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_shows_tp_and_per_rank_calibration_key(runs, world, family):
@@ -106,6 +108,7 @@ def test_plan_shows_tp_and_per_rank_calibration_key(runs, world, family):
     _same_on_every_rank(results, family, "plan", "fingerprint")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bytes_sent_per_decode_step(runs, world, family):
@@ -122,6 +125,7 @@ def test_bytes_sent_per_decode_step(runs, world, family):
     assert (pair.shape, pair.dtype) == ((B, 2), "int32")  # 2 values per row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_distributed_greedy_equals_full_argmax_on_adversarial_ties(runs, world):
     results = runs(world)
@@ -138,6 +142,7 @@ def test_distributed_greedy_equals_full_argmax_on_adversarial_ties(runs, world):
     assert torch.equal(head["batched"], head["greedy"].view(2, 3))
 
 
+@pytest.mark.slow
 def test_expert_parallel_placement(runs):
     results = runs(2)
     res = results[0]["ep"]
@@ -151,6 +156,7 @@ def test_expert_parallel_placement(runs):
     assert plan["eager_source"] == "qwen3_moe-ep.yaml#1"
 
 
+@pytest.mark.slow
 def test_greedy_step_traces_into_one_graph_and_compiles(runs):
     results = runs(2)
     res = results[0]["traced"]
@@ -166,6 +172,7 @@ def test_greedy_step_traces_into_one_graph_and_compiles(runs):
     assert [c.op for c in res["compiled_collectives"]] == ["all_gather_into_tensor"]
 
 
+@pytest.mark.slow
 @pytest.mark.compile
 def test_compiled_optimize_on_shards(runs):
     """Opt-in (MOEFX_TEST_TP_COMPILE=1, about 60 s more CPU): compile mode on the sharded model, 2 ranks."""
@@ -176,6 +183,7 @@ def test_compiled_optimize_on_shards(runs):
     assert res["graphs"] >= 1 and res["noops"] > 0  # the moefx passes ran on the rank's graphs
 
 
+@pytest.mark.slow
 def test_transformers_tp_plan_auto(runs):
     res = runs(2)[0]["transformers_tp"]
     if isinstance(res, str):

@@ -32,6 +32,7 @@ def test_help_names_the_stages_flags_and_exit_codes():
     (("--vlm",), {}, "'--vlm'"),
     ((), {"MOEFX_TEST_VLLM": "yes"}, "MOEFX_TEST_VLLM='yes'"),
     ((), {"MOEFX_SKIP_VLLM": "true"}, "MOEFX_SKIP_VLLM='true'"),
+    ((), {"MOEFX_TEST_FULL": "all"}, "MOEFX_TEST_FULL='all'"),
 ])
 def test_bad_argument_or_knob_exits_4_naming_it_before_installing(args, env, named):
     out = _script(*args, **env)
@@ -40,9 +41,24 @@ def test_bad_argument_or_knob_exits_4_naming_it_before_installing(args, env, nam
     assert "installing" not in out.stdout
 
 
-def test_ci_runs_both_stages():
+def test_ci_runs_both_stages_with_every_test():
     run = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^exec bash scripts/test\.sh --vllm$", run, re.M)
+    assert re.search(r"^exec bash scripts/test\.sh --full --vllm$", run, re.M)
+
+
+@pytest.mark.parametrize(("args", "env", "full"), [
+    ((), {}, False),
+    (("--full",), {}, True),
+    ((), {"MOEFX_TEST_FULL": "1"}, True),
+])
+def test_the_default_main_stage_leaves_slow_and_compile_tests_to_full(tmp_path, args, env, full):
+    log = tmp_path / "log"
+    out = _script(*args, VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path),
+                  MOEFX_VENV=str(_stub_venv(tmp_path / "main")), **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (pytest_call,) = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    assert ("not slow and not compile" in pytest_call) != full, pytest_call
+    assert ("every test" if full else "--full runs them") in out.stdout
 
 
 def test_script_pins_no_triton_by_default():
