@@ -134,4 +134,5 @@ def test_optimize_records_the_sampling_decision(models):
     model = moefx.optimize(copy.deepcopy(stock), config={"mode": "eager"})
     lines = [p for p in model.moefx_plan.provenance if p.startswith("sampling:")]
     assert lines[0] == "sampling: deferred stop check off: device cpu (on for cuda only)"
-    assert "generate() on moefx's engine" in lines[1] and len(lines) == 2
+    assert "generate() on moefx's engine" in lines[1] and len(lines) == 3
+    assert lines[2].startswith("sampling: decode engine memory: cache lengths 256, 384, 512"), lines[2]
