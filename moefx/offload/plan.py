@@ -121,10 +121,11 @@ def offload_plan(ms: Any, es: Any, cfg: Any) -> OffloadPlan:
         choice, source = cfg.offload.experts, "user config"
     else:
         choice, source = get_setting("MOEFX_OFFLOAD_EXPERTS"), setting_source("MOEFX_OFFLOAD_EXPERTS")
+    asked_gpu = choice == "gpu" and source != "default"  # asked for by name, not what 'auto' decided
     if choice == "auto":
         choice, source = _auto_decision(ms, es, cfg)
     plan = OffloadPlan(experts=choice, source=source, device_type=es.device_type)
-    if choice == "gpu" and source != "default" and es.device_type != "cuda":
+    if asked_gpu and es.device_type != "cuda":
         note = (f"offload experts 'gpu' ({source}) has no GPU to use: the model runs on {es.device_type}, so its "
                 f"experts stay where the model is ('cpu' offloads the experts of a CUDA model to host memory)")
         plan.notes.append(note)
