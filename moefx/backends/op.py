@@ -114,9 +114,9 @@ def select_backend(
                backend, upstream, capturing, activation, gate_limit, env_token(), calibration._generation,
                torch.get_num_threads())
         found = _DECISIONS.get(key)
-        if found is None or BACKENDS.get(found[0]) is not found[2]:
+        if found is None or BACKENDS.get(found[2]) is not found[3]:  # the requested backend (un)registered since
             found = _DECISIONS.put(key, _decide(*args))
-    name, warning, _ = found
+    name, warning, _, _ = found
     if warning:
         warn_once(warning)  # once per process, as on the call that decided
     if capturing and name in HOST_SYNCING_BACKENDS:
@@ -139,13 +139,14 @@ def _decide(
     capturing: bool,
     activation: str,
     gate_limit: float | None,
-) -> tuple[str, str | None, object]:
-    """(backend name, the warning that says why it is the plain path or None, the registered backend object)."""
+) -> tuple[str, str | None, str, object]:
+    """(backend name, the warning that says why it is the plain path or None, the backend asked for and its
+    registered object, None when it is not registered: a decision is stale once that changes)."""
     # transformers' FP8 experts path lives on its module (and needs its hub kernels): FP8 runs the oracle.
     plain = "legacy" if upstream == "transformers" and w13_scale is not None else upstream
     key_args = (hidden, topk_ids, w13, bs)
     name, source = _requested(int(hidden.shape[0]), backend, key_args, capturing)
-    warning = None
+    requested, warning = name, None
     if name == UPSTREAM:
         name = plain
     elif name not in BACKENDS:
@@ -156,7 +157,7 @@ def _decide(
         if reason:
             warning = f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}"
             name = plain
-    return name, warning, BACKENDS.get(name)
+    return name, warning, requested, BACKENDS.get(requested)
 
 
 class _UpstreamExperts:
