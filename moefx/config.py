@@ -28,6 +28,8 @@ OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 # The decode engine's memory budget when neither config nor env sets it: this fraction of the free device memory
 # (measured at its first allocation) leaves the rest to activations and the prefill.
 DEFAULT_MEMORY_BUDGET = 0.7
+# Prompt-length buckets of the captured prefill (tokens per row); `prefill_capture_tokens` caps rows × bucket.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
@@ -124,9 +126,9 @@ class CompilationConfig:
             raise ValueError(
                 f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
             )
-        from moefx.sampling.prefill import prefill_buckets
-
-        prefill_buckets(self.prefill_capture_tokens)  # raises ValueError naming the key and the valid values
+        if self.prefill_capture_tokens != 0 and self.prefill_capture_tokens not in PREFILL_BUCKETS:
+            raise ValueError(f"config key 'prefill_capture_tokens' must be 0 (off) or one of {list(PREFILL_BUCKETS)}, "
+                             f"got {self.prefill_capture_tokens!r}")
         if isinstance(self.compile_cache, str) and not self.compile_cache.strip():
             raise ValueError("config key 'compile_cache' must be true, false, null or a folder path, got ''")
 

@@ -5,10 +5,10 @@ criteria) runs as:
 - prefill: the model forward over the whole prompt into a DynamicCache, as transformers' own loop runs it
   (`logits_to_keep` keeps one row per sequence for the LM head); its keys and values are copied into the
   bucket's StaticCache and the first token is picked. With prefill buckets (on by default where decode steps
-  are captured) the prompt is right-padded to its bucket, static-shaped, and on CUDA replayed from a CUDA graph
+  are captured) the prompt is right-padded to its bucket and on CUDA replayed from a CUDA graph
   (moefx/sampling/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
-  and writing static per-bucket buffers. On CUDA the whole step is captured once per (bucket, sampling
+  and writing static per-bucket buffers. On CUDA the whole step is captured once per (slot, sampling
   params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
 The only host read is the "every row finished?" flag, copied to pinned memory and read one step late (the
 step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
@@ -100,6 +100,7 @@ class _Slot:
     graphs: dict[tuple, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
     # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/sampling/prefill.py)
     prefill: dict[tuple, Any] = field(default_factory=dict)
+    uncapturable: str | None = None  # _uncapturable_cache(cache), fixed when the slot is made
 
 
 @dataclass
@@ -138,10 +139,11 @@ class DecodeLoop:
 
     `compile_kwargs` go to `torch.compile` for the prefill, the decode step and the sampler (e.g.
     `{"backend": moefx.backend(cfg, cudagraphs=False)}`); None runs them eagerly. `cuda_graphs=True` (CUDA
-    inputs) captures each decode step once per batch bucket and sampling params and replays it; the backend
-    must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets (None: every batch size is
-    its own bucket); batches above the largest run without graphs. `max_len` fixes the cache length (None:
-    the request's prompt + new tokens, rounded up to a geometric length bucket, `moefx/sampling/slots.py`).
+    inputs) captures each decode step once per slot (batch bucket × cache length) and sampling params and
+    replays it; the backend must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets
+    (None: every batch size is its own bucket); batches above the largest run without graphs. `max_len` fixes
+    the cache length (None: the request's prompt + new tokens, rounded up to a geometric length bucket,
+    `moefx/sampling/slots.py`).
     `memory_budget` bounds all slots together (None: env MOEFX_MEMORY_BUDGET, else the default; see slots.py).
     `forward` is the model forward to call (default `model.forward`; `optimize` passes the uncompiled one).
     `prefill_capture_tokens` caps rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off,
@@ -292,6 +294,7 @@ class DecodeLoop:
         with torch.no_grad():
             self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
         cache.reset()
+        slot.uncapturable = _uncapturable_cache(cache)
         held = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None),
                                                                  getattr(layer, "values", None)) if t is not None)
         self.slots.add(slot, device, max(held + 2 * slot.mask.nbytes, nbytes))
@@ -309,9 +312,8 @@ class DecodeLoop:
 
     def _capture(self, slot: _Slot, params: SamplingParams, masked: bool,
                  by_head: bool) -> tuple[Any, torch.Tensor | None]:
-        why = _uncapturable_cache(slot.cache)
-        if why is not None:
-            return self._uncaptured(slot, why)
+        if slot.uncapturable is not None:
+            return self._uncaptured(slot, slot.uncapturable)
         device = slot.state["seq"].device
         progress.info("capturing the decode step for batch %d (cache length %d)...", slot.batch, slot.max_len)
         start = time.perf_counter()
@@ -396,10 +398,10 @@ class DecodeLoop:
         if len(eos) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(eos)}")
         device = input_ids.device
-        rows, graphs = self.bucket(batch)
-        graphs = graphs and device.type == "cuda"
-        if self.cuda_graphs and self.capture_sizes and batch > self.capture_sizes[-1]:
+        rows, capturable = self.bucket(batch)
+        if self.cuda_graphs and not capturable:  # bucket() says no graph only above the largest capture size
             self._above_cap(batch)
+        graphs = capturable and device.type == "cuda"
         slot = self._slot(rows, prompt + max_new_tokens, device)
         self.stats.requests += 1
         st = slot.state
@@ -457,7 +459,7 @@ class DecodeLoop:
         from transformers import DynamicCache
 
         pad = self._bucketed is not None and (graphs or not self.cuda_graphs)
-        if pad and _uncapturable_cache(slot.cache) is None:
+        if pad and slot.uncapturable is None:
             scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs)
             if scores is not None:
                 return scores
@@ -468,7 +470,7 @@ class DecodeLoop:
             for t in (tokens, positions):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             torch._dynamo.maybe_mark_dynamic(cache_position, 0)
-        if _uncapturable_cache(slot.cache) is not None:
+        if slot.uncapturable is not None:
             return self._prefill(tokens, positions, cache_position, slot.mask if masked else None, slot.cache, by_head)
         prompt_cache = DynamicCache(config=self.model.config)
         mask = slot.mask[:, :prompt] if masked else None

@@ -1,5 +1,5 @@
 """The prefill per prompt-length bucket: the prompt right-padded to the bucket, static-shaped, and on CUDA
-captured in a CUDA graph per (slot, bucket, padded or not), so replaying it costs no Python per layer.
+captured in a CUDA graph per (slot, bucket, left-padded or not), so replaying it costs no Python per layer.
 
 Why padding leaves the result unchanged: attention is causal, so a real position never sees the padded ones
 after it; the logits come from the last real position (`logits_to_keep` as a one-element index tensor on the
@@ -11,7 +11,7 @@ The MoE op sees rows × bucket tokens: padded rows cost compute, not correctness
 The forward runs over a DynamicCache, as the unpadded prefill does (attention over the prompt only); under a
 graph its tensors live in the graph's pool, which is the decode graphs' pool. One compiled function serves every
 bucket: the prompt dimension is marked dynamic from the first call, so a new bucket is a new capture, not a new
-inductor compile (at 48 layers one prefill compile took ~75 s of inductor time on the H200, PERF-NOTES).
+inductor compile of the whole model.
 Prompts longer than the largest bucket, or whose rows × bucket exceed the token cap, take the dynamic compiled prefill
 (`DecodeLoop._prompt`), as do batches an engine that captures runs without graphs (above its capture sizes):
 padding pays only where it buys a graph, or where the caller asked for it without graphs (the CPU tests).
@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
+from moefx.config import PREFILL_BUCKETS
 from moefx.log import get_logger, warn_once
 
 log = get_logger("moefx.sampling")
 
-# Prompt-length buckets (tokens per row); the config key `prefill_capture_tokens` caps rows × bucket.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 PREFILL_CAPTURE_TOKENS = 4096  # default cap on rows × bucket: bounds the activations one graph holds
 
 
