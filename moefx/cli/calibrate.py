@@ -234,6 +234,11 @@ def _cuda_capture_timer(fn: Callable, sets: list[tuple]) -> Timer:
     return one
 
 
+def _reason(exc: BaseException) -> str:
+    """A failed contender's one-line reason."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+
+
 def interleave(timers: dict[str, Timer], reps: int, failed: dict[str, str]) -> dict[str, list[float]]:
     """`reps` rounds, each timing every contender once, the order rotated per round: load that the machine takes
     on during a round slows every contender alike instead of one contender's whole sample. A contender whose
@@ -248,7 +253,7 @@ def interleave(timers: dict[str, Timer], reps: int, failed: dict[str, str]) -> d
             try:
                 out[name].append(timers[name](r))
             except Exception as exc:  # e.g. a path that syncs the host inside capture
-                failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                failed[name] = _reason(exc)
     return {n: ts for n, ts in out.items() if n not in failed}
 
 
@@ -369,7 +374,7 @@ def sweep(problem: Problem, names: list[str], mode: str, grid: tuple[int, ...], 
             try:
                 timers[name] = make_timer(calls[name], sets)
             except Exception as exc:  # e.g. a path that syncs the host inside capture
-                failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                failed[name] = _reason(exc)
         samples = interleave(timers, reps, failed)
         for name, why in failed.items():
             skipped[name] = why

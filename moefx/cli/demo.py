@@ -12,6 +12,7 @@ import time
 import torch
 
 import moefx
+from moefx.cli.bench import spread_pct
 from moefx.cli.common import add_config_arg, format_table, load_config, progress
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.sampling.sampler import SamplingParams
@@ -33,16 +34,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, repeats: int = 1) -> float:
-    """Median wall time of `generate(ids, max_new_tokens=new_tokens)` (greedy, no EOS)."""
-    times = []
-    for _ in range(repeats):
-        _sync(ids.device)
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        _sync(ids.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> float:
+    """Wall time of one `generate(ids, max_new_tokens=new_tokens)` (greedy, no EOS)."""
+    _sync(ids.device)
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    _sync(ids.device)
+    return time.perf_counter() - start
 
 
 def _metrics(ones: list[float], fulls: list[float], batch: int, new_tokens: int) -> dict:
@@ -50,12 +48,7 @@ def _metrics(ones: list[float], fulls: list[float], batch: int, new_tokens: int)
     `spread_pct`: the interquartile range of the per-round decode times over their median (inf when unknown)."""
     one, full = statistics.median(ones), statistics.median(fulls)
     step = max(full - one, 1e-9) / (new_tokens - 1)
-    decode = [f - o for o, f in zip(ones, fulls)]
-    mid = statistics.median(decode)
-    spread = float("inf")
-    if len(decode) >= 2 and mid > 0:
-        q1, _, q3 = statistics.quantiles(decode, n=4, method="inclusive")
-        spread = 100.0 * (q3 - q1) / mid
+    spread = spread_pct([f - o for o, f in zip(ones, fulls)])
     # decode_measured False: the machine's noise swallowed the decode steps (t(n) <= t(1)); the rate is meaningless
     return {"prefill_ms": one * 1e3, "itl_ms": step * 1e3, "decode_tok_s": batch / step,
             "decode_measured": full > one, "spread_pct": spread}

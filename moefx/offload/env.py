@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.config import DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES, parse_memory_budget
+from moefx.config import DEFAULT_MEMORY_BUDGET, DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES, parse_memory_budget
 from moefx.log import warn_once
 
 _TRUE = ("1", "true", "on", "yes")
@@ -132,7 +132,8 @@ SETTINGS: tuple[EnvSetting, ...] = (
         parse_memory_budget,
         None,
         "memory the decode engine's slots (static caches, CUDA-graph pools) share: a fraction of free device memory "
-        "(0.6) or bytes (40GiB); config key memory_budget wins over it; unset = 0.7",
+        "(0.6) or bytes (40GiB); config key memory_budget wins over it; "
+        f"unset = {DEFAULT_MEMORY_BUDGET}",
     ),
 )
 

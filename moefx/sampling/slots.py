@@ -70,14 +70,10 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    from moefx.machine import host_memory_available
+
+    available = host_memory_available()
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def budget_setting(config_value: float | None) -> tuple[float, str]:

@@ -76,8 +76,9 @@ def _free_memory(ms: ModelSignature, es: ExecutionSignature) -> tuple[int | None
     total = DEVICE_MEMORY_GIB.get(es.device_name or "")
     if total is None:
         return None, f"free memory of {es.device_name or 'this device'} unknown"
-    free = max(0, int(total * _GIB) - _weight_bytes(ms))
-    return free, f"{es.device_name} {total:.0f} GiB less about {_weight_bytes(ms) / _GIB:.1f} GiB of weights"
+    weights = _weight_bytes(ms)
+    free = max(0, int(total * _GIB) - weights)
+    return free, f"{es.device_name} {total:.0f} GiB less about {weights / _GIB:.1f} GiB of weights"
 
 
 def capture_cap(ms: ModelSignature, es: ExecutionSignature) -> tuple[int, str]:
