@@ -44,7 +44,7 @@ def child(args: argparse.Namespace) -> dict:
 
     cfg = tiny_qwen3_moe_config(num_hidden_layers=args.layers) if args.tiny else qwen3_moe_config(args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_model(cfg, seed=0, dtype=dtype, device=args.device).eval()
+    model = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing="balanced").eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     ids = torch.randint(1, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))

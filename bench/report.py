@@ -701,6 +701,14 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
         out.append(f"End to end, decode tok/s over transformers' static-cache compiled `generate()` in the same run "
                    f"({e2e['date']}, moefx at `{e2e['commit']}`; Qwen3-30B-A3B widths, random weights):")
         out += lines
+    ttft = [t for t in (results.get("ttft") or {}).get("ttft", []) if t.get("ms")]
+    if ttft:
+        deepest = max(t["layers"] for t in ttft)
+        rows = {(t["B"], t["tokens"], t["arm"]): t["ms"] for t in ttft if t["layers"] == deepest}
+        pairs = [(b, n, ms, rows.get((b, n, "hf_compiled"))) for (b, n, arm), ms in rows.items() if arm == "moefx"]
+        out.append(f"Time to first token, {deepest} layers (`generate(max_new_tokens=1)`, routing like a trained "
+                   f"model's): " + ", ".join(f"{ms:.1f} ms at {b}×{n} tokens" + (f" ({peer / ms:.2f}× faster than "
+                   "transformers' compiled forward, same run)" if peer else "") for b, n, ms, peer in pairs) + ".")
     moe = results.get("moe")
     if moe:
         s = moe_summary(moe)

@@ -90,6 +90,8 @@ for s in "${stages[@]}"; do
                 --metrics "regex:smsp__average_warps?_.*issue_stalled_.*" --import-source no \
                 -o "$OUT/ncu-stalls-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
+        e2e-check) run_stage e2e-check 200 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
+            --runs 1 --n1 8 --n2 24 --tag _check ;;  # one timed run per length: a check, not a median
         e2e-quick) run_stage e2e-quick 420 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
             --profile --tag _quick ;;
         e2e-8) run_stage e2e-8 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --eager-batches 1,16 --fp8 \
@@ -126,7 +128,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
-            "e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
+            "e2e-check e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
     esac
 done
 pack

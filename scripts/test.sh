@@ -101,8 +101,8 @@ torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').exe
             "$TORCHINDUCTOR_CACHE_DIR)"
     fi
     # shellcheck disable=SC2086
-    # Two workers, one thread each: on an idle 2-core machine the suite took 306 s this way against 510 s serial
-    # (cold caches, 2026-12-01); MOEFX_TEST_WORKERS=0 runs it serially.
+    # Two workers, one thread each (faster than serial on 2 cores; docs/CLI.md "Budget" has the measured times);
+    # MOEFX_TEST_WORKERS=0 runs it serially.
     local workers=${MOEFX_TEST_WORKERS:-2}
     local xdist=()
     if [ "$workers" != "0" ]; then xdist=(-n "$workers"); fi
