@@ -134,9 +134,11 @@ def test_plan_says_where_generate_runs(models):
 
 @pytest.mark.compile
 def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
-    """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. A new prompt
-    length reuses the dynamic prefill; a new batch size recompiles each function at most once more. One layer:
-    each compile is a cold inductor C++ build, and a second layer adds code, not cases."""
+    """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. Batch rows are
+    dynamic from the first compile, so new prompt lengths and batch sizes >= 2 reuse every compiled function; a
+    new temperature, top-p or top-k of the same form (`SamplingParams.form`) reuses the sampler and only a new
+    form compiles it once more. One layer: each compile is a cold inductor C++ build, and a second layer adds
+    code, not cases."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=1)
     model = moefx.optimize(copy.deepcopy(stock), config={"pass_config": {"eliminate_noops": True}})
@@ -145,7 +147,14 @@ def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
         ids = _ids(batch, length, length)
         want = stock.generate(ids, max_new_tokens=5, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want), (batch, length)
-    compiles = model.moefx_generate.engine.stats.compiles
-    assert set(compiles) == {"prefill", "decode", "sampler"} and max(compiles.values()) <= 2, compiles
-    assert set(model.moefx_generate.engine.stats.compile_s) == set(compiles)
+    stats = model.moefx_generate.engine.stats
+    assert stats.compiles == {"prefill": 1, "decode": 1, "sampler": 1}, stats.compiles
+    for batch, kwargs in ((3, {"temperature": 0.7, "top_k": 20}), (2, {"temperature": 1.3, "top_k": 30}),
+                          (4, {"temperature": 0.9, "top_k": 25, "top_p": 0.8})):
+        torch.manual_seed(batch)
+        out = model.generate(_ids(batch, 6, 6), max_new_tokens=4, do_sample=True, **kwargs)
+        assert out.shape == (batch, 10) and int(out.max()) < stock.config.vocab_size
+    # top_k 20/30/25 share the form top_k 32; top_p on is a second form; the model's steps compile no more
+    assert stats.compiles == {"prefill": 1, "decode": 1, "sampler": 3}, stats.compiles
+    assert set(stats.compile_s) == set(stats.compiles)
     assert model.moefx_generate.fallbacks == []

@@ -47,6 +47,28 @@ def test_kept_tokens_and_probabilities_match_transformers(params):
     assert (ours - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_values_through_the_form_give_the_same_probabilities(params):
+    """The engine's path: the params' form fixes the compiled shape, the values come as a tensor; the kept
+    tokens and their probabilities are those of the params themselves (top_k 50 in the form 64, 20 in 32)."""
+    logits = torch.randn(6, 500) * 3
+    want_probs, want_ids = candidate_probs(logits, params)
+    probs, ids = candidate_probs(logits, params.form(), params.values())
+    want = torch.zeros_like(logits).scatter(-1, want_ids, want_probs)
+    got = torch.zeros_like(logits).scatter(-1, ids, probs)
+    assert torch.equal(got > 0, want > 0)
+    assert (got - want).abs().max() < 1e-6
+
+
+def test_one_form_for_values_that_only_scale():
+    forms = {SamplingParams(temperature=t, top_k=k, top_p=p).form()
+             for t in (0.5, 1.0, 1.7) for k in (17, 20, 32) for p in (0.8, 0.95)}
+    assert forms == {SamplingParams(top_k=32, top_p=0.5)}
+    assert SamplingParams(top_k=3).form().top_k == 16 and SamplingParams(top_k=33).form().top_k == 64
+    assert SamplingParams(temperature=0.0, top_k=7).form() == SamplingParams(temperature=0.0)
+    assert SamplingParams(min_p=0.1).form().min_p > 0 and SamplingParams().form().top_k == 0
+
+
 def test_draws_follow_the_filtered_distribution():
     torch.manual_seed(0)
     params = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)

@@ -9,7 +9,7 @@ criteria) runs as:
   (moefx/sampling/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
   and writing static per-bucket buffers. On CUDA the whole step is captured once per (slot, sampling
-  params) in a CUDA graph and replayed: no Python per layer and no host sync per token.
+  params form) in a CUDA graph and replayed: no Python per layer and no host sync per token.
 The only host read is the "every row finished?" flag, copied to pinned memory and read one step late (the
 step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
 as finished from the start; a batch above the largest bucket runs the same steps without graphs, and says so
@@ -21,8 +21,11 @@ budget, least-recently-used slots freed first; a request whose slot cannot fit r
 Each compiled function gets a code object of its own (`_own_code`): dynamo keeps compiled entries per code
 object and stops compiling one after `recompile_limit` entries, so two models must not share them, and the
 prefill and decode step (both `_run`) compile apart.
-Compiles are counted per function (`compiles`); a batch size or cache length the step has not seen yet
-recompiles it once, then dynamo marks that dimension dynamic, so the count stays bounded.
+Compiles are counted per function (`compiles`). Batch rows are dynamic from the first compile (a batch of 1
+compiles apart: dynamo specializes size 1); the first new cache length recompiles the step once, after which
+dynamo keeps that dimension dynamic; the sampler compiles per params form (`SamplingParams.form`), its values
+(temperature, top-p, min-p, top-k) read from the slot's state. So a long stream of mixed requests compiles each
+function a handful of times (tests/test_generate_engine.py counts them).
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], params: SamplingParams, by_head: bool) -> None:
+def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], form: SamplingParams, by_head: bool) -> None:
     """Pick the next token of every row (`scores` are logits, or the tokens themselves when `by_head`) and move
-    the static buffers one position on, in place."""
-    nxt = scores if by_head else sample(scores, params)
+    the static buffers one position on, in place. `form` is the params' form (`SamplingParams.form`); their
+    values are read from `state["sampling"]`, so one compile and one graph serve every temperature."""
+    nxt = scores if by_head else sample(scores, form, values=state["sampling"])
     finished = state["finished"]
     # Like transformers: finished rows emit the pad id only when EOS ids are set (`pad_finished`).
     nxt = torch.where(finished & state["pad_finished"], state["pad"], nxt)
@@ -76,6 +80,20 @@ def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], params: Sampl
     state["cache_position"].add_(1)
     finished.copy_(now)
     state["done"].copy_(now.all())
+
+
+def _mark_slot_dynamic(slot: _Slot) -> None:
+    """Batch rows dynamic in every compile that reads the slot, from its first compile: a new batch bucket then
+    reuses the compiled steps (a size-1 batch still gets a compile of its own: dynamo specializes sizes 0 and 1)
+    instead of compiling once more."""
+    st = slot.state
+    for t in (st["tokens"], st["position_ids"], st["finished"], st["seq"], slot.mask):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(st["seq"], 1)  # the sampler's only cache-length input
+    for layer in slot.cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _uncapturable_cache(cache: Any) -> str | None:
@@ -96,7 +114,7 @@ class _Slot:
     cache: Any
     state: dict[str, torch.Tensor]
     mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
-    # (params, masked, by_head) -> (CUDAGraph, its logits output), or (None, None) for a step run without one
+    # (params form, masked, by_head) -> (CUDAGraph, its logits output), or (None, None) for a step run without one
     graphs: dict[tuple, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
     # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/sampling/prefill.py)
     prefill: dict[tuple, Any] = field(default_factory=dict)
@@ -139,7 +157,7 @@ class DecodeLoop:
 
     `compile_kwargs` go to `torch.compile` for the prefill, the decode step and the sampler (e.g.
     `{"backend": moefx.backend(cfg, cudagraphs=False)}`); None runs them eagerly. `cuda_graphs=True` (CUDA
-    inputs) captures each decode step once per slot (batch bucket × cache length) and sampling params and
+    inputs) captures each decode step once per slot (batch bucket × cache length) and sampling params form and
     replays it; the backend must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets
     (None: every batch size is its own bucket); batches above the largest run without graphs. `max_len` fixes
     the cache length (None: the request's prompt + new tokens, rounded up to a geometric length bucket,
@@ -245,11 +263,11 @@ class DecodeLoop:
         )
         return out.logits[:, -1]
 
-    def _step(self, slot: _Slot, params: SamplingParams, masked: bool, by_head: bool) -> torch.Tensor:
+    def _step(self, slot: _Slot, form: SamplingParams, masked: bool, by_head: bool) -> torch.Tensor:
         st = slot.state
         scores = self._decode(st["tokens"], st["position_ids"], st["cache_position"],
                               slot.mask if masked else None, slot.cache, by_head)
-        self._pick(scores, st, params, by_head)
+        self._pick(scores, st, form, by_head)
         return scores
 
     # -- buckets, caches and graphs --------------------------------------------------------------------------
@@ -287,6 +305,7 @@ class DecodeLoop:
             "eos": torch.full((MAX_EOS_IDS,), -1, **long),
             "pad": torch.zeros((), **long),
             "pad_finished": torch.zeros((), dtype=torch.bool, device=device),
+            "sampling": torch.ones(4, dtype=torch.float32, device=device),  # SamplingParams.value_list()
         }
         slot = _Slot(rows, max_len, cache, state, torch.ones(rows, max_len, **long))
         # The cache's layers allocate their tensors on the first update: do it eagerly, with one token, so no
@@ -295,22 +314,24 @@ class DecodeLoop:
             self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
         cache.reset()
         slot.uncapturable = _uncapturable_cache(cache)
+        if self.compiled:
+            _mark_slot_dynamic(slot)
         held = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None),
                                                                  getattr(layer, "values", None)) if t is not None)
         self.slots.add(slot, device, max(held + 2 * slot.mask.nbytes, nbytes))
         return slot
 
-    def _graph(self, slot: _Slot, params: SamplingParams, masked: bool,
+    def _graph(self, slot: _Slot, form: SamplingParams, masked: bool,
                by_head: bool) -> tuple[Any, torch.Tensor | None]:
-        """The captured step for these params (captured on first use), or (None, None) to run it directly."""
-        key = (params, masked, by_head)
+        """The captured step for this params form (captured on first use), or (None, None) to run it directly."""
+        key = (form, masked, by_head)
         if key not in slot.graphs:
             # The graph pool's growth counts against the memory budget (other slots may be freed for it).
             with self.slots.graph_memory("decode", slot.state["seq"].device, keep=slot):
-                slot.graphs[key] = self._capture(slot, params, masked, by_head)
+                slot.graphs[key] = self._capture(slot, form, masked, by_head)
         return slot.graphs[key]
 
-    def _capture(self, slot: _Slot, params: SamplingParams, masked: bool,
+    def _capture(self, slot: _Slot, form: SamplingParams, masked: bool,
                  by_head: bool) -> tuple[Any, torch.Tensor | None]:
         if slot.uncapturable is not None:
             return self._uncaptured(slot, slot.uncapturable)
@@ -326,13 +347,13 @@ class DecodeLoop:
         side.wait_stream(torch.cuda.current_stream(device))
         syncs = None
         with torch.cuda.stream(side):
-            self._step(slot, params, masked, by_head)  # compiles, initializes lazy state
+            self._step(slot, form, masked, by_head)  # compiles, initializes lazy state
             # A step that syncs the host cannot be captured, and a capture that fails half-way leaves the RNG and
             # the graph memory pool unusable: find out first, with host syncs turned into errors.
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                self._step(slot, params, masked, by_head)
+                self._step(slot, form, masked, by_head)
             except RuntimeError as exc:
                 syncs = str(exc).splitlines()[0]
             finally:
@@ -350,7 +371,7 @@ class DecodeLoop:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._step(slot, params, masked, by_head)
+                logits = self._step(slot, form, masked, by_head)
         except RuntimeError as exc:
             self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
@@ -422,16 +443,19 @@ class DecodeLoop:
         st["pad_finished"].fill_(bool(eos))
         st["finished"].fill_(False)
         st["finished"][batch:] = True
+        form = params.form()
+        for i, value in enumerate(params.value_list()):
+            st["sampling"][i].fill_(value)
         slot.cache.reset()
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
         by_head = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
         logits = self._prompt(slot, prompt, positions, masked, by_head, graphs)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
-        self._pick(logits, st, params, by_head)
+        self._pick(logits, st, form, by_head)
 
         stopper = _LateStop(device, enabled=bool(eos) or bool(stopping_criteria))
-        graph, graph_logits = (self._graph(slot, params, masked, by_head) if graphs and max_new_tokens > 1
+        graph, graph_logits = (self._graph(slot, form, masked, by_head) if graphs and max_new_tokens > 1
                                else (None, None))
         produced = max_new_tokens
         for step in range(max_new_tokens):
@@ -440,7 +464,7 @@ class DecodeLoop:
                     graph.replay()
                     logits = graph_logits
                 else:
-                    logits = self._step(slot, params, masked, by_head)
+                    logits = self._step(slot, form, masked, by_head)
             if logits_out is not None:
                 logits_out.append(logits[:batch].clone())
             if stopping_criteria:
@@ -468,6 +492,7 @@ class DecodeLoop:
         cache_position = torch.arange(prompt, device=tokens.device)
         if self.compiled:
             for t in (tokens, positions):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             torch._dynamo.maybe_mark_dynamic(cache_position, 0)
         if slot.uncapturable is not None:
@@ -475,6 +500,7 @@ class DecodeLoop:
         prompt_cache = DynamicCache(config=self.model.config)
         mask = slot.mask[:, :prompt] if masked else None
         if mask is not None and self.compiled:
+            torch._dynamo.maybe_mark_dynamic(mask, 0)
             torch._dynamo.maybe_mark_dynamic(mask, 1)
         logits = self._prefill(tokens, positions, cache_position, mask, prompt_cache, by_head)
         for static, dynamic in zip(slot.cache.layers, prompt_cache.layers):

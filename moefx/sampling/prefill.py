@@ -185,9 +185,10 @@ def _buffers(slot: Any, bucket: int, masked: bool) -> _Bucketed:
         length=torch.zeros((), **long),
         keep=torch.zeros(min(bucket, slot.max_len), dtype=torch.bool, device=device),
     )
-    # A dynamic prompt dimension from the first call: every bucket shares one compile.
+    # Dynamic rows and prompt dimension from the first call: every bucket and batch shares one compile.
     for t in (run.tokens, run.positions, run.mask):
         if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 1)
     torch._dynamo.maybe_mark_dynamic(run.cache_position, 0)
     torch._dynamo.maybe_mark_dynamic(run.keep, 0)

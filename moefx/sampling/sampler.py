@@ -9,6 +9,10 @@ Semantics (HF's warpers, written over the sorted candidates): a token is kept wh
 `top_p`; and when its probability is at least `min_p` times the largest. The most likely token is
 always kept. Ties at the top-k boundary keep the candidates `torch.topk` returned.
 The draw is `argmax(p / q)` with `q ~ Exp(1)`: exactly a draw from the categorical `p`.
+
+A compiled sampler depends on the params' form only (`SamplingParams.form`: greedy or not, `top_k`, which filters
+are on); temperature, top-p and min-p can come as device tensors (`values`), so a stream of requests with
+different values shares one compile and one captured graph per form instead of one per value.
 """
 
 from __future__ import annotations
@@ -41,19 +45,50 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def form(self) -> SamplingParams:
+        """What a sampler compiled over `values` (and a graph captured from it) depends on: greedy or not, which
+        filters are on, and `top_k` rounded up to a power of two (at least `TOP_K_FORM_MIN`); every other value
+        replaced by a representative one."""
+        if self.greedy:
+            return SamplingParams(temperature=0.0)
+        top_k = max(TOP_K_FORM_MIN, 1 << (self.top_k - 1).bit_length()) if self.top_k else 0
+        return SamplingParams(temperature=1.0, top_k=top_k, top_p=0.5 if self.top_p < 1 else 1.0,
+                              min_p=0.5 if self.min_p > 0 else 0.0)
 
-def candidate_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs, token ids) over the sorted candidates, filtered tokens at probability 0. Shapes [B, k]."""
-    scores = logits.float() / params.temperature
+    def values(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """(temperature, top_p, min_p, top_k) as one fp32 tensor [4], the `values` argument of `sample`."""
+        return torch.tensor(self.value_list(), dtype=torch.float32, device=device)
+
+    def value_list(self) -> list[float]:
+        return [self.temperature, self.top_p, self.min_p, float(self.top_k)]
+
+
+TOP_K_FORM_MIN = 16  # top_k 1..16 share one form, 17..32 the next, ...
+
+
+def candidate_probs(logits: torch.Tensor, params: SamplingParams,
+                    values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, token ids) over the sorted candidates, filtered tokens at probability 0. Shapes [B, k]. With
+    `values` ([4] fp32: temperature, top_p, min_p, top_k) the values come from the tensor and `params` is their
+    form (`SamplingParams.form`): k is the form's top_k and the candidates past the value's top_k are dropped
+    before the softmax, which gives the same probabilities as k = top_k."""
+    if values is None:
+        temperature, top_p, min_p, top_k = params.temperature, params.top_p, params.min_p, None
+    else:
+        temperature, top_p, min_p, top_k = values.unbind()
+    scores = logits.float() / temperature
     k = params.top_k if 0 < params.top_k < scores.shape[-1] else scores.shape[-1]
-    values, ids = torch.topk(scores, k, dim=-1, sorted=True)
-    probs = torch.softmax(values, dim=-1)
+    top, ids = torch.topk(scores, k, dim=-1, sorted=True)
+    if top_k is not None and params.top_k:
+        rank = torch.arange(k, device=top.device)
+        top = torch.where(rank < top_k, top, torch.full((), float("-inf"), device=top.device))
+    probs = torch.softmax(top, dim=-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
     if params.top_p < 1:
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep &= mass_before < params.top_p
+        keep &= mass_before < top_p
     if params.min_p > 0:
-        keep &= probs >= params.min_p * probs[..., :1]
+        keep &= probs >= min_p * probs[..., :1]
     keep[..., 0] = True
     return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)), ids
 
@@ -76,11 +111,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return (chunk * ARGMAX_CHUNK + torch.gather(where, -1, chunk)).squeeze(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids [B] for logits [B, V], with no host sync."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           values: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token ids [B] for logits [B, V], with no host sync (`values` as in `candidate_probs`)."""
     if params.greedy:
         return argmax_rows(logits)
-    probs, ids = candidate_probs(logits, params)
+    probs, ids = candidate_probs(logits, params, values)
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     choice = torch.argmax(probs / noise, dim=-1, keepdim=True)
     return torch.gather(ids, -1, choice).squeeze(-1)
