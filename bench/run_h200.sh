@@ -9,7 +9,8 @@
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
-#                                                        #   e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b (optimize + generate()
+#                                                        #   e2e-quick e2e-8 e2e-8-fp8 e2e-8-readme e2e-48a e2e-48b e2e-48-b16
+#                                                        #   (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
 #                                                        #   e2e-48-regions e2e-48-inline (48 layers B=1, config
 #                                                        #   layer_regions all / none: compile seconds, launches per step)
@@ -92,6 +93,10 @@ for s in "${stages[@]}"; do
             python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
         e2e-check) run_stage e2e-check 200 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
             --runs 1 --n1 8 --n2 24 --tag _check ;;  # one timed run per length: a check, not a median
+        e2e-8-readme) run_stage e2e-8-readme 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --arms hf_static,moefx \
+            --fp8 --fp8-batches 16 --tag _readme ;;  # the README path (no config) at every batch, FP8 at 16
+        e2e-48-b16) run_stage e2e-48-b16 560 python3 bench/e2e.py --layers 48 --batches 16 --arms hf_static,moefx \
+            --runs 2 --tag _b16 ;;
         e2e-quick) run_stage e2e-quick 420 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
             --profile --tag _quick ;;
         e2e-8) run_stage e2e-8 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --eager-batches 1,16 --fp8 \
@@ -128,7 +133,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
-            "e2e-check e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
+            "e2e-check e2e-8-readme e2e-48-b16 e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
     esac
 done
 pack
