@@ -114,7 +114,7 @@ for s in "${stages[@]}"; do
             --ttft-batch 8x512 --tag _ttft ;;
         ttft-48) run_stage ttft-48 560 python3 bench/e2e.py --layers 48 --batches "" --arms moefx --ttft 256,1024,4096 \
             --ttft-batch 8x512 --tag _ttft ;;
-        gpu-gen) run_stage gpu-gen 240 python3 -m pytest -x -q --tb=short -p no:cacheprovider -m gpu \
+        gpu-gen) run_stage gpu-gen 240 python3 -m pytest -q -n 4 --tb=short -p no:cacheprovider -m gpu \
             tests/test_generate_gpu.py tests/test_routing_gpu.py ;;
         moe-backward) run_stage moe-backward 150 python3 bench/moe_backward.py ;;
         coldstart) run_stage coldstart 540 python3 bench/coldstart.py --layers 8 --batch 1 ;;
