@@ -134,8 +134,9 @@ def test_plan_says_where_generate_runs(models):
 
 @pytest.mark.compile
 def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
-    """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. Batch rows are
-    dynamic from the first compile, so new prompt lengths and batch sizes >= 2 reuse every compiled function; a
+    """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. Batch rows and
+    cache length are dynamic from the first compile, so new prompt lengths, batch sizes >= 2 and a longer cache
+    reuse every compiled function; a
     new temperature, top-p or top-k of the same form (`SamplingParams.form`) reuses the sampler and only a new
     form compiles it once more. One layer: each compile is a cold inductor C++ build, and a second layer adds
     code, not cases."""
@@ -143,11 +144,12 @@ def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=1)
     model = moefx.optimize(copy.deepcopy(stock), config={"pass_config": {"eliminate_noops": True}})
     assert model.moefx_plan.pass_enabled("eliminate_noops")
-    for batch, length in ((2, 7), (2, 11), (3, 9)):
+    for batch, length in ((2, 7), (2, 11), (3, 9), (2, 300)):  # 300 + 5 positions: the next cache length, 384
         ids = _ids(batch, length, length)
         want = stock.generate(ids, max_new_tokens=5, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), want), (batch, length)
     stats = model.moefx_generate.engine.stats
+    assert sorted(length for _, length in model.moefx_generate.engine.slots.keys()) == [256, 256, 384]
     assert stats.compiles == {"prefill": 1, "decode": 1, "sampler": 1}, stats.compiles
     for batch, kwargs in ((3, {"temperature": 0.7, "top_k": 20}), (2, {"temperature": 1.3, "top_k": 30}),
                           (4, {"temperature": 0.9, "top_k": 25, "top_p": 0.8})):

@@ -21,9 +21,9 @@ budget, least-recently-used slots freed first; a request whose slot cannot fit r
 Each compiled function gets a code object of its own (`_own_code`): dynamo keeps compiled entries per code
 object and stops compiling one after `recompile_limit` entries, so two models must not share them, and the
 prefill and decode step (both `_run`) compile apart.
-Compiles are counted per function (`compiles`). Batch rows are dynamic from the first compile (a batch of 1
-compiles apart: dynamo specializes size 1); the first new cache length recompiles the step once, after which
-dynamo keeps that dimension dynamic; the sampler compiles per params form (`SamplingParams.form`), its values
+Compiles are counted per function (`compiles`). Batch rows and the cache length are dynamic from the first
+compile (a batch of 1 compiles apart: dynamo specializes size 1; so does a left-padded request, whose step takes a
+mask); the sampler compiles per params form (`SamplingParams.form`), its values
 (temperature, top-p, min-p, top-k) read from the slot's state. So a long stream of mixed requests compiles each
 function a handful of times (tests/test_generate_engine.py counts them).
 """
@@ -83,17 +83,30 @@ def _advance(scores: torch.Tensor, state: dict[str, torch.Tensor], form: Samplin
 
 
 def _mark_slot_dynamic(slot: _Slot) -> None:
-    """Batch rows dynamic in every compile that reads the slot, from its first compile: a new batch bucket then
-    reuses the compiled steps (a size-1 batch still gets a compile of its own: dynamo specializes sizes 0 and 1)
-    instead of compiling once more."""
+    """Batch rows and cache length dynamic in every compile that reads the slot, from its first compile: a new
+    batch bucket or cache length then reuses the compiled steps (a size-1 batch still gets a compile of its own:
+    dynamo specializes sizes 0 and 1). transformers' StaticLayer answers the mask size from its Python int
+    `max_cache_len`, which dynamo would specialize the length back to; the slot's layers answer it from their
+    keys' shape instead (a left-padded step's mask and the sampler's sequence share that length)."""
     st = slot.state
     for t in (st["tokens"], st["position_ids"], st["finished"], st["seq"], slot.mask):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.maybe_mark_dynamic(st["seq"], 1)  # the sampler's only cache-length input
+    dynamic_length = slot.uncapturable is None  # every layer a StaticLayer: keys [rows, heads, length, dim]
+    for t in (st["seq"], slot.mask) if dynamic_length else (st["seq"],):
+        torch._dynamo.maybe_mark_dynamic(t, 1)
     for layer in slot.cache.layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(t, torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+                if dynamic_length:
+                    torch._dynamo.maybe_mark_dynamic(t, 2)
+        if dynamic_length:
+            layer.get_mask_sizes = types.MethodType(_mask_sizes_from_keys, layer)
+
+
+def _mask_sizes_from_keys(layer: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """StaticLayer.get_mask_sizes (kv length, kv offset), the length read from the keys' (dynamic) shape."""
+    return layer.keys.shape[2], 0
 
 
 def _uncapturable_cache(cache: Any) -> str | None:
