@@ -136,10 +136,9 @@ def test_plan_says_where_generate_runs(models):
 def test_compiled_engine_tokens_equal_eager_with_bounded_compiles():
     """Default mode on the CPU: prefill, decode step and sampler compiled with the moefx backend. Batch rows and
     cache length are dynamic from the first compile, so new prompt lengths, batch sizes >= 2 and a longer cache
-    reuse every compiled function; a
-    new temperature, top-p or top-k of the same form (`SamplingParams.form`) reuses the sampler and only a new
-    form compiles it once more. One layer: each compile is a cold inductor C++ build, and a second layer adds
-    code, not cases."""
+    reuse every compiled function; a new temperature, top-p or top-k of the same form (`SamplingParams.form`)
+    reuses the sampler and only a new form compiles it once more. One layer: each compile is a cold inductor C++
+    build, and a second layer adds code, not cases."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=1)
     model = moefx.optimize(copy.deepcopy(stock), config={"pass_config": {"eliminate_noops": True}})

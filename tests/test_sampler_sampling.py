@@ -53,7 +53,7 @@ def test_values_through_the_form_give_the_same_probabilities(params):
     tokens and their probabilities are those of the params themselves (top_k 50 in the form 64, 20 in 32)."""
     logits = torch.randn(6, 500) * 3
     want_probs, want_ids = candidate_probs(logits, params)
-    probs, ids = candidate_probs(logits, params.form(), params.values())
+    probs, ids = candidate_probs(logits, params.form(), torch.tensor(params.values()))
     want = torch.zeros_like(logits).scatter(-1, want_ids, want_probs)
     got = torch.zeros_like(logits).scatter(-1, ids, probs)
     assert torch.equal(got > 0, want > 0)

@@ -91,16 +91,17 @@ def _mark_slot_dynamic(slot: _Slot) -> None:
     st = slot.state
     for t in (st["tokens"], st["position_ids"], st["finished"], st["seq"], slot.mask):
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    dynamic_length = slot.uncapturable is None  # every layer a StaticLayer: keys [rows, heads, length, dim]
-    for t in (st["seq"], slot.mask) if dynamic_length else (st["seq"],):
-        torch._dynamo.maybe_mark_dynamic(t, 1)
+    torch._dynamo.maybe_mark_dynamic(st["seq"], 1)
+    static_layers = slot.uncapturable is None  # every layer a StaticLayer: keys [rows, heads, length, dim]
+    if static_layers:
+        torch._dynamo.maybe_mark_dynamic(slot.mask, 1)
     for layer in slot.cache.layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(t, torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-                if dynamic_length:
+                if static_layers:
                     torch._dynamo.maybe_mark_dynamic(t, 2)
-        if dynamic_length:
+        if static_layers:
             layer.get_mask_sizes = types.MethodType(_mask_sizes_from_keys, layer)
 
 
@@ -318,7 +319,7 @@ class DecodeLoop:
             "eos": torch.full((MAX_EOS_IDS,), -1, **long),
             "pad": torch.zeros((), **long),
             "pad_finished": torch.zeros((), dtype=torch.bool, device=device),
-            "sampling": torch.ones(4, dtype=torch.float32, device=device),  # SamplingParams.value_list()
+            "sampling": torch.ones(4, dtype=torch.float32, device=device),  # SamplingParams.values()
         }
         slot = _Slot(rows, max_len, cache, state, torch.ones(rows, max_len, **long))
         # The cache's layers allocate their tensors on the first update: do it eagerly, with one token, so no
@@ -457,7 +458,7 @@ class DecodeLoop:
         st["finished"].fill_(False)
         st["finished"][batch:] = True
         form = params.form()
-        for i, value in enumerate(params.value_list()):
+        for i, value in enumerate(params.values()):
             st["sampling"][i].fill_(value)
         slot.cache.reset()
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.

@@ -11,8 +11,8 @@ always kept. Ties at the top-k boundary keep the candidates `torch.topk` returne
 The draw is `argmax(p / q)` with `q ~ Exp(1)`: exactly a draw from the categorical `p`.
 
 A compiled sampler depends on the params' form only (`SamplingParams.form`: greedy or not, `top_k`, which filters
-are on); temperature, top-p and min-p can come as device tensors (`values`), so a stream of requests with
-different values shares one compile and one captured graph per form instead of one per value.
+are on, top-k rounded up); temperature, top-p, min-p and top-k can come as one device tensor (`values`), so a
+stream of requests with different values shares one compile and one captured graph per form, not one per value.
 """
 
 from __future__ import annotations
@@ -55,11 +55,8 @@ class SamplingParams:
         return SamplingParams(temperature=1.0, top_k=top_k, top_p=0.5 if self.top_p < 1 else 1.0,
                               min_p=0.5 if self.min_p > 0 else 0.0)
 
-    def values(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """(temperature, top_p, min_p, top_k) as one fp32 tensor [4], the `values` argument of `sample`."""
-        return torch.tensor(self.value_list(), dtype=torch.float32, device=device)
-
-    def value_list(self) -> list[float]:
+    def values(self) -> list[float]:
+        """(temperature, top_p, min_p, top_k): the `values` argument of `sample`, as an fp32 tensor [4]."""
         return [self.temperature, self.top_p, self.min_p, float(self.top_k)]
 
 
