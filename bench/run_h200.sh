@@ -15,6 +15,8 @@
 #                                                        #   e2e-48-regions e2e-48-inline (48 layers B=1, config
 #                                                        #   layer_regions all / none: compile seconds, launches per step)
 #                                                        #   stream (500 mixed requests on the engine, bench/stream.py)
+#                                                        #   stream-prime, then stream-cached in the next call: the
+#                                                        #   same with compile caches kept between the two calls
 #                                                        #   ttft-8 ttft-48 (time to first token: 256/1024/4096 x B=1 and
 #                                                        #   8 x 512, hf eager, hf compiled, moefx; bench/e2e.py --ttft)
 #                                                        #   routing (fused MoE routing vs inductor's softmax+topk)
@@ -32,6 +34,8 @@ OUT=${OUT:-$PWD/out}
 RES=$(mktemp -d /tmp/moefx-res.XXXX)
 export TORCHINDUCTOR_CACHE_DIR=$RES/inductor
 export MOEFX_COMPILE_CACHE=$RES/moefx-compile  # every call starts cold, like the inductor cache
+# stream-prime / stream-cached keep their compile caches on the machine between two calls (a restarted server).
+KEPT="TORCHINDUCTOR_CACHE_DIR=/tmp/moefx-kept/inductor MOEFX_COMPILE_CACHE=/tmp/moefx-kept/moefx-compile"
 mkdir -p "$OUT"
 stages=("$@")
 
@@ -110,6 +114,9 @@ for s in "${stages[@]}"; do
             --profile --layer-regions none --tag _regions_none ;;
         e2e-48b) run_stage e2e-48b 560 python3 bench/e2e.py --layers 48 --batches 64 --eager-batches 64 --tag _b64 ;;
         stream) run_stage stream 560 python3 bench/stream.py --layers 8 ;;
+        stream-prime) run_stage stream-prime 300 env $KEPT python3 bench/stream.py --layers 8 --max-seconds 230 \
+            --tag _prime ;;  # fills the kept caches (a server's first run) for stream-cached in the next call
+        stream-cached) run_stage stream-cached 560 env $KEPT python3 bench/stream.py --layers 8 --tag _cached ;;
         ttft-8) run_stage ttft-8 300 python3 bench/e2e.py --layers 8 --batches "" --arms moefx --ttft 256,1024,4096 \
             --ttft-batch 8x512 --tag _ttft ;;
         ttft-48) run_stage ttft-48 560 python3 bench/e2e.py --layers 48 --batches "" --arms moefx --ttft 256,1024,4096 \
@@ -133,7 +140,8 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
-            "e2e-check e2e-8-readme e2e-48-b16 e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
+            "e2e-check e2e-8-readme e2e-48-b16 e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream stream-prime" \
+            "stream-cached coldstart coldstart-48 dispatch ttft-8 ttft-48)" ;;
     esac
 done
 pack

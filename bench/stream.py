@@ -14,7 +14,8 @@ Reports p50/p99 latency and tokens/s per class (batch band x greedy/sampled), ca
 allocated, evicted), the buckets used (distinct batch bucket x cache length x sampling params x mask graph keys),
 and peak allocated memory after the warm-up vs at the end. Every `--check-every`-th request runs again on the same
 engine with its CUDA graphs off (the uncaptured engine: same compiled steps, buckets and slots, steps called
-directly) from the same seed, and the tokens must be equal. PASS/FAIL lines: no error, tokens equal, peak memory
+directly, their kernels chosen as in the graphs: moefx/backends/capture_mode.py) from the same seed, and the tokens
+must be equal. PASS/FAIL lines: no error, tokens equal, peak memory
 growth <= 2% after the warm-up, captures <= 2 x buckets used, and every request ran (`--max-seconds`, default 480,
 stops issuing requests so the report is still written inside the stage's limit). Writes
 $OUT/stream_<layers>l.json.
@@ -146,6 +147,9 @@ def main() -> int:
     from moefx.config import parse_memory_budget
 
     budget = parse_memory_budget(args.memory_budget)
+    kept = Path(os.environ.get("MOEFX_COMPILE_CACHE", "/nonexistent"))
+    cached_files = sum(1 for f in kept.rglob("*") if f.is_file()) if kept.is_dir() else 0
+    print(f"moefx compile cache: {cached_files} files at start", flush=True)
     cfg = tiny_qwen3_moe_config(num_hidden_layers=args.layers) if args.tiny else qwen3_moe_config(args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing="balanced").eval()
@@ -230,7 +234,8 @@ def main() -> int:
         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)",
         versions=dict(torch=torch.__version__), command=" ".join(["python3", *sys.argv]),
         commit=os.environ.get("MOEFX_COMMIT", "unknown"), layers=args.layers, requests=len(stream), ran=len(rows),
-        capture_sizes=plan_sizes, memory_budget=stats.memory_budget, seconds=round(total_s, 1),
+        compile_cache_files_at_start=cached_files, capture_sizes=plan_sizes, memory_budget=stats.memory_budget,
+        seconds=round(total_s, 1),
         tok_s=round(sum(row["tokens"] for row in rows) / sum(row["seconds"] for row in rows), 1) if rows else 0,
         classes=classes, captures=stats.captures, buckets_used=len(buckets), compiles=stats.compiles,
         compile_s=stats.compile_s, slots=stats.slots, slot_allocations=stats.slot_allocations,

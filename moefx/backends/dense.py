@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from moefx.backends import calibration
+from moefx.backends.capture_mode import decides_as_captured
 from moefx.backends.dense_policy import GEMV, dense_key, env_token, requested
 from moefx.backends.kernels.common import FLOAT_DTYPES
 from moefx.backends.memo import ShapeMemo, on_device, tensor_meta
@@ -167,11 +168,12 @@ def select_backend(
 ) -> str:
     """The backend one call runs: the policy's choice for its M, or upstream with a one-time warning why.
 
-    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run. The choice
-    reads only the key below (metadata of x and the weights, the arguments, MOEFX_DENSE_BACKEND's raw value, the
-    tables' generation, the thread count of CPU rows), so it is made once per key (memo.py)."""
+    `capturing` None reads the capture rows on a capturing stream or under `as_captured()` (capture_mode.py);
+    True/False asks what would run. The choice reads only the key below (metadata of x and the weights, the
+    arguments, MOEFX_DENSE_BACKEND's raw value, the tables' generation, the thread count of CPU rows), so it is
+    made once per key (memo.py)."""
     if capturing is None:
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = decides_as_captured(x)
     key = (tensor_meta(x), tuple(tensor_meta(w) for w in weights), bool(weight_scales),
            tuple(block_shape) if block_shape is not None else None, out_dtype, backend, capturing, env_token(),
            calibration._generation, torch.get_num_threads())

@@ -23,6 +23,7 @@ from moefx.backends import backward as _backward
 from moefx.backends import calibration
 from moefx.backends.activation import check_limit, gate_up, get_activation
 from moefx.backends.calibration import find_row, key_for_tensors
+from moefx.backends.capture_mode import decides_as_captured
 from moefx.backends.memo import ShapeMemo, tensor_meta
 from moefx.backends.policy import (
     HOST_SYNCING_BACKENDS,
@@ -99,12 +100,14 @@ def select_backend(
 ) -> str:
     """The backend one call runs: the policy's choice for M, or the plain path with a one-time warning why.
 
-    `capturing` None detects CUDA-graph capture on the current stream; True/False asks what would run. The choice
-    reads only the key below (shapes, strides, dtypes, devices, the arguments, the MoE env knobs' raw values, the
-    calibration tables' generation and, for CPU rows, the thread count), so it is made once per key (memo.py).
+    `capturing` None reads the capture rows on a capturing stream or under `as_captured()` (capture_mode.py);
+    True/False asks what would run. The choice reads only the key below (shapes, strides, dtypes, devices, the
+    arguments, the MoE env knobs' raw values, the calibration tables' generation and, for CPU rows, the thread
+    count), so it is made once per key (memo.py).
     """
+    explicit = capturing is not None
     if capturing is None:
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = decides_as_captured(hidden)
     bs = tuple(block_shape) if block_shape is not None else None
     args = (hidden, topk_ids, w13, w2, w13_scale, bs, backend, upstream, capturing, activation, gate_limit)
     if torch.compiler.is_compiling():  # traced (vLLM's compiled forward calls this): shapes may be symbolic
@@ -119,7 +122,9 @@ def select_backend(
     name, warning, _, _ = found
     if warning:
         warn_once(warning)  # once per process, as on the call that decided
-    if capturing and name in HOST_SYNCING_BACKENDS:
+    # Only a real capture refuses a host-syncing backend; a direct call under as_captured() runs it.
+    in_capture = capturing if explicit else hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if in_capture and name in HOST_SYNCING_BACKENDS:
         raise RuntimeError(
             f"moefx::moe_experts: backend {name!r} syncs the host and cannot run inside CUDA-graph capture; "
             f"calibrate a capture row (`moefx calibrate --modes capture`) or force a capture-safe backend"

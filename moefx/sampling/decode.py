@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from moefx.backends.capture_mode import as_captured
 from moefx.log import get_logger, progress_logger, warn_once
 from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.sampler import SamplingParams, sample
@@ -287,12 +288,12 @@ class DecodeLoop:
     # -- buckets, caches and graphs --------------------------------------------------------------------------
 
     def bucket(self, batch: int) -> tuple[int, bool]:
-        """(rows the step runs with, whether a graph may be captured for it)."""
+        """(rows the step runs with, whether the batch is within the capture sizes: a graph may be captured)."""
         if not self.capture_sizes:
-            return batch, self.cuda_graphs
+            return batch, True
         for size in self.capture_sizes:
             if size >= batch:
-                return size, self.cuda_graphs
+                return size, True
         return batch, False
 
     def _slot(self, rows: int, needed: int, device: torch.device) -> _Slot:
@@ -433,10 +434,12 @@ class DecodeLoop:
         if len(eos) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(eos)}")
         device = input_ids.device
-        rows, capturable = self.bucket(batch)
-        if self.cuda_graphs and not capturable:  # bucket() says no graph only above the largest capture size
+        rows, within = self.bucket(batch)
+        if self.cuda_graphs and not within:
             self._above_cap(batch)
-        graphs = capturable and device.type == "cuda"
+        graphs = within and self.cuda_graphs and device.type == "cuda"
+        # With the graphs turned off, the steps a graph would have replayed run the kernels it would have run.
+        stand_in = within and not self.cuda_graphs and device.type == "cuda"
         slot = self._slot(rows, prompt + max_new_tokens, device)
         self.stats.requests += 1
         st = slot.state
@@ -463,7 +466,7 @@ class DecodeLoop:
         slot.cache.reset()
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
         by_head = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
-        logits = self._prompt(slot, prompt, positions, masked, by_head, graphs)
+        logits = self._prompt(slot, prompt, positions, masked, by_head, graphs, stand_in)
         st["position_ids"].copy_(positions[:, -1:])
         st["cache_position"].fill_(prompt - 1)
         self._pick(logits, st, form, by_head)
@@ -471,6 +474,8 @@ class DecodeLoop:
         stopper = _LateStop(device, enabled=bool(eos) or bool(stopping_criteria))
         graph, graph_logits = (self._graph(slot, form, masked, by_head) if graphs and max_new_tokens > 1
                                else (None, None))
+        tried = slot.graphs.get((form, masked, by_head))  # (None, None) when its capture was refused
+        as_graph = stand_in and slot.uncapturable is None and (tried is None or tried[0] is not None)
         produced = max_new_tokens
         for step in range(max_new_tokens):
             if step > 0:
@@ -478,7 +483,8 @@ class DecodeLoop:
                     graph.replay()
                     logits = graph_logits
                 else:
-                    logits = self._step(slot, form, masked, by_head)
+                    with as_captured(as_graph):
+                        logits = self._step(slot, form, masked, by_head)
             if logits_out is not None:
                 logits_out.append(logits[:batch].clone())
             if stopping_criteria:
@@ -489,16 +495,16 @@ class DecodeLoop:
         return st["seq"][:batch, : prompt + produced].clone()
 
     def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool,
-                by_head: bool, graphs: bool) -> torch.Tensor:
+                by_head: bool, graphs: bool, stand_in: bool) -> torch.Tensor:
         """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
         loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
-        then copied into the static cache: padded to its bucket (captured when `graphs`) where one holds it,
-        else at its own length; other caches take the prompt directly."""
+        then copied into the static cache: padded to its bucket (captured when `graphs`, run as captured when
+        `stand_in`) where one holds it, else at its own length; other caches take the prompt directly."""
         from transformers import DynamicCache
 
         pad = self._bucketed is not None and (graphs or not self.cuda_graphs)
         if pad and slot.uncapturable is None:
-            scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs)
+            scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs, stand_in)
             if scores is not None:
                 return scores
         st = slot.state

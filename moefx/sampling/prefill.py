@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from moefx.backends.capture_mode import as_captured
 from moefx.config import PREFILL_BUCKETS
 from moefx.log import get_logger, warn_once
 
@@ -76,9 +77,10 @@ class BucketedPrefill:
         self._fn = loop._compile("prefill[padded]", types.MethodType(_forward, loop), dict(loop._compile_kwargs))
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
-            graphs: bool) -> torch.Tensor | None:
+            graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
         """The first-token scores (logits, or tokens with `by_head`) of the padded prefill into `slot`'s static
-        cache, or None when no bucket holds this prompt."""
+        cache, or None when no bucket holds this prompt. `stand_in`: run without a graph the kernels a captured
+        one would (capture_mode.py), unless this bucket's capture was refused."""
         bucket = pick_bucket(slot.batch, prompt, self.buckets, self.max_tokens)
         if bucket is None:
             return None
@@ -90,10 +92,12 @@ class BucketedPrefill:
         if graphs and not run.tried:
             run.tried = True
             self._capture(slot, run, key)
-        if run.graph is not None:
+        if graphs and run.graph is not None:
             run.graph.replay()
             return run.out
-        return self._call(slot, run, by_head)
+        refused = run.tried and run.graph is None
+        with as_captured(stand_in and not refused):
+            return self._call(slot, run, by_head)
 
     def _call(self, slot: Any, run: _Bucketed, by_head: bool) -> torch.Tensor:
         from transformers import DynamicCache
