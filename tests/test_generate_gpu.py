@@ -141,20 +141,25 @@ def test_captured_prefill_gives_the_uncaptured_tokens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_sampled_steps_replayed_or_called_directly_give_the_same_logits_and_tokens(dtype):
+def test_sampled_steps_replayed_or_called_directly_give_the_same_logits_and_tokens(dtype, isolated_moe_tables,
+                                                                                   monkeypatch):
     """Same seed, same engine: the prefill and steps replayed from graphs captured in this request (with its
     compiles), from graphs captured earlier, and called directly with the graphs off give the same logits and
     tokens, bit for bit; batch 3 runs in bucket 4. The dense rows written here run the q/k/v gemv when captured and
-    cuBLAS eager, so a direct call that decided as an eager one would run other kernels (capture_mode.py)."""
+    cuBLAS eager, so a direct call that decided as an eager one would run other kernels, and so would a capture
+    whose warm-ups did not create the gemv's split-K counters (capture_mode.py)."""
     from moefx.backends import dense_policy
     from moefx.backends.calibration import parse_ranges
     from moefx.backends.capture_mode import as_captured
     from moefx.backends.dense import select_backend
+    from moefx.backends.kernels import dense_kernels
     from moefx.sampling.sampler import SamplingParams
 
-    cfg = tiny_qwen3_moe_config()
+    monkeypatch.setattr(dense_kernels, "_COUNTERS", {})  # as in a fresh process: no gemv has run yet
+
+    cfg = tiny_qwen3_moe_config(hidden_size=1024)  # K 1024: the q/k/v gemv splits K (4 rows: 2 ways, 64 rows: 4)
     ns, k = [cfg.num_attention_heads * cfg.head_dim, *[cfg.num_key_value_heads * cfg.head_dim] * 2], cfg.hidden_size
-    table = os.path.join(os.environ["XDG_CONFIG_HOME"], "moefx", "calibration", "dense.yaml")
+    table = os.path.join(os.environ["XDG_CONFIG_HOME"], "moefx", "calibration", "dense.yaml")  # the fixture's
     timings = {"gemv": {1: 1.0, 512: 1.0}, "upstream": {1: 2.0, 512: 2.0}}  # the grid: M 1..512
     for mode, ranges in (("capture", "gemv@1-"), ("eager", "upstream@1-")):
         key = dense_policy.dense_key("cuda", ns, k, dtype, None, mode)

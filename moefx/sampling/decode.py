@@ -9,7 +9,9 @@ criteria) runs as:
   (moefx/sampling/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
   and writing static per-bucket buffers. On CUDA the whole step is captured once per (slot, sampling
-  params form) in a CUDA graph and replayed: no Python per layer and no host sync per token.
+  params form) in a CUDA graph and replayed: no Python per layer and no host sync per token. With the graphs
+  turned off the same steps run directly and decide their kernels as the capture did (capture_mode.py), so they
+  give the graphs' bits.
 The only host read is the "every row finished?" flag, copied to pinned memory and read one step late (the
 step queued meanwhile is dropped). Batches are padded to the capture bucket with copies of row 0 that count
 as finished from the start; a batch above the largest bucket runs the same steps without graphs, and says so
@@ -361,7 +363,9 @@ class DecodeLoop:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         syncs = None
-        with torch.cuda.stream(side):
+        # The warm-ups run the kernels the capture will (capture_mode.py): their lazy state (Triton builds, the
+        # dense gemv's split-K counters) must exist before the capture, which cannot create it.
+        with torch.cuda.stream(side), as_captured():
             self._step(slot, form, masked, by_head)  # compiles, initializes lazy state
             # A step that syncs the host cannot be captured, and a capture that fails half-way leaves the RNG and
             # the graph memory pool unusable: find out first, with host syncs turned into errors.

@@ -114,8 +114,9 @@ class BucketedPrefill:
         return scores
 
     def _capture(self, slot: Any, run: _Bucketed, key: tuple) -> None:
-        """Capture this prefill (warm-ups on a side stream first: compile, then one run with host syncs turned
-        into errors); a prefill that cannot be captured runs without a graph, with the reason in the stats."""
+        """Capture this prefill (warm-ups on a side stream first, deciding kernels as the capture will: compile,
+        then one run with host syncs turned into errors); a prefill that cannot be captured runs without a graph,
+        with the reason in the stats."""
         loop, (bucket, masked, by_head) = self.loop, key
         device = run.tokens.device
         reserved = torch.cuda.memory_reserved(device)
@@ -123,7 +124,7 @@ class BucketedPrefill:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         syncs = None
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), as_captured():  # the kernels the capture will run, as in DecodeLoop._capture
             self._call(slot, run, by_head)
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
