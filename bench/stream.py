@@ -12,7 +12,8 @@ evicted and re-allocated all along the stream).
 
 Reports p50/p99 latency and tokens/s per class (batch band x greedy/sampled), captures, compiles, slots (alive,
 allocated, evicted), the buckets used (distinct batch bucket x cache length x sampling params x mask graph keys),
-and peak allocated memory after the warm-up vs at the end. Every `--check-every`-th request runs again on the same
+peak allocated memory after the warm-up vs at the end, and where the time went (requests that compiled or
+captured something, the others, the graphs-off reruns). Every `--check-every`-th request runs again on the same
 engine with its CUDA graphs off (the uncaptured engine: same compiled steps, buckets and slots, steps called
 directly, their kernels chosen as in the graphs: moefx/backends/capture_mode.py) from the same seed, and the tokens
 must be equal. PASS/FAIL lines: no error, tokens equal, peak memory
@@ -121,6 +122,11 @@ def _peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
 
+def _first_uses(stats) -> tuple[int, int, int]:
+    """Compiles, decode captures and prefill captures so far: a request that moved them paid a first use."""
+    return sum(stats.compiles.values()), stats.captures, stats.prefill_captures
+
+
 def _band(batch: int) -> str:
     low, high = next(b for b in BANDS if b[0] <= batch <= b[1])
     return f"B{low}" if low == high else f"B{low}-{high}"
@@ -169,6 +175,7 @@ def main() -> int:
     peak_warm = 0
     last_tokens: list[int] = []
     graphs_on = engine.cuda_graphs
+    check_s = 0.0
     start_all = time.perf_counter()
     for r in stream:
         if time.perf_counter() - start_all > args.max_seconds:
@@ -178,6 +185,7 @@ def main() -> int:
         try:
             torch.manual_seed(r["seed"])
             _sync()
+            before = _first_uses(engine.stats)
             t0 = time.perf_counter()
             out = model.generate(ids, **kwargs)
             _sync()
@@ -191,15 +199,19 @@ def main() -> int:
         buckets.add((slot_rows, slot_len, sampling, "attention_mask" in kwargs))
         new_tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
         kind = "greedy" if r["greedy"] else "sampled"
-        rows.append({"i": r["i"], "class": f"{_band(r['batch'])} {kind}", "seconds": seconds, "tokens": new_tokens})
+        rows.append({"i": r["i"], "class": f"{_band(r['batch'])} {kind}", "seconds": seconds, "tokens": new_tokens,
+                     "first_use": _first_uses(engine.stats) != before})
         last_tokens = [t for t in out[0, ids.shape[1]:].tolist() if t != 0]  # 0 is the pad id
         if args.check_every and r["i"] % args.check_every == 0:
             engine.cuda_graphs = False
+            t0 = time.perf_counter()
             try:
                 torch.manual_seed(r["seed"])
                 ref = model.generate(ids, **kwargs)
             finally:
                 engine.cuda_graphs = graphs_on
+                _sync()
+                check_s += time.perf_counter() - t0
             checked[kind] += 1
             if not torch.equal(out, ref):
                 same = out.shape == ref.shape
@@ -222,6 +234,10 @@ def main() -> int:
         classes[name] = {"requests": len(lat), "p50_s": round(statistics.median(lat), 4), "p99_s": round(p99, 4),
                          "tok_s": round(toks / sum(lat), 1)}
     growth = (peak_end - peak_warm) / peak_warm if peak_warm else 0.0
+    first = [row["seconds"] for row in rows if row["first_use"]]
+    steady = [row["seconds"] for row in rows if not row["first_use"]]
+    where = {"first_use_requests": len(first), "first_use_s": round(sum(first), 1), "steady_requests": len(steady),
+             "steady_s": round(sum(steady), 1), "graphs_off_reruns_s": round(check_s, 1)}
     checks = {
         "no error": not errors,
         "tokens equal to the uncaptured engine's": not mismatches and sum(checked.values()) > 0,
@@ -242,7 +258,7 @@ def main() -> int:
         evictions=stats.evictions, cache_gib=round(stats.cache_bytes / 2**30, 2),
         graph_gib=round(stats.graph_bytes / 2**30, 2), above_cap=stats.above_cap, uncaptured=stats.uncaptured,
         peak_warmup_gib=round(peak_warm / 2**30, 3), peak_end_gib=round(peak_end / 2**30, 3),
-        peak_growth=round(growth, 4), checked=checked, mismatches=mismatches[:20], errors=errors[:20],
+        peak_growth=round(growth, 4), time_split=where, checked=checked, mismatches=mismatches[:20], errors=errors[:20],
         fallbacks=sorted(set(front.fallbacks)), checks=checks,
     )
     path = out_dir / f"stream_{args.layers}l{args.tag}.json"
@@ -255,6 +271,8 @@ def main() -> int:
           f"buckets used {len(buckets)}, compiles {stats.compiles}; {stats.describe_slots()}")
     print(f"peak allocated: {peak_warm / 2**30:.2f} GiB after the warm-up, {peak_end / 2**30:.2f} GiB at the end "
           f"({growth:+.2%}); checked {checked} without graphs, {len(mismatches)} differ")
+    print(f"requests that compiled or captured: {where['first_use_requests']} in {where['first_use_s']} s; the others: "
+          f"{where['steady_requests']} in {where['steady_s']} s; graphs-off reruns {where['graphs_off_reruns_s']} s")
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}: {name}")
     print(f"wrote {path}")
