@@ -499,7 +499,7 @@ class DecodeLoop:
         return st["seq"][:batch, : prompt + produced].clone()
 
     def _prompt(self, slot: _Slot, prompt: int, positions: torch.Tensor, masked: bool,
-                by_head: bool, graphs: bool, stand_in: bool) -> torch.Tensor:
+                by_head: bool, graphs: bool, stand_in: bool = False) -> torch.Tensor:
         """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
         loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
         then copied into the static cache: padded to its bucket (captured when `graphs`, run as captured when
