@@ -5,7 +5,9 @@ describe(), the above-the-cap line, and the budget's config key and env knob."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -66,6 +68,24 @@ def test_least_recently_used_slots_are_freed_at_the_budget(stock):
     s = loop.stats
     assert (s.slots, s.slot_allocations, s.evictions, s.cache_bytes) == (2, 4, 2, 6 * per_row)
     assert loop.slots.used() <= loop.slots.limit == 6 * per_row
+
+
+def test_an_evicted_slot_frees_its_cache_at_once(stock):
+    """A compiled engine's slot answers mask sizes from its keys through a method bound to each layer (a reference
+    cycle): eviction must break it, or the cache stays allocated until Python's cyclic collector runs."""
+    per_row = cache_bytes(stock.config, 1, 256, torch.float32)
+    loop = DecodeLoop(stock, compile_kwargs={"backend": "eager"}, memory_budget=2 * per_row)
+    cpu = torch.device("cpu")
+    gc.disable()
+    try:
+        first = loop._slot(1, 10, cpu)
+        assert "get_mask_sizes" in vars(first.cache.layers[0])  # the marking this test is about
+        keys = weakref.ref(first.cache.layers[0].keys)
+        del first
+        loop._slot(2, 10, cpu)  # evicts batch 1's slot
+        assert loop.stats.evictions == 1 and keys() is None
+    finally:
+        gc.enable()
 
 
 def test_a_request_that_cannot_fit_raises_before_it_allocates(stock):

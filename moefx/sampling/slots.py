@@ -10,7 +10,8 @@ every captured graph's memory pool count against one budget:
 - a cache's bytes are known before it is allocated (layers x 2 x rows x KV heads x length x head_dim x dtype
   size, plus the engine's token and mask buffers); graph pools are measured on CUDA around each capture
   (`graph_memory`), and the pool keeps what it took, so those bytes stay counted;
-- a new slot first evicts least-recently-used slots until it fits; a slot that cannot fit even in an empty
+- a new slot first evicts least-recently-used slots until it fits (an evicted slot's `release()` drops what it
+  holds, so its memory is free before the new one is allocated); a slot that cannot fit even in an empty
   budget raises `MemoryBudgetError` before anything is allocated. When fitting the exact bucket would evict, a
   longer slot of the same batch bucket that is alive serves the request instead.
 """
@@ -185,6 +186,7 @@ class SlotPool:
         for key, slot in self._slots.items():
             if slot is not keep:
                 del self._slots[key]
+                slot.release()
                 freed = self._bytes.pop(key)
                 self.stats.evictions += 1
                 log.info("decode engine: slot batch %d x length %d evicted (%.1f MiB)", key[0], key[1], freed / _MIB)
