@@ -275,6 +275,80 @@ def render_ttft(r: dict[str, Any]) -> str:
               f"bytes it reads (every non-expert weight, the experts the prompt hit) / "
               f"{num(ceil.get('hbm_copy_TBps'), 2)} TB/s")
 
+# -------------------------------------------------------------------------------- request stream, cold start
+
+
+def _band_order(item: tuple[str, Any]) -> tuple[int, str]:
+    """'B9-32 greedy' -> (9, 'greedy'): batch bands in numeric order."""
+    band, _, kind = item[0].partition(" ")
+    return int(re.sub(r"\D.*", "", band[1:]) or 0), kind
+
+
+def render_stream(r: dict[str, Any]) -> str:
+    """bench/stream.py: a long stream of mixed requests through the README path (correctness and memory first)."""
+    checks = table(["check", "result"], [(name, "PASS" if ok else "**FAIL**") for name, ok in r["checks"].items()])
+    classes = table(["class (batch band, decoding)", "requests", "p50 s", "p99 s", "tok/s"],
+                    [(name, c["requests"], num(c["p50_s"], 3), num(c["p99_s"], 2), sig(c["tok_s"]))
+                     for name, c in sorted(r["classes"].items(), key=_band_order)])
+    split = r.get("time_split") or {}
+    checked = r.get("checked") or {}
+    facts = [
+        f"{r['ran']} of {r['requests']} requests in {num(r['seconds'], 0)} s ({sig(r['tok_s'])} tok/s over the "
+        f"stream); {sum(checked.values())} rerun with graphs off ({checked.get('greedy', 0)} greedy, "
+        f"{checked.get('sampled', 0)} sampled), {len(r.get('mismatches') or [])} differ; {len(r.get('errors') or [])} "
+        "errors",
+        f"peak allocated {num(r['peak_warmup_gib'], 2)} GiB after the first 50 requests, {num(r['peak_end_gib'], 2)} "
+        f"GiB at the end ({100 * r['peak_growth']:+.1f}%)",
+        f"{r['captures']} captures for {r['buckets_used']} buckets used (batch bucket × cache length × sampling "
+        f"params × mask); compiles {r['compiles']}; {r['slot_allocations']} slot allocations, {r['evictions']} "
+        f"evictions under the budget {r['memory_budget']}",
+        f"moefx compile-cache files at the start: {r.get('compile_cache_files_at_start', 0)}",
+    ]
+    if split:
+        facts.append(f"time: {split['first_use_requests']} requests that compiled or captured took "
+                     f"{split['first_use_s']} s, the other {split['steady_requests']} {split['steady_s']} s, the "
+                     f"graphs-off reruns {split['graphs_off_reruns_s']} s")
+    body = checks + "\n\n" + "\n".join(f"- {line}" for line in facts) + "\n\n" + classes
+    return section(
+        "A stream of mixed requests", r,
+        what=f"`bench/stream.py`: {r['requests']} requests in a seeded random order through `moefx.optimize(model)` "
+             f"(no config but a memory budget) + `generate()`, {r['layers']} layers at Qwen3-30B-A3B widths, bf16, "
+             "routing like a trained model's: batch 1–64, prompts 16–4096, 1–512 new tokens, greedy and sampled, "
+             "EOS ids, left padding, stopping criteria. Correctness and memory first; latencies include every "
+             "compile and capture.",
+        peer="the same engine with its CUDA graphs off, same seed (every 4th request); no speed peer (a serving "
+             "workload, not a kernel)",
+        floor="none (latencies are set by first-use compiles and captures, see the time line)", body=body)
+
+
+def render_coldstart(r: dict[str, Any]) -> str:
+    """bench/coldstart.py: the first call in fresh processes, cold and with the compile cache, vs transformers."""
+    runs_ = r.get("runs") or [r]
+    rows = []
+    for run in sorted(runs_, key=lambda x: (x["layers"], x["batch"])):
+        peer = next((x.get("first_call_s") for x in run["rows"] if x["arm"] == "hf_static"), None)
+        for x in run["rows"]:
+            first = x.get("first_call_s")
+            rows.append((run["layers"], run["batch"], f"`{x['arm']}`", num(first, 1), num(x.get("ready_s"), 1),
+                         ratio(first, peer) if x["arm"] != "hf_static" and peer and first else "–",
+                         f"{x.get('fxgraph_cache_miss', '–')} / {x.get('fxgraph_cache_hit', '–')}",
+                         {True: "yes", False: "**no**"}.get(x.get("same_tokens_as_cold"), "–"),
+                         x.get("error") or ""))
+    body = table(["layers", "B", "arm", "first call s", "ready s", "× peer", "inductor cache miss / hit",
+                  "tokens = cold", "error"], rows)
+    body += ("\n\nArms (each a new process with empty inductor and Triton caches):\n"
+             "- `hf_static`: transformers `generate(cache_implementation=\"static\")`, its own compile\n"
+             "- `moefx_cold`: `moefx.optimize(model)` + the first `generate()`, moefx's compile cache empty\n"
+             "- `moefx_warm`: the same with the compile cache file `moefx_cold` wrote\n"
+             "- `moefx_restart`: as `moefx_warm`, with the Triton cache `moefx_cold` left (a restart on the same "
+             "machine)\n\nFirst call = optimize + the first `generate()`; ready = from the process's start.")
+    return section(
+        "Cold start", r,
+        what=f"Qwen3-30B-A3B widths, bf16, a {runs_[0]['prompt']}-token prompt, greedy (`bench/coldstart.py`).",
+        peer="`hf_static` in the same run; `× peer` = first call s over the peer's",
+        floor="none (compile time has no hardware floor)", body=body)
+
+
 # ------------------------------------------------------------------------------------------ dense linears
 
 DENSE_SHAPES = {"qkv": "q/k/v (three weights, one launch)", "o": "o_proj", "router": "router gate"}
@@ -650,7 +724,7 @@ CUDA-graph replays, and report medians.
 """
 
 WORKLOADS: list[tuple[str, list[str]]] = [
-    ("End to end", ["e2e", "ttft"]),
+    ("End to end", ["e2e", "ttft", "coldstart", "stream"]),
     ("MoE experts", ["moe", "moe-vllm-peer", "moe-bounds", "moe-backward"]),
     ("Dense linears", ["dense"]),
     ("Fusions", ["fusions"]),
@@ -666,6 +740,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "sampler": render_sampler, "offload": render_offload,
         "moe-vllm-peer": render_moe_vllm_peer, "moe-bounds": lambda r: render_moe_bounds(r, moe),
         "moe-backward": render_moe_backward, "dense": render_dense, "ttft": render_ttft,
+        "stream": render_stream, "coldstart": render_coldstart,
     }
     unknown = sorted(set(results) - set(renderers))
     if unknown:
@@ -755,6 +830,20 @@ def merge_e2e(paths: list[Path]) -> dict[str, Any]:
             "command": " and ".join(dict.fromkeys(r["command"] for r in runs_))}
 
 
+def _stage_command(stage: str, paths: list[Path]) -> str:
+    """The run_h200.sh call(s) that wrote these files."""
+    if stage == "coldstart":  # coldstart_<layers>l[_<tag>].json: stage coldstart (8 layers), coldstart-48[-b16]
+        names = []
+        for p in paths:
+            m = re.fullmatch(r"coldstart_(\d+)l(?:_(\w+))?", p.stem)
+            layers, tag = (m[1], m[2]) if m else ("?", None)
+            names.append("coldstart" + ("" if layers == "8" else f"-{layers}") + (f"-{tag}" if tag else ""))
+        return " and ".join(f"bash bench/run_h200.sh {n}" for n in names)
+    if stage == "stream" and paths[0].stem.endswith("_cached"):
+        return "bash bench/run_h200.sh stream-prime and bash bench/run_h200.sh stream-cached (the next call)"
+    return f"bash bench/run_h200.sh {stage}"
+
+
 def ingest(folder: Path, commit: str | None, day: str | None) -> list[Path]:
     """Keep each stage's output from an unpacked run_h200.sh results folder; returns the files written."""
     vt = (folder / "versions.txt").read_text().split()
@@ -768,16 +857,23 @@ def ingest(folder: Path, commit: str | None, day: str | None) -> list[Path]:
     e2e_files = sorted(folder.glob("e2e_*.json"))
     stages["ttft"] = [p for p in e2e_files if p.stem.endswith("_ttft")]
     stages["e2e"] = [p for p in e2e_files if not p.stem.endswith("_ttft")]
+    stages["coldstart"] = sorted(folder.glob("coldstart_*.json"),
+                                 key=lambda p: (int(re.sub(r"\D", " ", p.stem).split()[0]), p.stem))  # by depth
+    # stream-prime only fills the compile caches for stream-cached: the kept run is the whole stream
+    stages["stream"] = [p for p in sorted(folder.glob("stream_*.json")) if not p.stem.endswith("_prime")][:1]
     for stage, paths in stages.items():
         if not paths or not all(p.exists() for p in paths):
             continue
         if stage in ("e2e", "ttft"):
             data = merge_e2e(paths)
+        elif stage == "coldstart":
+            runs_ = [json.loads(p.read_text()) for p in paths]
+            data = {**runs_[0], "runs": runs_, "command": " and ".join(r["command"] for r in runs_)}
         elif stage == "moe-bounds":
             data = {"probe_read": json.loads(paths[0].read_text()), "probe_ceilings": json.loads(paths[1].read_text())}
         else:
             data = json.loads(paths[0].read_text())
-        command = data["command"] if stage in ("e2e", "ttft") else f"bash bench/run_h200.sh {stage}"
+        command = data["command"] if stage in ("e2e", "ttft") else _stage_command(stage, paths)
         data = {**data, "stage": stage, "date": day, "device": device, "versions": vers,
                 "commit": commit or data.get("commit"), "command": command}
         for old in RESULTS.glob(f"{stage}_*.json"):

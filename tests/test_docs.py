@@ -67,6 +67,44 @@ def test_e2e_renders_with_null_fields_and_new_arms():
     assert any("`moefx_new_path`: 1.50× at 8 layers B=1" in line for line in lines)
 
 
+def test_coldstart_and_stream_runs_are_kept_with_their_stage_commands(tmp_path, monkeypatch):
+    """The 8- and 48-layer cold-start files of two calls are one kept result (a table row per arm and depth, the
+    first call over transformers'); of a stream, the whole run is kept, not the prime that filled its caches."""
+    results = tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "versions.txt").write_text("torch 2.11.0+cu130 triton 3.6.0 transformers 5.17.0 NVIDIA H200\n")
+    for layers, cold in ((8, 30.0), (48, 90.0)):
+        rows = [{"arm": "hf_static", "first_call_s": 60.0, "ready_s": 70.0},
+                {"arm": "moefx_cold", "first_call_s": cold, "ready_s": cold + 9, "fxgraph_cache_miss": 4},
+                {"arm": "moefx_warm", "first_call_s": 6.0, "ready_s": 15.0, "fxgraph_cache_miss": 0,
+                 "same_tokens_as_cold": True}]
+        (run / f"coldstart_{layers}l.json").write_text(json.dumps(
+            {"stage": "coldstart", "command": f"python3 bench/coldstart.py --layers {layers}", "layers": layers,
+             "batch": 1, "prompt": 128, "rows": rows}))
+    stream = {"stage": "stream", "command": "python3 bench/stream.py", "layers": 8, "requests": 2, "ran": 2,
+              "seconds": 3.0, "tok_s": 10.0, "classes": {"B9-32 greedy": {"requests": 1, "p50_s": 1, "p99_s": 1,
+                                                                          "tok_s": 5.0},
+                                                         "B1 greedy": {"requests": 1, "p50_s": 1, "p99_s": 1,
+                                                                       "tok_s": 5.0}},
+              "captures": 2, "buckets_used": 2, "compiles": {"decode": 1}, "slot_allocations": 1, "evictions": 0,
+              "memory_budget": "1 MiB", "peak_warmup_gib": 1.0, "peak_end_gib": 1.0, "peak_growth": 0.0,
+              "checked": {"greedy": 1}, "checks": {"no error": True, "all 2 requests ran": False}}
+    (run / "stream_8l_prime.json").write_text(json.dumps({**stream, "ran": 1}))
+    (run / "stream_8l_cached.json").write_text(json.dumps(stream))
+    written = {p.name: json.loads(p.read_text()) for p in report.ingest(run, "abc1234", "2026-02-03")}
+    cold, kept = written["coldstart_h200_2026-02-03.json"], written["stream_h200_2026-02-03.json"]
+    assert cold["command"] == "bash bench/run_h200.sh coldstart and bash bench/run_h200.sh coldstart-48"
+    assert kept["ran"] == 2 and kept["command"].startswith("bash bench/run_h200.sh stream-prime and ")
+    page = report.render_coldstart({**cold, "_file": "x"})
+    assert "| 48 | 1 | `moefx_cold` | 90.0 | 99.0 | 1.50 |" in page and "| 8 | 1 | `moefx_warm` | 6.0 |" in page
+    page = report.render_stream({**kept, "_file": "x"})
+    assert "| all 2 requests ran | **FAIL** |" in page and page.index("B1 greedy") < page.index("B9-32 greedy")
+
+
 def test_kept_results_are_one_file_per_stage(tmp_path):
     results = report.load_results()
     assert {"e2e", "moe", "fusions", "sampler", "offload"} <= set(results)
