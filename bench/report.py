@@ -316,8 +316,8 @@ def render_stream(r: dict[str, Any]) -> str:
              "routing like a trained model's: batch 1–64, prompts 16–4096, 1–512 new tokens, greedy and sampled, "
              "EOS ids, left padding, stopping criteria. Correctness and memory first; latencies include every "
              "compile and capture.",
-        peer="the same engine with its CUDA graphs off, same seed (every 4th request); no speed peer (a serving "
-             "workload, not a kernel)",
+        peer=f"the same engine with its CUDA graphs off, same seed (every {r.get('check_every', 4)}th request); no "
+             "speed peer (a serving workload, not a kernel)",
         floor="none (latencies are set by first-use compiles and captures, see the time line)", body=body)
 
 

@@ -12,13 +12,13 @@ evicted and re-allocated all along the stream).
 
 Reports p50/p99 latency and tokens/s per class (batch band x greedy/sampled), captures, compiles, slots (alive,
 allocated, evicted), the buckets used (distinct batch bucket x cache length x sampling params x mask graph keys),
-peak allocated memory after the warm-up vs at the end, and where the time went (requests that compiled or
-captured something, the others, the graphs-off reruns). Every `--check-every`-th request runs again on the same
-engine with its CUDA graphs off (the uncaptured engine: same compiled steps, buckets and slots, steps called
-directly, their kernels chosen as in the graphs: moefx/backends/capture_mode.py) from the same seed, and the tokens
-must be equal. PASS/FAIL lines: no error, tokens equal, peak memory
-growth <= 2% after the warm-up, captures <= 2 x buckets used, and every request ran (`--max-seconds`, default 480,
-stops issuing requests so the report is still written inside the stage's limit). Writes
+peak allocated memory after the warm-up vs at the end (and allocated / reserved / peak every 50 requests), and where
+the time went (requests that compiled or captured something, the others, the graphs-off reruns). Every
+`--check-every`-th request runs again on the same engine with its CUDA graphs off (the uncaptured engine: same
+compiled steps, buckets and slots, steps called directly, their kernels chosen as in the graphs:
+moefx/backends/capture_mode.py) from the same seed, and the tokens must be equal. PASS/FAIL lines: no error, tokens
+equal, peak memory growth <= 2% after the warm-up, captures <= 2 x buckets used, and every request ran
+(`--max-seconds`, default 480, stops issuing requests so the report is still written inside the stage's limit). Writes
 $OUT/stream_<layers>l.json.
 """
 
@@ -122,6 +122,14 @@ def _peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
 
+def _memory(device: str, i: int) -> dict:
+    """GiB allocated and reserved now, and the peak allocated so far (CUDA; zeros elsewhere): where memory grew."""
+    cuda = device == "cuda"
+    now = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()) if cuda \
+        else (0, 0, 0)
+    return {"request": i, **{k: round(v / 2**30, 3) for k, v in zip(("allocated", "reserved", "peak"), now)}}
+
+
 def _first_uses(stats) -> tuple[int, int, int]:
     """Compiles, decode captures and prefill captures so far: a request that moved them paid a first use."""
     return sum(stats.compiles.values()), stats.captures, stats.prefill_captures
@@ -176,6 +184,7 @@ def main() -> int:
     last_tokens: list[int] = []
     graphs_on = engine.cuda_graphs
     check_s = 0.0
+    memory: list[dict] = []  # every 50th request and the last
     start_all = time.perf_counter()
     for r in stream:
         if time.perf_counter() - start_all > args.max_seconds:
@@ -221,8 +230,9 @@ def main() -> int:
         if r["i"] == WARMUP - 1:
             peak_warm = _peak(args.device)
             print(f"warm-up done: peak {peak_warm / 2**30:.2f} GiB; {front.describe()}", flush=True)
-        if r["i"] % 50 == 0:
-            print(f"request {r['i']}: {front.describe()}", flush=True)
+        if r["i"] % 50 == 0 or r["i"] == len(stream) - 1:
+            memory.append(_memory(args.device, r["i"]))
+            print(f"request {r['i']}: {memory[-1]}; {front.describe()}", flush=True)
     total_s = time.perf_counter() - start_all
     peak_end = _peak(args.device)
     stats = engine.stats
@@ -250,6 +260,7 @@ def main() -> int:
         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)",
         versions=dict(torch=torch.__version__), command=" ".join(["python3", *sys.argv]),
         commit=os.environ.get("MOEFX_COMMIT", "unknown"), layers=args.layers, requests=len(stream), ran=len(rows),
+        check_every=args.check_every,
         compile_cache_files_at_start=cached_files, capture_sizes=plan_sizes, memory_budget=stats.memory_budget,
         seconds=round(total_s, 1),
         tok_s=round(sum(row["tokens"] for row in rows) / sum(row["seconds"] for row in rows), 1) if rows else 0,
@@ -257,7 +268,7 @@ def main() -> int:
         compile_s=stats.compile_s, slots=stats.slots, slot_allocations=stats.slot_allocations,
         evictions=stats.evictions, cache_gib=round(stats.cache_bytes / 2**30, 2),
         graph_gib=round(stats.graph_bytes / 2**30, 2), above_cap=stats.above_cap, uncaptured=stats.uncaptured,
-        peak_warmup_gib=round(peak_warm / 2**30, 3), peak_end_gib=round(peak_end / 2**30, 3),
+        peak_warmup_gib=round(peak_warm / 2**30, 3), peak_end_gib=round(peak_end / 2**30, 3), memory=memory,
         peak_growth=round(growth, 4), time_split=where, checked=checked, mismatches=mismatches[:20], errors=errors[:20],
         fallbacks=sorted(set(front.fallbacks)), checks=checks,
     )

@@ -112,5 +112,6 @@ def test_stream_bench_smoke_run_on_the_cpu(tmp_path):
     assert data["evictions"] > 0 and data["slot_allocations"] == data["slots"] + data["evictions"]
     assert sum(c["requests"] for c in data["classes"].values()) == 60 and data["checked"]["greedy"] > 0
     assert proc.stdout.count("PASS: ") == 5 and data["ran"] == 60
+    assert [m["request"] for m in data["memory"]] == [0, 50, 59] and data["check_every"] == 3
     split = data["time_split"]  # eager mode compiles and captures nothing
     assert split["first_use_requests"] == 0 and split["steady_requests"] == 60 and split["graphs_off_reruns_s"] > 0
