@@ -70,20 +70,27 @@ def test_least_recently_used_slots_are_freed_at_the_budget(stock):
     assert loop.slots.used() <= loop.slots.limit == 6 * per_row
 
 
-def test_an_evicted_slot_frees_its_cache_at_once(stock):
-    """A compiled engine's slot answers mask sizes from its keys through a method bound to each layer (a reference
-    cycle): eviction must break it, or the cache stays allocated until Python's cyclic collector runs."""
+def test_an_evicted_slot_frees_its_cache_at_once(stock, monkeypatch):
+    """A compiled engine's slots are held by reference cycles (each layer's `get_mask_sizes` is bound to it, and
+    dynamo's tracing state holds the caches a compile ran on) that only Python's cyclic collector breaks: eviction
+    frees them at once, collecting only where a cycle is left (never for the plain engine's slots)."""
+    collections, collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or collect(*a))
     per_row = cache_bytes(stock.config, 1, 256, torch.float32)
-    loop = DecodeLoop(stock, compile_kwargs={"backend": "eager"}, memory_budget=2 * per_row)
-    cpu = torch.device("cpu")
     gc.disable()
     try:
-        first = loop._slot(1, 10, cpu)
-        assert "get_mask_sizes" in vars(first.cache.layers[0])  # the marking this test is about
-        keys = weakref.ref(first.cache.layers[0].keys)
-        del first
-        loop._slot(2, 10, cpu)  # evicts batch 1's slot
-        assert loop.stats.evictions == 1 and keys() is None
+        for compile_kwargs in ({"backend": "eager"}, None):
+            loop = DecodeLoop(stock, compile_kwargs=compile_kwargs, memory_budget=3 * per_row)
+            alive = []
+            for batch, length in ((1, 5), (2, 5), (1, 300), (3, 5)):  # the last two evict every older slot
+                loop.generate(_ids(batch, length, batch), 3, GREEDY)
+                slot = loop.slots.latest(batch)
+                alive.append(weakref.ref(slot.cache.layers[0].keys))
+                del slot
+            assert loop.stats.evictions == 3 and [ref() is not None for ref in alive] == [False] * 3 + [True]
+            if compile_kwargs is None:
+                assert not collections  # nothing but the pool held them
+            collections.clear()
     finally:
         gc.enable()
 

@@ -10,8 +10,8 @@ every captured graph's memory pool count against one budget:
 - a cache's bytes are known before it is allocated (layers x 2 x rows x KV heads x length x head_dim x dtype
   size, plus the engine's token and mask buffers); graph pools are measured on CUDA around each capture
   (`graph_memory`), and the pool keeps what it took, so those bytes stay counted;
-- a new slot first evicts least-recently-used slots until it fits (an evicted slot's `release()` drops what it
-  holds, so its memory is free before the new one is allocated); a slot that cannot fit even in an empty
+- a new slot first evicts least-recently-used slots until it fits (an evicted slot's memory is free before the
+  new one is allocated); a slot that cannot fit even in an empty
   budget raises `MemoryBudgetError` before anything is allocated. When fitting the exact bucket would evict, a
   longer slot of the same batch bucket that is alive serves the request instead.
 """
@@ -19,7 +19,9 @@ every captured graph's memory pool count against one budget:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -183,16 +185,23 @@ class SlotPool:
         self._sync_stats()
 
     def _evict_oldest(self, keep: Any = None) -> bool:
-        for key, slot in self._slots.items():
-            if slot is not keep:
-                del self._slots[key]
-                slot.release()
-                freed = self._bytes.pop(key)
-                self.stats.evictions += 1
-                log.info("decode engine: slot batch %d x length %d evicted (%.1f MiB)", key[0], key[1], freed / _MIB)
-                self._sync_stats()
-                return True
-        return False
+        key = next((k for k, slot in self._slots.items() if slot is not keep), None)
+        if key is None:
+            return False
+        # The evicted slot's memory goes now: `release()` drops what it holds, and when a reference cycle still
+        # holds its cache (dynamo's tracing state from a compile that ran on it does, until Python's cyclic
+        # collector runs), one collection frees it before the new slot is allocated.
+        slot = self._slots.pop(key)
+        slot.release()
+        cache = weakref.ref(slot.cache)
+        del slot
+        if cache() is not None:
+            gc.collect()
+        freed = self._bytes.pop(key)
+        self.stats.evictions += 1
+        log.info("decode engine: slot batch %d x length %d evicted (%.1f MiB)", key[0], key[1], freed / _MIB)
+        self._sync_stats()
+        return True
 
     # -- graph pools -----------------------------------------------------------------------------------------
 
