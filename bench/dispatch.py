@@ -289,7 +289,7 @@ def main() -> None:
     import moefx.backends
     import moefx.ops.decode_attention  # noqa: F401
 
-    out = Path(os.environ.get("OUT", "."))
+    out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     stand_ins = cpu_stand_ins() if args.device == "cpu" else contextlib.nullcontext()
     with torch.no_grad(), stand_ins:
