@@ -39,7 +39,7 @@ def _fake_mega_cache(monkeypatch, payload: bytes = b"artifact bytes") -> list[by
         return torch.compiler._cache.CacheInfo(defaultdict(list, {"inductor": ["a", "b"], "aot_autograd": ["c"]}))
 
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", save)
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
+    monkeypatch.setattr(cc, "load_payload", load)
     return loaded
 
 
@@ -90,7 +90,7 @@ def test_changed_version_is_stale_and_torch_load_failure_is_corrupt(tmp_path, mo
     def broken(data):
         raise RuntimeError("bad pickle")
 
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", broken)
+    monkeypatch.setattr(cc, "load_payload", broken)
     again = _cache(tmp_path, moefx="2")
     assert again.load() == 0 and not again.path.exists()
     assert "torch could not load it: RuntimeError: bad pickle" in caplog.records[-1].getMessage()
@@ -123,6 +123,41 @@ def test_precompile_errors_are_one_line(monkeypatch, capsys):
 
 
 # -- new processes -------------------------------------------------------------------------------------------
+
+# Two compiles with a save after each (as the engine saves after every request that compiled), then a process
+# with an empty inductor folder that loads the file and compiles both again.
+MERGE_SCRIPT = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from moefx.sampling.compile_cache import load_payload
+def f(x): return (x.sin() * 2).sum()
+def g(x): return (x.cos() + 3).mean()
+x = torch.randn(8)
+if sys.argv[1] == "save":
+    torch.compile(f)(x)
+    torch.compiler.save_cache_artifacts()
+    torch.compile(g)(x)
+    open(sys.argv[2], "wb").write(torch.compiler.save_cache_artifacts()[0])
+else:
+    info = load_payload(open(sys.argv[2], "rb").read())
+    torch.compile(f)(x)
+    torch.compile(g)(x)
+    print(json.dumps({"inductor": len(info.artifacts["inductor"]), "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+@pytest.mark.compile
+def test_a_file_saved_twice_loads_both_saves(tmp_path):
+    """torch's own loader keeps the last save's chunk of each artifact kind; `load_payload` keeps them all."""
+    payload = tmp_path / "payload.bin"
+    for step, folder in (("save", "inductor-a"), ("load", "inductor-b")):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / folder)}
+        proc = subprocess.run([sys.executable, "-c", MERGE_SCRIPT, step, str(payload)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"inductor": 2, "miss": 0}
+
 
 # What a serving process does: the tiny model (as `moefx precompile tiny-qwen3-moe --layers 1` builds it),
 # transformers' own tokens first (uncompiled), then optimize + generate() on the engine.

@@ -18,7 +18,10 @@ length and SHA-256. A file whose stamp differs (stale) or whose header, checksum
 moefx's own plan inputs need nothing extra: calibration tables are files already (their content is in the
 config hash), and what the plan derives at run time (capture buckets from free memory) is in the identity.
 `save_cache_artifacts()` holds every artifact of the process, so the file may also carry other compiles made
-in it (harmless: each artifact is keyed by inductor's own hash).
+in it (harmless: each artifact is keyed by inductor's own hash). It appends what is new since the last call, one
+chunk per artifact kind, and torch's `load_cache_artifacts` keeps only the last chunk of each kind (torch 2.13 and
+2.14 build a dict of the (kind, artifacts) pairs), so a file saved after several requests lost all but its last
+save's artifacts; `load_payload` merges every chunk.
 """
 
 from __future__ import annotations
@@ -44,6 +47,24 @@ MAGIC = b"moefx-compile-cache\n"
 ENV = "MOEFX_COMPILE_CACHE"
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
+
+
+def load_payload(payload: bytes) -> Any:
+    """`torch.compiler.load_cache_artifacts(payload)` with every save's artifacts kept (see the module docstring):
+    its CacheInfo, or None when the payload holds nothing. Falls back to torch's loader where the serializer's
+    parts it reads are missing."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except ImportError:
+        return torch.compiler.load_cache_artifacts(payload)
+    register = getattr(CacheArtifactManager, "_ensure_cache_artifacts_registered", None)
+    if register is not None:
+        register()
+    merged: dict[str, list[Any]] = {}
+    for kind, artifacts in AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache):
+        merged.setdefault(kind, []).extend(artifacts)
+    return CacheArtifactManager.populate_caches(merged) if merged else None
 
 
 def cache_folder(value: bool | str | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
@@ -173,7 +194,7 @@ class CompileCache:
             self._discard(why)
             return 0
         try:
-            info = torch.compiler.load_cache_artifacts(payload)
+            info = load_payload(payload)
         except Exception as exc:  # whatever torch raises, the file must not be trusted
             info, why = None, f"corrupt (torch could not load it: {type(exc).__name__}: {exc})"
         else:
