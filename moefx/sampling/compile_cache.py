@@ -51,19 +51,18 @@ _FALSE = ("0", "false", "off", "no")
 
 def load_payload(payload: bytes) -> Any:
     """`torch.compiler.load_cache_artifacts(payload)` with every save's artifacts kept (see the module docstring):
-    its CacheInfo, or None when the payload holds nothing. Falls back to torch's loader where the serializer's
-    parts it reads are missing."""
+    its CacheInfo, or None when the payload holds nothing. Torch's own loader runs instead where its serializer's
+    parts read here are missing or read differently (other torch versions)."""
     try:
         from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
         from torch.utils._appending_byte_serializer import AppendingByteSerializer
-    except ImportError:
+
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        merged: dict[str, list[Any]] = {}
+        for kind, artifacts in AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache):
+            merged.setdefault(kind, []).extend(artifacts)
+    except Exception:  # any other layout: torch's loader decides (None when it cannot load)
         return torch.compiler.load_cache_artifacts(payload)
-    register = getattr(CacheArtifactManager, "_ensure_cache_artifacts_registered", None)
-    if register is not None:
-        register()
-    merged: dict[str, list[Any]] = {}
-    for kind, artifacts in AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache):
-        merged.setdefault(kind, []).extend(artifacts)
     return CacheArtifactManager.populate_caches(merged) if merged else None
 
 
