@@ -160,7 +160,8 @@ def test_a_file_saved_twice_loads_both_saves(tmp_path):
 
 
 # What a serving process does: the tiny model (as `moefx precompile tiny-qwen3-moe --layers 1` builds it),
-# transformers' own tokens first (uncompiled), then optimize + generate() on the engine.
+# transformers' own tokens first (uncompiled), then optimize + generate() on the engine, at batch 1 and 2 (each
+# compiles apart: dynamo specializes size 1), so the file holds more than one save.
 SCRIPT = r"""
 import json, os
 import torch
@@ -170,13 +171,13 @@ from moefx.cli.common import build_model_from_spec
 if os.environ.get("FAKE_MOEFX_VERSION"):
     moefx.__version__ = os.environ["FAKE_MOEFX_VERSION"]
 model, _ = build_model_from_spec("tiny-qwen3-moe", 1, torch.device("cpu"), torch.float32)
-ids = torch.randint(1, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+prompts = [torch.randint(1, 200, (batch, 6), generator=torch.Generator().manual_seed(batch)) for batch in (1, 2)]
 kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
-stock = model.generate(ids, **kwargs)
+stock = [model.generate(ids, **kwargs).tolist() for ids in prompts]
 model = moefx.optimize(model, config={"mode": "compile"})
-out = model.generate(ids, **kwargs)
+out = [model.generate(ids, **kwargs).tolist() for ids in prompts]
 cache = model.moefx_generate.engine.compile_cache
-print(json.dumps({"tokens": out.tolist(), "stock": stock.tolist(),
+print(json.dumps({"tokens": out, "stock": stock,
                   "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
                   "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
                   "aot_miss": counters["aot_autograd"]["autograd_cache_miss"], "loaded": cache.loaded,
@@ -211,7 +212,7 @@ def precompiled(tmp_path_factory):
     """`moefx precompile` in a cold process: the one full compile of this module."""
     tmp = tmp_path_factory.mktemp("compile_cache")
     cmd = [sys.executable, "-m", "moefx.cli", "precompile", "tiny-qwen3-moe", "--layers", "1", "--device", "cpu",
-           "--mode", "compile", "--batch-sizes", "1", "--prompt-lengths", "6", "--new-tokens", "3"]
+           "--mode", "compile", "--batch-sizes", "1,2", "--prompt-lengths", "6", "--new-tokens", "3"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp, "inductor-cold"), capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list((tmp / "xdg" / "moefx" / "compile").glob("*.bin"))
