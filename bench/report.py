@@ -830,15 +830,17 @@ def merge_e2e(paths: list[Path]) -> dict[str, Any]:
             "command": " and ".join(dict.fromkeys(r["command"] for r in runs_))}
 
 
+def _coldstart_stage(path: Path) -> tuple[int, str]:
+    """coldstart_<layers>l[_<tag>].json -> (layers, its run_h200.sh stage: coldstart, coldstart-48[-b16])."""
+    m = re.fullmatch(r"coldstart_(\d+)l(?:_(\w+))?", path.stem)
+    layers, tag = (int(m[1]), m[2]) if m else (0, None)
+    return layers, "coldstart" + ("" if layers == 8 else f"-{layers}") + (f"-{tag}" if tag else "")
+
+
 def _stage_command(stage: str, paths: list[Path]) -> str:
     """The run_h200.sh call(s) that wrote these files."""
-    if stage == "coldstart":  # coldstart_<layers>l[_<tag>].json: stage coldstart (8 layers), coldstart-48[-b16]
-        names = []
-        for p in paths:
-            m = re.fullmatch(r"coldstart_(\d+)l(?:_(\w+))?", p.stem)
-            layers, tag = (m[1], m[2]) if m else ("?", None)
-            names.append("coldstart" + ("" if layers == "8" else f"-{layers}") + (f"-{tag}" if tag else ""))
-        return " and ".join(f"bash bench/run_h200.sh {n}" for n in names)
+    if stage == "coldstart":
+        return " and ".join(f"bash bench/run_h200.sh {_coldstart_stage(p)[1]}" for p in paths)
     if stage == "stream" and paths[0].stem.endswith("_cached"):
         return "bash bench/run_h200.sh stream-prime and bash bench/run_h200.sh stream-cached (the next call)"
     return f"bash bench/run_h200.sh {stage}"
@@ -857,8 +859,7 @@ def ingest(folder: Path, commit: str | None, day: str | None) -> list[Path]:
     e2e_files = sorted(folder.glob("e2e_*.json"))
     stages["ttft"] = [p for p in e2e_files if p.stem.endswith("_ttft")]
     stages["e2e"] = [p for p in e2e_files if not p.stem.endswith("_ttft")]
-    stages["coldstart"] = sorted(folder.glob("coldstart_*.json"),
-                                 key=lambda p: (int(re.sub(r"\D", " ", p.stem).split()[0]), p.stem))  # by depth
+    stages["coldstart"] = sorted(folder.glob("coldstart_*.json"), key=_coldstart_stage)  # by depth
     # stream-prime only fills the compile caches for stream-cached: the kept run is the whole stream
     stages["stream"] = [p for p in sorted(folder.glob("stream_*.json")) if not p.stem.endswith("_prime")][:1]
     for stage, paths in stages.items():
