@@ -11,9 +11,9 @@ every captured graph's memory pool count against one budget:
   size, plus the engine's token and mask buffers); graph pools are measured on CUDA around each capture
   (`graph_memory`), and the pool keeps what it took, so those bytes stay counted;
 - a new slot first evicts least-recently-used slots until it fits (an evicted slot's memory is free before the
-  new one is allocated); a slot that cannot fit even in an empty
-  budget raises `MemoryBudgetError` before anything is allocated. When fitting the exact bucket would evict, a
-  longer slot of the same batch bucket that is alive serves the request instead.
+  new one is allocated); a slot that cannot fit even in an empty budget raises `MemoryBudgetError` before anything
+  is allocated. When fitting the exact bucket would evict, a longer slot of the same batch bucket that is alive
+  serves the request instead.
 """
 
 from __future__ import annotations
