@@ -125,3 +125,46 @@ def test_greedy_through_a_vocab_parallel_head_reads_the_last_real_position(model
         want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(loop.generate(ids, 6, GREEDY, attention_mask=mask, pad_token_id=0), want), length
     assert {key[2] for key in loop.slots.latest(2).prefill} == {True}  # the by-head prefill ran
+
+
+def _ops_around_the_prefill(layers: int, monkeypatch) -> list[str]:
+    """The aten ops a repeated one-token request runs outside the padded prefill's forward (on CUDA: its graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moefx.sampling.prefill import BucketedPrefill
+
+    inside = [False]
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    call = BucketedPrefill._call
+
+    def flagged(self, *args, **kwargs):
+        inside[0] = True
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(BucketedPrefill, "_call", flagged)
+    loop = DecodeLoop(build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=5), prefill_capture_tokens=64)
+    ids, _ = _request(9, False, 0)
+    loop.generate(ids, 1, GREEDY)  # allocates the slot
+    with Count() as count:
+        loop.generate(ids, 1, GREEDY)
+    return count.ops
+
+
+def test_the_host_work_around_the_prefill_does_not_grow_with_depth(monkeypatch):
+    """What a request runs outside its captured prefill is paid on the host at every request: the same ops at 8
+    layers as at 2 (the cache reset is one launch, not three per layer)."""
+    two, eight = _ops_around_the_prefill(2, monkeypatch), _ops_around_the_prefill(8, monkeypatch)
+    assert two == eight and two.count("aten._foreach_zero_") == 1, (len(two), len(eight))

@@ -113,6 +113,16 @@ def _mask_sizes_from_keys(layer: Any, *args: Any, **kwargs: Any) -> tuple[Any, i
     return layer.keys.shape[2], 0
 
 
+def _reset_cache(slot: _Slot) -> None:
+    """Zero the slot's cache before a request in one launch: transformers' `Cache.reset` launches three kernels per
+    layer (keys, values, write position), host work outside the captured prefill that grows with depth."""
+    layers = slot.cache.layers
+    if slot.uncapturable is not None or not all(layer.is_initialized for layer in layers):
+        slot.cache.reset()
+        return
+    torch._foreach_zero_([t for layer in layers for t in (layer.keys, layer.values, layer.cumulative_length)])
+
+
 def _uncapturable_cache(cache: Any) -> str | None:
     """Why replaying a captured step could go wrong with this cache (None: every layer keeps its state on
     the device, like transformers' StaticLayer; sliding-window layers keep a host-side length)."""
@@ -477,7 +487,7 @@ class DecodeLoop:
         form = params.form()
         for i, value in enumerate(params.values()):
             st["sampling"][i].fill_(value)
-        slot.cache.reset()
+        _reset_cache(slot)
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
         by_head = self._head is not None and params.greedy and not stopping_criteria and logits_out is None
         logits = self._prompt(slot, prompt, positions, masked, by_head, graphs, stand_in)
