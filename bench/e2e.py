@@ -145,7 +145,7 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
 
 def profile_run(fn) -> dict:
     """One call of `fn` under torch.profiler: its wall time, the summed time of the GPU activity (kernels, copies,
-    memsets) it ran and how many there were."""
+    memsets) it ran, how many there were, and the ten that took longest (name, ms, count)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -153,8 +153,10 @@ def profile_run(fn) -> dict:
         seconds = wall(fn)
     kern = [e for e in prof.key_averages() if e.device_type is not None and "CUDA" in str(e.device_type)]
     kernel_ms = sum(e.device_time_total for e in kern) / 1e3
+    top = sorted(kern, key=lambda e: -e.device_time_total)[:10]
     return dict(prof_wall_ms=round(1e3 * seconds, 2), kernel_ms=round(kernel_ms, 2), kernels=sum(e.count for e in kern),
-                kernel_pct=round(100 * kernel_ms / (1e3 * seconds), 1))
+                kernel_pct=round(100 * kernel_ms / (1e3 * seconds), 1),
+                top_kernels=[[e.key[:80], round(e.device_time_total / 1e3, 2), e.count] for e in top])
 
 
 def ttft_row(arm: str, fn, layers: int, batch: int, tokens: int, runs: int, floors: tuple[float, float],
@@ -241,6 +243,8 @@ def main() -> int:
     ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
     ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
+    ap.add_argument("--ttft-batch-arms", default="", help="the arms that run the BxT rows (default: all TTFT arms); "
+                    "transformers' compiled forward compiles a batch > 1 apart (222 s at 48 layers)")
     ap.add_argument("--routing", default="balanced", choices=ROUTINGS, help="build_model's routing")
     ap.add_argument("--max-batch-size", type=int, default=0,
                     help="moefx config max_batch_size (default 0: no config key, the plan's capture sizes)")
@@ -355,8 +359,12 @@ def main() -> int:
             del compiled_fwd
             torch._dynamo.reset()
 
+    batch_arms = args.ttft_batch_arms.split(",") if args.ttft_batch_arms else ttft_arms
+
     def ttft_rows(arm: str, make) -> None:
         for bt in shapes:
+            if bt[0] > 1 and arm not in batch_arms:
+                continue
             ttft.append(ttft_row(arm, make(ttft_ids[bt]), args.layers, *bt, args.runs, ttft_floors[bt], routing[bt]))
             save()
 

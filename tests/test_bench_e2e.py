@@ -17,7 +17,8 @@ def test_e2e_tiny_cpu_writes_decode_and_ttft_rows(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
            "--batches", "2", "--arms", "hf_eager,moefx", "--mode", "eager", "--prompt", "8", "--n1", "2", "--n2", "4",
-           "--eager-n", "2,4", "--runs", "1", "--ttft", "8", "--ttft-batch", "2x8", "--ttft-arms", "hf_eager,moefx"]
+           "--eager-n", "2,4", "--runs", "1", "--ttft", "8", "--ttft-batch", "2x8", "--ttft-arms", "hf_eager,moefx",
+           "--ttft-batch-arms", "moefx"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "e2e_2l.json").read_text())
@@ -26,10 +27,10 @@ def test_e2e_tiny_cpu_writes_decode_and_ttft_rows(tmp_path):
     for row in r["decode"]:
         assert row["routing"] == "balanced" and 1 <= row["experts_hit"] <= 8  # the tiny model: 8 experts, top-2
     ttft = {(t["arm"], t["B"], t["tokens"]): t for t in r["ttft"]}
-    assert set(ttft) == {(a, b, t) for a in ("hf_eager", "moefx") for b, t in ((1, 8), (2, 8))}
+    assert set(ttft) == {("hf_eager", 1, 8), ("moefx", 1, 8), ("moefx", 2, 8)}  # 2x8 only in --ttft-batch-arms
     for t in ttft.values():
         assert t["ms"] > 0 and t["prof_wall_ms"] > 0 and t["floor_ms"] == max(t["flop_floor_ms"], t["bytes_floor_ms"])
-        assert t["kernels"] == 0  # no GPU here: the profiler sees no kernels
+        assert t["kernels"] == 0 and t["top_kernels"] == []  # no GPU here: the profiler sees no kernels
         assert t["routing"] == "balanced" and 1 <= t["experts_hit"] <= 8
 
     spec = importlib.util.spec_from_file_location("moefx_bench_report_e2e", ROOT / "bench" / "report.py")
