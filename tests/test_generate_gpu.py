@@ -71,7 +71,8 @@ def test_default_plan_captures_lazily_and_a_request_over_the_budget_fails_before
 def test_evicted_slots_give_their_memory_back():
     """Under a budget that holds one of these caches, the 4096-long slot evicts the 3072-long one (which then
     serves nobody: the longer slot takes the shorter requests), and the evicted memory is free at once: nothing
-    waits for Python's cyclic collector (a 500-request stream's peak doubled while evicted caches did)."""
+    waits for Python's cyclic collector (a 500-request stream's peak doubled while evicted caches did). The
+    evicted slot held the only graphs: the next capture still works."""
     from moefx.sampling.slots import cache_bytes
 
     stock = build_model(tiny_qwen3_moe_config(max_position_embeddings=8192), seed=2, device="cuda")
@@ -92,6 +93,10 @@ def test_evicted_slots_give_their_memory_back():
         gc.enable()
     stats = model.moefx_generate.engine.stats
     assert (stats.evictions, stats.slot_allocations, stats.slots) == (1, 2, 1), stats.describe_slots()
+    # the new slot's step was captured into the pool the evicted one's graphs had left (GraphPool), and the
+    # random numbers still work: a capture into a dead pool fails and leaves the CUDA generator in capture mode
+    assert stats.captures == 2 and not stats.uncaptured, stats.uncaptured
+    torch.randn(4, device="cuda").normal_()
 
 
 def test_a_step_that_syncs_the_host_is_not_captured_and_leaves_the_process_healthy():

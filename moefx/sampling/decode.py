@@ -45,7 +45,7 @@ from moefx.backends.capture_mode import as_captured
 from moefx.log import get_logger, progress_logger, warn_once
 from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.sampler import SamplingParams, sample
-from moefx.sampling.slots import SlotPool, cache_bytes
+from moefx.sampling.slots import GraphPool, SlotPool, cache_bytes
 
 log = get_logger("moefx.sampling")
 progress = progress_logger()
@@ -238,7 +238,7 @@ class DecodeLoop:
         self.compiled = compile_kwargs is not None
         self.stats = EngineStats()
         self.slots = SlotPool(self.stats, memory_budget)
-        self._pool: Any = None
+        self.graph_pool = GraphPool()
         kw = self._compile_kwargs = dict(compile_kwargs or {})
         self._prefill = self._compile("prefill", self._run, kw)
         if prefill_capture_tokens is None:
@@ -405,14 +405,12 @@ class DecodeLoop:
         torch.cuda.set_rng_state(rng, device)
         if syncs is not None:
             return self._uncaptured(slot, f"its step syncs the host ({syncs})")
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self.graph_pool.handle(device)):
                 logits = self._step(slot, form, masked, by_head)
         except RuntimeError as exc:
-            self._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
+            self.graph_pool.drop()
             return self._uncaptured(slot, f"its step cannot be captured: {exc}")
         self.stats.captures += 1
         progress.info("decode step for batch %d captured in %.1f s", slot.batch, time.perf_counter() - start)

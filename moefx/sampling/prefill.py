@@ -139,14 +139,12 @@ class BucketedPrefill:
         if syncs is not None:
             self._uncaptured(slot, bucket, f"its forward syncs the host ({syncs})")
             return
-        if loop._pool is None:
-            loop._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=loop._pool):
+            with torch.cuda.graph(graph, pool=loop.graph_pool.handle(device)):
                 out = self._call(slot, run, by_head)
         except RuntimeError as exc:
-            loop._pool = None  # a failed capture may leave the pool in use; the next capture takes a new one
+            loop.graph_pool.drop()
             self._uncaptured(slot, bucket, f"its forward cannot be captured: {exc}")
             return
         torch.cuda.set_rng_state(rng, device)

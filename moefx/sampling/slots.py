@@ -91,6 +91,32 @@ def budget_setting(config_value: float | None) -> tuple[float, str]:
     return DEFAULT_MEMORY_BUDGET, "default"
 
 
+class GraphPool:
+    """The memory pool every CUDA graph of one engine is captured into, kept alive for the engine's life.
+
+    torch's caching allocator keeps a graph pool only while some graph captured into it lives: once every slot
+    holding graphs is evicted, a capture into the same handle fails its `use_count > 0` assert, and that failed
+    capture leaves the CUDA generator in capture mode, so every later random op in the process raises (H200,
+    torch 2.11). A one-kernel graph captured first holds the pool, so later captures reuse what evicted graphs
+    freed in it (the budget already counts the pool's growth as kept)."""
+
+    def __init__(self) -> None:
+        self._held: tuple[Any, Any, torch.Tensor] | None = None  # (handle, anchor graph, the tensor it writes)
+
+    def handle(self, device: torch.device) -> Any:
+        if self._held is None:
+            pool, anchor = torch.cuda.graph_pool_handle(), torch.cuda.CUDAGraph()
+            target = torch.zeros((), device=device)
+            with torch.cuda.graph(anchor, pool=pool):
+                target.add_(1)
+            self._held = (pool, anchor, target)
+        return self._held[0]
+
+    def drop(self) -> None:
+        """After a failed capture, which may leave the pool in use: the next capture takes a new one."""
+        self._held = None
+
+
 class SlotPool:
     """The engine's slots keyed by (rows, cache length, device), least recently used first, under one budget.
 
