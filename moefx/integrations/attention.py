@@ -1,9 +1,15 @@
 """transformers integration: `"moefx"` in transformers' AttentionInterface, and the `optimize` transform using it.
 
-`attn_implementation="moefx"` is transformers' SDPA attention (its mask function too) except for one-query-position
-calls on CUDA — every decode step — which run `moefx::decode_attention`: the query heads of each KV head attend
-together (no `repeat_kv` copy of the cache), masked blocks (the unwritten tail of a static cache) are skipped, and
-no layout copies are made for the SDPA kernel. Anything the kernel does not take (see `call_reason`) runs SDPA.
+`attn_implementation="moefx"` is transformers' SDPA attention except for one-query-position calls on CUDA — every
+decode step — which run `moefx::decode_attention`: the query heads of each KV head attend together (no `repeat_kv`
+copy of the cache), masked blocks (the unwritten tail of a static cache) are skipped, and no layout copies are made
+for the SDPA kernel. Anything the kernel does not take (see `call_reason`) runs SDPA.
+
+Its mask function is SDPA's, except that a plain causal mask over a fresh prompt is left out (`causal_prompt_mask`),
+so SDPA runs with `is_causal=True`. transformers leaves it out itself in eager mode, but under torch.compile only
+where its version check allows (`masking_utils._ignore_causal_mask_sdpa`): with transformers 5.17 and torch 2.11
+(the H200) the compiled prefill's SDPA computed the whole masked square, 40 of 98 ms of kernels in a 4096-token
+prefill at 48 layers (docs/FINDINGS.md).
 """
 
 from __future__ import annotations
@@ -58,13 +64,44 @@ def moefx_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
+def is_fresh_causal(kwargs: dict[str, Any]) -> bool:
+    """Whether the mask transformers asks for is plain causal over queries and keys that both start at position 0
+    (no padding mask, no other pattern, as many keys as queries), which SDPA's `is_causal=True` computes exactly."""
+    from transformers.masking_utils import causal_mask_function
+
+    if kwargs.get("mask_function", causal_mask_function) is not causal_mask_function:
+        return False
+    if kwargs.get("attention_mask") is not None or kwargs.get("local_size") is not None:
+        return False
+    if not kwargs.get("allow_is_causal_skip", True):
+        return False
+    for name in ("q_offset", "kv_offset"):
+        offset = kwargs.get(name, 0)
+        if not isinstance(offset, int) or offset != 0:
+            return False
+    q_length = kwargs.get("q_length")
+    if q_length is None and isinstance(kwargs.get("cache_position"), torch.Tensor):
+        q_length = kwargs["cache_position"].shape[0]  # transformers versions that pass cache_position
+    kv_length = kwargs.get("kv_length")
+    return q_length is not None and kv_length is not None and q_length == kv_length and q_length > 1
+
+
+def causal_prompt_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's mask function, returning None (SDPA then runs `is_causal=True`) where `is_fresh_causal`."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if not args and is_fresh_causal(kwargs):
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[REPLACES](*args, **kwargs)
+
+
 def register() -> None:
-    """Make `attn_implementation="moefx"` valid in transformers, with SDPA's mask function (idempotent)."""
+    """Make `attn_implementation="moefx"` valid in transformers (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, moefx_attention_forward)
-    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS[REPLACES])
+    AttentionMaskInterface.register(NAME, causal_prompt_mask)
 
 
 @register_model_transform("attention", order=30)
