@@ -70,8 +70,19 @@ def child(args: argparse.Namespace) -> dict:
     row.update(first_call_s=round(done - built, 2), ready_s=round(done - START, 2),
                build_s=round(built - START, 2), tokens=out[:, args.prompt:].tolist(),
                fxgraph_cache_miss=int(counters["inductor"]["fxgraph_cache_miss"]),
-               fxgraph_cache_hit=int(counters["inductor"]["fxgraph_cache_hit"]))
+               fxgraph_cache_hit=int(counters["inductor"]["fxgraph_cache_hit"]), phase_s=_phases())
     return row
+
+
+def _phases(top: int = 16) -> dict[str, float]:
+    """The longest compile phases of this process (dynamo's own timers, summed over its compiles): where the
+    first call's seconds went."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # a torch without dynamo's timers
+        return {}
+    total = {name: sum(times) for name, times in compilation_time_metrics.items()}
+    return {name: round(s, 2) for name, s in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def _run_arm(arm: str, args: argparse.Namespace, tmp: Path) -> dict:
