@@ -127,44 +127,55 @@ def test_greedy_through_a_vocab_parallel_head_reads_the_last_real_position(model
     assert {key[2] for key in loop.slots.latest(2).prefill} == {True}  # the by-head prefill ran
 
 
-def _ops_around_the_prefill(layers: int, monkeypatch) -> list[str]:
-    """The aten ops a repeated one-token request runs outside the padded prefill's forward (on CUDA: its graph)."""
+def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str]]:
+    """The aten ops a repeated one-token request runs outside the padded prefill (`BucketedPrefill._call`; on CUDA:
+    its graph), and those `_call` runs around the model's forward (the writes into the static cache)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from moefx.sampling.prefill import BucketedPrefill
 
-    inside = [False]
+    where = ["outside"]
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.ops: list[str] = []
+            self.ops: dict[str, list[str]] = {"outside": [], "around": [], "forward": []}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0]:
-                self.ops.append(str(func.overloadpacket))
+            self.ops[where[0]].append(str(func.overloadpacket))
             return func(*args, **(kwargs or {}))
 
+    def flagged(fn, name):
+        def run(*args, **kwargs):
+            before, where[0] = where[0], name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                where[0] = before
+        return run
+
     call = BucketedPrefill._call
-
-    def flagged(self, *args, **kwargs):
-        inside[0] = True
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            inside[0] = False
-
-    monkeypatch.setattr(BucketedPrefill, "_call", flagged)
+    monkeypatch.setattr(BucketedPrefill, "_call", flagged(call, "around"))
     loop = DecodeLoop(build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=5), prefill_capture_tokens=64)
+    loop._bucketed._fn = flagged(loop._bucketed._fn, "forward")
     ids, _ = _request(9, False, 0)
     loop.generate(ids, 1, GREEDY)  # allocates the slot
     with Count() as count:
         loop.generate(ids, 1, GREEDY)
-    return count.ops
+    return count.ops["outside"], count.ops["around"]
 
 
 def test_the_host_work_around_the_prefill_does_not_grow_with_depth(monkeypatch):
     """What a request runs outside its captured prefill is paid on the host at every request: the same ops at 8
     layers as at 2 (the cache reset is one launch per dtype, not three per layer)."""
-    two, eight = _ops_around_the_prefill(2, monkeypatch), _ops_around_the_prefill(8, monkeypatch)
+    (two, _), (eight, _) = _prefill_ops(2, monkeypatch), _prefill_ops(8, monkeypatch)
     assert two == eight and two.count("aten._foreach_zero_") == 2, (len(two), len(eight))
+
+
+def test_the_prompt_goes_into_the_static_cache_in_one_kernel_per_tensor(monkeypatch):
+    """Each captured op is a graph node (~1 us each, and the graph launch's host time grows with them): the keys
+    and values go into the cache by one masked write each, the write positions by one foreach copy."""
+    for layers in (2, 8):
+        _, around = _prefill_ops(layers, monkeypatch)
+        assert around.count("aten.where") == 2 * layers, around
+        assert around.count("aten._foreach_copy_") == 1 and "aten.copy_" not in around, around

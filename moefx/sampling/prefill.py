@@ -107,10 +107,14 @@ class BucketedPrefill:
                                                prompt_cache, by_head, run.last)
         n = run.keep.shape[0]
         keep = run.keep[None, None, :, None]
-        for static, dynamic in zip(slot.cache.layers, prompt_cache.layers):
-            static.keys[:, :, :n].copy_(torch.where(keep, dynamic.keys[:, :, :n], static.keys[:, :, :n]))
-            static.values[:, :, :n].copy_(torch.where(keep, dynamic.values[:, :, :n], static.values[:, :, :n]))
-            static.cumulative_length.copy_(run.length)
+        layers = slot.cache.layers
+        with torch.no_grad():  # a cache write (where out= takes no autograd)
+            for static, dynamic in zip(layers, prompt_cache.layers):
+                # written where they lie (out= the cache's own slice): one kernel per tensor, not a where and a copy
+                for old, new in ((static.keys[:, :, :n], dynamic.keys[:, :, :n]),
+                                 (static.values[:, :, :n], dynamic.values[:, :, :n])):
+                    torch.where(keep, new, old, out=old)
+            torch._foreach_copy_([layer.cumulative_length for layer in layers], [run.length] * len(layers))
         return scores
 
     def _capture(self, slot: Any, run: _Bucketed, key: tuple) -> None:
