@@ -98,6 +98,19 @@ def test_compile_work_does_not_grow_with_depth_and_tokens_equal_eager():
     assert inline[1] > work[2][1], (inline, work)  # the count sees per-layer work when layers are inlined
 
 
+@pytest.mark.parametrize("reuses", [True, False])
+def test_the_plan_says_when_this_torch_traces_every_layer_again(monkeypatch, reuses):
+    """A torch without region reuse (before 2.12, the H200's 2.11) still compiles one body but traces each layer:
+    the plan says so, so a slow first call is explained, not a surprise."""
+    from moefx.sampling import regions
+
+    monkeypatch.setattr(regions, "_reuses_regions", lambda: reuses)
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3)
+    notes = install_layer_regions(model)
+    assert "one nested region" in notes[0]
+    assert any("traces every layer's region call again" in n for n in notes) is not reuses, notes
+
+
 def test_prefill_only_regions_leave_the_decode_step_inlined():
     """`decode=False` (config layer_regions: prefill): the prefill's dynamo graph calls the one region per layer,
     the decode step's has no region call; tokens equal eager (dynamo graphs run as traced, no inductor)."""

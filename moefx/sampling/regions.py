@@ -14,7 +14,8 @@ gives each decoder layer a forward that, while torch.compile traces it, calls th
 
 Inside the region the layer sees a one-layer cache view that ignores `layer_idx`, so the traced body is the same
 for every layer: dynamo traces it once and stamps out the rest (torch >= 2.12; earlier versions trace each
-call and deduplicate identical bodies), AOTAutograd and inductor compile it once, and the moefx post-grad
+call and deduplicate identical bodies, which the plan says: on the H200's torch 2.11 tracing 48 layers twice
+took ~29 s of a warm start), AOTAutograd and inductor compile it once, and the moefx post-grad
 passes run on it like on any graph. Any other case — eager calls, other cache layers (sliding window, a
 DynamicLayer that already holds tokens), no cache — runs the layer's own forward unchanged.
 
@@ -74,14 +75,19 @@ def _layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, s
     return out, keys, values
 
 
+def _reuses_regions() -> bool:
+    """Whether this torch stamps out a traced region body instead of tracing every call again (torch >= 2.12,
+    the release that gave nested_compile_region its reuse limit)."""
+    try:
+        return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _region_kwargs(layers: int) -> dict[str, Any]:
     """nested_compile_region's reuse limit, where this torch has one: room for one entry per layer, so a model
     whose layers all differ compiles as before instead of failing."""
-    try:
-        names = inspect.signature(torch.compiler.nested_compile_region).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"max_reuse_entries": layers + 1} if "max_reuse_entries" in names else {}
+    return {"max_reuse_entries": layers + 1} if _reuses_regions() else {}
 
 
 def _region_forward(region: Any, decode: bool, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor,
@@ -144,9 +150,14 @@ def install_layer_regions(model: Any, decode: bool = True) -> list[str]:
         layer.forward = functools.partial(_region_forward, region, decode, index, layer)
     kinds = sorted({type(layer).__name__ for layer in layers})
     where = "prefill and decode step" if decode else "prefill only; the decode step inlines them"
-    return [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
-            f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
-            f"input norm are two kernels"]
+    notes = [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
+             f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
+             f"input norm are two kernels"]
+    if not _reuses_regions():
+        notes.append(f"torch {torch.__version__} traces every layer's region call again (reuse of a traced body "
+                     f"needs torch >= 2.12): inductor compiles one body, but tracing still grows with depth "
+                     f"(~0.3 s per layer and function on the H200, docs/FINDINGS.md)")
+    return notes
 
 
 def _own_body() -> Any:
