@@ -374,46 +374,23 @@ class DecodeLoop:
                  by_head: bool) -> tuple[Any, torch.Tensor | None]:
         if slot.uncapturable is not None:
             return self._uncaptured(slot, slot.uncapturable)
-        device = slot.state["seq"].device
         progress.info("capturing the decode step for batch %d (cache length %d)...", slot.batch, slot.max_len)
         start = time.perf_counter()
-        # Warm-up steps compile the functions and advance the state; the state and each layer's write
-        # position are put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
+        # The warm-ups compile the functions and advance the state; the state and each layer's write position are
+        # put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
         saved = {k: v.clone() for k, v in slot.state.items()}
         lengths = [layer.cumulative_length.clone() for layer in slot.cache.layers]
-        rng = torch.cuda.get_rng_state(device)  # a sampling warm-up must not shift the request's random stream
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        syncs = None
-        # The warm-ups run the kernels the capture will (capture_mode.py): their lazy state (Triton builds, the
-        # dense gemv's split-K counters) must exist before the capture, which cannot create it.
-        with torch.cuda.stream(side), as_captured():
-            self._step(slot, form, masked, by_head)  # compiles, initializes lazy state
-            # A step that syncs the host cannot be captured, and a capture that fails half-way leaves the RNG and
-            # the graph memory pool unusable: find out first, with host syncs turned into errors.
-            mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                self._step(slot, form, masked, by_head)
-            except RuntimeError as exc:
-                syncs = str(exc).splitlines()[0]
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
-        torch.cuda.current_stream(device).wait_stream(side)
-        for name, value in saved.items():
-            slot.state[name].copy_(value)
-        for layer, length in zip(slot.cache.layers, lengths):
-            layer.cumulative_length.copy_(length)
-        torch.cuda.set_rng_state(rng, device)
-        if syncs is not None:
-            return self._uncaptured(slot, f"its step syncs the host ({syncs})")
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.graph_pool.handle(device)):
-                logits = self._step(slot, form, masked, by_head)
-        except RuntimeError as exc:
-            self.graph_pool.drop()
-            return self._uncaptured(slot, f"its step cannot be captured: {exc}")
+
+        def restore() -> None:
+            for name, value in saved.items():
+                slot.state[name].copy_(value)
+            for layer, length in zip(slot.cache.layers, lengths):
+                layer.cumulative_length.copy_(length)
+
+        graph, logits, why = self.graph_pool.capture(lambda: self._step(slot, form, masked, by_head),
+                                                     slot.state["seq"].device, restore)
+        if graph is None:
+            return self._uncaptured(slot, f"its step {why}")
         self.stats.captures += 1
         progress.info("decode step for batch %d captured in %.1f s", slot.batch, time.perf_counter() - start)
         return graph, logits

@@ -118,38 +118,16 @@ class BucketedPrefill:
         return scores
 
     def _capture(self, slot: Any, run: _Bucketed, key: tuple) -> None:
-        """Capture this prefill (warm-ups on a side stream first, deciding kernels as the capture will: compile,
-        then one run with host syncs turned into errors); a prefill that cannot be captured runs without a graph,
-        with the reason in the stats."""
+        """Capture this prefill into the engine's graph pool (`GraphPool.capture`: warm-ups first, deciding kernels
+        as the capture will); a prefill that cannot be captured runs without a graph, with the reason in the
+        stats."""
         loop, (bucket, masked, by_head) = self.loop, key
         device = run.tokens.device
         reserved = torch.cuda.memory_reserved(device)
         rng = torch.cuda.get_rng_state(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        syncs = None
-        with torch.cuda.stream(side), as_captured():  # the kernels the capture will run, as in DecodeLoop._capture
-            self._call(slot, run, by_head)
-            mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                self._call(slot, run, by_head)
-            except RuntimeError as exc:
-                syncs = str(exc).splitlines()[0]
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.set_rng_state(rng, device)
-        if syncs is not None:
-            self._uncaptured(slot, bucket, f"its forward syncs the host ({syncs})")
-            return
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=loop.graph_pool.handle(device)):
-                out = self._call(slot, run, by_head)
-        except RuntimeError as exc:
-            loop.graph_pool.drop()
-            self._uncaptured(slot, bucket, f"its forward cannot be captured: {exc}")
+        graph, out, why = loop.graph_pool.capture(lambda: self._call(slot, run, by_head), device)
+        if graph is None:
+            self._uncaptured(slot, bucket, f"its forward {why}")
             return
         torch.cuda.set_rng_state(rng, device)
         run.graph, run.out = graph, out

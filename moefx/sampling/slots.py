@@ -23,11 +23,12 @@ import gc
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from moefx.backends.capture_mode import as_captured
 from moefx.config import DEFAULT_MEMORY_BUDGET, check_memory_budget
 from moefx.log import get_logger
 
@@ -115,6 +116,43 @@ class GraphPool:
     def drop(self) -> None:
         """After a failed capture, which may leave the pool in use: the next capture takes a new one."""
         self._held = None
+
+    def capture(self, run: Callable[[], Any], device: torch.device,
+                restore: Callable[[], None] = lambda: None) -> tuple[Any, Any, str | None]:
+        """`run()` captured into this pool: (graph, what the captured call returned, None), or (None, None, why not).
+
+        Two warm-ups come first, on a side stream and deciding kernels as the capture will (capture_mode.py): the
+        first compiles and builds the lazy state a capture cannot create (Triton builds, the dense gemv's split-K
+        counters); the second runs with host syncs turned into errors, since a capture that fails half-way leaves
+        the RNG and the graph pool unusable. Then `restore()` puts back what the warm-ups changed, and the CUDA RNG
+        is put back too (a warm-up must not shift a request's random stream)."""
+        rng = torch.cuda.get_rng_state(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        syncs = None
+        with torch.cuda.stream(side), as_captured():
+            run()
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                run()
+            except RuntimeError as exc:
+                syncs = str(exc).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        torch.cuda.current_stream(device).wait_stream(side)
+        restore()
+        torch.cuda.set_rng_state(rng, device)
+        if syncs is not None:
+            return None, None, f"syncs the host ({syncs})"
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.handle(device)):
+                out = run()
+        except RuntimeError as exc:
+            self.drop()
+            return None, None, f"cannot be captured: {exc}"
+        return graph, out, None
 
 
 class SlotPool:
