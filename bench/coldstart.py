@@ -57,7 +57,10 @@ def child(args: argparse.Namespace) -> dict:
     if args.child == "hf_static":
         out = model.generate(ids, cache_implementation="static", **kwargs)
     else:
-        model = moefx.optimize(model, config={"max_batch_size": args.batch})
+        config = {"max_batch_size": args.batch}
+        if args.layer_regions != "all":  # the default: left out, so the default run has the README's config
+            config["layer_regions"] = args.layer_regions
+        model = moefx.optimize(model, config=config)
         row["optimize_s"] = round(time.perf_counter() - built, 2)
         out = model.generate(ids, **kwargs)
         engine = model.moefx_generate.engine
@@ -92,7 +95,7 @@ def _run_arm(arm: str, args: argparse.Namespace, tmp: Path) -> dict:
            "MOEFX_COMPILE_CACHE": str(tmp / "moefx-compile")}
     cmd = [sys.executable, __file__, "--child", arm, "--layers", str(args.layers), "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--device", args.device,
-           *(["--tiny"] if args.tiny else [])]
+           "--layer-regions", args.layer_regions, *(["--tiny"] if args.tiny else [])]
     print(f"{arm}: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
@@ -113,6 +116,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model in fp32 (a CPU smoke run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--layer-regions", choices=("all", "prefill", "none", "frames"), default="all",
+                    help="moefx config layer_regions (frames: each layer call a compiled frame of its own)")
     ap.add_argument("--child", default=None, choices=ARMS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -138,7 +143,8 @@ def main() -> int:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)"
     result = {"stage": "coldstart", "date": datetime.date.today().isoformat(), "device": device,
               "versions": {"torch": torch.__version__}, "command": " ".join(["python3", *sys.argv]),
-              "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "rows": rows}
+              "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "layer_regions": args.layer_regions,
+              "rows": rows}
     path = out_dir / f"coldstart_{args.layers}l{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {path}\n| arm | first call s | ready s (from process start) | fx cache miss / hit | notes |")

@@ -250,9 +250,9 @@ def main() -> int:
                     help="moefx config max_batch_size (default 0: no config key, the plan's capture sizes)")
     ap.add_argument("--mode", default="", help="moefx config mode (default: the config's; eager for CPU smoke runs)")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--layer-regions", choices=("all", "prefill", "none"), default="all",
+    ap.add_argument("--layer-regions", choices=("all", "prefill", "none", "frames"), default="all",
                     help="moefx config layer_regions: decoder layers compiled as one region (prefill and decode, "
-                         "prefill only) or inlined")
+                         "prefill only), inlined, or as compiled frames of their own")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()

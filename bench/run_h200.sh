@@ -28,6 +28,7 @@
 #                                                        #   coldstart coldstart-48 (first call: cold vs a new process
 #                                                        #   with moefx's compile cache, vs transformers; bench/coldstart.py)
 #                                                        #   coldstart-48-b16 (48 layers B=16: cold vs transformers only)
+#                                                        #   coldstart-48-frames (48 layers B=1, layer_regions frames)
 #                                                        #   dispatch (host time per moefx op call vs the 15 us target)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -130,6 +131,8 @@ for s in "${stages[@]}"; do
         coldstart-48) run_stage coldstart-48 580 python3 bench/coldstart.py --layers 48 --batch 1 ;;
         coldstart-48-b16) run_stage coldstart-48-b16 500 python3 bench/coldstart.py --layers 48 --batch 16 \
             --arms hf_static,moefx_cold --tag _b16 ;;
+        coldstart-48-frames) run_stage coldstart-48-frames 580 python3 bench/coldstart.py --layers 48 --batch 1 \
+            --arms hf_static,moefx_cold,moefx_warm --layer-regions frames --tag _frames ;;
         dispatch) run_stage dispatch 420 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
         dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
@@ -145,7 +148,7 @@ for s in "${stages[@]}"; do
             "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
             "e2e-check e2e-8-readme e2e-48-b16 e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream stream-prime" \
-            "stream-cached coldstart coldstart-48 coldstart-48-b16 dispatch ttft-8 ttft-48)" ;;
+            "stream-cached coldstart coldstart-48 coldstart-48-b16 coldstart-48-frames dispatch ttft-8 ttft-48)" ;;
     esac
 done
 pack
