@@ -23,7 +23,7 @@ import yaml
 MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
 DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
-LAYER_REGIONS = ("all", "prefill", "none")
+LAYER_REGIONS = ("all", "prefill", "none", "frames")
 OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 # The decode engine's memory budget when neither config nor env sets it: this fraction of the free device memory
 # (measured at its first allocation) leaves the rest to activations and the prefill.
@@ -112,7 +112,8 @@ class CompilationConfig:
     # else on (moefx/sampling/compile_cache.py).
     compile_cache: bool | str | None = None
     # Compile identical decoder layers once, as one nested compile region (moefx/sampling/regions.py): in the
-    # prefill and the decode step, in the prefill only (the decode step keeps its cross-layer fusions), or nowhere.
+    # prefill and the decode step, in the prefill only (the decode step keeps its cross-layer fusions), nowhere, or
+    # ("frames") as compiled frames of their own, which trace once per kind of call on a torch without region reuse.
     layer_regions: str = field(default="all", metadata=_choices(*LAYER_REGIONS))
 
     def __post_init__(self) -> None:

@@ -217,3 +217,70 @@ def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
         stats = model.moefx_generate.engine.stats
         assert stats.captures == 1 and not stats.uncaptured, (regions, stats)
         assert stats.compiles["decode"] == 1, (regions, stats)
+
+
+def _frames_run(layers: int) -> tuple[dict[str, int], int, torch.Tensor, torch.Tensor, list, list]:
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
+    model = copy.deepcopy(stock)
+    assert "frames of their own" in install_layer_regions(model, frames=True)[0]
+    recorder = _Recorder()
+    engine = DecodeLoop(model, compile_kwargs={"backend": recorder})
+    ids = _ids(2, 7, layers)
+    got_logits: list[torch.Tensor] = []
+    want_logits: list[torch.Tensor] = []
+    got = engine.generate(ids, 4, GREEDY, logits_out=got_logits)
+    want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
+    torch._dynamo.reset()
+    return dict(engine.stats.compiles), recorder.work()[1], got, want, got_logits, want_logits
+
+
+@pytest.mark.compile
+def test_layers_as_compiled_frames_compile_once_whatever_the_depth():
+    """`layer_regions: frames`: the prefill's and the decode step's layer calls each compile one body (traced once,
+    every other layer reusing it), so the compiles and the matmuls compiled are the same at 6 layers as at 2;
+    tokens equal eager and logits within fp32 rounding."""
+    runs = {layers: _frames_run(layers) for layers in (2, 6)}
+    for layers, (compiles, _, got, want, got_logits, want_logits) in runs.items():
+        assert compiles.get("layer[prefill]") == 1 and compiles.get("layer[decode]") == 1, (layers, compiles)
+        assert torch.equal(got, want), layers
+        for a, b in zip(got_logits, want_logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert runs[6][0] == runs[2][0] and runs[6][1] == runs[2][1], (runs[2][:2], runs[6][:2])
+
+
+def test_frames_no_engine_bound_trace_the_nested_region():
+    """Until a compiled engine binds the frames (an eager engine binds nothing), a compiled forward traces the
+    layers through the nested region: one dynamo graph, no break at the layer calls."""
+    from transformers import DynamicCache
+
+    from moefx.sampling.regions import layer_frames
+
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval()
+    install_layer_regions(model, frames=True)
+    DecodeLoop(model)
+    assert layer_frames(model) is not None and not layer_frames(model).bound
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=record)(_ids(1, 5, 0), past_key_values=DynamicCache(config=model.config),
+                                             use_cache=True)
+    torch._dynamo.reset()
+    assert len(graphs) == 1, len(graphs)
+    assert sum("invoke_subgraph" in str(n.target) for n in graphs[0].graph.nodes) == 2
+
+
+def test_config_layer_regions_frames_reaches_the_engine():
+    """`optimize(config={"layer_regions": "frames"})`: the plan says so and the generate() engine has bound the
+    frames (its compiled steps then break at every layer call)."""
+    from moefx.sampling.regions import layer_frames
+
+    model = moefx.optimize(build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval(),
+                           config={"layer_regions": "frames"})
+    assert layer_frames(model) is not None and layer_frames(model).bound
+    assert "frames of their own" in model.moefx_plan.explain()

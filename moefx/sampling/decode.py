@@ -44,6 +44,7 @@ import torch
 from moefx.backends.capture_mode import as_captured
 from moefx.log import get_logger, progress_logger, warn_once
 from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
+from moefx.sampling.regions import layer_frames
 from moefx.sampling.sampler import SamplingParams, sample
 from moefx.sampling.slots import GraphPool, SlotPool, cache_bytes
 
@@ -250,6 +251,9 @@ class DecodeLoop:
                           if prefill_capture_tokens else None)
         self._decode = self._compile("decode", self._run, kw)
         self._pick = self._compile("sampler", _advance, kw)
+        frames = layer_frames(model)
+        if frames is not None and self.compiled:
+            frames.bind(lambda name, fn: self._compile(name, fn, kw))
 
     def _compile(self, name: str, fn: Callable, kw: dict[str, Any]) -> Callable:
         if not self.compiled:

@@ -19,6 +19,11 @@ took ~29 s of a warm start), AOTAutograd and inductor compile it once, and the m
 passes run on it like on any graph. Any other case — eager calls, other cache layers (sliding window, a
 DynamicLayer that already holds tokens), no cache — runs the layer's own forward unchanged.
 
+`frames=True` (config `layer_regions: frames`) keeps the layers out of the step's graph instead: once a compiled
+engine binds them (`LayerFrames.bind`), the step's trace breaks at every layer call and the call runs one
+function the engine compiled per kind of call (prefill, decode step), traced once and reused by every layer,
+whatever torch's region reuse; until a compiled engine binds them, the region is used.
+
 What is lost: inductor does not fuse across the region boundary, so a layer's last residual add and the next
 layer's input RMSNorm are separate kernels (in one inlined graph they fuse into one). `decode=False` keeps the
 regions to the prefill, so the decode step (replayed from a CUDA graph every token) keeps that fusion.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,26 +96,98 @@ def _region_kwargs(layers: int) -> dict[str, Any]:
     return {"max_reuse_entries": layers + 1} if _reuses_regions() else {}
 
 
-def _region_forward(region: Any, decode: bool, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor,
-                    *args: Any, **kwargs: Any) -> Any:
-    """A decoder layer's forward: through the shared region while compiling, when its cache layer is one the
-    views reproduce; the layer's own forward otherwise."""
+class LayerFrames:
+    """Each decoder layer call as a compiled frame of its own (config `layer_regions: frames`): the traced step
+    breaks at every layer call, and the call runs one function compiled by the engine (`bind`), traced once per
+    kind of call (prefill, decode step) and reused by every layer whose guards pass, as PyTorch's regional
+    compilation recipe does. It needs no region reuse from torch (nested regions are traced at every call before
+    torch 2.12), and the decode step's KV write is a plain input mutation of a top-level graph (in a region it is
+    auto-functionalized once per layer call). What it costs: the step is several dynamo graphs with Python between
+    them (replayed from a CUDA graph, that Python is not paid; uncaptured calls pay a guard check per layer)."""
+
+    def __init__(self) -> None:
+        self._compile: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None
+        self._fns: dict[str, Callable[..., Any]] = {}
+
+    @property
+    def bound(self) -> bool:
+        return self._compile is not None
+
+    def bind(self, compile_fn: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
+        """`compile_fn(name, fn)` compiles a layer body (the engine's backend, counted under `name`)."""
+        self._compile, self._fns = compile_fn, {}
+
+    def _fn(self, kind: str) -> Callable[..., Any]:
+        fn = self._fns.get(kind)
+        if fn is None:
+            assert self._compile is not None
+            fn = self._fns[kind] = self._compile(f"layer[{kind}]", _own_body())
+        return fn
+
+    @torch.compiler.disable
+    def forward(self, decode: bool, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any,
+                **kwargs: Any) -> Any:
+        """A layer call of a traced step, not traced itself (the step's graph breaks here, before anything reads
+        the layer index, so one trace of the caller serves every layer): the compiled frame for its kind, or the
+        layer's own forward."""
+        return _dispatch(self, decode, index, layer, hidden_states, args, kwargs)
+
+    def decode(self, *args: Any) -> torch.Tensor:
+        (out,) = self._fn("decode")(*args)
+        return out
+
+    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
+        out, keys, values = self._fn("prefill")(*args)
+        cache.update(keys, values, index)
+        return out
+
+
+class _Region:
+    """The decoder layers' calls through one nested compile region, traced inside the step."""
+
+    def __init__(self, layers: int) -> None:
+        self.region = torch.compiler.nested_compile_region(_own_body(), **_region_kwargs(layers))
+
+    def decode(self, *args: Any) -> torch.Tensor:
+        (out,) = self.region(*args)
+        return out
+
+    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
+        out, keys, values = self.region(*args)
+        cache.update(keys, values, index)
+        return out
+
+
+def _region_forward(region: _Region, frames: LayerFrames | None, decode: bool, index: int, layer: torch.nn.Module,
+                    hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward: while compiling, through the shared compiled code (an engine's compiled frames
+    where it bound them, else the nested region) when its cache layer is one the views reproduce; the layer's own
+    forward otherwise."""
+    if not torch.compiler.is_compiling():
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    if frames is not None and frames.bound:
+        return frames.forward(decode, index, layer, hidden_states, *args, **kwargs)
+    return _dispatch(region, decode, index, layer, hidden_states, args, kwargs)
+
+
+def _dispatch(shared: _Region | LayerFrames, decode: bool, index: int, layer: torch.nn.Module,
+              hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """`shared.decode` for an initialized StaticLayer (with `decode`), `shared.prefill` for an empty DynamicLayer,
+    the layer's own forward for any other cache layer."""
     forward = type(layer).forward
     name = next((n for n in _CACHE_NAMES if n in kwargs), None)
     cache = kwargs.get(name) if name else None
     layers = getattr(cache, "layers", None)
-    if not torch.compiler.is_compiling() or layers is None or index >= len(layers):
+    if layers is None or index >= len(layers):
         return forward(layer, hidden_states, *args, **kwargs)
     entry = layers[index]
     kind = type(entry).__name__
     rest = {k: v for k, v in kwargs.items() if k != name}
     if decode and kind == "StaticLayer" and getattr(entry, "is_initialized", False):
-        (out,) = region(layer, hidden_states, name, (entry.keys, entry.values, entry.cumulative_length), args, rest)
-        return out
+        return shared.decode(layer, hidden_states, name, (entry.keys, entry.values, entry.cumulative_length), args,
+                             rest)
     if kind == "DynamicLayer" and not getattr(entry, "is_initialized", True):
-        out, keys, values = region(layer, hidden_states, name, (), args, rest)
-        cache.update(keys, values, index)
-        return out
+        return shared.prefill(cache, index, layer, hidden_states, name, (), args, rest)
     return forward(layer, hidden_states, *args, **kwargs)
 
 
@@ -138,18 +216,25 @@ def why_no_regions(model: Any) -> str | None:
     return None
 
 
-def install_layer_regions(model: Any, decode: bool = True) -> list[str]:
+def install_layer_regions(model: Any, decode: bool = True, frames: bool = False) -> list[str]:
     """Route every decoder layer of `model` through one nested compile region (in the prefill, and with `decode`
-    in the static-cache decode step too); returns what was done."""
+    in the static-cache decode step too), or with `frames` through compiled frames of their own once an engine
+    binds them (`layer_frames`); returns what was done."""
     why = why_no_regions(model)
     if why is not None:
         return [f"decoder layers compiled inline: {why}"]
     layers = decoder_layers(model)
-    region = torch.compiler.nested_compile_region(_own_body(), **_region_kwargs(len(layers)))
+    region, hook = _Region(len(layers)), LayerFrames() if frames else None
     for index, layer in enumerate(layers):
-        layer.forward = functools.partial(_region_forward, region, decode, index, layer)
+        layer.forward = functools.partial(_region_forward, region, hook, decode, index, layer)
+    model._moefx_layer_frames = hook
     kinds = sorted({type(layer).__name__ for layer in layers})
     where = "prefill and decode step" if decode else "prefill only; the decode step inlines them"
+    if frames:
+        return [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as frames of their own ({where}): "
+                f"the engine's steps break at every layer call and each kind of call (prefill, decode) is traced "
+                f"and compiled once; across a layer boundary a layer's last residual add and the next layer's input "
+                f"norm are two kernels; until a compiled engine binds them, one nested region is used"]
     notes = [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
              f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
              f"input norm are two kernels"]
@@ -158,6 +243,11 @@ def install_layer_regions(model: Any, decode: bool = True) -> list[str]:
                      f"needs torch >= 2.12): inductor compiles one body, but tracing still grows with depth "
                      f"(~0.3 s per layer and function on the H200, docs/FINDINGS.md)")
     return notes
+
+
+def layer_frames(model: Any) -> LayerFrames | None:
+    """The compiled-frame hook `install_layer_regions(..., frames=True)` left on `model`, for the engine to bind."""
+    return getattr(model, "_moefx_layer_frames", None)
 
 
 def _own_body() -> Any:
@@ -180,4 +270,4 @@ def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
     if offload is not None and getattr(offload, "experts", "gpu") == "cpu":
         # Offloaded experts keep per-layer host state that the region's guards would see; not proven shared.
         return ["decoder layers compiled inline: experts are offloaded (regions not proven with offload)"]
-    return install_layer_regions(model, decode=scope == "all")
+    return install_layer_regions(model, decode=scope in ("all", "frames"), frames=scope == "frames")
