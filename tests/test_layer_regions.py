@@ -65,36 +65,38 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _run(layers: int, regions: bool) -> tuple[tuple[int, int], torch.Tensor, list[torch.Tensor], torch.Tensor,
-                                              list[torch.Tensor]]:
+def _run(layers: int, regions: str) -> tuple[tuple[int, int], torch.Tensor, list[torch.Tensor], torch.Tensor,
+                                             list[torch.Tensor], dict[str, int]]:
+    """One engine request with the layers compiled as `regions` ("all": one nested region, "frames", "none")."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
     model = copy.deepcopy(stock)
-    if regions:
-        assert "one nested region" in install_layer_regions(model)[0]
+    if regions != "none":
+        said = install_layer_regions(model, frames=regions == "frames")[0]
+        assert ("frames of their own" if regions == "frames" else "one nested region") in said, said
     recorder = _Recorder()
     engine = DecodeLoop(model, compile_kwargs={"backend": recorder})
     ids = _ids(2, 7, layers)
     got_logits: list[torch.Tensor] = []
     want_logits: list[torch.Tensor] = []
     got = engine.generate(ids, 4, GREEDY, logits_out=got_logits)
-    # The region writes each layer's keys and values in place: no whole-cache copy per layer and step.
+    # Each layer's keys and values are written in place: no whole-cache copy per layer and step.
     assert recorder.cache_copies(engine.slots.latest(2).cache.layers[0].keys.shape) == 0
     want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
     torch._dynamo.reset()
-    return recorder.work(), got, got_logits, want, want_logits
+    return recorder.work(), got, got_logits, want, want_logits, dict(engine.stats.compiles)
 
 
 @pytest.mark.compile
 def test_compile_work_does_not_grow_with_depth_and_tokens_equal_eager():
     work = {}
     for layers in (2, 8):
-        work[layers], got, got_logits, want, want_logits = _run(layers, regions=True)
+        work[layers], got, got_logits, want, want_logits, _ = _run(layers, "all")
         assert torch.equal(got, want), layers
         for a, b in zip(got_logits, want_logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert work[8] == work[2], work
-    inline, *_ = _run(4, regions=False)
+    inline, *_ = _run(4, "none")
     assert inline[1] > work[2][1], (inline, work)  # the count sees per-layer work when layers are inlined
 
 
@@ -219,34 +221,19 @@ def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
         assert stats.compiles["decode"] == 1, (regions, stats)
 
 
-def _frames_run(layers: int) -> tuple[dict[str, int], int, torch.Tensor, torch.Tensor, list, list]:
-    torch._dynamo.reset()
-    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
-    model = copy.deepcopy(stock)
-    assert "frames of their own" in install_layer_regions(model, frames=True)[0]
-    recorder = _Recorder()
-    engine = DecodeLoop(model, compile_kwargs={"backend": recorder})
-    ids = _ids(2, 7, layers)
-    got_logits: list[torch.Tensor] = []
-    want_logits: list[torch.Tensor] = []
-    got = engine.generate(ids, 4, GREEDY, logits_out=got_logits)
-    want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
-    torch._dynamo.reset()
-    return dict(engine.stats.compiles), recorder.work()[1], got, want, got_logits, want_logits
-
-
 @pytest.mark.compile
 def test_layers_as_compiled_frames_compile_once_whatever_the_depth():
     """`layer_regions: frames`: the prefill's and the decode step's layer calls each compile one body (traced once,
     every other layer reusing it), so the compiles and the matmuls compiled are the same at 6 layers as at 2;
     tokens equal eager and logits within fp32 rounding."""
-    runs = {layers: _frames_run(layers) for layers in (2, 6)}
-    for layers, (compiles, _, got, want, got_logits, want_logits) in runs.items():
+    runs = {layers: _run(layers, "frames") for layers in (2, 6)}
+    for layers, (_, got, got_logits, want, want_logits, compiles) in runs.items():
         assert compiles.get("layer[prefill]") == 1 and compiles.get("layer[decode]") == 1, (layers, compiles)
         assert torch.equal(got, want), layers
         for a, b in zip(got_logits, want_logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert runs[6][0] == runs[2][0] and runs[6][1] == runs[2][1], (runs[2][:2], runs[6][:2])
+    (work2, *_, compiles2), (work6, *_, compiles6) = runs[2], runs[6]
+    assert compiles6 == compiles2 and work6[1] == work2[1], (compiles2, work2, compiles6, work6)
 
 
 def test_frames_no_engine_bound_trace_the_nested_region():
