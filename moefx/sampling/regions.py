@@ -96,7 +96,24 @@ def _region_kwargs(layers: int) -> dict[str, Any]:
     return {"max_reuse_entries": layers + 1} if _reuses_regions() else {}
 
 
-class LayerFrames:
+class _LayerCalls:
+    """A decoder layer call through a shared body (`_body(kind)`): the decode step's body writes its cache layer in
+    place and returns the hidden states; the prefill's returns the new keys and values too, stored here."""
+
+    def _body(self, kind: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def decode(self, *args: Any) -> torch.Tensor:
+        (out,) = self._body("decode")(*args)
+        return out
+
+    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
+        out, keys, values = self._body("prefill")(*args)
+        cache.update(keys, values, index)
+        return out
+
+
+class LayerFrames(_LayerCalls):
     """Each decoder layer call as a compiled frame of its own (config `layer_regions: frames`): the traced step
     breaks at every layer call, and the call runs one function compiled by the engine (`bind`), traced once per
     kind of call (prefill, decode step) and reused by every layer whose guards pass, as PyTorch's regional
@@ -117,7 +134,7 @@ class LayerFrames:
         """`compile_fn(name, fn)` compiles a layer body (the engine's backend, counted under `name`)."""
         self._compile, self._fns = compile_fn, {}
 
-    def _fn(self, kind: str) -> Callable[..., Any]:
+    def _body(self, kind: str) -> Callable[..., Any]:
         fn = self._fns.get(kind)
         if fn is None:
             assert self._compile is not None
@@ -132,30 +149,15 @@ class LayerFrames:
         layer's own forward."""
         return _dispatch(self, decode, index, layer, hidden_states, args, kwargs)
 
-    def decode(self, *args: Any) -> torch.Tensor:
-        (out,) = self._fn("decode")(*args)
-        return out
 
-    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
-        out, keys, values = self._fn("prefill")(*args)
-        cache.update(keys, values, index)
-        return out
-
-
-class _Region:
+class _Region(_LayerCalls):
     """The decoder layers' calls through one nested compile region, traced inside the step."""
 
     def __init__(self, layers: int) -> None:
         self.region = torch.compiler.nested_compile_region(_own_body(), **_region_kwargs(layers))
 
-    def decode(self, *args: Any) -> torch.Tensor:
-        (out,) = self.region(*args)
-        return out
-
-    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
-        out, keys, values = self.region(*args)
-        cache.update(keys, values, index)
-        return out
+    def _body(self, kind: str) -> Callable[..., Any]:
+        return self.region
 
 
 def _region_forward(region: _Region, frames: LayerFrames | None, decode: bool, index: int, layer: torch.nn.Module,
@@ -170,7 +172,7 @@ def _region_forward(region: _Region, frames: LayerFrames | None, decode: bool, i
     return _dispatch(region, decode, index, layer, hidden_states, args, kwargs)
 
 
-def _dispatch(shared: _Region | LayerFrames, decode: bool, index: int, layer: torch.nn.Module,
+def _dispatch(shared: _LayerCalls, decode: bool, index: int, layer: torch.nn.Module,
               hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
     """`shared.decode` for an initialized StaticLayer (with `decode`), `shared.prefill` for an empty DynamicLayer,
     the layer's own forward for any other cache layer."""
