@@ -58,7 +58,7 @@ def child(args: argparse.Namespace) -> dict:
         out = model.generate(ids, cache_implementation="static", **kwargs)
     else:
         config = {"max_batch_size": args.batch}
-        if args.layer_regions != "all":  # the default: left out, so the default run has the README's config
+        if args.layer_regions != "auto":  # the default: left out, so the default run has the README's config
             config["layer_regions"] = args.layer_regions
         model = moefx.optimize(model, config=config)
         row["optimize_s"] = round(time.perf_counter() - built, 2)
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model in fp32 (a CPU smoke run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--layer-regions", choices=("all", "prefill", "none", "frames"), default="all",
+    ap.add_argument("--layer-regions", choices=("auto", "all", "prefill", "none", "frames"), default="auto",
                     help="moefx config layer_regions (frames: each layer call a compiled frame of its own)")
     ap.add_argument("--child", default=None, choices=ARMS, help=argparse.SUPPRESS)
     args = ap.parse_args()

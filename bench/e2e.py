@@ -250,7 +250,7 @@ def main() -> int:
                     help="moefx config max_batch_size (default 0: no config key, the plan's capture sizes)")
     ap.add_argument("--mode", default="", help="moefx config mode (default: the config's; eager for CPU smoke runs)")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--layer-regions", choices=("all", "prefill", "none", "frames"), default="all",
+    ap.add_argument("--layer-regions", choices=("auto", "all", "prefill", "none", "frames"), default="auto",
                     help="moefx config layer_regions: decoder layers compiled as one region (prefill and decode, "
                          "prefill only), inlined, or as compiled frames of their own")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
@@ -396,7 +396,7 @@ def main() -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     config = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}  # default: the README path
-    if args.layer_regions != "all":  # "all" is the default: left out, so the default run has no config at all
+    if args.layer_regions != "auto":  # the default: left out, so the default run has no config at all
         config["layer_regions"] = args.layer_regions
     if args.mode:
         config["mode"] = args.mode

@@ -23,7 +23,7 @@ import yaml
 MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
 DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
-LAYER_REGIONS = ("all", "prefill", "none", "frames")
+LAYER_REGIONS = ("auto", "all", "prefill", "none", "frames")
 OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 # The decode engine's memory budget when neither config nor env sets it: this fraction of the free device memory
 # (measured at its first allocation) leaves the rest to activations and the prefill.
@@ -111,10 +111,11 @@ class CompilationConfig:
     # Persistent compile artifacts of the generate() engine: true, false or a folder; None: MOEFX_COMPILE_CACHE,
     # else on (moefx/sampling/compile_cache.py).
     compile_cache: bool | str | None = None
-    # Compile identical decoder layers once, as one nested compile region (moefx/sampling/regions.py): in the
-    # prefill and the decode step, in the prefill only (the decode step keeps its cross-layer fusions), nowhere, or
-    # ("frames") as compiled frames of their own, which trace once per kind of call on a torch without region reuse.
-    layer_regions: str = field(default="all", metadata=_choices(*LAYER_REGIONS))
+    # Compile identical decoder layers once (moefx/sampling/regions.py): as one nested compile region in the
+    # prefill and the decode step ("all"), in the prefill only (the decode step keeps its cross-layer fusions),
+    # nowhere, or ("frames") as compiled frames of their own, which trace once per kind of call on a torch without
+    # region reuse. "auto": frames where this torch traces every region call again (< 2.12), else all.
+    layer_regions: str = field(default="auto", metadata=_choices(*LAYER_REGIONS))
 
     def __post_init__(self) -> None:
         mbs = self.max_batch_size

@@ -262,6 +262,22 @@ def test_frames_no_engine_bound_trace_the_nested_region():
     assert sum("invoke_subgraph" in str(n.target) for n in graphs[0].graph.nodes) == 2
 
 
+@pytest.mark.parametrize("reuses", [True, False])
+def test_layer_regions_auto_takes_frames_where_torch_traces_every_region_call(monkeypatch, reuses):
+    """The default (`auto`): one nested region where torch reuses a traced body (>= 2.12), compiled frames where
+    it traces every call again (the H200's 2.11); the plan says which and why."""
+    from moefx.sampling import regions
+    from moefx.sampling.regions import layer_frames
+
+    monkeypatch.setattr(regions, "_reuses_regions", lambda: reuses)
+    model = moefx.optimize(build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval(),
+                           config={"mode": "compile"})
+    said = model.moefx_plan.explain()
+    assert f"layer_regions auto = {'all' if reuses else 'frames'}" in said
+    assert ("frames of their own" in said) is not reuses
+    assert (layer_frames(model) is not None) is not reuses
+
+
 def test_config_layer_regions_frames_reaches_the_engine():
     """`optimize(config={"layer_regions": "frames"})`: the plan says so and the generate() engine has bound the
     frames (its compiled steps then break at every layer call)."""

@@ -272,4 +272,12 @@ def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
     if offload is not None and getattr(offload, "experts", "gpu") == "cpu":
         # Offloaded experts keep per-layer host state that the region's guards would see; not proven shared.
         return ["decoder layers compiled inline: experts are offloaded (regions not proven with offload)"]
-    return install_layer_regions(model, decode=scope in ("all", "frames"), frames=scope == "frames")
+    notes = []
+    if scope == "auto":
+        scope = "all" if _reuses_regions() else "frames"
+        notes.append(f"layer_regions auto = {scope}: " + (
+            "this torch reuses a traced region body" if scope == "all" else
+            f"torch {torch.__version__} traces every nested region call again (reuse needs torch >= 2.12); frames "
+            f"trace once per kind of call (48 layers on the H200, torch 2.11: first generate() 33.6 s, 116.3 s "
+            f"with regions; docs/FINDINGS.md)"))
+    return notes + install_layer_regions(model, decode=scope in ("all", "frames"), frames=scope == "frames")
