@@ -223,12 +223,15 @@ def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
 
 @pytest.mark.compile
 def test_layers_as_compiled_frames_compile_once_whatever_the_depth():
-    """`layer_regions: frames`: the prefill's and the decode step's layer calls each compile one body (traced once,
-    every other layer reusing it), so the compiles and the matmuls compiled are the same at 6 layers as at 2;
-    tokens equal eager and logits within fp32 rounding."""
+    """`layer_regions: frames`: the prefill and the decode step each stay one graph (a layer call is one op, no graph
+    break) and their layer calls each compile one body (traced once, every other layer reusing it), so the compiles
+    and the matmuls compiled are the same at 6 layers as at 2; tokens equal eager and logits within fp32 rounding.
+    The decode body may compile twice: dynamo guards its input's dispatch keys, and the first layer's hidden states
+    are an inductor buffer (allocated without autograd keys) where the others' are op outputs."""
     runs = {layers: _run(layers, "frames") for layers in (2, 6)}
     for layers, (_, got, got_logits, want, want_logits, compiles) in runs.items():
-        assert compiles.get("layer[prefill]") == 1 and compiles.get("layer[decode]") == 1, (layers, compiles)
+        assert compiles.get("prefill") == 1 and compiles.get("decode") == 1, (layers, compiles)
+        assert compiles.get("layer[prefill]") == 1 and compiles.get("layer[decode]") in (1, 2), (layers, compiles)
         assert torch.equal(got, want), layers
         for a, b in zip(got_logits, want_logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -7,22 +7,21 @@ gives each decoder layer a forward that, while torch.compile traces it, calls th
 `torch.compiler.nested_compile_region` with that layer's cache state as explicit tensor arguments:
 
 - a StaticLayer (the engine's decode step): its keys, values and write position go in; the region writes the
-  new keys and values in place (`_StaticLayerView.update`, the same index_copy_ at `cumulative_length` as
+  new keys and values in place (the view's `update`, the same index_copy_ at `cumulative_length` as
   transformers' StaticLayer), so it mutates its inputs and returns only the hidden states;
 - an empty DynamicLayer (the engine's prefill): the region returns the new keys and values next to the hidden
   states, and they are appended to the real cache outside it (for an empty layer the update only stores them).
 
-Inside the region the layer sees a one-layer cache view that ignores `layer_idx`, so the traced body is the same
-for every layer: dynamo traces it once and stamps out the rest (torch >= 2.12; earlier versions trace each
-call and deduplicate identical bodies, which the plan says: on the H200's torch 2.11 tracing 48 layers twice
-took ~29 s of a warm start), AOTAutograd and inductor compile it once, and the moefx post-grad
+Inside the region the layer sees a one-layer cache view that ignores `layer_idx` (`layer_body.py`), so the
+traced body is the same for every layer: dynamo traces it once and stamps out the rest (torch >= 2.12; earlier
+versions trace each call and deduplicate identical bodies, which the plan says: on the H200's torch 2.11 tracing
+48 layers twice took ~29 s of a warm start), AOTAutograd and inductor compile it once, and the moefx post-grad
 passes run on it like on any graph. Any other case — eager calls, other cache layers (sliding window, a
 DynamicLayer that already holds tokens), no cache — runs the layer's own forward unchanged.
 
-`frames=True` (config `layer_regions: frames`) keeps the layers out of the step's graph instead: once a compiled
-engine binds them (`LayerFrames.bind`), the step's trace breaks at every layer call and the call runs one
-function the engine compiled per kind of call (prefill, decode step), traced once and reused by every layer,
-whatever torch's region reuse; until a compiled engine binds them, the region is used.
+`frames=True` (config `layer_regions: frames`, and `auto` on a torch without region reuse) keeps the layers out
+of the step's trace instead: once a compiled engine binds them, each layer call is one opaque op that runs a body
+the engine compiled apart (`frames.py`); until then the region is used.
 
 What is lost: inductor does not fuse across the region boundary, so a layer's last residual add and the next
 layer's input RMSNorm are separate kernels (in one inlined graph they fuse into one). `decode=False` keeps the
@@ -38,47 +37,11 @@ from typing import Any
 
 import torch
 
+from moefx.sampling.frames import LayerFrames
+from moefx.sampling.layer_body import LayerCalls, own_body
 from moefx.transforms import register_model_transform
 
 _CACHE_NAMES = ("cache", "past_key_values")
-
-
-class _StaticLayerView:
-    """One StaticLayer's tensors as a cache: the update transformers' StaticLayer does, whatever the layer index."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor) -> None:
-        self.keys, self.values, self.length = keys, values, length
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(key_states.shape[-2], device=key_states.device) + self.length
-        self.length.add_(key_states.shape[-2])
-        self.keys.index_copy_(2, positions, key_states)
-        self.values.index_copy_(2, positions, value_states)
-        return self.keys, self.values
-
-
-class _EmptyLayerView:
-    """An empty DynamicLayer as a cache: the update returns the new states (and keeps them for the region)."""
-
-    def __init__(self) -> None:
-        self.states: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.states = (key_states, value_states)
-        return key_states, value_states
-
-
-def _layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, static: tuple[torch.Tensor, ...],
-                args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """The region: the layer's own forward over a one-layer view of its cache."""
-    view: Any = _StaticLayerView(*static) if static else _EmptyLayerView()
-    out = type(layer).forward(layer, hidden, *args, **{cache_name: view}, **kwargs)
-    if static:
-        return (out,)
-    keys, values = view.states
-    return out, keys, values
 
 
 def _reuses_regions() -> bool:
@@ -96,67 +59,13 @@ def _region_kwargs(layers: int) -> dict[str, Any]:
     return {"max_reuse_entries": layers + 1} if _reuses_regions() else {}
 
 
-class _LayerCalls:
-    """A decoder layer call through a shared body (`_body(kind)`): the decode step's body writes its cache layer in
-    place and returns the hidden states; the prefill's returns the new keys and values too, stored here."""
-
-    def _body(self, kind: str) -> Callable[..., Any]:
-        raise NotImplementedError
-
-    def decode(self, *args: Any) -> torch.Tensor:
-        (out,) = self._body("decode")(*args)
-        return out
-
-    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
-        out, keys, values = self._body("prefill")(*args)
-        cache.update(keys, values, index)
-        return out
-
-
-class LayerFrames(_LayerCalls):
-    """Each decoder layer call as a compiled frame of its own (config `layer_regions: frames`): the traced step
-    breaks at every layer call, and the call runs one function compiled by the engine (`bind`), traced once per
-    kind of call (prefill, decode step) and reused by every layer whose guards pass, as PyTorch's regional
-    compilation recipe does. It needs no region reuse from torch (nested regions are traced at every call before
-    torch 2.12), and the decode step's KV write is a plain input mutation of a top-level graph (in a region it is
-    auto-functionalized once per layer call). What it costs: the step is several dynamo graphs with Python between
-    them (replayed from a CUDA graph, that Python is not paid; uncaptured calls pay a guard check per layer)."""
-
-    def __init__(self) -> None:
-        self._compile: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None
-        self._fns: dict[str, Callable[..., Any]] = {}
-
-    @property
-    def bound(self) -> bool:
-        return self._compile is not None
-
-    def bind(self, compile_fn: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
-        """`compile_fn(name, fn)` compiles a layer body (the engine's backend, counted under `name`)."""
-        self._compile, self._fns = compile_fn, {}
-
-    def _body(self, kind: str) -> Callable[..., Any]:
-        fn = self._fns.get(kind)
-        if fn is None:
-            assert self._compile is not None
-            fn = self._fns[kind] = self._compile(f"layer[{kind}]", _own_body())
-        return fn
-
-    @torch.compiler.disable
-    def forward(self, decode: bool, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any,
-                **kwargs: Any) -> Any:
-        """A layer call of a traced step, not traced itself (the step's graph breaks here, before anything reads
-        the layer index, so one trace of the caller serves every layer): the compiled frame for its kind, or the
-        layer's own forward."""
-        return _dispatch(self, decode, index, layer, hidden_states, args, kwargs)
-
-
-class _Region(_LayerCalls):
+class _Region(LayerCalls):
     """The decoder layers' calls through one nested compile region, traced inside the step."""
 
     def __init__(self, layers: int) -> None:
-        self.region = torch.compiler.nested_compile_region(_own_body(), **_region_kwargs(layers))
+        self.region = torch.compiler.nested_compile_region(own_body(), **_region_kwargs(layers))
 
-    def _body(self, kind: str) -> Callable[..., Any]:
+    def body(self, kind: str) -> Callable[..., Any]:
         return self.region
 
 
@@ -167,12 +76,11 @@ def _region_forward(region: _Region, frames: LayerFrames | None, decode: bool, i
     forward otherwise."""
     if not torch.compiler.is_compiling():
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
-    if frames is not None and frames.bound:
-        return frames.forward(decode, index, layer, hidden_states, *args, **kwargs)
-    return _dispatch(region, decode, index, layer, hidden_states, args, kwargs)
+    shared = frames if frames is not None and frames.bound else region
+    return _dispatch(shared, decode, index, layer, hidden_states, args, kwargs)
 
 
-def _dispatch(shared: _LayerCalls, decode: bool, index: int, layer: torch.nn.Module,
+def _dispatch(shared: LayerCalls, decode: bool, index: int, layer: torch.nn.Module,
               hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> Any:
     """`shared.decode` for an initialized StaticLayer (with `decode`), `shared.prefill` for an empty DynamicLayer,
     the layer's own forward for any other cache layer."""
@@ -186,8 +94,8 @@ def _dispatch(shared: _LayerCalls, decode: bool, index: int, layer: torch.nn.Mod
     kind = type(entry).__name__
     rest = {k: v for k, v in kwargs.items() if k != name}
     if decode and kind == "StaticLayer" and getattr(entry, "is_initialized", False):
-        return shared.decode(layer, hidden_states, name, (entry.keys, entry.values, entry.cumulative_length), args,
-                             rest)
+        static = (entry.keys, entry.values, entry.cumulative_length)
+        return shared.decode(index, layer, hidden_states, name, static, args, rest)
     if kind == "DynamicLayer" and not getattr(entry, "is_initialized", True):
         return shared.prefill(cache, index, layer, hidden_states, name, (), args, rest)
     return forward(layer, hidden_states, *args, **kwargs)
@@ -226,7 +134,8 @@ def install_layer_regions(model: Any, decode: bool = True, frames: bool = False)
     if why is not None:
         return [f"decoder layers compiled inline: {why}"]
     layers = decoder_layers(model)
-    region, hook = _Region(len(layers)), LayerFrames() if frames else None
+    region = _Region(len(layers))
+    hook = LayerFrames(layers, region) if frames else None
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(_region_forward, region, hook, decode, index, layer)
     model._moefx_layer_frames = hook
@@ -250,15 +159,6 @@ def install_layer_regions(model: Any, decode: bool = True, frames: bool = False)
 def layer_frames(model: Any) -> LayerFrames | None:
     """The compiled-frame hook `install_layer_regions(..., frames=True)` left on `model`, for the engine to bind."""
     return getattr(model, "_moefx_layer_frames", None)
-
-
-def _own_body() -> Any:
-    """`_layer_body` with a code object of its own: dynamo keys region reuse by code object, so two models
-    (each with its own reuse limit) do not share entries."""
-    import types
-
-    code = _layer_body.__code__.replace()
-    return types.FunctionType(code, _layer_body.__globals__, _layer_body.__name__)
 
 
 @register_model_transform("layer_regions", order=45)

@@ -1,0 +1,80 @@
+"""A decoder layer's forward as one shared body over a one-layer view of its cache, whatever its layer index.
+
+Dynamo specializes each decoder layer of a transformers model on its `layer_idx` (the attention calls
+`cache.update(k, v, self.layer_idx)`), so every layer is traced again. `layer_body` runs the layer's own forward
+against a view that ignores the index: a StaticLayer's tensors (the engine's decode step; written in place, as
+transformers' StaticLayer does) or an empty DynamicLayer (the prefill; the new keys and values are returned, to be
+stored outside). The nested region (`regions.py`) and the compiled frames (`frames.py`) both call it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class _StaticLayerView:
+    """One StaticLayer's tensors as a cache: the update transformers' StaticLayer does, whatever the layer index."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, advance: bool = True) -> None:
+        self.keys, self.values, self.length, self.advance = keys, values, length, advance
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(key_states.shape[-2], device=key_states.device) + self.length
+        if self.advance:
+            self.length.add_(key_states.shape[-2])
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
+        return self.keys, self.values
+
+
+class _EmptyLayerView:
+    """An empty DynamicLayer as a cache: the update returns the new states (and keeps them for the region)."""
+
+    def __init__(self) -> None:
+        self.states: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.states = (key_states, value_states)
+        return key_states, value_states
+
+
+def layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, static: tuple[torch.Tensor, ...],
+               args: tuple, kwargs: dict[str, Any], advance: bool = True) -> tuple[torch.Tensor, ...]:
+    """The layer's own forward over a one-layer view of its cache; `advance=False` leaves a static layer's write
+    position for the caller to advance."""
+    view: Any = _StaticLayerView(*static, advance) if static else _EmptyLayerView()
+    out = type(layer).forward(layer, hidden, *args, **{cache_name: view}, **kwargs)
+    if static:
+        return (out,)
+    keys, values = view.states
+    return out, keys, values
+
+
+def own_body() -> Callable[..., Any]:
+    """`layer_body` with a code object of its own: dynamo keys compiled code and region reuse by code object, so
+    two models (each with its own reuse limit, its own backend) do not share entries."""
+    code = layer_body.__code__.replace()
+    return types.FunctionType(code, layer_body.__globals__, layer_body.__name__, layer_body.__defaults__)
+
+
+class LayerCalls:
+    """A decoder layer call through a shared body (`body(kind)`): the decode step's body writes its cache layer in
+    place and returns the hidden states; the prefill's returns the new keys and values too, stored here."""
+
+    def body(self, kind: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def decode(self, index: int, *args: Any) -> torch.Tensor:
+        (out,) = self.body("decode")(*args)
+        return out
+
+    def prefill(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
+        out, keys, values = self.body("prefill")(*args)
+        cache.update(keys, values, index)
+        return out
