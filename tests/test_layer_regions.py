@@ -290,3 +290,27 @@ def test_config_layer_regions_frames_reaches_the_engine():
                            config={"layer_regions": "frames"})
     assert layer_frames(model) is not None and layer_frames(model).bound
     assert "frames of their own" in model.moefx_plan.explain()
+
+
+def test_frames_hand_calls_they_cannot_carry_to_the_nested_region():
+    """A layer call with a tensor argument the frame ops have no slot for, or a positional extra, goes through the
+    region (fail closed), not through an op that would drop it."""
+    from moefx.sampling.frames import LayerFrames
+
+    class Region:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def decode(self, *args: Any) -> str:
+            self.calls.append("decode")
+            return "region"
+
+    region = Region()
+    frames = LayerFrames([], region)
+    hidden, cos = torch.zeros(1, 1, 4), torch.zeros(1, 1, 2)
+    static = (torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.zeros((), dtype=torch.long))
+    known = {"position_embeddings": (cos, cos), "use_cache": True}
+    assert frames.decode(0, None, hidden, "cache", static, (), {**known, "extra_tensor": cos}) == "region"
+    assert frames.decode(0, None, hidden, "cache", static, ("positional",), known) == "region"
+    assert frames.decode(0, None, hidden, "cache", static, (), {**known, "flag": object()}) == "region"
+    assert region.calls == ["decode"] * 3

@@ -143,9 +143,9 @@ def install_layer_regions(model: Any, decode: bool = True, frames: bool = False)
     where = "prefill and decode step" if decode else "prefill only; the decode step inlines them"
     if frames:
         return [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as frames of their own ({where}): "
-                f"the engine's steps break at every layer call and each kind of call (prefill, decode) is traced "
-                f"and compiled once; across a layer boundary a layer's last residual add and the next layer's input "
-                f"norm are two kernels; until a compiled engine binds them, one nested region is used"]
+                f"in the engine's traced steps each layer call is one op running a body compiled once per kind of "
+                f"call (prefill, decode); across a layer boundary a layer's last residual add and the next layer's "
+                f"input norm are two kernels; until a compiled engine binds them, one nested region is used"]
     notes = [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
              f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
              f"input norm are two kernels"]
@@ -178,6 +178,6 @@ def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
         notes.append(f"layer_regions auto = {scope}: " + (
             "this torch reuses a traced region body" if scope == "all" else
             f"torch {torch.__version__} traces every nested region call again (reuse needs torch >= 2.12); frames "
-            f"trace once per kind of call (48 layers on the H200, torch 2.11: first generate() 33.6 s, 116.3 s "
-            f"with regions; docs/FINDINGS.md)"))
+            f"trace once per kind of call (48 layers on the H200, torch 2.11: first generate() 52.5 s from cold "
+            f"caches, 116.3 s with regions; docs/FINDINGS.md)"))
     return notes + install_layer_regions(model, decode=scope in ("all", "frames"), frames=scope == "frames")
