@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from moefx.config import LAYER_REGIONS
 from moefx.integrations.transformers import is_experts_module
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 from moefx.models.routing_stats import decode_distinct_experts, distinct_experts, experts_modules
@@ -250,9 +251,9 @@ def main() -> int:
                     help="moefx config max_batch_size (default 0: no config key, the plan's capture sizes)")
     ap.add_argument("--mode", default="", help="moefx config mode (default: the config's; eager for CPU smoke runs)")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--layer-regions", choices=("auto", "all", "prefill", "none", "frames"), default="auto",
-                    help="moefx config layer_regions: decoder layers compiled as one region (prefill and decode, "
-                         "prefill only), inlined, or as compiled frames of their own")
+    ap.add_argument("--layer-regions", choices=LAYER_REGIONS, default="auto",
+                    help="moefx config layer_regions (default: left out, the config's auto): decoder layers "
+                         "compiled as one region (prefill and decode, prefill only), inlined, or as compiled frames")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()

@@ -20,6 +20,7 @@ position_embeddings, and flags that are plain Python literals) goes through the 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import weakref
 from collections.abc import Callable
@@ -117,10 +118,16 @@ def _call(handle: int, index: int, names: str, constants: str, tensors: tuple) -
     values = {"attention_mask": mask, "position_ids": position_ids, "cache_position": cache_position,
               "position_embeddings": (cos, sin)}
     kwargs = {k: values[k] for k in names.split(",") if k}
-    for flag in filter(None, constants.split(";")):
-        key, value = flag.split("=", 1)
-        kwargs[key] = ast.literal_eval(value)
+    kwargs.update(_parsed_flags(constants))
     return frames, frames.layers[index], kwargs
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_flags(constants: str) -> dict[str, Any]:
+    """The flags `LayerFrames._constants` wrote, parsed once per distinct string (every layer of every uncaptured
+    call passes the same one)."""
+    pairs = (flag.split("=", 1) for flag in constants.split(";") if flag)
+    return {key: ast.literal_eval(value) for key, value in pairs}
 
 
 @torch.library.impl(_LIB, "layer_decode", "CompositeExplicitAutograd")
