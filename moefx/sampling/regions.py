@@ -179,5 +179,5 @@ def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
             "this torch reuses a traced region body" if scope == "all" else
             f"torch {torch.__version__} traces every nested region call again (reuse needs torch >= 2.12); frames "
             f"trace once per kind of call (48 layers on the H200, torch 2.11: first generate() 52.5 s from cold "
-            f"caches, 116.3 s with regions; docs/FINDINGS.md)"))
+            f"caches, transformers' static compile 65.4 s; docs/PERFORMANCE.md)"))
     return notes + install_layer_regions(model, decode=scope in ("all", "frames"), frames=scope == "frames")
