@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -53,5 +54,16 @@ def post_grad_only(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any)
     from torch._inductor.compile_fx import _recursive_post_grad_passes
 
     _recursive_post_grad_passes(gm, is_inference=bool(kwargs.get("is_inference")))
+    _drop_unused_items_of_void_ops(gm)
     gm.recompile()
     return make_boxed_func(gm.forward)
+
+
+def _drop_unused_items_of_void_ops(gm: torch.fx.GraphModule) -> None:
+    """Inductor's reinplacing turns `_foreach_add` + copies into `_foreach_add_` and keeps unused `getitem`s of its
+    result, which its lowering ignores but which fail when run as PyTorch ops (the in-place foreach returns None)."""
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target is operator.getitem and not node.users
+                and isinstance(node.args[0], torch.fx.Node)
+                and str(getattr(node.args[0].target, "_schema", "")).endswith("-> ()")):
+            gm.graph.erase_node(node)

@@ -37,9 +37,12 @@ _FRAMES: weakref.WeakValueDictionary[int, LayerFrames] = weakref.WeakValueDictio
 _HANDLES = itertools.count()
 
 _LIB = torch.library.Library("moefx", "FRAGMENT")  # other moefx files define more ops in the same namespace
+# flexible_layout: under inductor's default (exact strides) each layer's op got its own copy of the mask and
+# the rotary tables, recomputed before every layer (one kernel per layer); the compiled body guards on strides.
+_TAGS = (torch.Tag.flexible_layout,)
 _LIB.define(f"layer_decode(Tensor hidden, Tensor(a!) keys, Tensor(b!) values, Tensor length, {_TENSOR_ARGS}, "
-            f"{_CONSTANTS}) -> Tensor")
-_LIB.define(f"layer_prefill(Tensor hidden, {_TENSOR_ARGS}, {_CONSTANTS}) -> (Tensor, Tensor, Tensor)")
+            f"{_CONSTANTS}) -> Tensor", tags=_TAGS)
+_LIB.define(f"layer_prefill(Tensor hidden, {_TENSOR_ARGS}, {_CONSTANTS}) -> (Tensor, Tensor, Tensor)", tags=_TAGS)
 
 
 class LayerFrames(LayerCalls):
@@ -50,6 +53,7 @@ class LayerFrames(LayerCalls):
         self.layers, self.fallback = layers, fallback
         self._compile: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None
         self._fns: dict[str, Callable[..., Any]] = {}
+        self._lengths: list[torch.Tensor] = []  # the write positions this step's ops have not advanced yet
         self.handle = next(_HANDLES)
         _FRAMES[self.handle] = self
 
@@ -70,12 +74,25 @@ class LayerFrames(LayerCalls):
 
     def decode(self, index: int, layer: torch.nn.Module, hidden: torch.Tensor, name: str,
                static: tuple[torch.Tensor, ...], args: tuple, rest: dict[str, Any]) -> torch.Tensor:
+        if index == 0:
+            self._lengths = []
         tensors = None if args else _op_arguments(rest)
         if tensors is None:
+            self._advance(hidden.shape[-2])
             return self.fallback.decode(index, layer, hidden, name, static, args, rest)
         out = torch.ops.moefx.layer_decode(hidden, *static, *tensors, *self._constants(rest, name, index))
-        static[2].add_(hidden.shape[-2])  # here, not in the op: inductor orders its own mutations after every read
+        # Not in the op: inductor orders its own mutations after every read. Not one add per layer either: on the
+        # H200 each was a kernel of its own. The write positions advance together after the last layer.
+        self._lengths.append(static[2])
+        if index == len(self.layers) - 1:
+            self._advance(hidden.shape[-2])
         return out
+
+    def _advance(self, tokens: int) -> None:
+        """Advance the write positions of the layers whose ops ran since the step's first layer (one foreach)."""
+        if self._lengths:
+            torch._foreach_add_(self._lengths, tokens)
+        self._lengths = []
 
     def prefill(self, cache: Any, index: int, layer: torch.nn.Module, hidden: torch.Tensor, name: str,
                 static: tuple[torch.Tensor, ...], args: tuple, rest: dict[str, Any]) -> torch.Tensor:
