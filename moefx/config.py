@@ -72,6 +72,7 @@ class PassConfig:
     sampler_exponential_race: bool | None = None
     last_token_logits: bool | None = None
     fuse_moe_routing: bool | None = None
+    fuse_moe_residual: bool | None = None
     fuse_sibling_linears: bool | None = None
     # Send the remaining single linears to moefx::dense_linear too, so the dense policy picks per call.
     dense_linears: bool | None = None

@@ -78,3 +78,33 @@ def test_triton_kernels_other_tiles(fp8: bool) -> None:
         gemv_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
                  inp["kw"].get("w13_scale"), inp["kw"].get("w2_scale"), inp["kw"].get("block_shape"),
                  GemvConfig(block_n1=24))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_triton_residual_epilogue_is_the_separate_add(m: int, dtype: torch.dtype) -> None:
+    """The down kernel's residual add rounds the sum to the output dtype first: bit for bit out + residual."""
+    from moefx.backends.kernels.gemv_kernels import gemv_moe
+
+    dev = kernel_device()
+    if dev != "cuda" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter rounds an fp32 -> bf16 cast other than CUDA does (torch's add rounds "
+                    "to nearest): the bf16 case is checked on the GPU")
+    inp = make_inputs(m, dtype, "random", device=dev)
+    args = (inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
+    residual = torch.randn(m, H, device=dev).to(dtype)
+    fused = gemv_moe(*args, residual=residual)
+    assert torch.equal(fused, residual + gemv_moe(*args))
+    assert not torch.equal(fused, gemv_moe(*args))
+
+
+def test_moe_experts_residual_op_is_the_add_on_every_backend() -> None:
+    """moefx::moe_experts_residual equals residual + moefx::moe_experts whichever backend runs (CPU: gemv's
+    torch path and the legacy loop add after the backend)."""
+    inp = make_inputs(3, torch.float32, "random", device="cpu")
+    args = (inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
+    residual = torch.randn(3, H)
+    for backend in ("gemv", "legacy"):
+        plain = torch.ops.moefx.moe_experts(*args, None, None, None, backend)
+        fused = torch.ops.moefx.moe_experts_residual(residual, *args, None, None, None, backend)
+        assert torch.equal(fused, residual + plain), backend

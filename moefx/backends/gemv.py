@@ -57,8 +57,10 @@ def gemv_torch(
 class GemvBackend(TritonMoEBackend):
     name = "gemv"
     torch_path = staticmethod(gemv_torch)
+    adds_residual = True  # in the down kernel's epilogue: the layer's last residual add is no launch of its own
 
-    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
+    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
         from moefx.backends.kernels.gemv_kernels import gemv_moe
 
-        return gemv_moe(*args, activation=activation, gate_limit=gate_limit)
+        return gemv_moe(*args, activation=activation, gate_limit=gate_limit, residual=residual)

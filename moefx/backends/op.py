@@ -202,7 +202,10 @@ def _transformers_upstream(
     return grouped_mm_experts_forward(experts, hidden, topk_ids, topk_weights)
 
 
-@torch.library.custom_op("moefx::moe_experts", mutates_args=())
+# flexible_layout: inductor hands over its buffers as they are (the backends make `hidden` contiguous). Under the
+# default exact-strides constraint it copies an input it has not stored yet once per op reading it: the router's
+# and the experts' input, one post-attention norm, was computed twice per layer (docs/FINDINGS.md).
+@torch.library.custom_op("moefx::moe_experts", mutates_args=(), tags=torch.Tag.flexible_layout)
 def _moe_experts_op(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -217,18 +220,44 @@ def _moe_experts_op(
     activation: str = "silu",
     gate_limit: float | None = None,
 ) -> torch.Tensor:
+    return _run(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, backend, upstream,
+                activation, gate_limit)
+
+
+def _run(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    block_shape: list[int] | None,
+    backend: str,
+    upstream: str,
+    activation: str,
+    gate_limit: float | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Both ops' body: the experts' sum in hidden's dtype, plus `residual` when given (added by the backend where
+    it can, else by one add here; either way rounded as a separate add would round)."""
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, w2.shape[1])
+        out = hidden.new_zeros(0, w2.shape[1])
+        return out if residual is None else residual + out
     name = select_backend(hidden, topk_ids, w13, w2, w13_scale, block_shape, backend, upstream, activation=activation,
                           gate_limit=gate_limit)
     log.debug("moe_experts M=%d -> %s", hidden.shape[0], name)
     if name == "transformers":
-        return _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2, activation, gate_limit)
+        out = _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2, activation, gate_limit)
+        return out if residual is None else residual + out
     bs = tuple(block_shape) if block_shape is not None else None
-    return BACKENDS[name](
+    impl = BACKENDS[name]
+    fused = residual is not None and impl.adds_residual
+    out = impl(
         hidden, topk_ids, topk_weights, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, block_shape=bs,
-        activation=activation, gate_limit=gate_limit,
+        activation=activation, gate_limit=gate_limit, **({"residual": residual} if fused else {}),
     )
+    return out if residual is None or fused else residual + out
 
 
 @_moe_experts_op.register_fake
@@ -250,6 +279,33 @@ def _(
 
 
 _moe_experts_op.register_autograd(_backward.backward, setup_context=_backward.setup_context)
+
+
+@torch.library.custom_op("moefx::moe_experts_residual", mutates_args=(), tags=torch.Tag.flexible_layout)
+def _moe_experts_residual_op(
+    residual: torch.Tensor,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
+    backend: str = "auto",
+    upstream: str = "legacy",
+    activation: str = "silu",
+    gate_limit: float | None = None,
+) -> torch.Tensor:
+    """`residual [M, H] + moe_experts(...)`, what the `fuse_moe_residual` pass emits for a decoder layer's last
+    residual add: bit for bit the two ops, one launch fewer where the backend adds in its epilogue (gemv)."""
+    return _run(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, backend, upstream,
+                activation, gate_limit, residual)
+
+
+@_moe_experts_residual_op.register_fake
+def _(residual: torch.Tensor, hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
 def moe_experts(

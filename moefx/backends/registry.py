@@ -20,6 +20,10 @@ import torch
 class MoEBackend:
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    # True where `__call__` also takes `residual=` ([M, H], hidden's dtype) and returns residual + out, the sum
+    # rounded to hidden's dtype first (as a separate add would see it): moefx::moe_experts_residual then adds no
+    # launch of its own.
+    adds_residual: ClassVar[bool] = False
 
     def unsupported_reason(
         self,

@@ -4,6 +4,7 @@ from moefx.passes import (
     dense_linears,  # noqa: F401
     eliminate_noops,  # noqa: F401
     fuse_act_quant,  # noqa: F401
+    fuse_moe_residual,  # noqa: F401
     fuse_moe_routing,  # noqa: F401
     fuse_norm_quant,  # noqa: F401
     fuse_sibling_linears,  # noqa: F401

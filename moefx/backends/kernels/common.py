@@ -108,13 +108,18 @@ class TritonMoEBackend(MoEBackend):
         block_shape: tuple[int, int] | None = None,
         activation: str = "silu",
         gate_limit: float | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         args = (hidden.contiguous(), topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
         gate = dict(activation=activation, gate_limit=gate_limit)
         if hidden.is_cuda:
             with on_device(hidden.device):  # Triton launches on the current device
-                return self.cuda_kernel(*args, **gate)
-        return self.torch_path(*args, **gate)
+                if residual is not None and self.adds_residual:
+                    return self.cuda_kernel(*args, **gate, residual=residual)
+                out = self.cuda_kernel(*args, **gate)
+        else:
+            out = self.torch_path(*args, **gate)
+        return out if residual is None else residual + out
 
     def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
         raise NotImplementedError

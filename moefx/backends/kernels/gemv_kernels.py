@@ -84,11 +84,11 @@ def _gemv_gate_up_kernel(
 
 @triton.jit
 def _gemv_down_kernel(
-    act_ptr, ids_ptr, tw_ptr, w_ptr, ws_ptr, out_ptr,
-    stride_om, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    act_ptr, ids_ptr, tw_ptr, w_ptr, ws_ptr, res_ptr, out_ptr,
+    stride_om, stride_rm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
     # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
@@ -118,8 +118,11 @@ def _gemv_down_kernel(
         w = tl.load(w_ptrs + k0, mask=row_mask[:, :, None] & k_mask[None, None, :], other=0.0,
                     eviction_policy="evict_first")
         acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
-    out = tl.sum(acc * tw[:, None], axis=0)
-    tl.store(out_ptr + m * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out = tl.sum(acc * tw[:, None], axis=0).to(out_ptr.dtype.element_ty)
+    if RESIDUAL:  # the sum rounded to the output dtype first, then the add: what the unfused graph computes
+        res = tl.load(res_ptr + m * stride_rm + offs_n, mask=n_mask, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + m * stride_om + offs_n, out, mask=n_mask)
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,10 @@ def gemv_moe(
     config: GemvConfig | None = None,
     activation: str = "silu",
     gate_limit: float | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch both stages; `config` overrides DEFAULT_TILES; `activation` and `gate_limit` pick stage 1's epilogue."""
+    """Launch both stages; `config` overrides DEFAULT_TILES; `activation` and `gate_limit` pick stage 1's epilogue;
+    a `residual` [M, H] is added to the result in stage 2's epilogue."""
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -211,7 +216,14 @@ def gemv_moe(
     s2_strides = w2_scale.stride() if fp8 else (0, 0, 0)
     _gemv_gate_up_kernel[grid1](
         hidden, ids, w13, s13, act, hidden.stride(0), w13.stride(0), w13.stride(1), *s13_strides, **kw1)
-    _gemv_down_kernel[grid2](act, ids, tw, w2, s2, out, out.stride(0), w2.stride(0), w2.stride(1), *s2_strides, **kw2)
+    if residual is not None:
+        if tuple(residual.shape) != (m, h) or residual.dtype != hidden.dtype:
+            raise ValueError(f"gemv residual must be [{m}, {h}] {hidden.dtype}, got {tuple(residual.shape)} "
+                             f"{residual.dtype}")
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    res = residual if residual is not None else out
+    _gemv_down_kernel[grid2](act, ids, tw, w2, s2, res, out, out.stride(0), res.stride(0), w2.stride(0), w2.stride(1),
+                             *s2_strides, RESIDUAL=residual is not None, **kw2)
     return out
 
 

@@ -63,6 +63,8 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
             "rewrite_sampler_syncs": causal_lm_preference(ms, es, "removing sampler host syncs"),
             "last_token_logits": causal_lm_preference(ms, es, "skipping LM-head rows nobody reads"),
             "fuse_moe_routing": routing_preference(ms, es),
+            "fuse_moe_residual": causal_lm_preference(
+                ms, es, "the MoE block's residual add in the experts' down kernel (one kernel per layer less)"),
             "fuse_sibling_linears": dense,
             "dense_linears": dense,
         },

@@ -1,0 +1,94 @@
+"""fuse_moe_residual on a transformers Qwen3-MoE decoder layer's post-grad graph: the residual add after the MoE
+block becomes one moefx::moe_experts_residual call, bit for bit the unfused layer on fresh inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import moefx.integrations.transformers  # noqa: F401  (registers experts_implementation="moefx")
+from moefx.config import CompilationConfig
+from moefx.models import build_model, tiny_qwen3_moe_config
+from moefx.passes import PassContext
+from moefx.passes.base import count_targets
+from moefx.passes.fuse_moe_residual import MOE, MOE_RESIDUAL, FuseMoeResidual
+
+aten = torch.ops.aten
+pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
+
+
+class _MoeHalf(torch.nn.Module):
+    """A decoder layer's MoE half: post-attention norm, the sparse MoE block, the residual add (`twice`: the
+    block's output is also returned, a second reader)."""
+
+    def __init__(self, layer: torch.nn.Module, twice: bool = False) -> None:
+        super().__init__()
+        self.layer, self.twice = layer, twice
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out = self.layer.mlp(self.layer.post_attention_layernorm(hidden))
+        out = out[0] if isinstance(out, tuple) else out
+        return (hidden + out, out * 2) if self.twice else hidden + out
+
+
+def _traced(block: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.fx.GraphModule, dict]:
+    """The block's functional, decomposed graph (what inductor's post-grad passes see) and its parameters."""
+    state = dict(block.named_parameters())
+
+    def fn(state: dict, x: torch.Tensor) -> object:
+        return functional_call(block, state, (x,))
+
+    with torch.no_grad():
+        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
+                     tracing_mode="fake")(state, hidden)
+    return gm, state
+
+
+def _block(twice: bool = False) -> _MoeHalf:
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=0).eval()
+    model.set_experts_implementation("moefx")
+    return _MoeHalf(model.model.layers[0], twice)
+
+
+def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
+    ctx = PassContext(config=CompilationConfig())
+    n = FuseMoeResidual().run(gm.graph, ctx)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return n, ctx
+
+
+def test_the_layer_residual_add_goes_into_the_experts_call():
+    block = _block()
+    hidden = torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0])
+    gm, state = _traced(block, hidden)
+    adds_before = count_targets(gm.graph, aten.add.Tensor)
+    assert count_targets(gm.graph, MOE) == 1 and count_targets(gm.graph, MOE_RESIDUAL) == 0
+    n, ctx = _run_pass(gm)
+    assert n == 1, ctx.skipped
+    assert count_targets(gm.graph, MOE) == 0 and count_targets(gm.graph, MOE_RESIDUAL) == 1
+    assert count_targets(gm.graph, aten.add.Tensor) == adds_before - 1
+    with torch.no_grad():
+        for seed in (1, 2):
+            x = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(gm(state, x), block(x)), seed
+
+
+def test_an_experts_output_read_twice_is_left_alone():
+    """The op's output has another reader: the add stays, nothing is rewritten."""
+    block = _block(twice=True)
+    gm, _ = _traced(block, torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0]))
+    n, _ = _run_pass(gm)
+    assert n == 0 and count_targets(gm.graph, MOE) == 1
+
+
+def test_the_plan_prefers_it_on_cuda_only():
+    from moefx.models.catalog import catalog_config
+    from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+
+    ms = ModelSignature.from_config(catalog_config("qwen3-30b-a3b"))
+    assert resolve(ms, ExecutionSignature.preset("h200", dtype="bfloat16")).pass_enabled("fuse_moe_residual")
+    assert not resolve(ms, ExecutionSignature(device_type="cpu", dtype="bfloat16")).pass_enabled("fuse_moe_residual")
