@@ -95,7 +95,8 @@ def compile_row(
 
 def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0.0) -> tuple[dict, dict]:
     """Stage 1's (with activation id `act`, gate clamp `limit`) and stage 2's resources at this GemvConfig, compiled
-    as gemv_moe launches it (bf16 hidden, int64 ids, fp32 routing weights and activations)."""
+    as gemv_moe launches it (bf16 hidden, int64 ids, fp32 routing weights and activations; stage 2 with the residual
+    epilogue a decode step's layer runs)."""
     fp8 = kind == "fp8"
     bn1, bk1, bn2, bk2, kp = gemv.stage_tiles(cfg, H, I, TOP_K, BLOCK_SHAPE if fp8 else None)
     w = "*fp8e4nv" if fp8 else "*bf16"
@@ -105,8 +106,10 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0
                       common | dict(BLOCK_N=bn1, BLOCK_K=bk1, ACT=act, LIMIT=limit), cfg.num_warps1,
                       LAUNCH_DEFAULT_STAGES)
     stage2 = _compile(gemv._gemv_down_kernel,
-                      dict(act_ptr="*fp32", ids_ptr="*i64", tw_ptr="*fp32", w_ptr=w, ws_ptr="*fp32", out_ptr="*bf16"),
-                      common | dict(KP=kp, BLOCK_N=bn2, BLOCK_K=bk2), cfg.num_warps2, LAUNCH_DEFAULT_STAGES)
+                      dict(act_ptr="*fp32", ids_ptr="*i64", tw_ptr="*fp32", w_ptr=w, ws_ptr="*fp32", res_ptr="*bf16",
+                           out_ptr="*bf16"),
+                      common | dict(KP=kp, BLOCK_N=bn2, BLOCK_K=bk2, RESIDUAL=True), cfg.num_warps2,
+                      LAUNCH_DEFAULT_STAGES)
     return stage1, stage2
 
 

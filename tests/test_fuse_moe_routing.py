@@ -177,9 +177,29 @@ def test_fused_op_arguments_carry_the_config() -> None:
     gm = post_grad(_init(router_cls(cfg)), torch.randn(T, HID))
     run_pass(gm)
     (node,) = [n for n in gm.graph.nodes if n.target is FUSED_TOPK]
-    _, k, kind, renorm, bias, n_group, topk_group, scale = node.args
-    assert (k, kind, renorm, n_group, topk_group, scale) == (4, "sigmoid", True, 4, 2, 2.5)
+    _, k, kind, renorm, bias, n_group, topk_group, scale, weights_dtype = node.args
+    assert (k, kind, renorm, n_group, topk_group, scale, weights_dtype) == (4, "sigmoid", True, 4, 2, 2.5, None)
     assert bias.op == "placeholder"
+
+
+def test_a_bf16_block_gets_its_weights_in_bf16_from_the_op() -> None:
+    """Qwen3's `.to(router_logits.dtype)` after the top-k is folded into the op (it stores bf16 weights: the same
+    rounding, no cast kernel): the rewritten bf16 block equals the unfused graph bit for bit."""
+    cfg, _, block_cls = _families()["qwen3"]
+    cfg._experts_implementation = "moefx"
+    block = _init(block_cls(cfg)).to(torch.bfloat16)
+    x = torch.randn(2, 5, HID, dtype=torch.bfloat16)
+    unfused, gm = post_grad(block, x), post_grad(block, x)
+    n, skipped = run_pass(gm)
+    assert (n, skipped) == (1, [])
+    (node,) = [nd for nd in gm.graph.nodes if nd.target is FUSED_TOPK]
+    assert node.args[-1] == torch.bfloat16
+    (experts,) = [nd for nd in gm.graph.nodes if nd.target is torch.ops.moefx.moe_experts.default]
+    assert experts.args[2].args[0] is node  # the weights straight from the op, no cast between
+    for seed in (1, 2):
+        x = torch.randn(2, 5, HID, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(gm(gm.state, x), unfused(unfused.state, x)), seed
 
 
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])

@@ -113,3 +113,13 @@ def test_compiled_router_with_the_pass_matches_eager(family: str) -> None:
     assert bool(same[defined].all()) and defined.float().mean() > 0.5
     tol = dict(rtol=1e-5, atol=1e-6) if rw.dtype == torch.float32 else dict(rtol=2**-7, atol=0)
     torch.testing.assert_close(w[same].float(), rw[same].float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_stored_in_a_low_dtype_are_the_cast_fp32_weights(dtype: torch.dtype) -> None:
+    """`weights_dtype` (what fuse_moe_routing sets where the model casts the weights): the kernel's one rounding is
+    the cast's, bit for bit; the ids do not change."""
+    logits = (torch.randn(16, 128, device="cuda") * 3).to(dtype)
+    w32, ids32 = torch.ops.moefx.fused_topk(logits, 8, "softmax", True, None, 1, 1, 1.0)
+    w, ids = torch.ops.moefx.fused_topk(logits, 8, "softmax", True, None, 1, 1, 1.0, dtype)
+    assert w.dtype == dtype and torch.equal(w, w32.to(dtype)) and torch.equal(ids, ids32)

@@ -207,7 +207,7 @@ def _decide(x, weights, weight_scales, block_shape, out_dtype, backend, capturin
 
 
 # flexible_layout: as for moefx::moe_experts (backends/op.py); the runners take any strides of `x`.
-@torch.library.custom_op("moefx::dense_linear", mutates_args=(), tags=torch.Tag.flexible_layout)
+@torch.library.custom_op("moefx::dense_linear", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _dense_linear_op(
     x: torch.Tensor,
     weights: list[torch.Tensor],

@@ -205,7 +205,7 @@ def _transformers_upstream(
 # flexible_layout: inductor hands over its buffers as they are (the backends make `hidden` contiguous). Under the
 # default exact-strides constraint it copies an input it has not stored yet once per op reading it: the router's
 # and the experts' input, one post-attention norm, was computed twice per layer (docs/FINDINGS.md).
-@torch.library.custom_op("moefx::moe_experts", mutates_args=(), tags=torch.Tag.flexible_layout)
+@torch.library.custom_op("moefx::moe_experts", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _moe_experts_op(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -281,7 +281,7 @@ def _(
 _moe_experts_op.register_autograd(_backward.backward, setup_context=_backward.setup_context)
 
 
-@torch.library.custom_op("moefx::moe_experts_residual", mutates_args=(), tags=torch.Tag.flexible_layout)
+@torch.library.custom_op("moefx::moe_experts_residual", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _moe_experts_residual_op(
     residual: torch.Tensor,
     hidden: torch.Tensor,

@@ -142,17 +142,20 @@ def _fused_topk_op(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_kernel(router_logits, top_k, kind, n_group, topk_group):
         from moefx.backends.kernels.routing import fused_topk_triton
 
         with on_device(router_logits.device):
             return fused_topk_triton(
-                router_logits, top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor
+                router_logits, top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor,
+                weights_dtype,
             )
-    return fused_topk_torch(
+    weights, ids = fused_topk_torch(
         router_logits, top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor
     )
+    return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
 
 
 @_fused_topk_op.register_fake
@@ -165,15 +168,16 @@ def _(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(router_logits, top_k, kind, n_group, topk_group)
     t = router_logits.shape[0]
-    return (router_logits.new_empty(t, top_k, dtype=torch.float32),
+    return (router_logits.new_empty(t, top_k, dtype=weights_dtype or torch.float32),
             router_logits.new_empty(t, top_k, dtype=torch.int64))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    router_logits, _, kind, renormalize, _, _, _, scale = inputs
+    router_logits, _, kind, renormalize, _, _, _, scale, _ = inputs
     ctx.save_for_backward(router_logits, output[1])
     ctx.routing = (kind, renormalize, scale)
 
@@ -182,9 +186,9 @@ def _backward(ctx, grad_weights, grad_ids):
     router_logits, ids = ctx.saved_tensors
     with torch.enable_grad():
         x = router_logits.detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(_weights_for(x, ids, *ctx.routing), x, grad_weights)
+        (grad,) = torch.autograd.grad(_weights_for(x, ids, *ctx.routing), x, grad_weights.float())
     # The selection (ids, and so the correction bias) is piecewise constant: no gradient through it.
-    return grad, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None
 
 
 _fused_topk_op.register_autograd(_backward, setup_context=_setup_context)

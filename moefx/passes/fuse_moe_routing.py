@@ -14,7 +14,8 @@ renormalize and scale in one program per row. Matched by dataflow and constants 
   each group's top-2, the topk_group best kept through scatter (or inductor's one-hot `where` when one group
   is kept) -> unsqueeze/expand/reshape -> bool -> masked to -inf (`masked_fill`, either polarity).
 
-The op returns fp32 weights; the model's own cast (`.to(router_logits.dtype)`) stays after it. When the
+The op returns fp32 weights, or, where every reader casts them to bf16/fp16 (Qwen's `.to(router_logits.dtype)`),
+stores them in that dtype (the same rounding; on the H200 the cast was a kernel per layer of its own). When the
 top-k values have readers other than the renormalization, the op returns them unnormalized and the graph's
 own renormalization (and everything else) reads them. The full probabilities and the logits keep their
 other readers (an aux loss, `output_router_logits`): those ops stay; only the top-k chain is replaced.
@@ -447,11 +448,21 @@ def _softmax_outputs(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx
     return found
 
 
+def _cast_to(tail: torch.fx.Node | None) -> torch.dtype | None:
+    """The low dtype every reader of the weights casts them to (Qwen's `.to(router_logits.dtype)`), or None: the op
+    then stores them in that dtype itself, one kernel less per layer (the cast rounded the same fp32 values)."""
+    readers = list(tail.users) if tail is not None else []
+    dtypes = {u.args[1] if is_call(u, prims.convert_element_type.default) else None for u in readers}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return dtype if dtype in LOW_DTYPES else None
+
+
 def _apply(graph: torch.fx.Graph, topk: torch.fx.Node, rw: _Rewrite) -> None:
     k = topk.args[1]
+    dtype = _cast_to(rw.tail)
     with graph.inserting_before(topk):
         fused = call(graph, FUSED_TOPK, (rw.logits, k, rw.kind, rw.renormalize, rw.bias, rw.n_group,
-                                         rw.topk_group, float(rw.scale)))
+                                         rw.topk_group, float(rw.scale), dtype))
         weights = call(graph, operator.getitem, (fused, 0))
         ids = call(graph, operator.getitem, (fused, 1))
     for node in (fused, weights, ids):
@@ -459,7 +470,8 @@ def _apply(graph: torch.fx.Graph, topk: torch.fx.Node, rw: _Rewrite) -> None:
     for old in _getitems(topk).get(1, []):
         old.replace_all_uses_with(ids)
     if rw.tail is not None:
-        rw.tail.replace_all_uses_with(weights)
+        for old in list(rw.tail.users) if dtype is not None else [rw.tail]:
+            old.replace_all_uses_with(weights)
 
 
 @register_pass

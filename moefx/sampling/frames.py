@@ -37,12 +37,13 @@ _FRAMES: weakref.WeakValueDictionary[int, LayerFrames] = weakref.WeakValueDictio
 _HANDLES = itertools.count()
 
 _LIB = torch.library.Library("moefx", "FRAGMENT")  # other moefx files define more ops in the same namespace
-# flexible_layout: under inductor's default (exact strides) each layer's op got its own copy of the mask and
-# the rotary tables, recomputed before every layer (one kernel per layer); the compiled body guards on strides.
-_TAGS = (torch.Tag.flexible_layout,)
+# flexible_layout on the decode op: under inductor's default (exact strides) each layer's op got its own copy of the
+# mask and the rotary tables, recomputed before every layer (one kernel per layer on the H200); the compiled body
+# guards on strides. Not on the prefill op: there the tables reached the body in inductor's own layout, the query
+# came out with a strided last dim and SDPA refused it (H200, a GPU test).
 _LIB.define(f"layer_decode(Tensor hidden, Tensor(a!) keys, Tensor(b!) values, Tensor length, {_TENSOR_ARGS}, "
-            f"{_CONSTANTS}) -> Tensor", tags=_TAGS)
-_LIB.define(f"layer_prefill(Tensor hidden, {_TENSOR_ARGS}, {_CONSTANTS}) -> (Tensor, Tensor, Tensor)", tags=_TAGS)
+            f"{_CONSTANTS}) -> Tensor", tags=(torch.Tag.flexible_layout,))
+_LIB.define(f"layer_prefill(Tensor hidden, {_TENSOR_ARGS}, {_CONSTANTS}) -> (Tensor, Tensor, Tensor)")
 
 
 class LayerFrames(LayerCalls):

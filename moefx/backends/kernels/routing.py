@@ -80,7 +80,7 @@ def _fused_topk_kernel(
         if KIND == 2:
             denom += 1e-20  # routing.SIGMOID_RENORM_EPS
         top_w = top_w / denom
-    tl.store(w_ptr + row * TOP_K + k_offs, top_w * scaling, mask=k_valid)
+    tl.store(w_ptr + row * TOP_K + k_offs, (top_w * scaling).to(w_ptr.dtype.element_ty), mask=k_valid)
     tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64), mask=k_valid)
 
 
@@ -93,10 +93,12 @@ def fused_topk_triton(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch one program per row; outputs are allocated here (fixed sizes, so CUDA-graph capturable)."""
+    """Launch one program per row; outputs are allocated here (fixed sizes, so CUDA-graph capturable). Weights are
+    computed in fp32 and stored in `weights_dtype` (default fp32): one rounding, as a cast after the op."""
     t, e = router_logits.shape
-    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    w = torch.empty(t, top_k, dtype=weights_dtype or torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     bias = correction_bias.contiguous() if correction_bias is not None else w
     if t:
