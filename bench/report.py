@@ -211,6 +211,9 @@ def render_e2e(r: dict[str, Any]) -> str:
             for layers, b, peer, top in e2e_best(decode, peers)]
     if best:
         body.append("\n".join(f"- {line}" for line in best))
+    layer_md = render_step_parts(r, decode)
+    if layer_md:
+        body.append(layer_md)
     decode_md = section(
         "Decode", r, what=r.get("workload") or "transformers MoE decode, greedy (`bench/e2e.py`).",
         peer="`hf_static` in the same run (where it ran twice at one size, the faster reading); `× peer` = tok/s "
@@ -236,6 +239,58 @@ def render_e2e(r: dict[str, Any]) -> str:
         floor=f"the forward's FLOPs / the measured bf16 matmul rate "
               f"({num((r.get('ceilings') or {}).get('bf16_matmul_TFLOPs'), 0)} TFLOP/s)")
     return decode_md + "\n" + prefill_md + ttft_md
+
+
+# Kernel name -> part of a decoder layer (the first match wins); inductor's generated kernels are the rest.
+STEP_PARTS = (("dense projections (q/k/v, o, router)", ("_dense_kernel",)),
+              ("MoE experts (gate/up, down + residual add)", ("_gemv_gate_up_kernel", "_gemv_down_kernel")),
+              ("attention (decode kernel, combine)", ("_decode_attn_kernel", "_combine_kernel")),
+              ("routing top-k", ("_fused_topk_kernel",)),
+              ("inductor: norms, q/k norm + RoPE, cache writes", ("triton_",)))
+
+
+def _part_floors_us(layers: int, hit: float, copy_tbps: float) -> dict[str, float]:
+    """Bytes floor per layer of the parts that read weights or the cache (Qwen3-30B-A3B widths, bf16, the
+    engine's first cache length of 256 positions)."""
+    from moefx.models import qwen3_moe_config
+
+    c = qwen3_moe_config(layers)
+    h, d, q, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    dense = h * (q + 2 * kv) * d + q * d * h + h * c.num_experts
+    moe = hit * 3 * c.moe_intermediate_size * h
+    attention = 2 * kv * d * 256
+    return {name: 2 * n / (copy_tbps * 1e6) for name, n in zip([p for p, _ in STEP_PARTS], (dense, moe, attention))}
+
+
+def render_step_parts(r: dict[str, Any], decode: list[dict[str, Any]]) -> str:
+    """Where the captured 48-layer B=1 step's time goes, per layer (the run's kernel profile)."""
+    profile = (r.get("extra") or {}).get("profile_B1_48")
+    row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1 and d["arm"] == "moefx"), None)
+    if not profile or row is None:
+        return ""
+    layers, parts = 48, {name: [0.0, 0.0] for name, _ in STEP_PARTS}
+    other = [0.0, 0.0]
+    for k in profile:
+        per_layer = k["calls_per_step"] >= layers and k["calls_per_step"] % layers == 0
+        name = next((p for p, prefixes in STEP_PARTS if k["kernel"].startswith(prefixes)), None)
+        bucket = parts[name] if per_layer and name else other
+        bucket[0] += k["us_per_step"] / (layers if bucket is not other else 1)
+        bucket[1] += k["calls_per_step"] / (layers if bucket is not other else 1)
+    floors = _part_floors_us(layers, float(row.get("experts_hit") or 8.0),
+                             (r.get("ceilings") or {}).get("hbm_copy_TBps") or 4.26)
+    step_us = 1e6 / row["tok_s"]
+    kernel_us = sum(k["us_per_step"] for k in profile)
+    rows = [(name, num(us, 2), num(n, 1), num(floors.get(name), 1) if name in floors else "–")
+            for name, (us, n) in parts.items()]
+    rows.append(("per layer, all parts", num(sum(us for us, _ in parts.values()), 1),
+                 num(sum(n for _, n in parts.values()), 1), num(sum(floors.values()), 1)))
+    rows.append(("once per step (LM head, embedding, sampler)", f"{num(other[0], 0)} per step",
+                 f"{num(other[1], 0)} per step", "–"))
+    rows.append(("gaps between kernels", num((step_us - kernel_us) / layers, 1), "–", "–"))
+    return ("Where the 48-layer B=1 step goes (the same run's `moefx` row, one captured step under torch.profiler: "
+            f"{num(kernel_us, 0)} µs of kernels in a {num(step_us, 0)} µs step; floors: the bytes each part reads "
+            "/ the copy rate):\n\n"
+            + table(["part", "µs per layer", "kernels per layer", "floor µs per layer"], rows))
 
 
 ROUTING_NOTE = ("Experts hit / layer: the mean over layers of the distinct experts the row's tokens routed to "
