@@ -220,27 +220,15 @@ def _moe_experts_op(
     activation: str = "silu",
     gate_limit: float | None = None,
 ) -> torch.Tensor:
-    return _run(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, backend, upstream,
-                activation, gate_limit)
+    return _run((hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, backend, upstream,
+                 activation, gate_limit))
 
 
-def _run(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    block_shape: list[int] | None,
-    backend: str,
-    upstream: str,
-    activation: str,
-    gate_limit: float | None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Both ops' body: the experts' sum in hidden's dtype, plus `residual` when given (added by the backend where
-    it can, else by one add here; either way rounded as a separate add would round)."""
+def _run(args: tuple, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Both ops' body over moefx::moe_experts' arguments: the experts' sum in hidden's dtype, plus `residual` when
+    given (added by the backend where it can, else by one add here; either way rounded as a separate add would)."""
+    hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, backend, upstream, activation, \
+        gate_limit = args
     if hidden.shape[0] == 0:
         out = hidden.new_zeros(0, w2.shape[1])
         return out if residual is None else residual + out
@@ -281,30 +269,25 @@ def _(
 _moe_experts_op.register_autograd(_backward.backward, setup_context=_backward.setup_context)
 
 
-@torch.library.custom_op("moefx::moe_experts_residual", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def _moe_experts_residual_op(
-    residual: torch.Tensor,
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: list[int] | None = None,
-    backend: str = "auto",
-    upstream: str = "legacy",
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
-    """`residual [M, H] + moe_experts(...)`, what the `fuse_moe_residual` pass emits for a decoder layer's last
-    residual add: bit for bit the two ops, one launch fewer where the backend adds in its epilogue (gemv)."""
-    return _run(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, backend, upstream,
-                activation, gate_limit, residual)
+# `moefx::moe_experts_residual(Tensor residual, <moefx::moe_experts' arguments>) -> Tensor`: residual [M, H] +
+# moe_experts(...), what the `fuse_moe_residual` pass emits for a decoder layer's last residual add. Bit for bit the
+# two ops; one launch fewer where the backend adds in its epilogue (gemv). Inference only (no autograd).
+_LIB = torch.library.Library("moefx", "FRAGMENT")  # other moefx files define more ops in the same namespace
+_LIB.define(str(_moe_experts_op._opoverload._schema).replace("moefx::moe_experts(", "moe_experts_residual(Tensor "
+                                                             "residual, ", 1), tags=(torch.Tag.flexible_layout,))
 
 
-@_moe_experts_residual_op.register_fake
-def _(residual: torch.Tensor, hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+_MOE_ARGS = _moe_experts_op._opoverload._schema.arguments
+
+
+@torch.library.impl(_LIB, "moe_experts_residual", "CompositeExplicitAutograd")
+def _moe_experts_residual(residual: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    rest = tuple(kwargs.get(a.name, a.default_value) for a in _MOE_ARGS[len(args):])  # the dispatcher leaves them out
+    return _run((*args, *rest), residual)
+
+
+@torch.library.register_fake("moefx::moe_experts_residual", lib=_LIB)
+def _(residual: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
