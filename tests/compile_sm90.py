@@ -123,12 +123,11 @@ def compile_decode_attention() -> list[dict]:
     rows = []
     for split in (False, True):
         consts = dict(PER_SPLIT=512, G=8, G_PAD=16, D=128, BLOCK=ta.BLOCK_L, MASK=True, MASK_BOOL=True, SPLIT=split,
-                      IEEE=False, PDL=split)
+                      IEEE=False)
         rows.append(dict(kind="decode_attention", max_rows=f"split={split}",
                          gemm1=_compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES),
                          gemm2=_compile(ta._combine_kernel, dict(part_ptr="*fp32", out_ptr="*bf16"),
-                                        dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16, PDL=True), 1,
-                                        LAUNCH_DEFAULT_STAGES)))
+                                        dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16), 1, LAUNCH_DEFAULT_STAGES)))
     return rows
 
 
@@ -149,7 +148,7 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
                   HB0=False, HB1=False, HB2=False, HB3=False, K=H, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=fp8,
                   SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
-                  DOT=cfg.dot, IEEE=False, PDL=True)
+                  DOT=cfg.dot, IEEE=False)
     out = _compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages,
                    re.compile(r"_ptr$|^stride_(xm|wn\d)$"))
     return dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k, kernel=out)

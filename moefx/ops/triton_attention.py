@@ -5,9 +5,7 @@ lengths come in steps of 256, so the variants stay few), holds the query rows of
 group (Hq / Hkv heads, padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping
 blocks the mask rules out entirely (the unwritten tail of a static cache). With one slice the program writes the
 output; with several it writes (max, sum, weighted values) per slice and a second kernel combines them.
-The launcher accepts CPU tensors too, so the kernels run under TRITON_INTERPRET=1 in the tests. On Hopper the
-combine kernel is a programmatic dependent of the first (which lets it launch after its loop) and lets the next
-kernel (the output projection's GEMV) launch early (moefx/backends/kernels/pdl.py).
+The launcher accepts CPU tensors too, so the kernels run under TRITON_INTERPRET=1 in the tests.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BLOCK_L = 64
 
@@ -28,7 +25,7 @@ def _decode_attn_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb, stride_ml,
     stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,8 +76,6 @@ def _decode_attn_kernel(
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    if PDL:
-        gdc_launch_dependents()  # the combine kernel may launch; it waits for this grid before reading the slices
     if SPLIT:
         slot = (pid * tl.num_programs(1) + split) * G_PAD + rows
         width = D + 2
@@ -96,11 +91,8 @@ def _decode_attn_kernel(
 @triton.jit
 def _combine_kernel(
     part_ptr, out_ptr, kv_heads, splits, stride_ob, stride_oh,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()  # the slices are visible from here on
-        gdc_launch_dependents()  # a tiny grid: the next kernel may launch and wait on it
     pid = tl.program_id(0)
     row = tl.program_id(1)
     b = pid // kv_heads
@@ -128,10 +120,7 @@ def decode_attention_triton(q, k, v, mask, scale: float, out, splits: int) -> No
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
-    from moefx.backends.kernels.pdl import pdl_supported
-
-    p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32,
-                     pdl_supported(q.device))
+    p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32)
     part = (torch.empty(p.part_numel, dtype=torch.float32, device=q.device) if p.splits > 1 else out)
     mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
     _decode_attn_kernel[p.grid](
@@ -155,19 +144,15 @@ class _Plan:
 
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
-                 ieee: bool, pdl: bool = False) -> _Plan:
-    """Slices, buffer size, grids and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: the
-    combine kernel as a programmatic dependent)."""
-    from moefx.backends.kernels.pdl import pdl_launch
-
+                 ieee: bool) -> _Plan:
+    """Slices, buffer size, grids and constexpr arguments of one call shape (mask_bool None: no mask)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = -(-length // splits)
     per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
     splits = -(-length // per_split)
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
-              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, IEEE=ieee, PDL=pdl and splits > 1, num_warps=4)
-    combine_kw = dict(G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl, num_warps=1,
-                      **pdl_launch(pdl))
+              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, IEEE=ieee, num_warps=4)
+    combine_kw = dict(G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
     return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw,
                  (batch * kv_heads, g), combine_kw)

@@ -31,9 +31,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
 # Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles, so a prefill of
@@ -50,7 +47,7 @@ def _dense_tile(
     N: tl.constexpr, K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,8 +84,6 @@ def _dense_tile(
                 w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk, mask=k_mask, other=0.0)
                 xf = xf * a_s * w_s[None, :]
             acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if PDL:
-        gdc_launch_dependents()  # the next kernel may launch; it waits for this grid before reading Y
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT_K == 1:
@@ -124,11 +119,9 @@ def _dense_kernel(
     K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Tiles of weight i are T_i .. T_{i+1}-1 of axis 0 (T0 = 0): one branch per weight, pruned past NUM_W.
-    if PDL:
-        gdc_wait()  # before any access: X, the workspace and the counters may be the previous kernel's memory
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -137,27 +130,27 @@ def _dense_kernel(
                     x_ptr, xs_ptr, w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
                     M, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
                     N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
+                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
     elif NUM_W > 1:
         if pid < T2:
             _dense_tile(pid - T1, pid_k, pid_m, T1, N0,
                         x_ptr, xs_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
                         M, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
                         N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
         elif NUM_W > 2:
             if pid < T3:
                 _dense_tile(pid - T2, pid_k, pid_m, T2, N0 + N1,
                             x_ptr, xs_ptr, w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
                             M, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
                             N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
+                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
             elif NUM_W > 3:
                 _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
                             x_ptr, xs_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
                             M, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
                             N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
+                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
 
 
 @dataclass(frozen=True)
@@ -333,7 +326,7 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     for i in range(MAX_WEIGHTS):
         args += [ws[i], scales[i], bs[i], ys[i]]
     grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
-                             x.dtype == torch.float32, pdl_supported(x.device))
+                             x.dtype == torch.float32)
     _dense_kernel[grid](
         x, xs, part, counters, *args,
         m, x.stride(0), *xs_strides,
@@ -343,10 +336,8 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
 
 @functools.lru_cache(maxsize=512)  # pure in its arguments; asked per launch
 def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
-                  block_shape: tuple[int, int] | None, k: int, ieee: bool,
-                  pdl: bool = False) -> tuple[tuple[int, int, int], dict]:
-    """The grid and the constexpr/launch arguments of one group's launch (`pdl`: as a programmatic dependent of
-    the kernel before it, pdl.py)."""
+                  block_shape: tuple[int, int] | None, k: int, ieee: bool) -> tuple[tuple[int, int, int], dict]:
+    """The grid and the constexpr/launch arguments of one group's launch."""
     pad = MAX_WEIGHTS - len(ns)
     nn = list(ns) + [1] * pad
     hb = list(has_bias) + [False] * pad
@@ -360,6 +351,6 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
         HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
         K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, SBN=sbn, SBK=sbk,
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
-        DOT=cfg.dot, IEEE=ieee, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (starts[len(ns)], lp.split_k, lp.m_tiles), kw

@@ -15,8 +15,7 @@ BLOCK_K 256: 65 registers instead of 145).
 FP8 (block-quant e4m3 weights, scales per (SBN x SBK) block): each weight tile lies inside one
 SBN row-block, so the scale multiplies the activation vector (K-wise), not every weight element.
 Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and closer to the oracle.
-Hopper and later: both stages are programmatic dependent launches (stage 1 of the routing kernel before it, which
-lets it launch; stage 2 of stage 1: H200, M=1, 23.0 vs 24.1 µs bf16). Stage 1
+Hopper and later: stage 2 is a programmatic dependent launch (H200, M=1: 23.0 vs 24.1 µs bf16). Stage 1
 lets it start once every stage-1 program has finished its loop; stage 2 loads its ids and routing weights
 (which stage 1 does not write) and then waits for stage 1's activations. Tried and dropped on the H200
 (docs/FINDINGS.md, 2026-11-29): stage 2 loading its first w2 tile before the wait (FP8 M=1 stage 2 ~7 -> 16.5 µs:
@@ -51,8 +50,6 @@ def _gemv_gate_up_kernel(
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()  # launched after the routing kernel: its ids (and hidden) are visible from here on
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pair // TOP_K
@@ -242,8 +239,7 @@ def _launch_plan(
     bn1, bk1, bn2, bk2, kp = stage_tiles(cfg, h, inter, top_k, block_shape)
     pdl = cfg.pdl and pdl_ok
     kw1 = dict(H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1, PDL=pdl,
-               ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), num_warps=cfg.num_warps1,
-               **pdl_launch(pdl))
+               ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), num_warps=cfg.num_warps1)
     kw2 = dict(H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=bk2, PDL=pdl,
                num_warps=cfg.num_warps2, **pdl_launch(pdl))
     return (m * top_k, triton.cdiv(inter, bn1)), kw1, (m, triton.cdiv(h, bn2)), kw2

@@ -4,8 +4,6 @@ Selection is by repeated argmax with ties to the lower id. "softmax" ranks the f
 (softmax is monotone in them, so this is eager's choice without depending on the exp implementation);
 "sigmoid" ranks sigmoid + bias as computed here, `1 / (1 + exp(-x))` in fp32 (Triton's `tl.sigmoid`, which
 is also what inductor emits). TOP_K is any k >= 1; the k slots live in a power-of-two block K_BLOCK.
-On Hopper it is launched as a programmatic dependent of the router's GEMV and lets the experts' kernel launch
-early (pdl.py).
 """
 
 from __future__ import annotations
@@ -15,9 +13,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
 
 KIND_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
 
@@ -27,11 +22,7 @@ def _fused_topk_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scaling,
     E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()  # the logits (and the output buffers' memory) are the previous kernel's from here on
-        gdc_launch_dependents()  # one program per row: the experts' kernel may launch and wait on this grid
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
@@ -114,15 +105,13 @@ def fused_topk_triton(
         _fused_topk_kernel[(t,)](
             router_logits, bias, w, ids, router_logits.stride(0), router_logits.stride(1),
             float(routed_scaling_factor),
-            **_constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group,
-                          pdl_supported(router_logits.device)),
+            **_constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group),
         )
     return w, ids
 
 
 @functools.lru_cache(maxsize=256)  # pure in its arguments; asked per call
 def _constexprs(e: int, top_k: int, kind: str, renormalize: bool, has_bias: bool, n_group: int,
-                topk_group: int, pdl: bool = False) -> dict:
+                topk_group: int) -> dict:
     return dict(E=e, TOP_K=top_k, KIND=KIND_CODES[kind], RENORM=renormalize, HAS_BIAS=has_bias, N_GROUP=n_group,
-                TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e), K_BLOCK=triton.next_power_of_2(top_k),
-                PDL=pdl, **pdl_launch(pdl))
+                TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e), K_BLOCK=triton.next_power_of_2(top_k))
