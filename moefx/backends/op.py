@@ -287,7 +287,7 @@ def _moe_experts_residual(residual: torch.Tensor, *args: object, **kwargs: objec
 
 
 @torch.library.register_fake("moefx::moe_experts_residual", lib=_LIB)
-def _(residual: torch.Tensor, *args: object) -> torch.Tensor:
+def _(residual: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
