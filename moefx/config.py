@@ -73,6 +73,7 @@ class PassConfig:
     last_token_logits: bool | None = None
     fuse_moe_routing: bool | None = None
     fuse_moe_residual: bool | None = None
+    fuse_qk_norm_rope: bool | None = None
     fuse_sibling_linears: bool | None = None
     # Send the remaining single linears to moefx::dense_linear too, so the dense policy picks per call.
     dense_linears: bool | None = None

@@ -7,6 +7,7 @@ from moefx.passes import (
     fuse_moe_residual,  # noqa: F401
     fuse_moe_routing,  # noqa: F401
     fuse_norm_quant,  # noqa: F401
+    fuse_qk_norm_rope,  # noqa: F401
     fuse_sibling_linears,  # noqa: F401
     last_token_logits,  # noqa: F401
     rewrite_sampler_syncs,  # noqa: F401

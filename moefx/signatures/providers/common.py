@@ -65,6 +65,8 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
             "fuse_moe_routing": routing_preference(ms, es),
             "fuse_moe_residual": causal_lm_preference(
                 ms, es, "the MoE block's residual add in the experts' down kernel (one kernel per layer less)"),
+            "fuse_qk_norm_rope": causal_lm_preference(
+                ms, es, "q/k norm + RoPE + KV-cache write in one kernel (two kernels per layer less)"),
             "fuse_sibling_linears": dense,
             "dense_linears": dense,
         },
