@@ -246,7 +246,8 @@ STEP_PARTS = (("dense projections (q/k/v, o, router)", ("_dense_kernel",)),
               ("MoE experts (gate/up, down + residual add)", ("_gemv_gate_up_kernel", "_gemv_down_kernel")),
               ("attention (decode kernel, combine)", ("_decode_attn_kernel", "_combine_kernel")),
               ("routing top-k", ("_fused_topk_kernel",)),
-              ("inductor: norms, q/k norm + RoPE, cache writes", ("triton_",)))
+              ("q/k norm + RoPE + KV-cache write", ("_qk_norm_rope_cache_kernel",)),
+              ("inductor: norms, residual add (and what the fusions above left)", ("triton_",)))
 
 
 def _part_floors_us(layers: int, hit: float, copy_tbps: float) -> dict[str, float]:

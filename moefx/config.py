@@ -77,6 +77,8 @@ class PassConfig:
     fuse_sibling_linears: bool | None = None
     # Send the remaining single linears to moefx::dense_linear too, so the dense policy picks per call.
     dense_linears: bool | None = None
+    # Fold the RMSNorm before a dense_linear call (a layer's input norm before q/k/v) into the GEMV's prologue.
+    fuse_norm_linear: bool | None = None
     # Write each graph before/after the moefx passes into this folder (also MOEFX_DUMP_GRAPHS).
     dump_graph_dir: str | None = None
 

@@ -115,7 +115,7 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0
 
 def compile_decode_attention() -> list[dict]:
     """moefx::decode_attention's kernels at Qwen3-30B-A3B's attention (8 query heads per KV head, head_dim 128, bf16,
-    a bool mask), one slice and split, and the combine kernel."""
+    a bool mask), one slice and split, and the combine kernel; and moefx::qk_norm_rope_cache's kernel in front."""
     from moefx.ops import triton_attention as ta
 
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr="*i1", out_ptr="*bf16", part_ptr="*fp32",
@@ -128,30 +128,44 @@ def compile_decode_attention() -> list[dict]:
                          gemm1=_compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES),
                          gemm2=_compile(ta._combine_kernel, dict(part_ptr="*fp32", out_ptr="*bf16"),
                                         dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16), 1, LAUNCH_DEFAULT_STAGES)))
+    from moefx.ops import triton_rope_cache as rc
+
+    bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "keys_ptr",
+                                 "values_ptr", "out_ptr")}
+    rope = _compile(rc._qk_norm_rope_cache_kernel, bf16 | dict(pos_ptr="*i64", eps="fp32"),
+                    dict(HQ=32, D=128, HAS_W=True), 1, LAUNCH_DEFAULT_STAGES)
+    rows.append(dict(kind="qk_norm_rope_cache", max_rows="-", gemm1=rope, gemm2=rope))
     return rows
 
 
 def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     """The dense kernel's resources at one DEFAULT_TILES row, launched as dense_gemv would for q/k/v (N 4096/512/512,
-    K = H) at M = min(max_m, 16) on 132 SMs (bf16 activations and outputs, fp32 scales and split-K partials)."""
+    K = H) at M = min(max_m, 16) on 132 SMs (bf16 activations and outputs, fp32 scales and split-K partials); the
+    float rows also with the RMSNorm prologue and its weight ("norm_kernel": q/k/v after fuse_norm_linear)."""
     fp8 = kind == "fp8"
     m = int(min(max_m, 16))
     ns = (4096, 512, 512)
     lp = dense.plan_launch(cfg, m, ns, H, BLOCK_SHAPE if fp8 else None, 132)
     w, split = ("*fp8e4nv" if fp8 else "*bf16"), lp.split_k > 1
-    types = dict(x_ptr=w, xs_ptr="*fp32" if fp8 else "*bf16", part_ptr="*fp32" if split else "*bf16",
-                 cnt_ptr="*i32" if split else "*bf16")
+    types = dict(x_ptr=w, xs_ptr="*fp32" if fp8 else "*bf16", nw_ptr=w, eps="fp32",
+                 part_ptr="*fp32" if split else "*bf16", cnt_ptr="*i32" if split else "*bf16")
     for i in range(dense.MAX_WEIGHTS):
         types |= {f"w{i}_ptr": w, f"ws{i}_ptr": "*fp32" if fp8 else "*bf16", f"b{i}_ptr": "*bf16", f"y{i}_ptr": "*bf16"}
     starts = [0, lp.tiles[0], lp.tiles[0] + lp.tiles[1], sum(lp.tiles)]
     consts = dict(N0=ns[0], N1=ns[1], N2=ns[2], N3=1, T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=3,
                   HB0=False, HB1=False, HB2=False, HB3=False, K=H, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=fp8,
-                  SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, BLOCK_M=lp.block_m,
+                  SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, NORM=False, HAS_NORM_W=False,
+                  NORM_BLOCK=1, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
                   DOT=cfg.dot, IEEE=False)
-    out = _compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages,
-                   re.compile(r"_ptr$|^stride_(xm|wn\d)$"))
-    return dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k, kernel=out)
+    divisible = re.compile(r"_ptr$|^stride_(xm|wn\d)$")
+    row = dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k,
+               kernel=_compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages, divisible))
+    if not fp8:
+        norm = dict(NORM=True, HAS_NORM_W=True, NORM_BLOCK=dense.norm_block(lp, H, cfg.dot))
+        row["norm_kernel"] = _compile(dense._dense_kernel, types, consts | norm, cfg.num_warps, cfg.num_stages,
+                                      divisible)
+    return row
 
 
 def epilogue_variants() -> list[tuple[str, int, float]]:

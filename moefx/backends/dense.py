@@ -19,6 +19,17 @@ Backends, chosen per call by M (rows of x) through the dense policy (dense_polic
   reference the kernel is tested against.
 The choice depends on shapes only, and a call inside CUDA-graph capture uses the capture rows; neither backend
 syncs the host or allocates by data. Autograd: the float form differentiates as separate linears.
+
+    moefx::rms_norm_dense_linear(Tensor x, Tensor? norm_weight, float norm_eps, Tensor[] weights, Tensor?[] biases,
+                                 str backend) -> Tensor[]
+
+returns [rms_norm(x) @ w_i^T + b_i] (float form only), rms_norm as transformers' Qwen3/Llama RMSNorm computes it:
+n = (x32 * rsqrt(mean(x32^2, -1) + norm_eps)).to(x.dtype) with x32 = x in fp32, then norm_weight * n in x's dtype
+(norm_weight [K] in x's dtype, or None: no weight). What fuse_norm_linear writes for a decoder layer's input norm
+and its q/k/v call, so the norm runs in the GEMV kernel's prologue instead of a kernel of its own. The backend is
+dense_linear's for the same x and weights: `gemv` on CUDA is the kernel with the norm prologue; elsewhere (gemv on
+CPU, upstream) the norm runs as the same torch ops as transformers' and then that backend's linears, so `upstream`
+is bit for bit the unfused graph. Inference only: no autograd formula (backward through it raises).
 """
 
 from __future__ import annotations
@@ -52,45 +63,47 @@ def check_args(
     block_shape: Sequence[int] | None,
     out_dtype: torch.dtype | None,
     backend: str,
+    op: str = "dense_linear",
 ) -> None:
-    """ValueError naming what is wrong with a dense_linear call (shapes, dtypes, FP8 arguments, backend)."""
+    """ValueError naming what is wrong with a dense_linear call (shapes, dtypes, FP8 arguments, backend); `op` is
+    the op the message names."""
     if backend not in DENSE_BACKENDS:
-        raise ValueError(f"dense_linear backend={backend!r} is invalid; valid choices: {list(DENSE_BACKENDS)}")
+        raise ValueError(f"{op} backend={backend!r} is invalid; valid choices: {list(DENSE_BACKENDS)}")
     if not weights or len(biases) != len(weights):
-        raise ValueError(f"dense_linear needs at least one weight and one bias entry (or None) per weight; got "
+        raise ValueError(f"{op} needs at least one weight and one bias entry (or None) per weight; got "
                          f"{len(weights)} weights, {len(biases)} biases")
     k = x.shape[-1]
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[1] != k:
-            raise ValueError(f"dense_linear weight {i} has shape {tuple(w.shape)}; expected [N, {k}] for x "
+            raise ValueError(f"{op} weight {i} has shape {tuple(w.shape)}; expected [N, {k}] for x "
                              f"{tuple(x.shape)}")
         b = biases[i]
         if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"dense_linear bias {i} has shape {tuple(b.shape)}; expected ({w.shape[0]},)")
+            raise ValueError(f"{op} bias {i} has shape {tuple(b.shape)}; expected ({w.shape[0]},)")
     if not weight_scales:
         if x_scale is not None or block_shape is not None:
-            raise ValueError("dense_linear: x_scale and block_shape belong to the FP8 form (give weight_scales too)")
+            raise ValueError(f"{op}: x_scale and block_shape belong to the FP8 form (give weight_scales too)")
         if x.dtype not in FLOAT_DTYPES or any(w.dtype != x.dtype for w in weights):
-            raise ValueError(f"dense_linear float form: x and weights must share one of {list(FLOAT_DTYPES)}; got x "
+            raise ValueError(f"{op} float form: x and weights must share one of {list(FLOAT_DTYPES)}; got x "
                              f"{x.dtype}, weights {sorted({str(w.dtype) for w in weights})}")
         if out_dtype is not None and out_dtype != x.dtype:
-            raise ValueError(f"dense_linear float form writes x's dtype {x.dtype}; out_dtype={out_dtype} is invalid")
+            raise ValueError(f"{op} float form writes x's dtype {x.dtype}; out_dtype={out_dtype} is invalid")
         return
     if len(weight_scales) != len(weights) or x_scale is None or block_shape is None or len(block_shape) != 2:
-        raise ValueError("dense_linear FP8 form needs x_scale, one weight scale per weight and block_shape [bn, bk]")
+        raise ValueError(f"{op} FP8 form needs x_scale, one weight scale per weight and block_shape [bn, bk]")
     if x.dtype != FP8 or any(w.dtype != FP8 for w in weights):
-        raise ValueError(f"dense_linear FP8 form needs float8_e4m3fn x and weights; got x {x.dtype}, weights "
+        raise ValueError(f"{op} FP8 form needs float8_e4m3fn x and weights; got x {x.dtype}, weights "
                          f"{sorted({str(w.dtype) for w in weights})}")
     bn, bk = (int(v) for v in block_shape)
     kb = -(-k // bk)
     if tuple(x_scale.shape) != (*x.shape[:-1], kb):
-        raise ValueError(f"dense_linear x_scale shape {tuple(x_scale.shape)} must be {(*x.shape[:-1], kb)}")
+        raise ValueError(f"{op} x_scale shape {tuple(x_scale.shape)} must be {(*x.shape[:-1], kb)}")
     for i, (w, s) in enumerate(zip(weights, weight_scales)):
         if tuple(s.shape) != (-(-w.shape[0] // bn), kb):
-            raise ValueError(f"dense_linear weight scale {i} has shape {tuple(s.shape)}; expected "
+            raise ValueError(f"{op} weight scale {i} has shape {tuple(s.shape)}; expected "
                              f"{(-(-w.shape[0] // bn), kb)}")
     if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dense_linear FP8 form out_dtype={out_dtype} is invalid; valid: {list(FLOAT_DTYPES)}")
+        raise ValueError(f"{op} FP8 form out_dtype={out_dtype} is invalid; valid: {list(FLOAT_DTYPES)}")
 
 
 def upstream(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
@@ -139,6 +152,12 @@ def gemv_unsupported_reason(x: torch.Tensor, weights: Sequence[torch.Tensor], we
 def gemv(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
     if not x.is_cuda:
         return reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
+    return _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
+
+
+def _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, norm_weight=None, norm_eps=None
+            ) -> list[torch.Tensor]:
+    """The Triton kernel over x's rows (with its RMSNorm prologue when norm_eps is given)."""
     from moefx.backends.kernels.dense_kernels import dense_gemv
 
     k = x.shape[-1]
@@ -147,7 +166,8 @@ def gemv(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> 
     xs2 = x_scale.reshape(-1, x_scale.shape[-1]) if x_scale is not None else None
     bs = tuple(int(v) for v in block_shape) if block_shape is not None else None
     with on_device(x.device):
-        outs = dense_gemv(x2, list(weights), list(biases), xs2, list(weight_scales) or None, bs, out_dtype)
+        outs = dense_gemv(x2, list(weights), list(biases), xs2, list(weight_scales) or None, bs, out_dtype,
+                          norm_weight=norm_weight, norm_eps=norm_eps)
     return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 
@@ -206,6 +226,14 @@ def _decide(x, weights, weight_scales, block_shape, out_dtype, backend, capturin
     return name, warning
 
 
+def _chosen(op: str, x, weights, weight_scales, block_shape, out_dtype, backend) -> str:
+    """select_backend's choice for one call of `op`, logged at debug level."""
+    name = select_backend(x, weights, weight_scales, block_shape, out_dtype, backend)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s M=%d N=%s -> %s", op, x.numel() // x.shape[-1], [w.shape[0] for w in weights], name)
+    return name
+
+
 # flexible_layout: as for moefx::moe_experts (backends/op.py); the runners take any strides of `x`.
 @torch.library.custom_op("moefx::dense_linear", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _dense_linear_op(
@@ -220,9 +248,7 @@ def _dense_linear_op(
 ) -> list[torch.Tensor]:
     if x.numel() == 0:
         return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype or x.dtype) for w in weights]
-    name = select_backend(x, weights, weight_scales, block_shape, out_dtype, backend)
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("dense_linear M=%d N=%s -> %s", x.numel() // x.shape[-1], [w.shape[0] for w in weights], name)
+    name = _chosen("dense_linear", x, weights, weight_scales, block_shape, out_dtype, backend)
     return RUNNERS[name](x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
 
 
@@ -288,3 +314,70 @@ def dense_linear(
     bs = [int(b) for b in block_shape] if block_shape is not None else None
     check_args(x, weights, biases, x_scale, scales, bs, out_dtype, backend)
     return torch.ops.moefx.dense_linear(x, list(weights), biases, x_scale, scales, bs, out_dtype, backend)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Qwen3, Llama) op for op, so the unfused graph's values come out bit for bit."""
+    x32 = x.to(torch.float32)
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return n if weight is None else weight * n
+
+
+def check_norm_args(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    backend: str,
+) -> None:
+    """ValueError naming what is wrong with a rms_norm_dense_linear call: dense_linear's float-form checks, then the
+    norm's arguments."""
+    check_args(x, weights, biases, None, [], None, None, backend, op="rms_norm_dense_linear")
+    k = x.shape[-1]
+    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or
+                                    norm_weight.device != x.device):
+        raise ValueError(f"rms_norm_dense_linear norm_weight is {list(norm_weight.shape)}/{norm_weight.dtype} on "
+                         f"{norm_weight.device}; expected [{k}]/{x.dtype} on x's device {x.device}")
+    if not norm_eps >= 0:
+        raise ValueError(f"rms_norm_dense_linear norm_eps={norm_eps} is invalid; it must be >= 0")
+
+
+@torch.library.custom_op("moefx::rms_norm_dense_linear", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def _rms_norm_dense_linear_op(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    backend: str,
+) -> list[torch.Tensor]:
+    if x.numel() == 0:
+        return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+    # dense_linear's key and policy: the norm changes neither M nor the weights the choice is made for
+    name = _chosen("rms_norm_dense_linear", x, weights, [], None, None, backend)
+    if name == GEMV and x.is_cuda:
+        return _kernel(x, weights, biases, None, [], None, None, norm_weight, norm_eps)
+    return RUNNERS[name](rms_norm(x, norm_weight, norm_eps), weights, biases, None, [], None, None)
+
+
+@_rms_norm_dense_linear_op.register_fake
+def _(x, norm_weight, norm_eps, weights, biases, backend):
+    check_norm_args(x, norm_weight, norm_eps, weights, biases, backend)
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+def rms_norm_dense_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    backend: str = "auto",
+) -> list[torch.Tensor]:
+    """[rms_norm(x) @ w_i^T + b_i for each weight] through `moefx::rms_norm_dense_linear` (module docstring);
+    inference only."""
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    check_norm_args(x, norm_weight, float(norm_eps), weights, biases, backend)
+    return torch.ops.moefx.rms_norm_dense_linear(x, norm_weight, float(norm_eps), list(weights), biases, backend)

@@ -6,6 +6,7 @@ from moefx.passes import (
     fuse_act_quant,  # noqa: F401
     fuse_moe_residual,  # noqa: F401
     fuse_moe_routing,  # noqa: F401
+    fuse_norm_linear,  # noqa: F401
     fuse_norm_quant,  # noqa: F401
     fuse_qk_norm_rope,  # noqa: F401
     fuse_sibling_linears,  # noqa: F401

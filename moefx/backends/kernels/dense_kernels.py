@@ -19,6 +19,12 @@ FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block, e4m
 group scales, the `moefx::fp8_block_gemm` contract): a program's rows lie inside one SBN row block, so the weight
 scale and the activation scale multiply the activations K-wise (DOT=False) or each per-K-block dot (DOT=True,
 BLOCK_K <= SBK); accumulation stays fp32 and Y is rounded once, as `ref_fp8_block_gemm` does.
+NORM (float form only, `moefx::rms_norm_dense_linear`): X is the RMSNorm's input, so the norm costs no kernel of its
+own. A program needs the variance of its whole rows though it may own one K slice, so it first reads its rows over
+all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so they are in flight together) for
+rstd = rsqrt(mean(x^2) + eps) in fp32; each X chunk is then replaced by (x * rstd) rounded to X's dtype, times the
+norm weight and rounded again when there is one (transformers' Qwen3/Llama RMSNorm: the weight applied after the
+downcast), before the product.
 Launch contract (the dense op relies on it): fixed-shape work only, no host sync; buffers are sized from shapes.
 """
 
@@ -37,15 +43,20 @@ MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched 
 # 2048 rows does not ask for a 2048-row tile (1 MiB of shared memory).
 MAX_AUTO_BLOCK_M = {False: 8, True: 64}
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
+# X elements per load of the NORM prologue on the CUDA cores (BLOCK_M rows x NORM_BLOCK columns): at M=1 one 2048-wide
+# load costs the q/k/v launch 1.0 us on the H200 where 1024-wide ones cost 1.6 us; tensor-core tiles (BLOCK_M >= 16)
+# load BLOCK_K columns at a time (wider ones cost more: 18.8 us for 256 columns, 16.5 us for 128 at M=16)
+NORM_TILE = 4096
 
 
 @triton.jit
 def _dense_tile(
     pid_n, pid_k, pid_m, tile0, col0,
-    x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
-    M, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
+    x_ptr, xs_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+    M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
     N: tl.constexpr, K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -58,10 +69,23 @@ def _dense_tile(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     s_row = (pid_n * BLOCK_N) // SBN  # FP8: the weight-scale row of this program's rows
+    if NORM:  # the whole rows' sum of squares, whatever K slice this program owns
+        offs_r = tl.arange(0, NORM_BLOCK)
+        row_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_r[None, :]
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, NORM_BLOCK):  # unrolled: the loads are in flight together
+            xr = tl.load(row_ptrs + k0, mask=m_mask[:, None] & (offs_r < K - k0)[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xr * xr, axis=1)
+        rstd = tl.where(m_mask, tl.rsqrt(sq / K + eps), 0.0)  # rows past M stay 0 even at eps = 0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k_mask = offs_k < K - (k_lo + kk)
         x = tl.load(x_ptrs + kk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if NORM:
+            x = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
+            if HAS_NORM_W:
+                nw = tl.load(nw_ptr + k_lo + kk + offs_k, mask=k_mask, other=0.0)
+                x = (x.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
             if IEEE:
@@ -108,16 +132,17 @@ def _dense_tile(
 
 @triton.jit(do_not_specialize=["M"])  # M only bounds masks: one compile serves every M of a tile
 def _dense_kernel(
-    x_ptr, xs_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, nw_ptr, part_ptr, cnt_ptr,
     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr,
     w2_ptr, ws2_ptr, b2_ptr, y2_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr,
-    M, stride_xm, stride_xsm, stride_xsk,
+    M, eps, stride_xm, stride_xsm, stride_xsk,
     stride_wn0, stride_wn1, stride_wn2, stride_wn3, stride_wsn0, stride_wsn1, stride_wsn2, stride_wsn3, stride_wsk,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
     T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NUM_W: tl.constexpr,
     HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
     K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -127,29 +152,29 @@ def _dense_kernel(
     pid_m = tl.program_id(2)
     if pid < T1:
         _dense_tile(pid, pid_k, pid_m, 0, 0,
-                    x_ptr, xs_ptr, w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
-                    M, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
-                    N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0,
+                    x_ptr, xs_ptr, nw_ptr, w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
+                    M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
+                    N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK,
                     BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
     elif NUM_W > 1:
         if pid < T2:
             _dense_tile(pid - T1, pid_k, pid_m, T1, N0,
-                        x_ptr, xs_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
-                        M, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
-                        N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1,
+                        x_ptr, xs_ptr, nw_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
+                        M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
+                        N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1, NORM, HAS_NORM_W, NORM_BLOCK,
                         BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
         elif NUM_W > 2:
             if pid < T3:
                 _dense_tile(pid - T2, pid_k, pid_m, T2, N0 + N1,
-                            x_ptr, xs_ptr, w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
-                            M, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
-                            N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2,
+                            x_ptr, xs_ptr, nw_ptr, w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
+                            M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
+                            N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2, NORM, HAS_NORM_W, NORM_BLOCK,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
             elif NUM_W > 3:
                 _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
-                            x_ptr, xs_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
-                            M, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
-                            N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3,
+                            x_ptr, xs_ptr, nw_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
+                            M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
+                            N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3, NORM, HAS_NORM_W, NORM_BLOCK,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
 
 
@@ -275,13 +300,23 @@ def dense_gemv(
     block_shape: tuple[int, int] | None = None,
     out_dtype: torch.dtype | None = None,
     config: DenseConfig | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> list[torch.Tensor]:
     """Y_i = X W_i^T + b_i for X [M, K] (fp8 with x_scale [M, ceil(K/SBK)] when weight_scales are given).
 
     Weights [N_i, K] must be contiguous in K. Outputs are [M, N_i] in out_dtype (default: X's dtype). `config`
-    overrides DEFAULT_TILES."""
+    overrides DEFAULT_TILES. `norm_eps` given (float form only): X is first RMSNorm-ed row by row with that eps and,
+    when given, `norm_weight` [K] in X's dtype (the NORM prologue, module docstring)."""
     m, k = x.shape
     fp8 = weight_scales is not None
+    if norm_eps is not None and fp8:
+        raise ValueError("dense_gemv: the RMSNorm prologue (norm_eps) takes the float form only, not FP8")
+    if norm_weight is not None and norm_eps is None:
+        raise ValueError("dense_gemv: norm_weight needs norm_eps (the RMSNorm prologue is on when norm_eps is given)")
+    if norm_weight is not None and norm_weight.stride(0) != 1:
+        norm_weight = norm_weight.contiguous()
     dtype = out_dtype or x.dtype
     outs = [torch.empty(m, w.shape[0], dtype=dtype, device=x.device) for w in weights]
     if m == 0:
@@ -293,11 +328,12 @@ def dense_gemv(
     for g0 in range(0, len(weights), MAX_WEIGHTS):
         sl = slice(g0, g0 + MAX_WEIGHTS)
         _launch_group(x, weights[sl], biases[sl], x_scale, weight_scales[sl] if fp8 else None, block_shape,
-                      outs[sl], cfg, sms)
+                      outs[sl], cfg, sms, norm_weight, norm_eps)
     return outs
 
 
-def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs, cfg, sms) -> None:
+def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs, cfg, sms, norm_weight,
+                  norm_eps) -> None:
     m, k = x.shape
     fp8 = weight_scales is not None
     ns = tuple(int(w.shape[0]) for w in weights)
@@ -325,18 +361,28 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     args = []
     for i in range(MAX_WEIGHTS):
         args += [ws[i], scales[i], bs[i], ys[i]]
+    norm = norm_eps is not None
     grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
-                             x.dtype == torch.float32)
+                             x.dtype == torch.float32, norm, norm_weight is not None)
     _dense_kernel[grid](
-        x, xs, part, counters, *args,
-        m, x.stride(0), *xs_strides,
+        x, xs, norm_weight if norm_weight is not None else x, part, counters, *args,
+        m, float(norm_eps) if norm else 0.0, x.stride(0), *xs_strides,
         *[w.stride(0) for w in ws], *wsn, wsk, **kw,
     )
 
 
+def norm_block(lp: Launch, k: int, dot: bool) -> int:
+    """Columns per load of the NORM prologue: BLOCK_K on the tensor cores, else NORM_TILE elements over the tile's
+    rows, at least BLOCK_K and at most K."""
+    if dot:
+        return lp.block_k
+    return max(lp.block_k, min(triton.next_power_of_2(k), NORM_TILE // lp.block_m))
+
+
 @functools.lru_cache(maxsize=512)  # pure in its arguments; asked per launch
 def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
-                  block_shape: tuple[int, int] | None, k: int, ieee: bool) -> tuple[tuple[int, int, int], dict]:
+                  block_shape: tuple[int, int] | None, k: int, ieee: bool, norm: bool,
+                  has_norm_w: bool) -> tuple[tuple[int, int, int], dict]:
     """The grid and the constexpr/launch arguments of one group's launch."""
     pad = MAX_WEIGHTS - len(ns)
     nn = list(ns) + [1] * pad
@@ -349,7 +395,8 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
     kw = dict(
         N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(ns),
         HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
-        K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, SBN=sbn, SBK=sbk,
+        K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, SBN=sbn, SBK=sbk, NORM=norm,
+        HAS_NORM_W=has_norm_w, NORM_BLOCK=norm_block(lp, k, cfg.dot) if norm else 1,
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

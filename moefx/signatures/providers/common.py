@@ -69,6 +69,7 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
                 ms, es, "q/k norm + RoPE + KV-cache write in one kernel (two kernels per layer less)"),
             "fuse_sibling_linears": dense,
             "dense_linears": dense,
+            "fuse_norm_linear": dense,
         },
         moe_family=True,
         causal_lm=ms.is_causal_lm,

@@ -1,0 +1,122 @@
+"""fuse_norm_linear: RMSNorm -> `moefx::dense_linear` -> one `moefx::rms_norm_dense_linear` call.
+
+Every decoder layer starts with its input norm, then q/k/v (one dense_linear call after fuse_sibling_linears). Unfused
+the norm is a kernel of its own per layer in the decode step; the fused call computes it in the GEMV kernel's prologue
+instead (backends/dense.py, kernels/dense_kernels.py). Exact: the fused call runs the backend dense_linear would run
+for the same x and weights, off the kernel it computes the norm with transformers' torch ops and then that backend's
+linears (upstream: bit for bit the unfused graph where the norm is written as transformers writes it; the other
+spellings fuse_norm_quant accepts, `x * x` or `sum / H`, differ at most in the variance's summation order), and the
+kernel rounds where the norm does.
+Matched: a float dense_linear whose x is, through reshapes that keep the last dim, the output y of a plain RMSNorm
+as fuse_norm_quant recognizes it: the weight applied after the downcast, in the input's dtype, or no weight (in an
+fp32 graph the weight orders are one computation). y and those reshapes have no other reader; DCE then drops the
+norm. Left alone with the reason: a norm with other readers (a post-attention norm feeds the router and the
+experts), residual-add forms (their sum is a second output), a weight applied in fp32 to a bf16/fp16 input (one
+rounding, not the op's two), FP8 calls (the activation quant sits between norm and linear: fuse_norm_quant's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from moefx.backends.dense import select_backend
+from moefx.backends.dense_policy import GEMV
+from moefx.passes import fuse_norm_quant as fnq
+from moefx.passes import linear_forms as lf
+from moefx.passes import quant_patterns as qp
+from moefx.passes.base import MoefxPass, PassContext, register_pass
+from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, source_of
+
+NORM_DENSE = torch.ops.moefx.rms_norm_dense_linear.default
+PLAIN = ("RMSNorm", "RMSNorm (no weight)", "RMSNorm (weight in fp32)")  # fuse_norm_quant's labels of one-input norms
+
+
+def _behind_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """The value `node` reshapes (through any reshapes) and those reshapes, outermost first."""
+    views = []
+    while is_call(node, *RESHAPES):
+        views.append(node)
+        node = node.args[0]
+    return node, views
+
+
+def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Node]) -> str | None:
+    if match.label not in PLAIN or len(match.args) != 4:
+        return f"its input is a {match.label}, not a plain RMSNorm"
+    x, weight, _, w_fp32 = match.args
+    dtype = dtype_of(x)
+    if w_fp32 and dtype != torch.float32:
+        return f"the norm weight is applied in fp32 to a {dtype} input (one rounding; the fused op rounds twice)"
+    if dtype_of(y) != dtype or (weight is not None and dtype_of(weight) != dtype):
+        return f"norm input {dtype}, weight {dtype_of(weight)} and output {dtype_of(y)} are not one dtype"
+    if not qp.same_shape(qp.shape_of(x), qp.shape_of(y)):
+        return f"the norm output {list(qp.shape_of(y))} is not its input's shape {list(qp.shape_of(x))}"
+    if views and not qp.same_size(qp.shape_of(views[0])[-1], qp.shape_of(y)[-1]):
+        return "a reshape between norm and linear changes the last dim"
+    readers = [u for n in (y, *views) for u in n.users]
+    if len(readers) != len(views) + 1:
+        return f"the normed tensor has {len(readers) - len(views)} readers, not only this call"
+    return None
+
+
+def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
+    """Why the call would not run the gemv kernel in a captured step (None: it would). Off the kernel the fused op
+    computes the norm as separate torch ops, several kernels where inductor makes one, so a prefill (M past the
+    policy's gemv rows, or not static) keeps its norm."""
+    xv, ws = meta_val(x), [meta_val(w) for w in weights]
+    if not isinstance(xv, torch.Tensor) or not all(isinstance(w, torch.Tensor) for w in ws):
+        return "the call's inputs have no fake values"
+    if any(not isinstance(d, int) for d in xv.shape):
+        return "its row count is not static (the dense policy decides per M)"
+    name = select_backend(xv, ws, [], None, None, backend, capturing=True)
+    m = xv.numel() // max(xv.shape[-1], 1)
+    return None if name == GEMV else f"the dense policy runs M={m} {name}, not the gemv kernel with the norm prologue"
+
+
+@register_pass
+class FuseNormLinear(MoefxPass):
+    name = "fuse_norm_linear"
+    order = 85  # after fuse_sibling_linears and dense_linears, which write the dense_linear calls it reads
+    uuid_files = (*lf.DEPENDENCY_FILES, fnq.__file__, qp.__file__)
+
+    def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
+        recognizer = fnq.FuseNormQuant()
+        done = 0
+        for node in list(graph.nodes):
+            if not is_call(node, lf.DENSE):
+                continue
+            x, weights, biases, _, scales, _, _, backend = node.args
+            y, views = _behind_views(x)
+            if scales:
+                y, views = _behind_views(y.args[0]) if is_call(y, lf.QUANT) else (y, views)
+            try:
+                match = recognizer.recognize_producer(y)
+            except qp.NotMine:
+                continue
+            except qp.Reject as r:
+                ctx.skip(f"RMSNorm before the dense_linear at {source_of(node)} left alone: {r.reason}")
+                continue
+            why = "an FP8 call (fuse_norm_quant fuses the norm with its quant)" if scales else \
+                _problem(match, y, views) or _not_gemv(x, weights, backend)
+            if why:
+                ctx.skip(f"RMSNorm at {source_of(y)} not fused into the dense_linear at {source_of(node)}: {why}")
+                continue
+            self._rewrite(graph, node, match, views, weights, biases, backend)
+            ctx.note(f"RMSNorm at {source_of(y)} into the dense_linear at {source_of(node)} "
+                     f"(moefx::rms_norm_dense_linear)")
+            done += 1
+        return done
+
+    @staticmethod
+    def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, match: qp.ProducerMatch, views: list[torch.fx.Node],
+                 weights: list, biases: list, backend: str) -> None:
+        x, weight, eps, _ = match.args
+        with graph.inserting_before(node):  # the norm's input and weight and the views' sizes are defined by here
+            rows = x
+            for v in reversed(views):  # the same reshapes, of the norm's input
+                rows = call(graph, v.target, (rows, *v.args[1:]), dict(v.kwargs))
+            fused = call(graph, NORM_DENSE, (rows, weight, eps, list(weights), list(biases), backend))
+            fused.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(fused)
+        graph.erase_node(node)  # the norm and its views have no reader left: the manager's dead-code pass drops them

@@ -1,0 +1,92 @@
+"""The dense-linear Triton kernel's RMSNorm prologue (NORM, kernels/dense_kernels.py) against the norm then the fp32
+product (dense.py `rms_norm` + `reference`): under TRITON_INTERPRET=1 on the CPU with fp32 inputs (the interpreter
+gets bf16 dots and bf16 rounding wrong), on the GPU in bf16 (marked gpu). Bounds: fp32 rtol = atol = 1e-5 per
+element (only the summation order differs: the variance's and the products'); bf16 outputs 5e-3 relative (one
+rounding of the normed input, <= 2^-8 relative per element, and one of each output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefx.backends.dense import reference, rms_norm, rms_norm_dense_linear
+from moefx.backends.kernels import dense_kernels as K
+
+EPS = 1e-6
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def _case(m, ns, k, dtype, device, norm_w=True, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device, dtype=dtype) * 4  # not unit RMS: the norm changes it
+    nw = (1 + 0.5 * torch.randn(k, generator=g, device=device)).to(dtype) if norm_w else None
+    ws = [torch.randn(n, k, generator=g, device=device, dtype=dtype) * k**-0.5 for n in ns]
+    bs = [torch.randn(n, generator=g, device=device, dtype=dtype) if i != 1 else None for i, n in enumerate(ns)]
+    return x, nw, ws, bs
+
+
+def _expected(x, nw, ws, bs):
+    return reference(rms_norm(x, nw, EPS), ws, bs, None, [], None, None)
+
+
+# (M, N per weight, K, config): K a multiple of no BLOCK_K (nor of the prologue's NORM_BLOCK); the CUDA-core sum
+# (DOT=False) at one and several K slices (forced, and chosen by the SM count), the tensor-core dot as the existing
+# kernel tests run it; the prologue in one load of the rows and in several
+CASES = [
+    (1, (40, 24, 8), 200, None),  # default tile: one slice, K < BLOCK_K
+    (3, (12, 6, 2), 200, K.DenseConfig(block_n=2, block_k=32, split_k=3)),  # each slice needs the whole rows
+    (1, (8,), 5000, K.DenseConfig(block_n=4, block_k=256)),  # automatic split-K (4 slices), the rows in 2 loads
+    (3, (33, 17), 72, K.DenseConfig(block_k=16, split_k=1)),  # several K steps in one slice
+    (5, (33, 17), 72, None),  # the default tensor-core tile
+    (17, (48,), 300, K.DenseConfig(dot=True, block_n=16, block_k=32, split_k=2)),  # the rows in 10 loads
+]
+
+
+@pytest.mark.parametrize("norm_w", [True, False])
+@pytest.mark.parametrize("m,ns,k,cfg", CASES)
+def test_norm_prologue_matches_norm_then_fp32_product(m, ns, k, cfg, norm_w):
+    x, nw, ws, bs = _case(m, ns, k, torch.float32, "cpu", norm_w)
+    if cfg is not None and cfg.split_k == 0:
+        assert K.plan_launch(cfg, m, ns, k, None, K._sm_count(x.device)).split_k > 1
+    outs = K.dense_gemv(x, ws, bs, config=cfg, norm_weight=nw, norm_eps=EPS)
+    for o, r in zip(outs, _expected(x, nw, ws, bs)):
+        assert o.shape == r.shape and o.dtype == torch.float32
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_prologue_loads_rows_in_wide_steps():
+    qkv = K.plan_launch(K.default_config(1, fp8=False), 1, (4096, 512, 512), 2048, None, 132)
+    assert K.norm_block(qkv, 2048, False) == 2048  # Qwen3-30B-A3B's rows at decode: one load each
+    long_rows = K.plan_launch(K.DenseConfig(block_n=4, block_k=256), 1, (8,), 5000, None, 4)
+    assert K.norm_block(long_rows, 5000, False) == 4096  # CASES' K=5000 row: two loads
+    dot = K.plan_launch(K.DenseConfig(dot=True, block_n=16, block_k=32), 17, (48,), 300, None, 4)
+    assert K.norm_block(dot, 300, True) == 32  # tensor-core tiles: BLOCK_K columns a load
+
+
+def test_norm_prologue_arguments_are_checked():
+    x, nw, ws, bs = _case(2, (8,), 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="norm_weight needs norm_eps"):
+        K.dense_gemv(x, ws, bs, norm_weight=nw)
+    with pytest.raises(ValueError, match="float form only"):
+        K.dense_gemv(x, ws, bs, x, [ws[0]], (32, 32), torch.float32, norm_eps=EPS)
+
+
+# --------------------------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ns,k", [((4096, 512, 512), 2048), ((128,), 2048), ((1000, 72, 24), 1000)])
+@pytest.mark.parametrize("m", [1, 3, 4, 16, 33])
+def test_gpu_bf16_norm_prologue_matches_norm_then_fp32_product(ns, k, m):
+    x, nw, ws, bs = _case(m, ns, k, torch.bfloat16, "cuda", seed=m)
+    for o, r in zip(K.dense_gemv(x, ws, bs, norm_weight=nw, norm_eps=EPS), _expected(x, nw, ws, bs)):
+        assert o.dtype == torch.bfloat16 and relerr(o, r) < 5e-3
+    fused = rms_norm_dense_linear(x, nw, EPS, ws, bs, backend="gemv")
+    upstream = rms_norm_dense_linear(x, nw, EPS, ws, bs, backend="upstream")
+    assert all(relerr(f, u) < 1e-2 for f, u in zip(fused, upstream))  # both within 5e-3 of the fp32 product

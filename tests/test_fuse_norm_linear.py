@@ -1,0 +1,120 @@
+"""fuse_norm_linear on a transformers Qwen3-MoE decoder layer's attention entry (input norm, then q/k/v through one
+moefx::dense_linear call) in its post-grad graph: the norm goes into one moefx::rms_norm_dense_linear call, bit for
+bit the unfused graph on fresh inputs (the CPU runs the reference path), in fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from moefx.backends.dense import dense_linear
+from moefx.config import CompilationConfig
+from moefx.models import build_model, tiny_qwen3_moe_config
+from moefx.passes import PassContext
+from moefx.passes.base import count_targets
+from moefx.passes.fuse_norm_linear import NORM_DENSE, FuseNormLinear
+from moefx.passes.linear_forms import DENSE
+
+aten = torch.ops.aten
+pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
+
+
+class _AttentionEntry(torch.nn.Module):
+    """A decoder layer's input norm and its q/k/v projections in one dense_linear call (what fuse_sibling_linears
+    leaves); `flat`: the call reads the normed tensor flattened to rows, as after fuse_sibling_linears; `twice`: the
+    normed tensor is also returned, a second reader."""
+
+    def __init__(self, layer: torch.nn.Module, flat: bool = False, twice: bool = False,
+                 backend: str = "gemv") -> None:
+        super().__init__()
+        self.layer, self.flat, self.twice, self.backend = layer, flat, twice, backend
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        attn = self.layer.self_attn
+        normed = self.layer.input_layernorm(hidden)
+        rows = normed.reshape(-1, normed.shape[-1]) if self.flat else normed
+        qkv = dense_linear(rows, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], backend=self.backend)
+        return (*qkv, normed) if self.twice else tuple(qkv)
+
+
+def _traced(block: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.fx.GraphModule, dict]:
+    """The block's functional, decomposed graph (what inductor's post-grad passes see) and its parameters."""
+    state = dict(block.named_parameters())
+
+    def fn(state: dict, x: torch.Tensor) -> object:
+        return functional_call(block, state, (x,))
+
+    with torch.no_grad():
+        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
+                     tracing_mode="fake")(state, hidden)
+    return gm, state
+
+
+def _block(dtype: torch.dtype, flat: bool = False, twice: bool = False, backend: str = "gemv") -> _AttentionEntry:
+    """backend "gemv": the call the policy gives the gemv kernel at decode M (the CPU has no calibration rows, so
+    "auto" runs upstream here)."""
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=0).eval().to(dtype)
+    return _AttentionEntry(model.model.layers[0], flat, twice, backend)
+
+
+def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
+    ctx = PassContext(config=CompilationConfig())
+    n = FuseNormLinear().run(gm.graph, ctx)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return n, ctx
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_input_norm_goes_into_the_qkv_call(dtype, flat):
+    block = _block(dtype, flat)
+    hidden = torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=dtype)
+    gm, state = _traced(block, hidden)
+    unfused = _traced(block, hidden)[0]
+    rsqrts = count_targets(gm.graph, aten.rsqrt.default)
+    assert count_targets(gm.graph, DENSE) == 1 and count_targets(gm.graph, NORM_DENSE) == 0
+    n, ctx = _run_pass(gm)
+    assert n == 1 and len(ctx.notes) == 1, ctx.skipped
+    assert count_targets(gm.graph, DENSE) == 0 and count_targets(gm.graph, NORM_DENSE) == 1
+    assert count_targets(gm.graph, aten.rsqrt.default) == rsqrts - 1
+    with torch.no_grad():
+        for seed in (1, 2):
+            x = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+            outs, refs = gm(state, x), unfused(state, x)
+            assert len(outs) == len(refs) == 3
+            assert all(o.dtype == dtype and torch.equal(o, r) for o, r in zip(outs, refs)), seed
+
+
+def test_a_norm_with_another_reader_is_left_alone():
+    """The normed tensor is also an output: the norm stays a kernel of its own, nothing is rewritten."""
+    block = _block(torch.bfloat16, flat=True, twice=True)
+    gm, _ = _traced(block, torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16))
+    n, ctx = _run_pass(gm)
+    assert n == 0 and count_targets(gm.graph, DENSE) == 1 and count_targets(gm.graph, NORM_DENSE) == 0
+    assert any("readers, not only this call" in s for s in ctx.skipped), ctx.skipped
+
+
+def test_a_call_the_policy_runs_upstream_keeps_its_norm():
+    """Off the gemv kernel the fused op would run the norm as separate torch ops (a prefill's M, no calibration
+    row): the norm stays inductor's one kernel and the report says why."""
+    block = _block(torch.bfloat16, backend="auto")
+    gm, _ = _traced(block, torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16))
+    n, ctx = _run_pass(gm)
+    assert n == 0 and count_targets(gm.graph, NORM_DENSE) == 0
+    assert any("M=3 upstream" in s for s in ctx.skipped), ctx.skipped
+
+
+def test_the_plan_prefers_it_where_it_prefers_dense_linears():
+    from moefx.models.catalog import catalog_config
+    from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+
+    ms = ModelSignature.from_config(catalog_config("qwen3-30b-a3b"))
+    for es in (ExecutionSignature.preset("h200", dtype="bfloat16"),
+               ExecutionSignature(device_type="cpu", dtype="bfloat16")):
+        plan = resolve(ms, es)
+        assert plan.pass_enabled("fuse_norm_linear") == plan.pass_enabled("dense_linears")
+    assert resolve(ms, ExecutionSignature.preset("h200", dtype="bfloat16")).pass_enabled("fuse_norm_linear")
