@@ -99,6 +99,7 @@ def test_q_k_norm_rope_and_cache_write_become_one_op(dtype, monkeypatch):
     assert count_targets(gm.graph, AUTO_FUNCTIONALIZED) == 1
     assert count_targets(gm.graph, aten.index_put.default) == 0
     assert count_targets(gm.graph, aten.cat.default) == 0
+    assert count_targets(gm.graph, torch.ops.prims.iota.default) == 0  # the op reads the write position itself
     assert count_targets(gm.graph, aten.rsqrt.default) == rsqrt_before - 2  # the input norm stays
     assert ctx.notes and "qk_norm_rope_cache" in ctx.notes[0]
     for seed in (1, 2):
@@ -169,7 +170,7 @@ def _assert_like_eager(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(g, w, rtol=0, atol=4e-6 * scale)
         return
     diff = (g - w).abs()
-    assert (diff > 0).float().mean().item() < 0.02
+    assert (diff > 0).float().mean().item() < 0.005
     assert float(diff.max()) <= 2 ** -6 * scale
 
 
@@ -205,10 +206,11 @@ def _both_ways(args: list, launch) -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the kernel on CPU tensors runs in the Triton interpreter (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch,seq,with_weight", [(1, 1, True), (3, 1, True), (2, 2, False)])
 def test_kernel_matches_the_reference(dtype, batch, seq, with_weight):
-    """In the interpreter: fp32 and fp16 (its bf16 casts truncate, so bf16 is checked on the GPU below)."""
+    """In the interpreter (its bf16 casts truncate; the kernel rounds bf16 on the bits, moefx/backends/kernels/
+    rounding.py)."""
     from moefx.ops.triton_rope_cache import qk_norm_rope_cache_triton
 
     args = _op_inputs(dtype, batch, seq, with_weight=with_weight)

@@ -1,7 +1,7 @@
 """`moefx::qk_norm_rope_cache`: a decode step's per-head q/k RMSNorm, rotary embedding and KV-cache write in one op.
 
     q_out [B, Hq, S, D] = rope(rms_norm(q, q_weight)),  keys[:, :, positions] = rope(rms_norm(k, k_weight)),
-    values[:, :, positions] = v,   q [B, S, Hq, D], k/v [B, S, Hkv, D], cos/sin [B | 1, S, D], positions [S]
+    values[:, :, positions] = v,   q [B, S, Hq, D], k/v [B, S, Hkv, D], cos/sin [B | 1, S, D], positions: S integers
 
 This is what a Qwen3-style attention computes between its q/k/v projections and the attention itself
 (transformers' `q_norm`/`k_norm`, `apply_rotary_pos_emb` with `rotate_half`, then `StaticLayer.update`'s
@@ -46,11 +46,13 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     if keys.shape != values.shape or keys.dim() != 4 or keys.shape[0] != b or keys.shape[1] != k.shape[2] or \
             keys.shape[3] != d:
         return f"caches of shape {tuple(keys.shape)} for k {tuple(k.shape)}"
-    if positions.dim() != 1 or positions.shape[0] != s or positions.dtype not in (torch.int64, torch.int32):
-        return f"positions {tuple(positions.shape)}/{positions.dtype} (need [S] integers)"
+    if positions.numel() != s or positions.dtype not in (torch.int64, torch.int32):
+        return f"positions {tuple(positions.shape)}/{positions.dtype} (need S integers)"
     tensors = (q, k, v, cos, sin, keys, values) + tuple(w for w in (q_weight, k_weight) if w is not None)
     if any(t.stride(-1) != 1 for t in tensors):
         return "a last dim that is not contiguous"
+    if not positions.is_contiguous():
+        return "positions that are not contiguous"
     return None
 
 
@@ -71,8 +73,8 @@ def qk_norm_rope_cache_reference(q, k, v, q_weight, k_weight, eps: float, cos, s
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     q_out = _rope(_norm(q, q_weight, eps).transpose(1, 2), c, s)
     k_out = _rope(_norm(k, k_weight, eps).transpose(1, 2), c, s)
-    keys.index_copy_(2, positions, k_out)
-    values.index_copy_(2, positions, v.transpose(1, 2))
+    keys.index_copy_(2, positions.reshape(-1), k_out)
+    values.index_copy_(2, positions.reshape(-1), v.transpose(1, 2))
     return q_out.contiguous()
 
 

@@ -12,10 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    return x.to(dtype).to(tl.float32)
+from moefx.backends.kernels.rounding import round_as
 
 
 @triton.jit
@@ -39,7 +36,7 @@ def _qk_norm_rope_cache_kernel(
         dst = out_ptr + b * stride_ob + head * stride_oh + s * stride_os
     else:
         kvh = head - HQ
-        pos = tl.load(pos_ptr + s).to(tl.int64)
+        pos = tl.load(pos_ptr + s).to(tl.int64)  # positions: S elements (a write position's [1] tensor at S=1)
         src = k_ptr + b * stride_kb + s * stride_ks + kvh * stride_kh
         w_ptr = kw_ptr
         dst = keys_ptr + b * stride_kcb + kvh * stride_kch + pos * stride_kcl
@@ -49,19 +46,19 @@ def _qk_norm_rope_cache_kernel(
     lo = tl.load(src + half).to(tl.float32)
     hi = tl.load(src + D // 2 + half).to(tl.float32)
     rstd = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / D + eps)
-    lo = _rounded(lo * rstd, dtype)
-    hi = _rounded(hi * rstd, dtype)
+    lo = round_as(lo * rstd, dtype)
+    hi = round_as(hi * rstd, dtype)
     if HAS_W:
-        lo = _rounded(lo * tl.load(w_ptr + half).to(tl.float32), dtype)
-        hi = _rounded(hi * tl.load(w_ptr + D // 2 + half).to(tl.float32), dtype)
+        lo = round_as(lo * tl.load(w_ptr + half).to(tl.float32), dtype)
+        hi = round_as(hi * tl.load(w_ptr + D // 2 + half).to(tl.float32), dtype)
     c = cos_ptr + b * stride_cb + s * stride_cs
     sn = sin_ptr + b * stride_sb + s * stride_ss
     c_lo, c_hi = tl.load(c + half).to(tl.float32), tl.load(c + D // 2 + half).to(tl.float32)
     s_lo, s_hi = tl.load(sn + half).to(tl.float32), tl.load(sn + D // 2 + half).to(tl.float32)
-    out_lo = _rounded(lo * c_lo, dtype) + _rounded(-hi * s_lo, dtype)
-    out_hi = _rounded(hi * c_hi, dtype) + _rounded(lo * s_hi, dtype)
-    tl.store(dst + half, out_lo.to(dtype))
-    tl.store(dst + D // 2 + half, out_hi.to(dtype))
+    out_lo = round_as(lo * c_lo, dtype) + round_as(-hi * s_lo, dtype)
+    out_hi = round_as(hi * c_hi, dtype) + round_as(lo * s_hi, dtype)
+    tl.store(dst + half, round_as(out_lo, dtype).to(dtype))  # exact: already a value of dtype
+    tl.store(dst + D // 2 + half, round_as(out_hi, dtype).to(dtype))
 
 
 def qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps: float, cos, sin, keys, values, positions,

@@ -22,6 +22,7 @@ import torch.fx
 
 from moefx.backends.dense import select_backend
 from moefx.backends.dense_policy import GEMV
+from moefx.backends.kernels.dense_kernels import default_config
 from moefx.passes import fuse_norm_quant as fnq
 from moefx.passes import linear_forms as lf
 from moefx.passes import quant_patterns as qp
@@ -61,16 +62,22 @@ def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Nod
 
 
 def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
-    """Why the call would not run the gemv kernel in a captured step (None: it would). Off the kernel the fused op
-    computes the norm as separate torch ops, several kernels where inductor makes one, so a prefill (M past the
-    policy's gemv rows, or not static) keeps its norm."""
+    """Why the prologue would not pay off for this call in a captured step (None: it would).
+
+    Off the gemv kernel the fused op computes the norm as separate torch ops, several kernels where inductor makes
+    one, so a prefill (M past the policy's gemv rows, or not static) keeps its norm. On the tensor-core tiles (M >
+    4) every program re-reads its 16 rows over all of K before streaming weights: q/k/v at Qwen3-30B-A3B widths,
+    M=8 and 16, took 16.9 and 16.6 us with the prologue against 9.9 and 9.6 plus a 1.8 us norm kernel (H200,
+    CUDA graphs, 2026-12-03); at M=1, 8.3 against 7.3 plus 1.6, and one launch less."""
     xv, ws = meta_val(x), [meta_val(w) for w in weights]
     if not isinstance(xv, torch.Tensor) or not all(isinstance(w, torch.Tensor) for w in ws):
         return "the call's inputs have no fake values"
     if any(not isinstance(d, int) for d in xv.shape):
         return "its row count is not static (the dense policy decides per M)"
-    name = select_backend(xv, ws, [], None, None, backend, capturing=True)
     m = xv.numel() // max(xv.shape[-1], 1)
+    if default_config(m, False).dot:
+        return f"M={m} runs the tensor-core tiles, where the prologue costs more than the norm kernel it saves"
+    name = select_backend(xv, ws, [], None, None, backend, capturing=True)
     return None if name == GEMV else f"the dense policy runs M={m} {name}, not the gemv kernel with the norm prologue"
 
 

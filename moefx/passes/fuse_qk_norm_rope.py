@@ -128,6 +128,19 @@ def _cache_write(node: object) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.N
     return cache, index[2], rows
 
 
+def _start_of(positions: torch.fx.Node) -> torch.fx.Node:
+    """The write position's own tensor when positions = arange(1) + start (the decode step's one position, as
+    `_StaticLayerView` writes it): the op reads it directly, and no kernel computes the sum."""
+    if not is_call(positions, aten.add.Tensor) or len(positions.args) != 2:
+        return positions
+    for iota, start in (positions.args, positions.args[::-1]):
+        if is_call(iota, torch.ops.prims.iota.default) and iota.args[0] == 1 and \
+                iota.kwargs.get("start", 0) == 0 and isinstance(meta_val(start), torch.Tensor) and \
+                meta_val(start).numel() == 1 and meta_val(start).dtype == meta_val(positions).dtype:
+            return start
+    return positions
+
+
 @register_pass
 class FuseQkNormRope(MoefxPass):
     name = "fuse_qk_norm_rope"
@@ -170,7 +183,7 @@ class FuseQkNormRope(MoefxPass):
             raise _Miss(f"q and k norms use different eps ({eps}, {k_eps})")
         v = _heads_first(v_rows)
         kwargs = dict(q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, eps=eps, cos=_unsqueezed(cos4),
-                      sin=_unsqueezed(sin4), keys=keys, values=values, positions=positions)
+                      sin=_unsqueezed(sin4), keys=keys, values=values, positions=_start_of(positions))
         vals = [meta_val(kwargs[n]) for n in _KERNEL_ARGS]
         if any(v is None for n, v in zip(_KERNEL_ARGS, vals) if kwargs[n] is not None):
             raise _Miss("an input has no fake value")

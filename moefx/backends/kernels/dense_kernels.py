@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moefx.backends.kernels.rounding import round_as
+
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
 # Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles, so a prefill of
 # 2048 rows does not ask for a 2048-row tile (1 MiB of shared memory).
@@ -82,10 +84,11 @@ def _dense_tile(
         k_mask = offs_k < K - (k_lo + kk)
         x = tl.load(x_ptrs + kk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if NORM:
-            x = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
+            xn = round_as(x.to(tl.float32) * rstd[:, None], x_ptr.dtype.element_ty)
             if HAS_NORM_W:
                 nw = tl.load(nw_ptr + k_lo + kk + offs_k, mask=k_mask, other=0.0)
-                x = (x.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+                xn = round_as(xn * nw.to(tl.float32)[None, :], x_ptr.dtype.element_ty)
+            x = xn.to(x_ptr.dtype.element_ty)  # exact: already a value of X's dtype
         w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
             if IEEE:
