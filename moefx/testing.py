@@ -37,6 +37,24 @@ def post_grad_graphs(fn: Callable[..., Any], *args: Any, dynamic: bool | None = 
     return capture.graphs
 
 
+def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, dict]:
+    """`module(*inputs)` as a functional, decomposed graph of (parameters, *inputs): what inductor's post-grad passes
+    see, without compiling (input mutations become `copy_` back at the end). Returns it and the parameters."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.func import functional_call, functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    state = dict(module.named_parameters())
+
+    def fn(state: dict, *args: torch.Tensor) -> Any:
+        return functional_call(module, state, args)
+
+    with torch.no_grad():
+        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
+                     tracing_mode="fake")(state, *inputs)
+    return gm, state
+
+
 def count_ops(gm: torch.fx.GraphModule | torch.fx.Graph, *targets: object) -> int:
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     wanted = set(targets)

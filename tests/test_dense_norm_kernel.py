@@ -1,5 +1,5 @@
 """The dense-linear Triton kernel's RMSNorm prologue (NORM, kernels/dense_kernels.py) against the norm then the fp32
-product (dense.py `rms_norm` + `reference`): under TRITON_INTERPRET=1 on the CPU with fp32 inputs (the interpreter
+product (`ref_rms_norm` + dense.py's `reference`): under TRITON_INTERPRET=1 on the CPU with fp32 inputs (the interpreter
 gets bf16 dots and bf16 rounding wrong), on the GPU in bf16 (marked gpu). Bounds: fp32 rtol = atol = 1e-5 per
 element (only the summation order differs: the variance's and the products'); bf16 outputs 5e-3 relative (one
 rounding of the normed input, <= 2^-8 relative per element, and one of each output)."""
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefx.backends.dense import reference, rms_norm, rms_norm_dense_linear
+from moefx.backends.dense import reference, rms_norm_dense_linear
 from moefx.backends.kernels import dense_kernels as K
+from moefx.ops.quant import ref_rms_norm
 
 EPS = 1e-6
 
@@ -29,7 +30,7 @@ def _case(m, ns, k, dtype, device, norm_w=True, seed=0):
 
 
 def _expected(x, nw, ws, bs):
-    return reference(rms_norm(x, nw, EPS), ws, bs, None, [], None, None)
+    return reference(ref_rms_norm(x, nw, EPS, False), ws, bs, None, [], None, None)
 
 
 # (M, N per weight, K, config): K a multiple of no BLOCK_K (nor of the prologue's NORM_BLOCK); the CUDA-core sum

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functional_call, functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import moefx.integrations.transformers  # noqa: F401  (registers experts_implementation="moefx")
 from moefx.config import CompilationConfig
@@ -15,6 +12,7 @@ from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.passes import PassContext
 from moefx.passes.base import count_targets
 from moefx.passes.fuse_moe_residual import MOE, MOE_RESIDUAL, FuseMoeResidual
+from moefx.testing import functional_graph
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
@@ -34,19 +32,6 @@ class _MoeHalf(torch.nn.Module):
         return (hidden + out, out * 2) if self.twice else hidden + out
 
 
-def _traced(block: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.fx.GraphModule, dict]:
-    """The block's functional, decomposed graph (what inductor's post-grad passes see) and its parameters."""
-    state = dict(block.named_parameters())
-
-    def fn(state: dict, x: torch.Tensor) -> object:
-        return functional_call(block, state, (x,))
-
-    with torch.no_grad():
-        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(state, hidden)
-    return gm, state
-
-
 def _block(twice: bool = False) -> _MoeHalf:
     model = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=0).eval()
     model.set_experts_implementation("moefx")
@@ -64,7 +49,7 @@ def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
 def test_the_layer_residual_add_goes_into_the_experts_call():
     block = _block()
     hidden = torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0])
-    gm, state = _traced(block, hidden)
+    gm, state = functional_graph(block, hidden)
     adds_before = count_targets(gm.graph, aten.add.Tensor)
     assert count_targets(gm.graph, MOE) == 1 and count_targets(gm.graph, MOE_RESIDUAL) == 0
     n, ctx = _run_pass(gm)
@@ -80,7 +65,7 @@ def test_the_layer_residual_add_goes_into_the_experts_call():
 def test_an_experts_output_read_twice_is_left_alone():
     """The op's output has another reader: the add stays, nothing is rewritten."""
     block = _block(twice=True)
-    gm, _ = _traced(block, torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0]))
+    gm, _ = functional_graph(block, torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0]))
     n, _ = _run_pass(gm)
     assert n == 0 and count_targets(gm.graph, MOE) == 1
 

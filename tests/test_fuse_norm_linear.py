@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functional_call, functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from moefx.backends.dense import dense_linear
 from moefx.config import CompilationConfig
@@ -17,6 +14,7 @@ from moefx.passes import PassContext
 from moefx.passes.base import count_targets
 from moefx.passes.fuse_norm_linear import NORM_DENSE, FuseNormLinear
 from moefx.passes.linear_forms import DENSE
+from moefx.testing import functional_graph
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
@@ -40,24 +38,15 @@ class _AttentionEntry(torch.nn.Module):
         return (*qkv, normed) if self.twice else tuple(qkv)
 
 
-def _traced(block: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.fx.GraphModule, dict]:
-    """The block's functional, decomposed graph (what inductor's post-grad passes see) and its parameters."""
-    state = dict(block.named_parameters())
-
-    def fn(state: dict, x: torch.Tensor) -> object:
-        return functional_call(block, state, (x,))
-
-    with torch.no_grad():
-        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(state, hidden)
-    return gm, state
-
-
 def _block(dtype: torch.dtype, flat: bool = False, twice: bool = False, backend: str = "gemv") -> _AttentionEntry:
     """backend "gemv": the call the policy gives the gemv kernel at decode M (the CPU has no calibration rows, so
     "auto" runs upstream here)."""
     model = build_model(tiny_qwen3_moe_config(num_hidden_layers=1), seed=0).eval().to(dtype)
     return _AttentionEntry(model.model.layers[0], flat, twice, backend)
+
+
+def _hidden(block: _AttentionEntry, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=dtype)
 
 
 def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
@@ -73,8 +62,8 @@ def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
 def test_the_input_norm_goes_into_the_qkv_call(dtype, flat):
     block = _block(dtype, flat)
     hidden = torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=dtype)
-    gm, state = _traced(block, hidden)
-    unfused = _traced(block, hidden)[0]
+    gm, state = functional_graph(block, hidden)
+    unfused = functional_graph(block, hidden)[0]
     rsqrts = count_targets(gm.graph, aten.rsqrt.default)
     assert count_targets(gm.graph, DENSE) == 1 and count_targets(gm.graph, NORM_DENSE) == 0
     n, ctx = _run_pass(gm)
@@ -92,7 +81,7 @@ def test_the_input_norm_goes_into_the_qkv_call(dtype, flat):
 def test_a_norm_with_another_reader_is_left_alone():
     """The normed tensor is also an output: the norm stays a kernel of its own, nothing is rewritten."""
     block = _block(torch.bfloat16, flat=True, twice=True)
-    gm, _ = _traced(block, torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16))
+    gm, _ = functional_graph(block, _hidden(block, torch.bfloat16))
     n, ctx = _run_pass(gm)
     assert n == 0 and count_targets(gm.graph, DENSE) == 1 and count_targets(gm.graph, NORM_DENSE) == 0
     assert any("readers, not only this call" in s for s in ctx.skipped), ctx.skipped
@@ -102,7 +91,7 @@ def test_a_call_the_policy_runs_upstream_keeps_its_norm():
     """Off the gemv kernel the fused op would run the norm as separate torch ops (a prefill's M, no calibration
     row): the norm stays inductor's one kernel and the report says why."""
     block = _block(torch.bfloat16, backend="auto")
-    gm, _ = _traced(block, torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16))
+    gm, _ = functional_graph(block, _hidden(block, torch.bfloat16))
     n, ctx = _run_pass(gm)
     assert n == 0 and count_targets(gm.graph, NORM_DENSE) == 0
     assert any("M=3 upstream" in s for s in ctx.skipped), ctx.skipped

@@ -9,9 +9,6 @@ import os
 
 import pytest
 import torch
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functional_call, functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import moefx
 from moefx.config import CompilationConfig
@@ -22,6 +19,7 @@ from moefx.passes import PassContext
 from moefx.passes.base import count_targets
 from moefx.passes.fuse_qk_norm_rope import ATTENTION, AUTO_FUNCTIONALIZED, FuseQkNormRope
 from moefx.sampling.layer_body import _StaticLayerView
+from moefx.testing import functional_graph
 
 aten = torch.ops.aten
 CACHE = 12  # static cache positions
@@ -66,18 +64,6 @@ def _inputs(half: _AttentionHalf, dtype: torch.dtype, seed: int, batch: int = 1)
             r(batch, hkv, CACHE, d), torch.tensor([3 + seed]))
 
 
-def _traced(half: _AttentionHalf, inputs: tuple) -> tuple[torch.fx.GraphModule, dict]:
-    state = dict(half.named_parameters())
-
-    def fn(state: dict, *args: torch.Tensor) -> torch.Tensor:
-        return functional_call(half, state, args)
-
-    with torch.no_grad():
-        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(state, *inputs)
-    return gm, state
-
-
 def _run(gm: torch.fx.GraphModule, state: dict, inputs: tuple) -> tuple[torch.Tensor, ...]:
     fresh = tuple(t.clone() for t in inputs)
     with torch.no_grad():
@@ -88,8 +74,8 @@ def _run(gm: torch.fx.GraphModule, state: dict, inputs: tuple) -> tuple[torch.Te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_k_norm_rope_and_cache_write_become_one_op(dtype, monkeypatch):
     half = _half(dtype, monkeypatch)
-    gm, state = _traced(half, _inputs(half, dtype, 0))
-    unfused, _ = _traced(half, _inputs(half, dtype, 0))
+    gm, state = functional_graph(half, *_inputs(half, dtype, 0))
+    unfused, _ = functional_graph(half, *_inputs(half, dtype, 0))
     assert count_targets(gm.graph, aten.index_put.default) == 2 and count_targets(gm.graph, ATTENTION) == 1
     rsqrt_before = count_targets(gm.graph, aten.rsqrt.default)
     ctx = PassContext(config=CompilationConfig())
@@ -115,7 +101,7 @@ def test_an_attention_without_the_pattern_is_left_with_a_reason(monkeypatch):
     half = _half(torch.float32, monkeypatch)
     attn = half.layer.self_attn
     attn.q_norm, attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
-    gm, _ = _traced(half, _inputs(half, torch.float32, 0))
+    gm, _ = functional_graph(half, *_inputs(half, torch.float32, 0))
     ctx = PassContext(config=CompilationConfig())
     assert FuseQkNormRope().run(gm.graph, ctx) == 0
     assert count_targets(gm.graph, aten.index_put.default) == 2

@@ -50,6 +50,7 @@ from moefx.config import DENSE_BACKENDS
 from moefx.log import get_logger, warn_once
 from moefx.ops.block_gemm import ref_fp8_block_gemm  # (and registers moefx::fp8_block_gemm, the FP8 upstream)
 from moefx.ops.quant import FP8_DTYPE as FP8
+from moefx.ops.quant import ref_rms_norm  # transformers' RMSNorm, op for op
 
 log = get_logger("moefx.backends")
 
@@ -316,13 +317,6 @@ def dense_linear(
     return torch.ops.moefx.dense_linear(x, list(weights), biases, x_scale, scales, bs, out_dtype, backend)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (Qwen3, Llama) op for op, so the unfused graph's values come out bit for bit."""
-    x32 = x.to(torch.float32)
-    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return n if weight is None else weight * n
-
-
 def check_norm_args(
     x: torch.Tensor,
     norm_weight: torch.Tensor | None,
@@ -358,7 +352,7 @@ def _rms_norm_dense_linear_op(
     name = _chosen("rms_norm_dense_linear", x, weights, [], None, None, backend)
     if name == GEMV and x.is_cuda:
         return _kernel(x, weights, biases, None, [], None, None, norm_weight, norm_eps)
-    return RUNNERS[name](rms_norm(x, norm_weight, norm_eps), weights, biases, None, [], None, None)
+    return RUNNERS[name](ref_rms_norm(x, norm_weight, norm_eps, False), weights, biases, None, [], None, None)
 
 
 @_rms_norm_dense_linear_op.register_fake

@@ -22,6 +22,7 @@ import torch
 
 from moefx.backends.kernels.common import triton_available
 from moefx.backends.memo import ShapeMemo, tensor_meta
+from moefx.ops.quant import ref_rms_norm
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (32, 64, 128, 256)
@@ -56,12 +57,6 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     return None
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return n if weight is None else weight * n
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -71,8 +66,8 @@ def qk_norm_rope_cache_reference(q, k, v, q_weight, k_weight, eps: float, cos, s
                                  positions) -> torch.Tensor:
     """The eager computation the op replaces (and the oracle of the kernel's tests): writes the caches in place."""
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_out = _rope(_norm(q, q_weight, eps).transpose(1, 2), c, s)
-    k_out = _rope(_norm(k, k_weight, eps).transpose(1, 2), c, s)
+    q_out = _rope(ref_rms_norm(q, q_weight, eps, False).transpose(1, 2), c, s)
+    k_out = _rope(ref_rms_norm(k, k_weight, eps, False).transpose(1, 2), c, s)
     keys.index_copy_(2, positions.reshape(-1), k_out)
     values.index_copy_(2, positions.reshape(-1), v.transpose(1, 2))
     return q_out.contiguous()
