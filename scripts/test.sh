@@ -129,7 +129,7 @@ vllm_stage() {
         run_pytest "$venv/bin/python" -m pytest -q -ra --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_VLLM_TESTS:-\
 tests/test_vllm_integration.py tests/test_config.py tests/test_eliminate_noops.py tests/test_pass_manager.py \
 tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py tests/test_last_token_logits.py tests/test_sampler_syncs.py \
-tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py}
+tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py}
 }
 
 start=$SECONDS
