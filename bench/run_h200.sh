@@ -10,6 +10,8 @@
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
 #                                                        #   moe-bounds (read-only and library-GEMM lower bounds)
 #                                                        #   e2e-quick e2e-8 e2e-8-fp8 e2e-8-readme e2e-48a e2e-48b e2e-48-b16
+#                                                        #   e2e-b1 e2e-48-fp8 (batch 1: 8 layers bf16/FP8 with the peer;
+#                                                        #   48 layers FP8 against bf16)
 #                                                        #   (optimize + generate()
 #                                                        #   vs transformers, bench/e2e.py)
 #                                                        #   e2e-48-regions e2e-48-inline (48 layers B=1, config
@@ -109,6 +111,10 @@ for s in "${stages[@]}"; do
         e2e-8) run_stage e2e-8 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --eager-batches 1,16 --fp8 \
             --fp8-batches 16 --profile ;;
         e2e-8-fp8) run_stage e2e-8-fp8 260 python3 bench/e2e.py --layers 8 --batches 16 --arms moefx --fp8 --tag _fp8 ;;
+        e2e-b1) run_stage e2e-b1 300 python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --fp8 \
+            --tag _b1 ;;  # batch-1 rows of the kernels-per-layer issue: 8 layers bf16 and FP8 with the peer
+        e2e-48-fp8) run_stage e2e-48-fp8 560 python3 bench/e2e.py --layers 48 --batches 1 --arms moefx --fp8 \
+            --profile --tag _fp8_b1 ;;  # 48 layers B=1, FP8 against bf16 in one process
         e2e-48a) run_stage e2e-48a 560 python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 \
             --profile --tag _b1_16 --prefill-peers hf_eager ;;
         e2e-48-regions) run_stage e2e-48-regions 560 python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 \
