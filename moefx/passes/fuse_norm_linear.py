@@ -12,7 +12,8 @@ as fuse_norm_quant recognizes it: the weight applied after the downcast, in the 
 fp32 graph the weight orders are one computation). y and those reshapes have no other reader; DCE then drops the
 norm. Left alone with the reason: a norm with other readers (a post-attention norm feeds the router and the
 experts), residual-add forms (their sum is a second output), a weight applied in fp32 to a bf16/fp16 input (one
-rounding, not the op's two), FP8 calls (the activation quant sits between norm and linear: fuse_norm_quant's).
+rounding, not the op's two), calls the prologue would not speed up (`_not_gemv`). FP8 calls are not looked at: the
+activation quant sits between norm and linear, and fuse_norm_quant fuses the two.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, source_of
 
 NORM_DENSE = torch.ops.moefx.rms_norm_dense_linear.default
-PLAIN = ("RMSNorm", "RMSNorm (no weight)", "RMSNorm (weight in fp32)")  # fuse_norm_quant's labels of one-input norms
 
 
 def _behind_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
@@ -43,14 +43,12 @@ def _behind_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Nod
 
 
 def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Node]) -> str | None:
-    if match.label not in PLAIN or len(match.args) != 4:
-        return f"its input is a {match.label}, not a plain RMSNorm"
-    x, weight, _, w_fp32 = match.args
-    dtype = dtype_of(x)
-    if w_fp32 and dtype != torch.float32:
-        return f"the norm weight is applied in fp32 to a {dtype} input (one rounding; the fused op rounds twice)"
-    if dtype_of(y) != dtype or (weight is not None and dtype_of(weight) != dtype):
-        return f"norm input {dtype}, weight {dtype_of(weight)} and output {dtype_of(y)} are not one dtype"
+    why = fnq.plain_norm_problem(match)
+    if why:
+        return f"the norm is {why}"
+    x = match.args[0]
+    if dtype_of(y) != dtype_of(x):
+        return f"the norm's output is {dtype_of(y)} for a {dtype_of(x)} input"
     if not qp.same_shape(qp.shape_of(x), qp.shape_of(y)):
         return f"the norm output {list(qp.shape_of(y))} is not its input's shape {list(qp.shape_of(x))}"
     if views and not qp.same_size(qp.shape_of(views[0])[-1], qp.shape_of(y)[-1]):
@@ -94,9 +92,9 @@ class FuseNormLinear(MoefxPass):
             if not is_call(node, lf.DENSE):
                 continue
             x, weights, biases, _, scales, _, _, backend = node.args
+            if scales:  # FP8: the activation quant sits between norm and linear, fuse_norm_quant's to fuse
+                continue
             y, views = _behind_views(x)
-            if scales:
-                y, views = _behind_views(y.args[0]) if is_call(y, lf.QUANT) else (y, views)
             try:
                 match = recognizer.recognize_producer(y)
             except qp.NotMine:
@@ -104,8 +102,7 @@ class FuseNormLinear(MoefxPass):
             except qp.Reject as r:
                 ctx.skip(f"RMSNorm before the dense_linear at {source_of(node)} left alone: {r.reason}")
                 continue
-            why = "an FP8 call (fuse_norm_quant fuses the norm with its quant)" if scales else \
-                _problem(match, y, views) or _not_gemv(x, weights, backend)
+            why = _problem(match, y, views) or _not_gemv(x, weights, backend)
             if why:
                 ctx.skip(f"RMSNorm at {source_of(y)} not fused into the dense_linear at {source_of(node)}: {why}")
                 continue

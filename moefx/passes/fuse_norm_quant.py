@@ -113,6 +113,24 @@ def _weight(w: torch.fx.Node, h: int) -> torch.fx.Node:
     return w
 
 
+PLAIN_LABELS = ("RMSNorm", "RMSNorm (no weight)", "RMSNorm (weight in fp32)")  # the one-input norms' labels
+
+
+def plain_norm_problem(match: ProducerMatch) -> str | None:
+    """Why a recognized norm is not transformers' RMSNorm op for op (`ref_rms_norm(x, w, eps, False)`: the weight,
+    if any, in the input's dtype and applied after the downcast; in an fp32 graph both weight orders are that one
+    computation), which the ops fusing a norm into another kernel reproduce. None: it is."""
+    if match.label not in PLAIN_LABELS or len(match.args) != 4:
+        return f"a {match.label}, not a plain RMSNorm"
+    x, weight, _, w_fp32 = match.args
+    dtype = dtype_of(x)
+    if weight is not None and dtype_of(weight) != dtype:
+        return f"its weight is {dtype_of(weight)} for a {dtype} input"
+    if w_fp32 and dtype != torch.float32:
+        return f"its weight is applied in fp32 to a {dtype} input (one rounding; the fused op rounds twice)"
+    return None
+
+
 @register_pass
 class FuseNormQuant(QuantFusionPass):
     name = "fuse_norm_quant"

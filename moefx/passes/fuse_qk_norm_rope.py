@@ -104,12 +104,10 @@ def _head_norm(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None
         match = FuseNormQuant().recognize_producer(node)
     except (NotMine, Reject) as e:
         raise _Miss(f"the head norm is not a plain RMSNorm ({e})") from None
-    if not match.label.startswith("RMSNorm"):
-        raise _Miss(f"the head norm is a {match.label}")
-    x, weight, eps, w_fp32 = match.args
-    if weight is not None and (meta_val(weight).dtype != meta_val(x).dtype or
-                               w_fp32 and meta_val(x).dtype != torch.float32):
-        raise _Miss("the head norm's weight is applied in fp32 to a low-precision input (one rounding, not two)")
+    why = fuse_norm_quant.plain_norm_problem(match)
+    if why:
+        raise _Miss(f"the head norm is {why}")
+    x, weight, eps, _ = match.args
     return x, weight, eps
 
 
