@@ -64,9 +64,8 @@ def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
 
     Off the gemv kernel the fused op computes the norm as separate torch ops, several kernels where inductor makes
     one, so a prefill (M past the policy's gemv rows, or not static) keeps its norm. On the tensor-core tiles (M >
-    4) every program re-reads its 16 rows over all of K before streaming weights: q/k/v at Qwen3-30B-A3B widths,
-    M=8 and 16, took 16.9 and 16.6 us with the prologue against 9.9 and 9.6 plus a 1.8 us norm kernel (H200,
-    CUDA graphs, 2026-12-03); at M=1, 8.3 against 7.3 plus 1.6, and one launch less."""
+    4) every program re-reads its 16 rows over all of K before streaming weights, slower than a norm kernel of its
+    own in a probe on the H200 (docs/FINDINGS.md)."""
     xv, ws = meta_val(x), [meta_val(w) for w in weights]
     if not isinstance(xv, torch.Tensor) or not all(isinstance(w, torch.Tensor) for w in ws):
         return "the call's inputs have no fake values"

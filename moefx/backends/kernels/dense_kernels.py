@@ -45,9 +45,10 @@ MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched 
 # 2048 rows does not ask for a 2048-row tile (1 MiB of shared memory).
 MAX_AUTO_BLOCK_M = {False: 8, True: 64}
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
-# X elements per load of the NORM prologue on the CUDA cores (BLOCK_M rows x NORM_BLOCK columns): at M=1 one 2048-wide
-# load costs the q/k/v launch 1.0 us on the H200 where 1024-wide ones cost 1.6 us; tensor-core tiles (BLOCK_M >= 16)
-# load BLOCK_K columns at a time (wider ones cost more: 18.8 us for 256 columns, 16.5 us for 128 at M=16)
+# X elements per load of the NORM prologue on the CUDA cores (BLOCK_M rows x NORM_BLOCK columns): at M=1 one load
+# of the whole 2048-wide row, all in flight at once, where narrower loads wait on each other; tensor-core tiles
+# (BLOCK_M >= 16) load BLOCK_K columns at a time (wider loads were slower there in the H200 probe of
+# docs/FINDINGS.md, which the pass's M <= 4 limit leaves unused by default)
 NORM_TILE = 4096
 
 
