@@ -111,9 +111,10 @@ def test_default_tiles_compile_for_sm90():
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(rows) == sum(len(v) for v in K.DEFAULT_TILES.values())
     assert all(0 < r["kernel"]["smem"] <= 227 * 1024 and r["kernel"]["spill"] == 0 for r in rows), rows
-    norm = [r["norm_kernel"] for r in rows if "norm_kernel" in r]  # the float rows with the RMSNorm prologue
-    assert len(norm) == len(K.DEFAULT_TILES["bf16"]) and all(0 < k["smem"] <= 227 * 1024 and k["spill"] == 0
-                                                             for k in norm), rows
+    # the float rows with the RMSNorm prologue, with and without the residual add before it
+    norm = [r[key] for r in rows for key in ("norm_kernel", "add_norm_kernel") if key in r]
+    assert len(norm) == 2 * len(K.DEFAULT_TILES["bf16"]) and all(0 < k["smem"] <= 227 * 1024 and k["spill"] == 0
+                                                                 for k in norm), rows
 
 
 # --------------------------------------------------------------------------------------------------------- GPU

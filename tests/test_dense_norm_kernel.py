@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefx.backends.dense import reference, rms_norm_dense_linear
+from moefx.backends.dense import add_rms_norm_dense_linear, reference, rms_norm_dense_linear
 from moefx.backends.kernels import dense_kernels as K
 from moefx.ops.quant import ref_rms_norm
 
@@ -58,6 +58,23 @@ def test_norm_prologue_matches_norm_then_fp32_product(m, ns, k, cfg, norm_w):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,ns,k,cfg", CASES)
+def test_add_norm_prologue_matches_add_norm_then_fp32_product(m, ns, k, cfg, dtype):
+    """The residual form: H = X + R exact in X's dtype (fp16 checks its rounding: the interpreter casts fp16 right), the
+    normed H within the variance's summation order of the norm on H, the products as the plain prologue's."""
+    x, nw, ws, bs = _case(m, ns, k, dtype, "cpu")
+    r = torch.randn(m, k, generator=torch.Generator().manual_seed(9), dtype=dtype) * 3
+    *outs, h, xn = K.dense_gemv(x, ws, bs, config=cfg, norm_weight=nw, norm_eps=EPS, residual=r)
+    assert len(outs) == len(ws) and h.shape == xn.shape == x.shape and h.dtype == xn.dtype == dtype
+    torch.testing.assert_close(h, x + r, rtol=0, atol=0)
+    ref_xn = ref_rms_norm(x + r, nw, EPS, False)
+    bound = 1e-5 if dtype == torch.float32 else 1e-3  # fp16: one rounding step where the rstd's last bit differs
+    torch.testing.assert_close(xn, ref_xn, rtol=bound, atol=bound)
+    for o, ref in zip(outs, reference(ref_xn, ws, bs, None, [], None, None)):
+        torch.testing.assert_close(o.float(), ref.float(), rtol=10 * bound, atol=10 * bound)
+
+
 def test_norm_prologue_loads_rows_in_wide_steps():
     qkv = K.plan_launch(K.default_config(1, fp8=False), 1, (4096, 512, 512), 2048, None, 132)
     assert K.norm_block(qkv, 2048, False) == 2048  # Qwen3-30B-A3B's rows at decode: one load each
@@ -73,6 +90,10 @@ def test_norm_prologue_arguments_are_checked():
         K.dense_gemv(x, ws, bs, norm_weight=nw)
     with pytest.raises(ValueError, match="float form only"):
         K.dense_gemv(x, ws, bs, x, [ws[0]], (32, 32), torch.float32, norm_eps=EPS)
+    with pytest.raises(ValueError, match="residual must come with norm_eps"):
+        K.dense_gemv(x, ws, bs, residual=x)
+    with pytest.raises(ValueError, match="residual must come with norm_eps"):
+        K.dense_gemv(x, ws, bs, norm_eps=EPS, residual=x[:1])
 
 
 # --------------------------------------------------------------------------------------------------------- GPU
@@ -91,3 +112,25 @@ def test_gpu_bf16_norm_prologue_matches_norm_then_fp32_product(ns, k, m):
     fused = rms_norm_dense_linear(x, nw, EPS, ws, bs, backend="gemv")
     upstream = rms_norm_dense_linear(x, nw, EPS, ws, bs, backend="upstream")
     assert all(relerr(f, u) < 1e-2 for f, u in zip(fused, upstream))  # both within 5e-3 of the fp32 product
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ns,k", [((128,), 2048), ((1000, 72, 24), 1000)])
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
+def test_gpu_bf16_add_norm_prologue_matches_add_norm_then_fp32_product(ns, k, m):
+    """The router's form (N=128 at Qwen3-30B-A3B's K) and one with several weights: the sum exact, the normed rows
+    eager's but where the variance's summation order moves a rounding (< 0.5% of elements), the products as the
+    plain prologue's."""
+    x, nw, ws, bs = _case(m, ns, k, torch.bfloat16, "cuda", seed=m)
+    r = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda").to(x.dtype)
+    *outs, h, xn = K.dense_gemv(x, ws, bs, norm_weight=nw, norm_eps=EPS, residual=r)
+    assert torch.equal(h, r + x)
+    ref_xn = ref_rms_norm(r + x, nw, EPS, False)
+    assert (xn != ref_xn).float().mean().item() < 5e-3
+    for o, ref in zip(outs, reference(ref_xn, ws, bs, None, [], None, None)):
+        assert o.dtype == torch.bfloat16 and relerr(o, ref) < 5e-3
+    *fused, fh, fxn = add_rms_norm_dense_linear(x, r, nw, EPS, ws, bs, backend="gemv")
+    *upstream, uh, uxn = add_rms_norm_dense_linear(x, r, nw, EPS, ws, bs, backend="upstream")
+    assert torch.equal(fh, uh) and (fxn != uxn).float().mean().item() < 5e-3
+    assert all(relerr(f, u) < 1e-2 for f, u in zip(fused, upstream))

@@ -12,7 +12,7 @@ from moefx.config import CompilationConfig
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.passes import PassContext
 from moefx.passes.base import count_targets
-from moefx.passes.fuse_norm_linear import NORM_DENSE, FuseNormLinear
+from moefx.passes.fuse_norm_linear import ADD_NORM_DENSE, NORM_DENSE, FuseNormLinear
 from moefx.passes.linear_forms import DENSE
 from moefx.testing import functional_graph
 
@@ -76,6 +76,47 @@ def test_the_input_norm_goes_into_the_qkv_call(dtype, flat):
             outs, refs = gm(state, x), unfused(state, x)
             assert len(outs) == len(refs) == 3
             assert all(o.dtype == dtype and torch.equal(o, r) for o, r in zip(outs, refs)), seed
+
+
+class _MoeEntry(torch.nn.Module):
+    """A decoder layer's post-attention residual add and norm, then the router as one dense_linear call over the
+    rows; the experts' stand-in reads the normed rows, the layer's last residual add reads the sum."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, residual: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = residual + attn
+        normed = self.layer.post_attention_layernorm(hidden)
+        rows = normed.reshape(-1, normed.shape[-1])
+        (logits,) = dense_linear(rows, [self.layer.mlp.gate.weight], backend="gemv")
+        experts = rows * 2
+        return logits, hidden + experts.reshape(hidden.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_post_attention_add_and_norm_go_into_the_router_call(dtype):
+    """The sum and the normed rows become the fused call's outputs for their other readers: bit for bit the unfused
+    graph on fresh inputs (the CPU runs the torch ops)."""
+    block = _MoeEntry(_block(dtype).layer)
+    shape = (1, 3, block.layer.post_attention_layernorm.weight.shape[0])
+    gm, state = functional_graph(block, torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
+    unfused = functional_graph(block, torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))[0]
+    rsqrts, adds = count_targets(gm.graph, aten.rsqrt.default), count_targets(gm.graph, aten.add.Tensor)
+    n, ctx = _run_pass(gm)
+    assert n == 1 and "moefx::add_rms_norm_dense_linear" in ctx.notes[0], ctx.skipped
+    assert count_targets(gm.graph, DENSE) == 0 and count_targets(gm.graph, ADD_NORM_DENSE) == 1
+    assert count_targets(gm.graph, aten.rsqrt.default) == rsqrts - 1
+    assert count_targets(gm.graph, aten.add.Tensor) < adds  # the residual add is the op's now
+    gm.graph.lint()
+    with torch.no_grad():
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            r, a = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+            outs, refs = gm(state, r, a), unfused(state, r, a)
+            assert len(outs) == len(refs) == 2
+            assert all(o.dtype == dtype and torch.equal(o, ref) for o, ref in zip(outs, refs)), seed
 
 
 def test_a_norm_with_another_reader_is_left_alone():

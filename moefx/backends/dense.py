@@ -30,6 +30,15 @@ and its q/k/v call, so the norm runs in the GEMV kernel's prologue instead of a 
 dense_linear's for the same x and weights: `gemv` on CUDA is the kernel with the norm prologue; elsewhere (gemv on
 CPU, upstream) the norm runs as the same torch ops as transformers' and then that backend's linears, so `upstream`
 is bit for bit the unfused graph. Inference only: no autograd formula (backward through it raises).
+
+    moefx::add_rms_norm_dense_linear(Tensor x, Tensor residual, Tensor? norm_weight, float norm_eps, Tensor[] weights,
+                                     Tensor?[] biases, str backend) -> Tensor[]
+
+the same with the norm's input a residual add, h = residual + x in x's dtype: returns [rms_norm(h) @ w_i^T + b_i
+for each weight] followed by h and rms_norm(h) (residual the shape and dtype of x). What fuse_norm_linear writes for
+a decoder layer's post-attention add, norm and router: the sum is the layer's next residual and the normed rows the
+experts' input, so the gemv kernel writes both (its RESID prologue) and the add and norm need no kernel of their own.
+Elsewhere the add, the norm and the linears run as torch ops, `upstream` bit for bit the unfused graph.
 """
 
 from __future__ import annotations
@@ -156,19 +165,21 @@ def gemv(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> 
     return _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
 
 
-def _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, norm_weight=None, norm_eps=None
-            ) -> list[torch.Tensor]:
-    """The Triton kernel over x's rows (with its RMSNorm prologue when norm_eps is given)."""
+def _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, norm_weight=None, norm_eps=None,
+            residual=None) -> list[torch.Tensor]:
+    """The Triton kernel over x's rows (with its RMSNorm prologue when norm_eps is given, after the residual add
+    when residual is: then the sum and the normed sum follow the outputs)."""
     from moefx.backends.kernels.dense_kernels import dense_gemv
 
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    r2 = residual.reshape(-1, k) if residual is not None else None
     xs2 = x_scale.reshape(-1, x_scale.shape[-1]) if x_scale is not None else None
     bs = tuple(int(v) for v in block_shape) if block_shape is not None else None
     with on_device(x.device):
         outs = dense_gemv(x2, list(weights), list(biases), xs2, list(weight_scales) or None, bs, out_dtype,
-                          norm_weight=norm_weight, norm_eps=norm_eps)
+                          norm_weight=norm_weight, norm_eps=norm_eps, residual=r2)
     return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 
@@ -324,17 +335,18 @@ def check_norm_args(
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None],
     backend: str,
+    op: str = "rms_norm_dense_linear",
 ) -> None:
-    """ValueError naming what is wrong with a rms_norm_dense_linear call: dense_linear's float-form checks, then the
-    norm's arguments."""
-    check_args(x, weights, biases, None, [], None, None, backend, op="rms_norm_dense_linear")
+    """ValueError naming what is wrong with a rms_norm_dense_linear call (or `op`'s): dense_linear's float-form
+    checks, then the norm's arguments."""
+    check_args(x, weights, biases, None, [], None, None, backend, op=op)
     k = x.shape[-1]
     if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or
                                     norm_weight.device != x.device):
-        raise ValueError(f"rms_norm_dense_linear norm_weight is {list(norm_weight.shape)}/{norm_weight.dtype} on "
+        raise ValueError(f"{op} norm_weight is {list(norm_weight.shape)}/{norm_weight.dtype} on "
                          f"{norm_weight.device}; expected [{k}]/{x.dtype} on x's device {x.device}")
     if not norm_eps >= 0:
-        raise ValueError(f"rms_norm_dense_linear norm_eps={norm_eps} is invalid; it must be >= 0")
+        raise ValueError(f"{op} norm_eps={norm_eps} is invalid; it must be >= 0")
 
 
 @torch.library.custom_op("moefx::rms_norm_dense_linear", mutates_args=(), tags=(torch.Tag.flexible_layout,))
@@ -375,3 +387,63 @@ def rms_norm_dense_linear(
     biases = list(biases) if biases is not None else [None] * len(weights)
     check_norm_args(x, norm_weight, float(norm_eps), weights, biases, backend)
     return torch.ops.moefx.rms_norm_dense_linear(x, norm_weight, float(norm_eps), list(weights), biases, backend)
+
+
+def check_add_norm_args(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    backend: str,
+) -> None:
+    """ValueError naming what is wrong with an add_rms_norm_dense_linear call: the residual, then the norm form's
+    checks."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"add_rms_norm_dense_linear residual is {list(residual.shape)}/{residual.dtype} on "
+                         f"{residual.device}; expected x's {list(x.shape)}/{x.dtype} on {x.device}")
+    check_norm_args(x, norm_weight, norm_eps, weights, biases, backend, op="add_rms_norm_dense_linear")
+
+
+@torch.library.custom_op("moefx::add_rms_norm_dense_linear", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def _add_rms_norm_dense_linear_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    backend: str,
+) -> list[torch.Tensor]:
+    # dense_linear's key and policy, as rms_norm_dense_linear's
+    name = _chosen("add_rms_norm_dense_linear", x, weights, [], None, None, backend)
+    if name == GEMV and x.is_cuda and x.numel():
+        return _kernel(x, weights, biases, None, [], None, None, norm_weight, norm_eps, residual)
+    h = residual + x  # transformers' order (the sum is the same either way)
+    normed = ref_rms_norm(h, norm_weight, norm_eps, False)
+    return [*RUNNERS[name](normed, weights, biases, None, [], None, None), h, normed]
+
+
+@_add_rms_norm_dense_linear_op.register_fake
+def _(x, residual, norm_weight, norm_eps, weights, biases, backend):
+    check_add_norm_args(x, residual, norm_weight, norm_eps, weights, biases, backend)
+    return [*(x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights), torch.empty_like(x), torch.empty_like(x)]
+
+
+def add_rms_norm_dense_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    *,
+    backend: str = "auto",
+) -> list[torch.Tensor]:
+    """[rms_norm(h) @ w_i^T + b_i for each weight] + [h, rms_norm(h)] with h = residual + x, through
+    `moefx::add_rms_norm_dense_linear` (module docstring); inference only."""
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    check_add_norm_args(x, residual, norm_weight, float(norm_eps), weights, biases, backend)
+    return torch.ops.moefx.add_rms_norm_dense_linear(x, residual, norm_weight, float(norm_eps), list(weights), biases,
+                                                     backend)

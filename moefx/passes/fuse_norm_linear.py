@@ -1,22 +1,29 @@
-"""fuse_norm_linear: RMSNorm -> `moefx::dense_linear` -> one `moefx::rms_norm_dense_linear` call.
+"""fuse_norm_linear: RMSNorm (or residual add + RMSNorm) -> `moefx::dense_linear` -> one fused call.
 
-Every decoder layer starts with its input norm, then q/k/v (one dense_linear call after fuse_sibling_linears). Unfused
-the norm is a kernel of its own per layer in the decode step; the fused call computes it in the GEMV kernel's prologue
-instead (backends/dense.py, kernels/dense_kernels.py). Exact: the fused call runs the backend dense_linear would run
-for the same x and weights, off the kernel it computes the norm with transformers' torch ops and then that backend's
-linears (upstream: bit for bit the unfused graph where the norm is written as transformers writes it; the other
-spellings fuse_norm_quant accepts, `x * x` or `sum / H`, differ at most in the variance's summation order), and the
-kernel rounds where the norm does.
+Every decoder layer starts with its input norm, then q/k/v (one dense_linear call after fuse_sibling_linears); its
+MoE block starts with the post-attention residual add and norm, then the router. Unfused each is a kernel of its own
+per layer in the decode step; the fused call computes it in the GEMV kernel's prologue instead (backends/dense.py,
+kernels/dense_kernels.py):
+- `moefx::rms_norm_dense_linear` for a plain norm whose output only the linear reads (the input norm);
+- `moefx::add_rms_norm_dense_linear` for a residual add + norm, whose sum (the next residual) and normed rows (the
+  experts read them too) become outputs of the call: the kernel writes both, so other readers keep theirs.
+Exact: the fused call runs the backend dense_linear would run for the same x and weights, off the kernel it computes
+the add and norm with transformers' torch ops and then that backend's linears (upstream: bit for bit the unfused
+graph where the norm is written as transformers writes it; the other spellings fuse_norm_quant accepts, `x * x` or
+`sum / H`, differ at most in the variance's summation order), and the kernel rounds where the add and norm do.
 Matched: a float dense_linear whose x is, through reshapes that keep the last dim, the output y of a plain RMSNorm
-as fuse_norm_quant recognizes it: the weight applied after the downcast, in the input's dtype, or no weight (in an
-fp32 graph the weight orders are one computation). y and those reshapes have no other reader; DCE then drops the
-norm. Left alone with the reason: a norm with other readers (a post-attention norm feeds the router and the
-experts), residual-add forms (their sum is a second output), a weight applied in fp32 to a bf16/fp16 input (one
+as fuse_norm_quant recognizes it (the weight applied after the downcast, in the input's dtype, or no weight; in an
+fp32 graph the weight orders are one computation), of its input or of a residual sum in the input's dtype. A plain
+norm's y and those reshapes have no other reader (DCE then drops the norm); the residual form's readers of y and of
+the sum are moved to the call's outputs, which it places right after y. Left alone with the reason: a plain norm
+with other readers, the fp32-sum residual form (vLLM's), a weight applied in fp32 to a bf16/fp16 input (one
 rounding, not the op's two), calls the prologue would not speed up (`_not_gemv`). FP8 calls are not looked at: the
 activation quant sits between norm and linear, and fuse_norm_quant fuses the two.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -30,7 +37,9 @@ from moefx.passes import quant_patterns as qp
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, source_of
 
+aten = torch.ops.aten
 NORM_DENSE = torch.ops.moefx.rms_norm_dense_linear.default
+ADD_NORM_DENSE = torch.ops.moefx.add_rms_norm_dense_linear.default
 
 
 def _behind_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
@@ -42,8 +51,13 @@ def _behind_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Nod
     return node, views
 
 
-def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Node]) -> str | None:
-    why = fnq.plain_norm_problem(match)
+def _residual(match: qp.ProducerMatch) -> bool:
+    return match.label in fnq.ADD_LABELS
+
+
+def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Node], node: torch.fx.Node) -> str | None:
+    residual = _residual(match)
+    why = fnq.plain_norm_problem(match, residual)
     if why:
         return f"the norm is {why}"
     x = match.args[0]
@@ -53,9 +67,25 @@ def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Nod
         return f"the norm output {list(qp.shape_of(y))} is not its input's shape {list(qp.shape_of(x))}"
     if views and not qp.same_size(qp.shape_of(views[0])[-1], qp.shape_of(y)[-1]):
         return "a reshape between norm and linear changes the last dim"
+    if residual:
+        return _late_problem(match, y, views, node)
     readers = [u for n in (y, *views) for u in n.users]
     if len(readers) != len(views) + 1:
         return f"the normed tensor has {len(readers) - len(views)} readers, not only this call"
+    return None
+
+
+def _late_problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Node],
+                  node: torch.fx.Node) -> str | None:
+    """Why the residual form's call cannot sit right after y: what it reads must come before y, what reads the sum
+    outside the norm after it."""
+    where = {n: i for i, n in enumerate(y.graph.nodes)}
+    reads: list[torch.fx.Node] = []
+    torch.fx.node.map_arg([[a for v in views for a in v.args[1:]], node.args[1], node.args[2]], reads.append)
+    if any(where[n] > where[y] for n in reads):
+        return "the linear's weights or the reshapes' sizes are computed after the norm"
+    if any(where[u] < where[y] for s in match.residual for u in s.users if u not in match.nodes):
+        return "the residual sum has a reader before the norm's output"
     return None
 
 
@@ -101,15 +131,41 @@ class FuseNormLinear(MoefxPass):
             except qp.Reject as r:
                 ctx.skip(f"RMSNorm before the dense_linear at {source_of(node)} left alone: {r.reason}")
                 continue
-            why = _problem(match, y, views) or _not_gemv(x, weights, backend)
+            what = match.label.split(" (")[0]
+            why = _problem(match, y, views, node) or _not_gemv(x, weights, backend)
             if why:
-                ctx.skip(f"RMSNorm at {source_of(y)} not fused into the dense_linear at {source_of(node)}: {why}")
+                ctx.skip(f"{what} at {source_of(y)} not fused into the dense_linear at {source_of(node)}: {why}")
                 continue
-            self._rewrite(graph, node, match, views, weights, biases, backend)
-            ctx.note(f"RMSNorm at {source_of(y)} into the dense_linear at {source_of(node)} "
-                     f"(moefx::rms_norm_dense_linear)")
+            if _residual(match):
+                self._rewrite_residual(graph, node, match, y, views, weights, biases, backend)
+            else:
+                self._rewrite(graph, node, match, views, weights, biases, backend)
+            op = "add_rms_norm_dense_linear" if _residual(match) else "rms_norm_dense_linear"
+            ctx.note(f"{what} at {source_of(y)} into the dense_linear at {source_of(node)} (moefx::{op})")
             done += 1
         return done
+
+    @staticmethod
+    def _rewrite_residual(graph: torch.fx.Graph, node: torch.fx.Node, match: qp.ProducerMatch, y: torch.fx.Node,
+                          views: list[torch.fx.Node], weights: list, biases: list, backend: str) -> None:
+        a, b, weight, eps = match.args[:4]
+        total = match.residual[0]  # the sum node (the norm's input)
+        n = len(weights)
+        with graph.inserting_before(y.next):  # what it reads is defined by y (_late_problem); its readers follow
+            rows = [a, b]
+            for v in reversed(views):
+                rows = [call(graph, v.target, (r, *v.args[1:]), dict(v.kwargs)) for r in rows]
+            fused = call(graph, ADD_NORM_DENSE, (rows[1], rows[0], weight, eps, list(weights), list(biases), backend))
+            fused.meta["stack_trace"] = node.meta.get("stack_trace")
+            got = [call(graph, operator.getitem, (fused, i)) for i in range(n + 2)]
+            h, normed = got[n:]
+            if views:  # back to the norm's shape for the readers of the sum and of y
+                h = call(graph, aten.reshape.default, (h, list(qp.shape_of(total))))
+                normed = call(graph, aten.reshape.default, (normed, list(qp.shape_of(y))))
+        node.replace_all_uses_with(fused)
+        graph.erase_node(node)
+        y.replace_all_uses_with(normed)
+        total.replace_all_uses_with(h, delete_user_cb=lambda u: u not in match.nodes)
 
     @staticmethod
     def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, match: qp.ProducerMatch, views: list[torch.fx.Node],

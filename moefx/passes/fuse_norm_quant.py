@@ -114,15 +114,18 @@ def _weight(w: torch.fx.Node, h: int) -> torch.fx.Node:
 
 
 PLAIN_LABELS = ("RMSNorm", "RMSNorm (no weight)", "RMSNorm (weight in fp32)")  # the one-input norms' labels
+ADD_LABELS = tuple(f"residual add + {label}" for label in PLAIN_LABELS)  # the sum rounded to the input dtype first
 
 
-def plain_norm_problem(match: ProducerMatch) -> str | None:
+def plain_norm_problem(match: ProducerMatch, residual: bool = False) -> str | None:
     """Why a recognized norm is not transformers' RMSNorm op for op (`ref_rms_norm(x, w, eps, False)`: the weight,
     if any, in the input's dtype and applied after the downcast; in an fp32 graph both weight orders are that one
-    computation), which the ops fusing a norm into another kernel reproduce. None: it is."""
-    if match.label not in PLAIN_LABELS or len(match.args) != 4:
-        return f"a {match.label}, not a plain RMSNorm"
-    x, weight, _, w_fp32 = match.args
+    computation), which the ops fusing a norm into another kernel reproduce; with `residual`, of a residual sum
+    rounded to the input dtype (transformers' `residual + hidden_states`). None: it is."""
+    labels, arity = (ADD_LABELS, 6) if residual else (PLAIN_LABELS, 4)
+    if match.label not in labels or len(match.args) != arity or (residual and match.args[5]):
+        return f"a {match.label}, not a {'residual add + ' if residual else ''}plain RMSNorm"
+    x, weight, _, w_fp32 = match.args[1:5] if residual else match.args
     dtype = dtype_of(x)
     if weight is not None and dtype_of(weight) != dtype:
         return f"its weight is {dtype_of(weight)} for a {dtype} input"

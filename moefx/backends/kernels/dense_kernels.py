@@ -24,7 +24,10 @@ own. A program needs the variance of its whole rows though it may own one K slic
 all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so they are in flight together) for
 rstd = rsqrt(mean(x^2) + eps) in fp32; each X chunk is then replaced by (x * rstd) rounded to X's dtype, times the
 norm weight and rounded again when there is one (transformers' Qwen3/Llama RMSNorm: the weight applied after the
-downcast), before the product.
+downcast), before the product. RESID (with NORM, `moefx::add_rms_norm_dense_linear`): the norm's input is a residual
+add, X + R rounded to X's dtype, computed where X is read; the programs of the first N tile write the sum (the
+layer's next residual) and the normed rows (the experts' input) over their K slices, so a decoder layer's
+post-attention add and norm cost no kernel of their own either.
 Launch contract (the dense op relies on it): fixed-shape work only, no host sync; buffers are sized from shapes.
 """
 
@@ -55,11 +58,11 @@ NORM_TILE = 4096
 @triton.jit
 def _dense_tile(
     pid_n, pid_k, pid_m, tile0, col0,
-    x_ptr, xs_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
     N: tl.constexpr, K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -72,24 +75,41 @@ def _dense_tile(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     s_row = (pid_n * BLOCK_N) // SBN  # FP8: the weight-scale row of this program's rows
+    # RESID: X, the residual and both outputs share X's row stride; the first N tile of the first weight writes the
+    # sum and the normed rows over its K slice (every slice and M tile of it: all of them, once)
+    writes = (tile0 == 0) & (pid_n == 0)
     if NORM:  # the whole rows' sum of squares, whatever K slice this program owns
         offs_r = tl.arange(0, NORM_BLOCK)
-        row_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_r[None, :]
+        row_off = offs_m[:, None].to(tl.int64) * stride_xm + offs_r[None, :]
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in tl.static_range(0, K, NORM_BLOCK):  # unrolled: the loads are in flight together
-            xr = tl.load(row_ptrs + k0, mask=m_mask[:, None] & (offs_r < K - k0)[None, :], other=0.0).to(tl.float32)
+            r_mask = m_mask[:, None] & (offs_r < K - k0)[None, :]
+            xr = tl.load(x_ptr + row_off + k0, mask=r_mask, other=0.0).to(tl.float32)
+            if RESID:
+                rr = tl.load(r_ptr + row_off + k0, mask=r_mask, other=0.0).to(tl.float32)
+                xr = round_as(xr + rr, x_ptr.dtype.element_ty)
             sq += tl.sum(xr * xr, axis=1)
         rstd = tl.where(m_mask, tl.rsqrt(sq / K + eps), 0.0)  # rows past M stay 0 even at eps = 0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k_mask = offs_k < K - (k_lo + kk)
         x = tl.load(x_ptrs + kk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if RESID:
+            xk_mask = m_mask[:, None] & k_mask[None, :]
+            x_off = offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + kk + offs_k)[None, :]
+            r = tl.load(r_ptr + x_off, mask=xk_mask, other=0.0)
+            x = round_as(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+            if writes:
+                tl.store(h_ptr + x_off, x, mask=xk_mask)
         if NORM:
             xn = round_as(x.to(tl.float32) * rstd[:, None], x_ptr.dtype.element_ty)
             if HAS_NORM_W:
                 nw = tl.load(nw_ptr + k_lo + kk + offs_k, mask=k_mask, other=0.0)
                 xn = round_as(xn * nw.to(tl.float32)[None, :], x_ptr.dtype.element_ty)
             x = xn.to(x_ptr.dtype.element_ty)  # exact: already a value of X's dtype
+            if RESID:
+                if writes:
+                    tl.store(xo_ptr + x_off, x, mask=xk_mask)
         w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
             if IEEE:
@@ -136,7 +156,7 @@ def _dense_tile(
 
 @triton.jit(do_not_specialize=["M"])  # M only bounds masks: one compile serves every M of a tile
 def _dense_kernel(
-    x_ptr, xs_ptr, nw_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr, part_ptr, cnt_ptr,
     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr,
     w2_ptr, ws2_ptr, b2_ptr, y2_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr,
     M, eps, stride_xm, stride_xsm, stride_xsk,
@@ -146,7 +166,7 @@ def _dense_kernel(
     HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
     K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -156,29 +176,33 @@ def _dense_kernel(
     pid_m = tl.program_id(2)
     if pid < T1:
         _dense_tile(pid, pid_k, pid_m, 0, 0,
-                    x_ptr, xs_ptr, nw_ptr, w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
+                    x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
+                    w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
                     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
-                    N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK,
+                    N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                     BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
     elif NUM_W > 1:
         if pid < T2:
             _dense_tile(pid - T1, pid_k, pid_m, T1, N0,
-                        x_ptr, xs_ptr, nw_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
+                        x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
+                        w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
                         M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
-                        N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1, NORM, HAS_NORM_W, NORM_BLOCK,
+                        N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                         BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
         elif NUM_W > 2:
             if pid < T3:
                 _dense_tile(pid - T2, pid_k, pid_m, T2, N0 + N1,
-                            x_ptr, xs_ptr, nw_ptr, w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
+                            x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
+                            w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
-                            N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2, NORM, HAS_NORM_W, NORM_BLOCK,
+                            N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
             elif NUM_W > 3:
                 _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
-                            x_ptr, xs_ptr, nw_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
+                            x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
+                            w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
-                            N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3, NORM, HAS_NORM_W, NORM_BLOCK,
+                            N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
 
 
@@ -307,37 +331,47 @@ def dense_gemv(
     *,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
+    residual: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Y_i = X W_i^T + b_i for X [M, K] (fp8 with x_scale [M, ceil(K/SBK)] when weight_scales are given).
 
     Weights [N_i, K] must be contiguous in K. Outputs are [M, N_i] in out_dtype (default: X's dtype). `config`
     overrides DEFAULT_TILES. `norm_eps` given (float form only): X is first RMSNorm-ed row by row with that eps and,
-    when given, `norm_weight` [K] in X's dtype (the NORM prologue, module docstring)."""
+    when given, `norm_weight` [K] in X's dtype (the NORM prologue, module docstring). `residual` [M, K] in X's dtype
+    (with norm_eps only): the norm's input is H = X + residual, rounded to X's dtype, and the outputs are
+    [Y_0, ..., H, the normed H]."""
     m, k = x.shape
     fp8 = weight_scales is not None
     if norm_eps is not None and fp8:
         raise ValueError("dense_gemv: the RMSNorm prologue (norm_eps) takes the float form only, not FP8")
     if norm_weight is not None and norm_eps is None:
         raise ValueError("dense_gemv: norm_weight needs norm_eps (the RMSNorm prologue is on when norm_eps is given)")
+    if residual is not None and (norm_eps is None or residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"dense_gemv: residual must come with norm_eps and be X's shape and dtype "
+                         f"{list(x.shape)}/{x.dtype}, got {list(residual.shape)}/{residual.dtype}")
     if norm_weight is not None and norm_weight.stride(0) != 1:
         norm_weight = norm_weight.contiguous()
     dtype = out_dtype or x.dtype
     outs = [torch.empty(m, w.shape[0], dtype=dtype, device=x.device) for w in weights]
+    sums = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(2)] if residual is not None \
+        else []
     if m == 0:
-        return outs
-    if x.stride(-1) != 1:
+        return outs + sums
+    if x.stride(-1) != 1 or (residual is not None and x.stride() != (k, 1)):
         x = x.contiguous()
+    if residual is not None and residual.stride() != x.stride():
+        residual = residual.contiguous()
     cfg = config or default_config(m, fp8)
     sms = _sm_count(x.device)
     for g0 in range(0, len(weights), MAX_WEIGHTS):
         sl = slice(g0, g0 + MAX_WEIGHTS)
         _launch_group(x, weights[sl], biases[sl], x_scale, weight_scales[sl] if fp8 else None, block_shape,
-                      outs[sl], cfg, sms, norm_weight, norm_eps)
-    return outs
+                      outs[sl], cfg, sms, norm_weight, norm_eps, residual, sums)
+    return outs + sums
 
 
 def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs, cfg, sms, norm_weight,
-                  norm_eps) -> None:
+                  norm_eps, residual, sums) -> None:
     m, k = x.shape
     fp8 = weight_scales is not None
     ns = tuple(int(w.shape[0]) for w in weights)
@@ -367,9 +401,10 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
         args += [ws[i], scales[i], bs[i], ys[i]]
     norm = norm_eps is not None
     grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
-                             x.dtype == torch.float32, norm, norm_weight is not None)
+                             x.dtype == torch.float32, norm, norm_weight is not None, residual is not None)
+    r, h, xo = (residual, *sums) if residual is not None else (x, x, x)
     _dense_kernel[grid](
-        x, xs, norm_weight if norm_weight is not None else x, part, counters, *args,
+        x, xs, norm_weight if norm_weight is not None else x, r, h, xo, part, counters, *args,
         m, float(norm_eps) if norm else 0.0, x.stride(0), *xs_strides,
         *[w.stride(0) for w in ws], *wsn, wsk, **kw,
     )
@@ -386,7 +421,7 @@ def norm_block(lp: Launch, k: int, dot: bool) -> int:
 @functools.lru_cache(maxsize=512)  # pure in its arguments; asked per launch
 def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
                   block_shape: tuple[int, int] | None, k: int, ieee: bool, norm: bool,
-                  has_norm_w: bool) -> tuple[tuple[int, int, int], dict]:
+                  has_norm_w: bool, resid: bool) -> tuple[tuple[int, int, int], dict]:
     """The grid and the constexpr/launch arguments of one group's launch."""
     pad = MAX_WEIGHTS - len(ns)
     nn = list(ns) + [1] * pad
@@ -400,7 +435,7 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
         N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(ns),
         HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
         K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, SBN=sbn, SBK=sbk, NORM=norm,
-        HAS_NORM_W=has_norm_w, NORM_BLOCK=norm_block(lp, k, cfg.dot) if norm else 1,
+        HAS_NORM_W=has_norm_w, NORM_BLOCK=norm_block(lp, k, cfg.dot) if norm else 1, RESID=resid,
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
