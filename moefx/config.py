@@ -79,6 +79,8 @@ class PassConfig:
     dense_linears: bool | None = None
     # Fold the RMSNorm before a dense_linear call (a layer's input norm before q/k/v) into the GEMV's prologue.
     fuse_norm_linear: bool | None = None
+    # Route the router's logits in its GEMV's last program (after fuse_norm_linear and fuse_moe_routing).
+    fuse_router_topk: bool | None = None
     # Write each graph before/after the moefx passes into this folder (also MOEFX_DUMP_GRAPHS).
     dump_graph_dir: str | None = None
 

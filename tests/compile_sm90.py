@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 from moefx.backends.activation import ACTIVATIONS
 from moefx.backends.kernels import dense_kernels as dense
+from moefx.backends.kernels.routing import constexprs as route_constexprs
 from moefx.backends.kernels import fused_moe_kernels as fmk
 from moefx.backends.kernels import gemv_kernels as gemv
 
@@ -149,6 +150,7 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     lp = dense.plan_launch(cfg, m, ns, H, BLOCK_SHAPE if fp8 else None, 132)
     w, split = ("*fp8e4nv" if fp8 else "*bf16"), lp.split_k > 1
     types = dict(x_ptr=w, xs_ptr="*fp32" if fp8 else "*bf16", nw_ptr=w, r_ptr=w, h_ptr=w, xo_ptr=w, eps="fp32",
+                 rb_ptr="*bf16", rw_ptr="*bf16", ri_ptr="*i64", scaling="fp32",
                  part_ptr="*fp32" if split else "*bf16", cnt_ptr="*i32" if split else "*bf16")
     for i in range(dense.MAX_WEIGHTS):
         types |= {f"w{i}_ptr": w, f"ws{i}_ptr": "*fp32" if fp8 else "*bf16", f"b{i}_ptr": "*bf16", f"y{i}_ptr": "*bf16"}
@@ -158,7 +160,7 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
                   SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, NORM=False, HAS_NORM_W=False,
                   NORM_BLOCK=1, RESID=False, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
-                  DOT=cfg.dot, IEEE=False)
+                  DOT=cfg.dot, IEEE=False, ROUTE=False, SLOT=dense.COUNTER_SLOTS - 1, **dense.NO_ROUTE)
     divisible = re.compile(r"_ptr$|^stride_(xm|wn\d)$")
     row = dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k,
                kernel=_compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages, divisible))
@@ -168,6 +170,15 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
                                       divisible)
         row["add_norm_kernel"] = _compile(dense._dense_kernel, types, consts | norm | {"RESID": True},
                                           cfg.num_warps, cfg.num_stages, divisible)
+        # the router (128 experts, top-8 softmax) with its routing epilogue, as fuse_router_topk leaves it
+        rp = dense.plan_launch(cfg, m, (128,), H, None, 132)
+        router = dict(N0=128, T1=rp.tiles[0], T2=rp.tiles[0], T3=rp.tiles[0], NUM_W=1, N_TOTAL=128,
+                      M_TILES=rp.m_tiles, BLOCK_M=rp.block_m, BLOCK_N=rp.block_n, BLOCK_K=rp.block_k,
+                      SPLIT_K=rp.split_k, K_PER_SPLIT=rp.k_per_split, NORM_BLOCK=dense.norm_block(rp, H, cfg.dot),
+                      ROUTE=True, **route_constexprs(128, 8, "softmax", True, False, 1, 1))
+        rtypes = types | dict(part_ptr="*fp32" if rp.split_k > 1 else "*bf16", cnt_ptr="*i32")
+        row["route_kernel"] = _compile(dense._dense_kernel, rtypes, consts | norm | {"RESID": True} | router,
+                                       cfg.num_warps, cfg.num_stages, divisible)
     return row
 
 

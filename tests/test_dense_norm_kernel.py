@@ -75,6 +75,39 @@ def test_add_norm_prologue_matches_add_norm_then_fp32_product(m, ns, k, cfg, dty
         torch.testing.assert_close(o.float(), ref.float(), rtol=10 * bound, atol=10 * bound)
 
 
+# (M, E, K, config, routing: top_k, kind, renormalize, groups, topk_group, scale): the router at decode (one K
+# slice, automatic split-K), several M tiles on the tensor cores, sigmoid with a bias and groups (DeepSeek-V3's form)
+ROUTE_CASES = [
+    (1, 64, 200, None, (4, "softmax", True, 1, 1, 1.0)),
+    (3, 64, 5000, K.DenseConfig(block_n=4, block_k=256), (8, "softmax", False, 1, 1, 1.0)),
+    (2, 40, 72, K.DenseConfig(block_n=2, block_k=16, split_k=3), (3, "topk_softmax", True, 1, 1, 1.0)),
+    (17, 48, 300, K.DenseConfig(dot=True, block_n=16, block_k=32, split_k=2), (2, "softmax", True, 1, 1, 1.0)),
+    (3, 64, 96, K.DenseConfig(block_n=8, block_k=32, split_k=2), (6, "sigmoid", True, 8, 4, 2.5)),
+]
+
+
+@pytest.mark.parametrize("m,e,k,cfg,spec", ROUTE_CASES)
+def test_route_epilogue_routes_the_logits_as_fused_topk(m, e, k, cfg, spec):
+    """The last program to write a logits tile routes the M tile's rows (the ROUTE epilogue): the ids fused_topk's
+    PyTorch path picks from the same logits, weights within fp32 rounding; the counters are left at zero."""
+    from moefx.backends.routing import fused_topk_torch
+
+    top_k, kind, renorm, groups, kept, scale = spec
+    x, nw, (w,), _ = _case(m, (e,), k, torch.float32, "cpu")
+    r = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(6)) if kind == "sigmoid" else None
+    route = (top_k, kind, renorm, bias, groups, kept, scale, torch.float16)
+    logits, h, xn, weights, ids = K.dense_gemv(x, [w], [None], config=cfg, norm_weight=nw, norm_eps=EPS, residual=r,
+                                               route=route)
+    assert weights.shape == ids.shape == (m, top_k) and weights.dtype == torch.float16 and ids.dtype == torch.int64
+    ref_w, ref_ids = fused_topk_torch(logits, top_k, kind, renorm, bias, groups, kept, scale)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w.to(torch.float16), rtol=1e-3, atol=1e-3)
+    assert int(K._counters(x.device).count_nonzero()) == 0
+    again = K.dense_gemv(x, [w], [None], config=cfg, norm_weight=nw, norm_eps=EPS, residual=r, route=route)
+    assert torch.equal(again[4], ids)  # a second call finds the counters at zero
+
+
 def test_norm_prologue_loads_rows_in_wide_steps():
     qkv = K.plan_launch(K.default_config(1, fp8=False), 1, (4096, 512, 512), 2048, None, 132)
     assert K.norm_block(qkv, 2048, False) == 2048  # Qwen3-30B-A3B's rows at decode: one load each
@@ -94,6 +127,8 @@ def test_norm_prologue_arguments_are_checked():
         K.dense_gemv(x, ws, bs, residual=x)
     with pytest.raises(ValueError, match="residual must come with norm_eps"):
         K.dense_gemv(x, ws, bs, norm_eps=EPS, residual=x[:1])
+    with pytest.raises(ValueError, match="route takes one float weight"):
+        K.dense_gemv(x, ws + ws, bs + bs, route=(2, "softmax", True, None, 1, 1, 1.0, None))
 
 
 # --------------------------------------------------------------------------------------------------------- GPU
@@ -134,3 +169,26 @@ def test_gpu_bf16_add_norm_prologue_matches_add_norm_then_fp32_product(ns, k, m)
     *upstream, uh, uxn = add_rms_norm_dense_linear(x, r, nw, EPS, ws, bs, backend="upstream")
     assert torch.equal(fh, uh) and (fxn != uxn).float().mean().item() < 5e-3
     assert all(relerr(f, u) < 1e-2 for f, u in zip(fused, upstream))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_bf16_route_epilogue_matches_fused_topk_of_its_logits(m):
+    """Qwen3-30B-A3B's router (128 experts, top-8 softmax, renormalized, weights in bf16) through the op as
+    fuse_router_topk writes it: the fused launch's ids and weights are fused_topk's of the same logits, bit for bit,
+    and its logits, sum and normed rows add_rms_norm_dense_linear's."""
+    from moefx.backends import router  # noqa: F401  (registers moefx::add_rms_norm_route)
+
+    x, nw, (w,), _ = _case(m, (128,), 2048, torch.bfloat16, "cuda", seed=m)
+    r = torch.randn(x.shape, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").to(x.dtype)
+    logits, h, xn, weights, ids = torch.ops.moefx.add_rms_norm_route(x, r, nw, EPS, w, 8, "softmax", True, None, 1, 1,
+                                                                     1.0, torch.bfloat16, "gemv")
+    ref_w, ref_ids = torch.ops.moefx.fused_topk(logits, 8, "softmax", True, None, 1, 1, 1.0, torch.bfloat16)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    unrouted = add_rms_norm_dense_linear(x, r, nw, EPS, [w], backend="gemv")
+    assert all(torch.equal(a, b) for a, b in zip((logits, h, xn), unrouted))
+    for _ in range(3):  # the counters are left at zero: every call routes
+        again = torch.ops.moefx.add_rms_norm_route(x, r, nw, EPS, w, 8, "softmax", True, None, 1, 1, 1.0,
+                                                   torch.bfloat16, "gemv")
+        assert torch.equal(again[4], ids)

@@ -166,9 +166,10 @@ def gemv(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> 
 
 
 def _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, norm_weight=None, norm_eps=None,
-            residual=None) -> list[torch.Tensor]:
+            residual=None, route=None) -> list[torch.Tensor]:
     """The Triton kernel over x's rows (with its RMSNorm prologue when norm_eps is given, after the residual add
-    when residual is: then the sum and the normed sum follow the outputs)."""
+    when residual is: then the sum and the normed sum follow the outputs; with `route`, its routing weights and ids
+    after those, `dense_gemv`'s contract)."""
     from moefx.backends.kernels.dense_kernels import dense_gemv
 
     k = x.shape[-1]
@@ -179,7 +180,7 @@ def _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, 
     bs = tuple(int(v) for v in block_shape) if block_shape is not None else None
     with on_device(x.device):
         outs = dense_gemv(x2, list(weights), list(biases), xs2, list(weight_scales) or None, bs, out_dtype,
-                          norm_weight=norm_weight, norm_eps=norm_eps, residual=r2)
+                          norm_weight=norm_weight, norm_eps=norm_eps, residual=r2, route=route)
     return [o.reshape(*lead, o.shape[-1]) for o in outs]
 
 

@@ -9,6 +9,7 @@ from moefx.passes import (
     fuse_norm_linear,  # noqa: F401
     fuse_norm_quant,  # noqa: F401
     fuse_qk_norm_rope,  # noqa: F401
+    fuse_router_topk,  # noqa: F401
     fuse_sibling_linears,  # noqa: F401
     last_token_logits,  # noqa: F401
     rewrite_sampler_syncs,  # noqa: F401

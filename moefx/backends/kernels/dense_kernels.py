@@ -42,12 +42,16 @@ import triton
 import triton.language as tl
 
 from moefx.backends.kernels.rounding import round_as
+from moefx.backends.kernels.routing import constexprs as route_constexprs
+from moefx.backends.kernels.routing import route_row
 
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
 # Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles, so a prefill of
 # 2048 rows does not ask for a 2048-row tile (1 MiB of shared memory).
 MAX_AUTO_BLOCK_M = {False: 8, True: 64}
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
+MAX_ROUTE_EXPERTS = 1024  # the ROUTE epilogue's last program holds a row of E scores in registers
+NO_ROUTE = dict(E=1, TOP_K=1, KIND=0, RENORM=False, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, BLOCK_E=1, K_BLOCK=1)
 # X elements per load of the NORM prologue on the CUDA cores (BLOCK_M rows x NORM_BLOCK columns): at M=1 one load
 # of the whole 2048-wide row, all in flight at once, where narrower loads wait on each other; tensor-core tiles
 # (BLOCK_M >= 16) load BLOCK_K columns at a time (wider loads were slower there in the H200 probe of
@@ -138,6 +142,7 @@ def _dense_tile(
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        stored = pid_k == 0  # the one slice: this program wrote its Y tile
     else:
         p_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N_TOTAL + (col0 + offs_n)[None, :]
         tl.store(p_ptrs + pid_k.to(tl.int64) * M * N_TOTAL, acc, mask=out_mask)
@@ -152,11 +157,45 @@ def _dense_tile(
                 total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt, 0)  # the next call finds every counter at zero
+        stored = arrived == SPLIT_K - 1
+    return stored
+
+
+@triton.jit
+def _route_tail(
+    stored, pid_m, y_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, M, scaling,
+    TILES: tl.constexpr, BLOCK_M: tl.constexpr, SLOT: tl.constexpr,
+    E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
+):
+    """ROUTE: each program that wrote a Y tile of the router's logits counts it for its M tile (acq_rel, GPU scope);
+    the program that writes the last one reads the tile's rows back (from L2) and routes them as fused_topk does,
+    then leaves the counter at zero."""
+    if stored:
+        tl.debug_barrier()  # every thread's logits are issued before the release below
+        cnt = cnt_ptr + SLOT - pid_m
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if done == TILES - 1:
+            cols = tl.arange(0, BLOCK_E)
+            valid = cols < E
+            k_offs = tl.arange(0, K_BLOCK)
+            k_valid = k_offs < TOP_K
+            for r in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + r
+                if row < M:
+                    x = tl.load(y_ptr + row.to(tl.int64) * E + cols, mask=valid, other=float("-inf"),
+                                cache_modifier=".cg").to(tl.float32)
+                    top_w, top_i = route_row(x, valid, cols, rb_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP,
+                                             TOPK_GROUP, BLOCK_E, K_BLOCK)
+                    out = row.to(tl.int64) * TOP_K + k_offs
+                    tl.store(rw_ptr + out, (top_w * scaling).to(rw_ptr.dtype.element_ty), mask=k_valid)
+                    tl.store(ri_ptr + out, top_i.to(tl.int64), mask=k_valid)
+            tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["M"])  # M only bounds masks: one compile serves every M of a tile
 def _dense_kernel(
-    x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr, part_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, scaling,
     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, w1_ptr, ws1_ptr, b1_ptr, y1_ptr,
     w2_ptr, ws2_ptr, b2_ptr, y2_ptr, w3_ptr, ws3_ptr, b3_ptr, y3_ptr,
     M, eps, stride_xm, stride_xsm, stride_xsk,
@@ -169,18 +208,24 @@ def _dense_kernel(
     NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+    ROUTE: tl.constexpr, SLOT: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr,
+    RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
     # Tiles of weight i are T_i .. T_{i+1}-1 of axis 0 (T0 = 0): one branch per weight, pruned past NUM_W.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     if pid < T1:
-        _dense_tile(pid, pid_k, pid_m, 0, 0,
+        stored = _dense_tile(pid, pid_k, pid_m, 0, 0,
                     x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
                     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
                     N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                     BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE)
+        if ROUTE:  # one weight, the router: its N tiles are T1
+            _route_tail(stored, pid_m, y0_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, M, scaling, T1, BLOCK_M, SLOT,
+                        E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_E, K_BLOCK)
     elif NUM_W > 1:
         if pid < T2:
             _dense_tile(pid - T1, pid_k, pid_m, T1, N0,
@@ -332,6 +377,7 @@ def dense_gemv(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
     residual: torch.Tensor | None = None,
+    route: tuple | None = None,
 ) -> list[torch.Tensor]:
     """Y_i = X W_i^T + b_i for X [M, K] (fp8 with x_scale [M, ceil(K/SBK)] when weight_scales are given).
 
@@ -339,7 +385,9 @@ def dense_gemv(
     overrides DEFAULT_TILES. `norm_eps` given (float form only): X is first RMSNorm-ed row by row with that eps and,
     when given, `norm_weight` [K] in X's dtype (the NORM prologue, module docstring). `residual` [M, K] in X's dtype
     (with norm_eps only): the norm's input is H = X + residual, rounded to X's dtype, and the outputs are
-    [Y_0, ..., H, the normed H]."""
+    [Y_0, ..., H, the normed H]. `route` (one weight, the router; fused_topk's arguments after the logits: top_k,
+    kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, weights_dtype): the logits are also
+    routed (the ROUTE epilogue, in the same launch where the counters allow), their weights and ids appended."""
     m, k = x.shape
     fp8 = weight_scales is not None
     if norm_eps is not None and fp8:
@@ -349,14 +397,21 @@ def dense_gemv(
     if residual is not None and (norm_eps is None or residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"dense_gemv: residual must come with norm_eps and be X's shape and dtype "
                          f"{list(x.shape)}/{x.dtype}, got {list(residual.shape)}/{residual.dtype}")
+    if route is not None and (len(weights) != 1 or fp8):
+        raise ValueError("dense_gemv: route takes one float weight (the router)")
     if norm_weight is not None and norm_weight.stride(0) != 1:
         norm_weight = norm_weight.contiguous()
     dtype = out_dtype or x.dtype
     outs = [torch.empty(m, w.shape[0], dtype=dtype, device=x.device) for w in weights]
     sums = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(2)] if residual is not None \
         else []
+    routed = []
+    if route is not None:
+        top_k, w_dtype = route[0], route[7]
+        routed = [torch.empty(m, top_k, dtype=w_dtype or torch.float32, device=x.device),
+                  torch.empty(m, top_k, dtype=torch.int64, device=x.device)]
     if m == 0:
-        return outs + sums
+        return outs + sums + routed
     if x.stride(-1) != 1 or (residual is not None and x.stride() != (k, 1)):
         x = x.contiguous()
     if residual is not None and residual.stride() != x.stride():
@@ -365,25 +420,36 @@ def dense_gemv(
     sms = _sm_count(x.device)
     for g0 in range(0, len(weights), MAX_WEIGHTS):
         sl = slice(g0, g0 + MAX_WEIGHTS)
-        _launch_group(x, weights[sl], biases[sl], x_scale, weight_scales[sl] if fp8 else None, block_shape,
-                      outs[sl], cfg, sms, norm_weight, norm_eps, residual, sums)
-    return outs + sums
+        fused = _launch_group(x, weights[sl], biases[sl], x_scale, weight_scales[sl] if fp8 else None, block_shape,
+                              outs[sl], cfg, sms, norm_weight, norm_eps, residual, sums, route, routed)
+    if route is not None and not fused:  # no counters for the epilogue: the routing kernel of its own
+        from moefx.backends.kernels.routing import fused_topk_triton
+
+        top_k, kind, renorm, bias, n_group, topk_group, scale, w_dtype = route
+        for got, want in zip(fused_topk_triton(outs[0], top_k, kind, renorm, bias, n_group, topk_group, scale,
+                                               w_dtype), routed):
+            want.copy_(got)
+    return outs + sums + routed
 
 
 def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs, cfg, sms, norm_weight,
-                  norm_eps, residual, sums) -> None:
+                  norm_eps, residual, sums, route, routed) -> bool:
+    """Launch one group; whether the ROUTE epilogue ran in it (False without `route`)."""
     m, k = x.shape
     fp8 = weight_scales is not None
     ns = tuple(int(w.shape[0]) for w in weights)
     lp = plan_launch(cfg, m, ns, k, block_shape if fp8 else None, sms)
     counters = None
-    if lp.split_k > 1:
+    if lp.split_k > 1 or route is not None:
         counters = _counters(x.device)
-        if counters is None or sum(lp.tiles) * lp.m_tiles > COUNTER_SLOTS:
+        if lp.split_k > 1 and (counters is None or sum(lp.tiles) * lp.m_tiles > COUNTER_SLOTS):
             lp = plan_launch(replace(cfg, split_k=1), m, ns, k, block_shape if fp8 else None, sms)
+    # ROUTE's counters are the buffer's last M_TILES slots, past the split-K tiles' first ones
+    routing = route is not None and counters is not None and \
+        (sum(lp.tiles) + 1) * lp.m_tiles <= COUNTER_SLOTS and route_supported(ns[0], route[4])
     n_total = sum(ns)
     part = torch.empty(lp.split_k, m, n_total, dtype=torch.float32, device=x.device) if lp.split_k > 1 else outs[0]
-    counters = counters if lp.split_k > 1 else outs[0]
+    counters = counters if lp.split_k > 1 or routing else outs[0]
     pad = MAX_WEIGHTS - len(weights)
     ws = list(weights) + [weights[0]] * pad
     bs = [b if b is not None else outs[0] for b in biases] + [outs[0]] * pad
@@ -400,14 +466,25 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     for i in range(MAX_WEIGHTS):
         args += [ws[i], scales[i], bs[i], ys[i]]
     norm = norm_eps is not None
+    route_key = (route[0], route[1], route[2], route[3] is not None, route[4], route[5]) if routing else None
     grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
-                             x.dtype == torch.float32, norm, norm_weight is not None, residual is not None)
+                             x.dtype == torch.float32, norm, norm_weight is not None, residual is not None, route_key)
     r, h, xo = (residual, *sums) if residual is not None else (x, x, x)
+    rb, rw, ri = ((route[3] if route[3] is not None else outs[0]), *routed) if routing else (x, x, x)
     _dense_kernel[grid](
-        x, xs, norm_weight if norm_weight is not None else x, r, h, xo, part, counters, *args,
+        x, xs, norm_weight if norm_weight is not None else x, r, h, xo, part, counters, rb, rw, ri,
+        float(route[6]) if routing else 1.0, *args,
         m, float(norm_eps) if norm else 0.0, x.stride(0), *xs_strides,
         *[w.stride(0) for w in ws], *wsn, wsk, **kw,
     )
+    return routing
+
+
+def route_supported(num_experts: int, n_group: int) -> bool:
+    """Whether the ROUTE epilogue takes this router: the routing kernel's shapes, one row of scores in registers."""
+    from moefx.backends.routing import kernel_supports
+
+    return num_experts <= MAX_ROUTE_EXPERTS and kernel_supports(num_experts, n_group) is None
 
 
 def norm_block(lp: Launch, k: int, dot: bool) -> int:
@@ -421,7 +498,7 @@ def norm_block(lp: Launch, k: int, dot: bool) -> int:
 @functools.lru_cache(maxsize=512)  # pure in its arguments; asked per launch
 def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
                   block_shape: tuple[int, int] | None, k: int, ieee: bool, norm: bool,
-                  has_norm_w: bool, resid: bool) -> tuple[tuple[int, int, int], dict]:
+                  has_norm_w: bool, resid: bool, route: tuple | None) -> tuple[tuple[int, int, int], dict]:
     """The grid and the constexpr/launch arguments of one group's launch."""
     pad = MAX_WEIGHTS - len(ns)
     nn = list(ns) + [1] * pad
@@ -438,5 +515,7 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
         HAS_NORM_W=has_norm_w, NORM_BLOCK=norm_block(lp, k, cfg.dot) if norm else 1, RESID=resid,
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROUTE=route is not None, SLOT=COUNTER_SLOTS - 1,
+        **(route_constexprs(ns[0], *route) if route is not None else NO_ROUTE),
     )
     return (starts[len(ns)], lp.split_k, lp.m_tiles), kw

@@ -18,15 +18,13 @@ KIND_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
 
 
 @triton.jit
-def _fused_topk_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scaling,
+def route_row(
+    x, valid, cols, bias_ptr,
     E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    valid = cols < E
-    x = tl.load(logits_ptr + row * stride_t + cols * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
+    """One row's routing: x the fp32 logits [BLOCK_E] (-inf past E, `valid`), `cols` their ids; (weights before
+    the scaling factor, ids), each [K_BLOCK]. Also the dense kernel's ROUTE epilogue (kernels/dense_kernels.py)."""
     if KIND == 2:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = scores
@@ -80,6 +78,23 @@ def _fused_topk_kernel(
         if KIND == 2:
             denom += 1e-20  # routing.SIGMOID_RENORM_EPS
         top_w = top_w / denom
+    return top_w, top_i
+
+
+@triton.jit
+def _fused_topk_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scaling,
+    E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    x = tl.load(logits_ptr + row * stride_t + cols * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
+    top_w, top_i = route_row(x, valid, cols, bias_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP,
+                             BLOCK_E, K_BLOCK)
+    k_offs = tl.arange(0, K_BLOCK)
+    k_valid = k_offs < TOP_K
     tl.store(w_ptr + row * TOP_K + k_offs, (top_w * scaling).to(w_ptr.dtype.element_ty), mask=k_valid)
     tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64), mask=k_valid)
 
@@ -105,13 +120,13 @@ def fused_topk_triton(
         _fused_topk_kernel[(t,)](
             router_logits, bias, w, ids, router_logits.stride(0), router_logits.stride(1),
             float(routed_scaling_factor),
-            **_constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group),
+            **constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group),
         )
     return w, ids
 
 
 @functools.lru_cache(maxsize=256)  # pure in its arguments; asked per call
-def _constexprs(e: int, top_k: int, kind: str, renormalize: bool, has_bias: bool, n_group: int,
+def constexprs(e: int, top_k: int, kind: str, renormalize: bool, has_bias: bool, n_group: int,
                 topk_group: int) -> dict:
     return dict(E=e, TOP_K=top_k, KIND=KIND_CODES[kind], RENORM=renormalize, HAS_BIAS=has_bias, N_GROUP=n_group,
                 TOPK_GROUP=topk_group, BLOCK_E=triton.next_power_of_2(e), K_BLOCK=triton.next_power_of_2(top_k))

@@ -70,6 +70,7 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
             "fuse_sibling_linears": dense,
             "dense_linears": dense,
             "fuse_norm_linear": dense,
+            "fuse_router_topk": dense,
         },
         moe_family=True,
         causal_lm=ms.is_causal_lm,
