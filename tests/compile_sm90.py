@@ -26,9 +26,9 @@ from triton.compiler import ASTSource
 
 from moefx.backends.activation import ACTIVATIONS
 from moefx.backends.kernels import dense_kernels as dense
-from moefx.backends.kernels.routing import constexprs as route_constexprs
 from moefx.backends.kernels import fused_moe_kernels as fmk
 from moefx.backends.kernels import gemv_kernels as gemv
+from moefx.backends.kernels.routing import constexprs as route_constexprs
 
 # Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
 H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
