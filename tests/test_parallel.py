@@ -37,13 +37,17 @@ def _config(family: str):
 
 
 def _all_reduces_per_forward(family: str) -> int:
-    """Embedding + per layer: attention o_proj (qwen3; DeepSeek's MLA is not in its TP plan), the experts and the
-    shared experts' down_proj (DeepSeek), or the dense MLP's down_proj (DeepSeek's first layers)."""
+    """Embedding + per layer: attention o_proj (qwen3; DeepSeek's MLA where its TP plan has it: transformers 5.25
+    and later), the experts and the shared experts' down_proj (DeepSeek), or the dense MLP's down_proj (DeepSeek's
+    first layers)."""
     cfg = _config(family)
     if family == "qwen3_moe":
         return 1 + 2 * cfg.num_hidden_layers
+    from transformers import DeepseekV3Config
+
+    attention = int("layers.*.self_attn.o_proj" in DeepseekV3Config.base_model_tp_plan)
     dense = cfg.first_k_dense_replace
-    return 1 + dense + 2 * (cfg.num_hidden_layers - dense)
+    return 1 + dense + 2 * (cfg.num_hidden_layers - dense) + attention * cfg.num_hidden_layers
 
 
 def _same_on_every_rank(results: list[dict], *path: str) -> object:

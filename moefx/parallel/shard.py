@@ -14,6 +14,8 @@ config on any machine. It reads the model's plan (`model.tp_plan`, else the clas
   embedding_rowwise       Embedding rows (vocabulary) split; each rank looks up its ids, the results are summed
   colwise_gather_output   LM head rows split; the logits all-gathered along the vocabulary
   replicated_with_grad_allreduce   nothing at inference
+  mla_kv_a_proj           nothing at inference either (transformers 5.25: MLA's kv_a_proj_with_mqa stays whole,
+                          its rope part's gradient is averaged)
 
 `experts="ep"` places whole experts instead (E / world per rank, every rank runs its experts on the whole batch
 with the other ranks' routes masked, outputs summed): transformers' `ep_dispatch_experts` with its
@@ -45,7 +47,9 @@ STYLES = (
     "embedding_rowwise",
     "colwise_gather_output",
     "replicated_with_grad_allreduce",
+    "mla_kv_a_proj",
 )
+REPLICATED = ("replicated_with_grad_allreduce", "mla_kv_a_proj")  # the weights stay whole at inference
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,11 @@ def chunk_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The model's TP plan: transformers' merged `tp_plan` where it has one, else class + config plans."""
+    """The model's TP plan: transformers' merged `tp_plan` where it has one, else class + config plans; stacked
+    experts the plan names nowhere get the usual expert styles (`_expert_styles`)."""
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict) and plan:
-        return dict(plan)
+        return _expert_styles(model, dict(plan))
     merged: dict[str, str] = {}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None) or {}
@@ -93,7 +98,24 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     for key, style in base.items():
         merged[f"{prefix}.{key}" if prefix and hasattr(model, prefix) else key] = style
     merged.update(getattr(type(model), "_tp_plan", None) or {})
-    return merged
+    return _expert_styles(model, merged)
+
+
+def _expert_styles(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """`plan` with the expert TP styles transformers' MoE plans used to carry (packed_colwise gate_up_proj, rowwise
+    down_proj, moe_tp_experts) for each stacked-experts module the plan has no key for: transformers 5.25 left them
+    out of Qwen3-MoE's TP plan (its experts are in the EP plan only), and without them a TP model keeps every
+    expert whole on every rank."""
+    if not plan:
+        return plan
+    patterns = [_pattern(key) for key in plan]
+    for name, module in model.named_modules():
+        if not is_stacked_experts(module) or any(p.fullmatch(name) for p in patterns):
+            continue
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+        plan.update({f"{key}.gate_up_proj": "packed_colwise", f"{key}.down_proj": "rowwise", key: "moe_tp_experts"})
+        patterns.append(_pattern(key))
+    return plan
 
 
 def _pattern(key: str) -> re.Pattern[str]:
@@ -266,13 +288,13 @@ def shard_model(model: nn.Module, group: Any = None, *, experts: str = "tp") -> 
                 continue  # expert-parallel placement replaces the TP rules on the experts
             if target in params:
                 owner, _, attr = target.rpartition(".")
-                if style == "replicated_with_grad_allreduce":
+                if style in REPLICATED:
                     continue
                 if style not in ("packed_colwise", "rowwise") or not is_stacked_experts(modules[owner]):
                     raise ValueError(f"TP style {style!r} on parameter {target}: only stacked expert weights are "
                                      f"sharded per parameter")
                 _experts_param(style, modules[owner], attr, rank, world, name)
-            elif style != "replicated_with_grad_allreduce":
+            elif style not in REPLICATED:
                 if style == "packed_colwise":
                     raise ValueError(f"TP style 'packed_colwise' on module {target}: expected a parameter")
                 _MODULE_STYLES[style](modules[target], rank, world, name)
