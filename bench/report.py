@@ -242,7 +242,7 @@ def render_e2e(r: dict[str, Any]) -> str:
 
 
 # Kernel name -> part of a decoder layer (the first match wins); inductor's generated kernels are the rest.
-STEP_PARTS = (("dense projections (q/k/v, o, router)", ("_dense_kernel",)),
+STEP_PARTS = (("dense projections (q/k/v, o, router; the norms and routing they fuse)", ("_dense_kernel",)),
               ("MoE experts (gate/up, down + residual add)", ("_gemv_gate_up_kernel", "_gemv_down_kernel")),
               ("attention (decode kernel, combine)", ("_decode_attn_kernel", "_combine_kernel")),
               ("routing top-k", ("_fused_topk_kernel",)),
