@@ -37,9 +37,11 @@ def post_grad_graphs(fn: Callable[..., Any], *args: Any, dynamic: bool | None = 
     return capture.graphs
 
 
-def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, dict]:
+def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor,
+                     tracing_mode: str = "fake") -> tuple[torch.fx.GraphModule, dict]:
     """`module(*inputs)` as a functional, decomposed graph of (parameters, *inputs): what inductor's post-grad passes
-    see, without compiling (input mutations become `copy_` back at the end). Returns it and the parameters."""
+    see, without compiling (input mutations become `copy_` back at the end; `tracing_mode="symbolic"`: the inputs'
+    sizes symbolic, as under dynamic shapes). Returns it and the parameters."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.func import functional_call, functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -51,7 +53,7 @@ def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor) -> tuple[to
 
     with torch.no_grad():
         gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(state, *inputs)
+                     tracing_mode=tracing_mode)(state, *inputs)
     return gm, state
 
 

@@ -77,3 +77,27 @@ def test_the_plan_prefers_it_on_cuda_only():
     ms = ModelSignature.from_config(catalog_config("qwen3-30b-a3b"))
     assert resolve(ms, ExecutionSignature.preset("h200", dtype="bfloat16")).pass_enabled("fuse_moe_residual")
     assert not resolve(ms, ExecutionSignature(device_type="cpu", dtype="bfloat16")).pass_enabled("fuse_moe_residual")
+
+
+def test_symbolic_sizes_stay_nodes():
+    """Under dynamic shapes the reshapes take the residual's sizes as sym_size nodes, never a SymInt written into
+    their arguments (inductor re-traces a nested region's body and fails on a symbol it does not bind): the graph
+    runs at other row counts than the one it was traced at, bit for bit the unfused graph traced alike."""
+    block = _block()
+    h = block.layer.post_attention_layernorm.weight.shape[0]
+    gm, state = functional_graph(block, torch.randn(2, 3, h), tracing_mode="symbolic")
+    unfused = functional_graph(block, torch.randn(2, 3, h), tracing_mode="symbolic")[0]
+    n, ctx = _run_pass(gm)
+    assert n == 1, ctx.skipped
+    flat = [v for node in gm.graph.nodes for v in _flatten(node.args)]
+    assert not any(isinstance(v, torch.SymInt) for v in flat), [node.format_node() for node in gm.graph.nodes]
+    with torch.no_grad():
+        for shape in ((2, 3, h), (4, 5, h)):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0]))
+            assert torch.equal(gm(state, x), unfused(state, x)), shape
+
+
+def _flatten(args: object) -> list:
+    if isinstance(args, (list, tuple)):
+        return [v for a in args for v in _flatten(a)]
+    return [args]

@@ -5,7 +5,8 @@ the decode step (48 layers, B=1 on the H200: a 1.1 us kernel plus its launch bou
 backend adds the residual in its down kernel's epilogue instead. Exact: the experts' sum is rounded to the output
 dtype first and then added as the graph's add does (backends without the epilogue run the same add after).
 Matched: `aten.add.Tensor` of the op's output (through reshapes) and a tensor of the add's shape and dtype, the
-op's output read by nothing else; the op's `[M, H]` output shape is given to the residual by a reshape.
+op's output read by nothing else; the op's `[M, H]` output shape is given to the residual by a reshape, and the add's
+shape back to the sum by another (symbolic sizes as `sym_size` nodes of the residual, `fx.sizes_of`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.fx
 
 from moefx.backends import op as _op  # noqa: F401  (registers the two ops)
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import RESHAPES, call, is_call, meta_val, source_of
+from moefx.sampling.fx import RESHAPES, call, is_call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 MOE = torch.ops.moefx.moe_experts.default
@@ -39,6 +40,8 @@ def _problem(add: torch.fx.Node, moe: torch.fx.Node, residual: object) -> str | 
         return f"residual {tuple(res.shape)}/{res.dtype} does not match the sum {tuple(out.shape)}/{out.dtype}"
     if res.numel() != val.numel():
         return f"residual of {res.numel()} elements for an experts output of {val.numel()}"
+    if not isinstance(val.shape[-1], int):
+        return "the hidden size is not static"
     return None
 
 
@@ -70,8 +73,8 @@ class FuseMoeResidual(MoefxPass):
     @staticmethod
     def _rewrite(graph: torch.fx.Graph, add: torch.fx.Node, moe: torch.fx.Node, residual: torch.fx.Node) -> None:
         with graph.inserting_before(add):  # both the op's arguments and the residual are defined by here
-            rows = call(graph, aten.reshape.default, (residual, list(meta_val(moe).shape)))
+            rows = call(graph, aten.reshape.default, (residual, [-1, meta_val(moe).shape[-1]]))
             fused = call(graph, MOE_RESIDUAL, (rows, *moe.args), dict(moe.kwargs))
-            out = call(graph, aten.reshape.default, (fused, list(meta_val(add).shape)))
+            out = call(graph, aten.reshape.default, (fused, sizes_of(graph, residual)))  # the add's shape
         add.replace_all_uses_with(out)
         graph.erase_node(add)  # the op and its reshapes have no reader left: the manager's dead-code pass drops them

@@ -35,7 +35,7 @@ from moefx.passes import fuse_norm_quant as fnq
 from moefx.passes import linear_forms as lf
 from moefx.passes import quant_patterns as qp
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, source_of
+from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 NORM_DENSE = torch.ops.moefx.rms_norm_dense_linear.default
@@ -160,8 +160,8 @@ class FuseNormLinear(MoefxPass):
             got = [call(graph, operator.getitem, (fused, i)) for i in range(n + 2)]
             h, normed = got[n:]
             if views:  # back to the norm's shape for the readers of the sum and of y
-                h = call(graph, aten.reshape.default, (h, list(qp.shape_of(total))))
-                normed = call(graph, aten.reshape.default, (normed, list(qp.shape_of(y))))
+                h = call(graph, aten.reshape.default, (h, sizes_of(graph, a)))
+                normed = call(graph, aten.reshape.default, (normed, sizes_of(graph, a)))
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
         y.replace_all_uses_with(normed)

@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.sampling import fx as _fx
-from moefx.sampling.fx import RESHAPES, call, meta_val, source_of
+from moefx.sampling.fx import RESHAPES, call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -67,19 +67,6 @@ def _numel(shape: tuple) -> Any:
     for size in shape:
         n = n * size
     return n
-
-
-def _sizes(graph: torch.fx.Graph, node: torch.fx.Node) -> list[Any]:
-    """Shape of `node` as graph arguments: ints where static, `sym_size` nodes where symbolic."""
-    out: list[Any] = []
-    for d, size in enumerate(meta_val(node).shape):
-        if isinstance(size, int):
-            out.append(size)
-        else:
-            sym = graph.call_function(aten.sym_size.int, (node, d))
-            sym.meta["val"] = size
-            out.append(sym)
-    return out
 
 
 class _Candidate:
@@ -129,7 +116,7 @@ class _Candidate:
     def rewrite(self, graph: torch.fx.Graph) -> torch.fx.Node:
         sel, hidden = self.selector, self.hidden
         with graph.inserting_before(sel):
-            k = _sizes(graph, hidden)[-1]
+            k = sizes_of(graph, hidden)[-1]
             args = list(sel.args)
             args[0] = hidden
             if sel.target is aten.gather.default:
@@ -138,12 +125,12 @@ class _Candidate:
                 size[-1] = k
                 args[2] = call(graph, aten.expand.default, (index.args[0], size))
             picked = call(graph, sel.target, tuple(args), dict(sel.kwargs))
-            lead = _sizes(graph, picked)[:-1]
+            lead = sizes_of(graph, picked)[:-1]
             flat = picked if len(lead) == 1 else call(graph, aten.reshape.default, (picked, [-1, k]))
             mm_args = list(self.mm.args)
             mm_args[self.lhs_pos] = flat
             rows = call(graph, self.mm.target, tuple(mm_args), dict(self.mm.kwargs))
-            n = _sizes(graph, mm_args[-1])[-1]
+            n = sizes_of(graph, mm_args[-1])[-1]
             new = rows if len(lead) == 1 else call(graph, aten.reshape.default, (rows, [*lead, n]))
             if self.cast is not None:
                 new = call(graph, self.cast.target, (new, *self.cast.args[1:]), dict(self.cast.kwargs))

@@ -64,6 +64,15 @@ def call(graph: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | None = 
     return node
 
 
+def sizes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> list[Any]:
+    """`node`'s shape as the size argument of a reshape inserted at the graph's insert point: static sizes as ints, a
+    symbolic one as a `sym_size` node of `node`. A SymInt written into a node's arguments names a symbol the graph
+    may not bind: inductor re-traces a nested region's body when it decomposes the region's auto_functionalized
+    call, and failed with "name 's2' is not defined" on one (H200, torch 2.11)."""
+    val = meta_val(node)
+    return [d if isinstance(d, int) else call(graph, aten.sym_size.int, (node, i)) for i, d in enumerate(val.shape)]
+
+
 def source_of(node: torch.fx.Node) -> str:
     """`file:line (code)` of the user code a node came from, or the node name when unknown."""
     trace = node.meta.get("stack_trace") or ""
