@@ -68,6 +68,23 @@ def test_fp8_kernel_matches_ref_fp8_block_gemm(m, block, cfg, column_major):
         assert relerr(o, r) < 1e-5
 
 
+def test_fp8_slice_past_k_reads_no_scale_past_the_tensors():
+    """K=160 in two tensor-core slices of 96: the second slice's last step lies past K. Its scales must not come from
+    the memory after the scale tensors (NaN here, as it was by chance in a CI run: 0 * NaN)."""
+    a, a_s, ws, ss, bs = _fp8_case(6, (48, 16), 160, (32, 32), "cpu")
+    lp = K.plan_launch(K.default_config(6, fp8=True), 6, (48, 16), 160, (32, 32), K._sm_count(a.device))
+    assert lp.split_k == 2 and lp.k_per_split * lp.split_k > 160
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        room = torch.full((t.numel() + 64,), float("nan"), dtype=t.dtype)
+        room[:t.numel()] = t.flatten()
+        return room[:t.numel()].view(t.shape)
+
+    outs = K.dense_gemv(a, ws, bs, poisoned(a_s), [poisoned(s) for s in ss], (32, 32), torch.float32)
+    for o, r in zip(outs, reference(a, ws, bs, a_s, ss, [32, 32], torch.float32)):
+        assert relerr(o, r) < 1e-5
+
+
 def test_more_weights_than_one_launch_takes_and_counters_return_to_zero():
     x, ws, bs = _float_case(2, tuple(4 + 2 * i for i in range(K.MAX_WEIGHTS + 2)), 48, torch.float32, "cpu")
     cfg = K.DenseConfig(block_n=4, block_k=16, split_k=2)
