@@ -21,7 +21,6 @@ import torch
 from moefx.backends import dense
 from moefx.backends import routing as _routing  # (and registers moefx::fused_topk)
 from moefx.backends.dense_policy import GEMV
-from moefx.backends.memo import on_device
 
 
 @torch.library.custom_op("moefx::add_rms_norm_route", mutates_args=(), tags=(torch.Tag.flexible_layout,))
@@ -43,9 +42,8 @@ def _add_rms_norm_route_op(
 ) -> list[torch.Tensor]:
     route = (top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, weights_dtype)
     name = dense._chosen("add_rms_norm_route", x, [weight], [], None, None, backend)
-    if name == GEMV and x.is_cuda and x.dim() == 2 and x.shape[0]:
-        with on_device(x.device):
-            return dense._kernel(x, [weight], [None], None, [], None, None, norm_weight, norm_eps, residual, route)
+    if name == GEMV and x.is_cuda and x.dim() == 2 and x.shape[0]:  # (_kernel selects x's device)
+        return dense._kernel(x, [weight], [None], None, [], None, None, norm_weight, norm_eps, residual, route)
     logits, h, normed = torch.ops.moefx.add_rms_norm_dense_linear(x, residual, norm_weight, norm_eps, [weight],
                                                                   [None], backend)
     return [logits, h, normed, *torch.ops.moefx.fused_topk(logits, *route)]

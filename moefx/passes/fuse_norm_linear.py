@@ -51,6 +51,13 @@ def _behind_views(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Nod
     return node, views
 
 
+def _as_rows(graph: torch.fx.Graph, t: torch.fx.Node, views: list[torch.fx.Node]) -> torch.fx.Node:
+    """`t` through the same reshapes as the norm's output on its way to the linear (innermost first)."""
+    for v in reversed(views):
+        t = call(graph, v.target, (t, *v.args[1:]), dict(v.kwargs))
+    return t
+
+
 def _residual(match: qp.ProducerMatch) -> bool:
     return match.label in fnq.ADD_LABELS
 
@@ -152,10 +159,8 @@ class FuseNormLinear(MoefxPass):
         total = match.residual[0]  # the sum node (the norm's input)
         n = len(weights)
         with graph.inserting_before(y.next):  # what it reads is defined by y (_late_problem); its readers follow
-            rows = [a, b]
-            for v in reversed(views):
-                rows = [call(graph, v.target, (r, *v.args[1:]), dict(v.kwargs)) for r in rows]
-            fused = call(graph, ADD_NORM_DENSE, (rows[1], rows[0], weight, eps, list(weights), list(biases), backend))
+            residual, x = (_as_rows(graph, t, views) for t in (a, b))  # transformers' `residual + hidden_states`
+            fused = call(graph, ADD_NORM_DENSE, (x, residual, weight, eps, list(weights), list(biases), backend))
             fused.meta["stack_trace"] = node.meta.get("stack_trace")
             got = [call(graph, operator.getitem, (fused, i)) for i in range(n + 2)]
             h, normed = got[n:]
@@ -172,10 +177,8 @@ class FuseNormLinear(MoefxPass):
                  weights: list, biases: list, backend: str) -> None:
         x, weight, eps, _ = match.args
         with graph.inserting_before(node):  # the norm's input and weight and the views' sizes are defined by here
-            rows = x
-            for v in reversed(views):  # the same reshapes, of the norm's input
-                rows = call(graph, v.target, (rows, *v.args[1:]), dict(v.kwargs))
-            fused = call(graph, NORM_DENSE, (rows, weight, eps, list(weights), list(biases), backend))
+            fused = call(graph, NORM_DENSE, (_as_rows(graph, x, views), weight, eps, list(weights), list(biases),
+                                             backend))
             fused.meta["stack_trace"] = node.meta.get("stack_trace")
         node.replace_all_uses_with(fused)
         graph.erase_node(node)  # the norm and its views have no reader left: the manager's dead-code pass drops them

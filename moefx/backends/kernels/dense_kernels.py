@@ -76,7 +76,7 @@ def _dense_tile(
     m_mask = offs_m < M
     n_mask = offs_n < N
     k_lo = pid_k * K_PER_SPLIT
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
+    x_off = offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]  # X's, R's and RESID's outputs
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     s_row = (pid_n * BLOCK_N) // SBN  # FP8: the weight-scale row of this program's rows
     # RESID: X, the residual and both outputs share X's row stride; the first N tile of the first weight writes the
@@ -97,14 +97,13 @@ def _dense_tile(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k_mask = offs_k < K - (k_lo + kk)
-        x = tl.load(x_ptrs + kk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        xk_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + x_off + kk, mask=xk_mask, other=0.0)
         if RESID:
-            xk_mask = m_mask[:, None] & k_mask[None, :]
-            x_off = offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + kk + offs_k)[None, :]
-            r = tl.load(r_ptr + x_off, mask=xk_mask, other=0.0)
+            r = tl.load(r_ptr + x_off + kk, mask=xk_mask, other=0.0)
             x = round_as(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
             if writes:
-                tl.store(h_ptr + x_off, x, mask=xk_mask)
+                tl.store(h_ptr + x_off + kk, x, mask=xk_mask)
         if NORM:
             xn = round_as(x.to(tl.float32) * rstd[:, None], x_ptr.dtype.element_ty)
             if HAS_NORM_W:
@@ -113,7 +112,7 @@ def _dense_tile(
             x = xn.to(x_ptr.dtype.element_ty)  # exact: already a value of X's dtype
             if RESID:
                 if writes:
-                    tl.store(xo_ptr + x_off, x, mask=xk_mask)
+                    tl.store(xo_ptr + x_off + kk, x, mask=xk_mask)
         w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
             if IEEE:
