@@ -122,7 +122,7 @@ def _dense_tile(
             if FP8:
                 # the whole K tile lies in one quant block (BLOCK_K <= SBK). A slice's last step can lie past K
                 # (K_PER_SPLIT rounds up; its x and w are masked to 0): it reads the last block's scales, not the
-                # memory past the scale tensors, whose NaN made 0 * NaN there (a flaky interpreter test)
+                # memory past the scale tensors, where a NaN would make 0 * NaN
                 kb = tl.minimum((k_lo + kk) // SBK, (K - 1) // SBK)
                 a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_mask, other=0.0)
                 w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk)
