@@ -207,8 +207,9 @@ def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float, eager:
 
 def sweep(prob: Problem, gen: torch.Generator, budget_s: float) -> list[dict]:
     """Graph-replay µs of candidate tiles at M = 1, 4, 16 (stops at the budget); the default first."""
-    cands = [K.DenseConfig(block_n=bn, block_k=bk, num_warps=w, split_k=s)
-             for bn in (1, 2, 4, 8) for bk in (256, 512, 1024) for w in (2, 4) for s in (0, 1)]
+    cands = [K.DenseConfig(block_n=0, block_k=0)] + [
+        K.DenseConfig(block_n=bn, block_k=bk, num_warps=w) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)
+        for w in (2, 4, 8)]
     cands_dot = [K.DenseConfig(dot=True, block_n=bn, block_k=bk, num_stages=st, split_k=s)
                  for bn in (16, 32) for bk in (64, 128) for st in (3, 5) for s in (0, 1)]
     out, start = [], time.time()

@@ -57,6 +57,15 @@ NO_ROUTE = dict(E=1, TOP_K=1, KIND=0, RENORM=False, HAS_BIAS=False, N_GROUP=1, T
 # (BLOCK_M >= 16) load BLOCK_K columns at a time (wider loads were slower there in the H200 probe of
 # docs/FINDINGS.md, which the pass's M <= 4 limit leaves unused by default)
 NORM_TILE = 4096
+# Automatic CUDA-core tiles (block_k 0 / block_n 0): each program loads its whole K range in one step, so all of
+# its weight loads are in flight at once, and each thread holds 128 weight bytes of it (bf16 q/k/v at K 2048: 4
+# rows, 4 warps; o_proj at K 4096: 2 rows; FP8 twice the rows). On the H200 (CUDA-graph replays, L2-cold weights,
+# 2026-12-03), against the fixed tiles before (4 rows x 1024 at M=1, x 256 at M <= 4, which took dependent steps):
+# bf16 M=1 q/k/v with the norm prologue 10.0 -> 8.1 us, o_proj 8.3 -> 6.7, the add-norm-route router 7.9 -> 7.2;
+# M=2 q/k/v 21.3 -> 8.8, o_proj 20.4 -> 8.4; M=4 12.2 and 10.9 against 32.8 and 28.1; FP8 M=1 q/k/v 8.4 -> 7.2,
+# o_proj 7.6 -> 6.4. The best tile of each grid point was within 0.4 us of these.
+MAX_AUTO_BLOCK_K = 4096
+AUTO_THREAD_BYTES = 128
 
 
 @triton.jit
@@ -255,8 +264,10 @@ def _dense_kernel(
 
 @dataclass(frozen=True)
 class DenseConfig:
-    """Launch tiles. block_m 0: next power of two of M up to MAX_AUTO_BLOCK_M (DOT=True: at least 16); split_k 0: enough
-    K slices that N tiles x slices reach `programs_per_sm` x the SM count (each slice at least 2 x block_k long)."""
+    """Launch tiles. block_m 0: next power of two of M up to MAX_AUTO_BLOCK_M (DOT=True: at least 16); block_k 0: all
+    of K in one step, up to MAX_AUTO_BLOCK_K; block_n 0: rows for AUTO_THREAD_BYTES weight bytes per thread per step
+    (CUDA-core product only); split_k 0: enough K slices that N tiles x slices reach `programs_per_sm` x the SM
+    count (each slice at least 2 x block_k long)."""
 
     dot: bool = False
     block_m: int = 0
@@ -272,12 +283,11 @@ class DenseConfig:
 # wins. Adopting a `bench/dense.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, DenseConfig], ...]] = {
     "bf16": (
-        (1, DenseConfig(block_n=4, block_k=1024)),
-        (4, DenseConfig(block_n=4, block_k=256)),
+        (4, DenseConfig(block_n=0, block_k=0)),
         (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
     ),
     "fp8": (
-        (1, DenseConfig(block_n=4, block_k=1024)),
+        (1, DenseConfig(block_n=0, block_k=0)),
         (4, DenseConfig(block_n=4, block_k=512)),
         (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
     ),
@@ -313,8 +323,10 @@ class Launch:
 def plan_launch(
     cfg: DenseConfig, m: int, ns: tuple[int, ...], k: int, block_shape: tuple[int, int] | None, sms: int
 ) -> Launch:
-    """Resolve the automatic fields of `cfg` for M=m, weights of ns rows each and K=k."""
-    bn, bk = cfg.block_n, cfg.block_k
+    """Resolve the automatic fields of `cfg` for M=m, weights of ns rows each and K=k (FP8 when block_shape)."""
+    bk = cfg.block_k or min(MAX_AUTO_BLOCK_K, triton.next_power_of_2(k))
+    weight_bytes = 1 if block_shape is not None else 2  # the automatic rows count 2 bytes for every float dtype
+    bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // (bk * weight_bytes))
     _pow2(bn, "block_n")
     _pow2(bk, "block_k", 16)
     if block_shape is not None:
