@@ -75,7 +75,7 @@ def test_op_on_cpu_is_sdpa_and_shapes_are_checked():
     assert "head_dim" in unsupported_reason(torch.randn(2, 8, 1, 24), torch.randn(2, 2, 4, 24),
                                             torch.randn(2, 2, 4, 24), None)
     assert "mask" in unsupported_reason(q, k, v, torch.ones(2, 39, dtype=torch.bool))
-    assert splits_for(1, 4, 128) == 1 and splits_for(1, 4, 256) == 2 and splits_for(64, 4, 4352) == 2
+    assert splits_for(1, 4, 64) == 1 and splits_for(1, 4, 256) == 4 and splits_for(64, 4, 4352) == 2
 
 
 @pytest.mark.gpu

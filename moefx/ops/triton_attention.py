@@ -59,6 +59,7 @@ def _decode_attn_kernel(
             bias = tl.zeros([BLOCK], tl.float32)
         if tl.max(keep.to(tl.int32), axis=0) > 0:
             k = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=keep[:, None], other=0.0)
+            v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -69,7 +70,6 @@ def _decode_attn_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
