@@ -97,12 +97,12 @@ def _canonical(key: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(key, dim=-1, descending=True, stable=True)[1][:, :k]
 
 
-@pytest.mark.parametrize("e, k", [(16, 3), (12, 5), (16, 8)])
+@pytest.mark.parametrize("e, k", [(16, 3), (12, 5), (16, 8), (128, 8), (256, 6)])
 @pytest.mark.parametrize("kind", ["softmax", "topk_softmax", "sigmoid"])
 def test_kernel_breaks_ties_to_the_lower_id_and_never_repeats_an_id(kind: str, e: int, k: int) -> None:
     """Adversarial rows: a handful of distinct values (exact ties everywhere) and -inf logits; non-power-of-two
     E and k. The kernel's ids equal the torch path's exactly, both equal the stable ranking, and stay distinct
-    when -inf scores are among the k."""
+    when -inf scores are among the k, up to 256 experts."""
     from moefx.backends.kernels.routing import fused_topk_triton
 
     dev = kernel_device()
