@@ -13,6 +13,13 @@ launch overhead included). Floor = bytes moved (weights, scales, x, outputs) / c
 `--calibrate`: per shape and mode (capture = graph replay, eager = eager calls), the crossover M ranges of gemv vs
 upstream (calibration.crossover_ranges) as dense rows in $OUT/dense_calibration.yaml, to copy to
 moefx/backends/tables/. `--sweep`: a budgeted tile sweep at M = 1, 4, 16 (best DenseConfig per point vs the default).
+Decode-layer forms (`FORMS`, bf16, M = 1, 2, 4, the M <= 4 range fuse_norm_linear takes): q/k/v with the input
+RMSNorm in the GEMV's prologue (`moefx::rms_norm_dense_linear`), the router with the residual add and the
+post-attention norm (`moefx::add_rms_norm_dense_linear`) and with the routing too (`moefx::add_rms_norm_route`),
+each as the gemv kernel's one launch against the same op's upstream path (torch's add and norm ops, cuBLAS,
+`moefx::fused_topk`) and next to the plain GEMV (`plain`: the prologue's and the routing's cost is the difference).
+Checked first: the linears and the normed rows within the bf16 bound of the upstream path, the sum equal to it, the
+routed ids equal to fused_topk's of the kernel's own logits.
 `--quick`: tiny shapes on the CPU under TRITON_INTERPRET=1 (correctness only). Table last; JSON to $OUT/dense.json.
 """
 
@@ -33,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moefx.backends import dense as D
+from moefx.backends import router as _router  # noqa: F401  (registers moefx::add_rms_norm_route)
 from moefx.backends.calibration import crossover_ranges
 from moefx.backends.dense_policy import DenseRow, dense_key, write_dense_row
 from moefx.backends.kernels import dense_kernels as K
@@ -45,6 +53,12 @@ SHAPES = {  # name: (N per weight, K, quantized by moefx.quantize)
     "router": ((128,), 2048, False),
 }
 QUICK_SHAPES = {"qkv": ((48, 16, 16), 64, True), "o": ((32,), 96, True), "router": ((8,), 64, False)}
+# decode-layer forms: name -> (shape, residual add, routing); Qwen3-30B-A3B's router routes top-8 of 128, renormalized
+FORMS = {"qkv+norm": ("qkv", False, False), "router+add+norm": ("router", True, False),
+         "router+add+norm+route": ("router", True, True)}
+FORM_MS = (1, 2, 4)
+ROUTE = (8, "softmax", True, None, 1, 1, 1.0, None)
+QUICK_ROUTE = (3, "softmax", True, None, 1, 1, 1.0, None)
 BLOCK = (128, 128)
 # bf16 outputs: one rounding (half an ulp, <= 2^-8 relative per element) over an fp32 sum; fp32 outputs: sum order
 BOUND_BF16, BOUND_FP8_F32, BOUND_FP8_BF16 = 5e-3, 1e-5, 5e-3
@@ -137,6 +151,10 @@ def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dic
     zero = counters is None or int(counters.abs().sum()) == 0
     ok = max(errs) < BOUND_BF16 and zero
     rows.append(dict(shape="split_k8 repeated", M=4, relerr=max(errs), bound=BOUND_BF16, ok=ok, counters_zero=zero))
+    for name, (shape, _, _) in FORMS.items():
+        ns, k, _ = shapes[shape]
+        form = Form(name, Problem(ns, k, False, dev, gen), gen, quick)
+        rows += [form.check(m, gen) for m in FORM_MS]
     if dev == "cuda":
         for fp8 in (False, True):
             prob = Problem(SHAPES["qkv"][0], SHAPES["qkv"][1], fp8, dev, gen)
@@ -150,6 +168,60 @@ def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dic
             rows.append(dict(shape=f"qkv graph replay == eager ({'fp8' if fp8 else 'bf16'})", M=2, relerr=0.0,
                              bound=0.0, ok=same))
     return rows
+
+
+class Form:
+    """One decode-layer form over a shape's Problem: the op's call per backend, and the kernel's own launch."""
+
+    def __init__(self, name: str, prob: Problem, gen: torch.Generator, quick: bool):
+        _, self.resid, routed = FORMS[name]
+        self.name, self.prob = name, prob
+        self.route = (QUICK_ROUTE if quick else ROUTE) if routed else None
+        self.norm_w = torch.randn(prob.k, device=prob.dev, generator=gen, dtype=prob.dtype)
+
+    def inputs(self, m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = self.prob.x(m, gen)
+        return x, torch.randn(m, self.prob.k, device=self.prob.dev, generator=gen, dtype=self.prob.dtype)
+
+    def call(self, backend: str, x: torch.Tensor, r: torch.Tensor, i: int = 0) -> list[torch.Tensor]:
+        ws, bs, _ = self.prob.sets[i]
+        if backend == "gemv" and not x.is_cuda:  # the CPU smoke run checks the kernel (interpreter), not the op
+            return K.dense_gemv(x, ws, bs, norm_weight=self.norm_w, norm_eps=1e-6,
+                                residual=r if self.resid else None, route=self.route)
+        if self.route is not None:
+            return torch.ops.moefx.add_rms_norm_route(x, r, self.norm_w, 1e-6, ws[0], *self.route, backend)
+        if self.resid:
+            return D.add_rms_norm_dense_linear(x, r, self.norm_w, 1e-6, ws, bs, backend=backend)
+        return D.rms_norm_dense_linear(x, self.norm_w, 1e-6, ws, bs, backend=backend)
+
+    def check(self, m: int, gen: torch.Generator) -> dict:
+        """The kernel's outputs against the upstream path: linears and normed rows within the bf16 bound, the
+        sum exact, the ids exactly fused_topk's of the kernel's own logits, the weights within 1e-5."""
+        from moefx.backends.kernels.routing import fused_topk_triton
+
+        x, r = self.inputs(m, gen)
+        got, want = self.call("gemv", x, r), self.call("upstream", x, r)
+        n_lin = len(self.prob.ns)
+        err = max(relerr(a, b) for a, b in zip(got[:n_lin], want[:n_lin]))
+        exact, w_err = True, 0.0
+        if self.resid:
+            exact = torch.equal(got[n_lin], want[n_lin])
+            err = max(err, relerr(got[n_lin + 1], want[n_lin + 1]))
+        if self.route is not None:
+            rw, ri = fused_topk_triton(got[0], *self.route)
+            exact = exact and torch.equal(got[-1], ri)
+            w_err = relerr(got[-2], rw)
+        ok = err < BOUND_BF16 and exact and w_err < 1e-5
+        return dict(shape=self.name, M=m, relerr=err, bound=BOUND_BF16, ok=ok, exact=exact, weights_relerr=w_err)
+
+    def measure(self, m: int, gen: torch.Generator) -> dict:
+        n = len(self.prob.sets)
+        xs = [self.inputs(m, gen) for _ in range(n)]
+        row = {}
+        for arm, backend in (("gemv", "gemv"), ("upstream", "upstream")):
+            row[arm] = time_graph(lambda backend=backend: [self.call(backend, *xs[i], i) for i in range(n)]) / n
+        row["plain"] = time_graph(lambda: [self.prob.call("gemv", xs[i][0], None, i) for i in range(n)]) / n
+        return dict(form=self.name, M=m, **row)
 
 
 def time_graph(fn, reps: int = 10, trials: int = 5) -> float:
@@ -316,6 +388,16 @@ def main() -> None:
                 src = write_dense_row(calib, DenseRow(key, ranges, prov, "", ts))
                 print(f"calibrated {name} {'fp8' if fp8 else 'bf16'} {mode}: "
                       f"{','.join(r.text() for r in ranges)} -> {calib.name} ({src})", flush=True)
+    result["forms"] = []
+    for name, (shape, _, _) in FORMS.items():
+        ns, k, _ = shapes[shape]
+        prob = Problem(ns, k, False, dev, gen, sets=1)
+        form = Form(name, Problem(ns, k, False, dev, gen, sets=rotation(prob.weight_bytes())), gen, quick)
+        for m in FORM_MS:
+            r = form.measure(m, gen)
+            result["forms"].append(r)
+            print(f"{name:22} M={m} gemv {r['gemv']:6.2f} upstream {r['upstream']:6.2f} plain {r['plain']:6.2f} us",
+                  flush=True)
     result["elapsed_s"] = time.time() - t0
     (out_dir / "dense.json").write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
@@ -341,6 +423,10 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         print(f"{r['shape']:6} {r['kind']:4} {r['M']:3d} {r['floor_us']:7.2f} {r['gemv']:7.2f} {r['upstream']:7.2f} "
               f"{r['gemv'] / r['floor_us']:10.2f} {r['upstream'] / r['gemv']:11.2f}")
+    print("\ndecode-layer forms (µs per call; upstream = the op's torch ops + cuBLAS (+ fused_topk); plain = the gemv "
+          "without the prologue and the routing)")
+    for r in result.get("forms", []):
+        print(f"{r['form']:22} M={r['M']} gemv {r['gemv']:6.2f} upstream {r['upstream']:6.2f} plain {r['plain']:6.2f}")
 
 
 if __name__ == "__main__":

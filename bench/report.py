@@ -420,6 +420,13 @@ def render_dense(r: dict[str, Any]) -> str:
              "the table runs cuBLAS except for FP8 q/k/v (the gemv's one launch against three block-FP8 ones) and "
              "FP8 o_proj at M=1. Which backend each "
              "call runs is the shipped table's ranges (docs/DENSE.md).")
+    if r.get("forms"):
+        forms = [(x["form"], x["M"], num(x["gemv"], 2), num(x["upstream"], 2), num(x["plain"], 2),
+                  ratio(x["upstream"], x["gemv"])) for x in r["forms"]]
+        body += ("\n\nDecode-layer forms, one gemv launch each, against the same op's upstream path (torch's add and "
+                 "norm ops, cuBLAS, `moefx::fused_topk`); `plain gemv` is the GEMV alone, so the difference is what "
+                 "the fused prologue and routing cost:\n\n")
+        body += table(["form", "M", "gemv µs", "upstream µs (peer)", "plain gemv µs", "upstream / gemv"], forms)
     return section(
         "Small-M projections (`moefx::dense_linear`)", r,
         what="Qwen3-30B-A3B projection shapes (q/k/v N = 4096 + 512 + 512, K = 2048; o N = 2048, K = 4096; router "

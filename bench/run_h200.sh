@@ -141,7 +141,7 @@ for s in "${stages[@]}"; do
             --arms hf_static,moefx_cold,moefx_warm --layer-regions frames --tag _frames ;;
         dispatch) run_stage dispatch 420 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
-        dense) run_stage dense 120 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
+        dense) run_stage dense 180 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
             cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
         dense-sweep) run_stage dense-sweep 240 python3 bench/dense.py --sweep --sweep-budget 180 ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
