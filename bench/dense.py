@@ -20,7 +20,8 @@ each as the gemv kernel's one launch against the same op's upstream path (torch'
 `moefx::fused_topk`) and next to the plain GEMV (`plain`: the prologue's and the routing's cost is the difference).
 Checked first: the linears and the normed rows within the bf16 bound of the upstream path, the sum equal to it, the
 routed ids equal to fused_topk's of the kernel's own logits.
-`--quick`: tiny shapes on the CPU under TRITON_INTERPRET=1 (correctness only). Table last; JSON to $OUT/dense.json.
+`--quick` (or no GPU): tiny shapes on the CPU under TRITON_INTERPRET=1, set here (correctness only). Table last;
+JSON to $OUT/dense.json.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and ("--quick" in sys.argv or not torch.cuda.is_available()):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before moefx's kernels are defined: the smoke run interprets them
 
 from moefx.backends import dense as D
 from moefx.backends import router as _router  # noqa: F401  (registers moefx::add_rms_norm_route)
