@@ -108,6 +108,21 @@ def test_route_epilogue_routes_the_logits_as_fused_topk(m, e, k, cfg, spec):
     assert torch.equal(again[4], ids)  # a second call finds the counters at zero
 
 
+def test_a_router_wider_than_the_epilogue_is_routed_by_the_routing_kernel():
+    """Past MAX_ROUTE_EXPERTS the launch has no ROUTE epilogue; the routing kernel runs after it, same outputs."""
+    from moefx.backends.routing import fused_topk_torch
+
+    e = K.MAX_ROUTE_EXPERTS + 76
+    assert not K.route_supported(e, 1)
+    x, nw, (w,), _ = _case(2, (e,), 32, torch.float32, "cpu")
+    r = torch.randn(2, 32, generator=torch.Generator().manual_seed(5))
+    route = (4, "softmax", True, None, 1, 1, 1.0, None)
+    logits, _, _, weights, ids = K.dense_gemv(x, [w], [None], norm_weight=nw, norm_eps=EPS, residual=r, route=route)
+    ref_w, ref_ids = fused_topk_torch(logits, 4, "softmax", True, None, 1, 1, 1.0)
+    assert torch.equal(ids, ref_ids) and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
 def test_norm_prologue_loads_rows_in_wide_steps():
     qkv = K.plan_launch(K.default_config(1, fp8=False), 1, (4096, 512, 512), 2048, None, 132)
     assert K.norm_block(qkv, 2048, False) == 2048  # Qwen3-30B-A3B's rows at decode: one load each

@@ -439,10 +439,7 @@ def dense_gemv(
     if route is not None and not fused:  # no counters for the epilogue: the routing kernel of its own
         from moefx.backends.kernels.routing import fused_topk_triton
 
-        top_k, kind, renorm, bias, n_group, topk_group, scale, w_dtype = route
-        for got, want in zip(fused_topk_triton(outs[0], top_k, kind, renorm, bias, n_group, topk_group, scale,
-                                               w_dtype), routed):
-            want.copy_(got)
+        routed = list(fused_topk_triton(outs[0], *route))
     return outs + sums + routed
 
 
@@ -494,6 +491,7 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     return routing
 
 
+@functools.lru_cache(maxsize=64)  # pure in its arguments; asked per launch
 def route_supported(num_experts: int, n_group: int) -> bool:
     """Whether the ROUTE epilogue takes this router: the routing kernel's shapes, one row of scores in registers."""
     from moefx.backends.routing import kernel_supports
