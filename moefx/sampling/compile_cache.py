@@ -1,19 +1,22 @@
-"""Compile artifacts that outlive the process: the decode engine's compiles kept with PyTorch's Mega-Cache.
+"""Compile artifacts that outlive the process: the decode engine's compiles kept with PyTorch's Mega-Cache and its
+traces kept with torch's AOT compile.
 
 `torch.compiler.save_cache_artifacts()` serializes what inductor, AOTAutograd and Triton's autotuner built
 in this process (generated code, on CUDA the compiled Triton kernels, autotune results);
 `load_cache_artifacts()` writes them back into those caches, so the next compile of the same graph is a cache
-hit instead of a compile. Dynamo still traces each function (seconds), and CUDA graphs are captured afresh.
-On the CPU the generated C++ is built again on load (only its source is kept), so a warm CPU process still
-pays the C++ compiler.
+hit instead of a compile. On the CPU the generated C++ is built again on load (only its source is kept). That
+alone leaves dynamo's tracing to every new process; the engine's saved traces (`aot.py`: bytecode, guards and
+compiled graph per trace) go into the same file, so a new process calls its steps without tracing them. CUDA graphs
+are captured afresh.
 
 One file per engine identity — model signature, device (name, capability, SMs, CPU ISA), dtype, mode, parallel sizes,
-max batch size, capture buckets and the config hash — under `<moefx cache folder>/compile/` (`machine.cache_dir()`,
-i.e. `$XDG_CACHE_HOME/moefx/compile`), or the folder the config key `compile_cache` / `MOEFX_COMPILE_CACHE` names.
-Its header holds the format version, that identity, a stamp (torch, triton, transformers and moefx versions,
-the pass manager's uuid, which hashes the config, the plan and the passes' sources) and the payload's
-length and SHA-256. A file whose stamp differs (stale) or whose header, checksum or payload does not load
-(corrupt) is named in one warning line, deleted, and rebuilt by compiling afresh; it is never loaded.
+max batch size, capture buckets, the config hash and the compiled-frames handle its traces name — under
+`<moefx cache folder>/compile/` (`machine.cache_dir()`, i.e. `$XDG_CACHE_HOME/moefx/compile`), or the folder the
+config key `compile_cache` / `MOEFX_COMPILE_CACHE` names. Its header holds the format version, that identity, a
+stamp (torch, triton, transformers and moefx versions, the pass manager's uuid, which hashes the config, the plan
+and the passes' sources) and the payload's length and SHA-256. A file whose stamp differs (stale) or whose header,
+checksum or payload does not load (corrupt) is named in one warning line, deleted, and rebuilt by compiling
+afresh; it is never loaded. A saved trace that does not load is named in a warning and traced again.
 
 moefx's own plan inputs need nothing extra: calibration tables are files already (their content is in the
 config hash), and what the plan derives at run time (capture buckets from free memory) is in the identity.
@@ -31,6 +34,7 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,7 +46,7 @@ from moefx.log import get_logger, progress_logger
 
 log = get_logger("moefx.sampling")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the payload holds the Mega-Cache's bytes and the engine's saved traces
 MAGIC = b"moefx-compile-cache\n"
 ENV = "MOEFX_COMPILE_CACHE"
 _TRUE = ("1", "true", "on", "yes")
@@ -125,13 +129,15 @@ class CompileCache:
     path: Path
     identity: dict[str, Any]
     stamp: dict[str, Any]
-    loaded: int = 0  # artifacts loaded from the file (0: none, or not yet)
-    saved: int = 0  # artifacts in the file after the last save
+    loaded: int = 0  # artifacts and traces loaded from the file (0: none, or not yet)
+    saved: int = 0  # artifacts and traces in the file after the last save
+    steps: Any = None  # the engine's AotSteps (aot.py), whose traces the file keeps; None: artifacts only
     _tried: bool = False
     _misses_at_save: int = 0
 
     @classmethod
-    def for_plan(cls, folder: Path, plan: Any, config: Any, pass_uuid: str, buckets: list[int]) -> CompileCache:
+    def for_plan(cls, folder: Path, plan: Any, config: Any, pass_uuid: str, buckets: list[int],
+                 frames: int | None = None) -> CompileCache:
         es = plan.execution
         identity = {
             "model": plan.model.key(), "device": es.device_type, "device_name": es.device_name,
@@ -139,6 +145,8 @@ class CompileCache:
             "cpu_isa": list(es.cpu_isa),
             "dtype": es.dtype, "mode": es.mode, "tp": es.tp_size, "ep": es.ep_size,
             "max_batch_size": es.max_batch_size, "buckets": list(buckets), "config": config.compute_hash(),
+            # A saved trace calls the compiled-frame ops with this handle as a constant (frames.py).
+            "frames": frames,
         }
         stamp = {"format": FORMAT_VERSION, **versions(), "passes": pass_uuid}
         name = f"{plan.model.key()}-{_digest(identity)[:16]}.bin"
@@ -193,17 +201,19 @@ class CompileCache:
             self._discard(why)
             return 0
         try:
-            info = load_payload(payload)
+            parts = pickle.loads(payload)
+            info = load_payload(parts["artifacts"]) if parts["artifacts"] else None
         except Exception as exc:  # whatever torch raises, the file must not be trusted
-            info, why = None, f"corrupt (torch could not load it: {type(exc).__name__}: {exc})"
-        else:
-            why = "corrupt (torch could not load it)"
-        if info is None:
-            self._discard(why)
+            self._discard(f"corrupt (torch could not load it: {type(exc).__name__}: {exc})")
             return 0
-        self.loaded = self.saved = sum(len(keys) for keys in info.artifacts.values())
-        progress_logger().info("loaded compile cache (%d artifacts) from %s in %.1f s", self.loaded, self.path,
-                               time.perf_counter() - start)
+        if parts["artifacts"] and info is None:
+            self._discard("corrupt (torch could not load it)")
+            return 0
+        artifacts = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
+        traces = self.steps.give(parts["traces"]) if self.steps is not None else 0
+        self.loaded = self.saved = artifacts + traces
+        progress_logger().info("loaded compile cache (%d artifacts, %d traces) from %s in %.1f s", artifacts, traces,
+                               self.path, time.perf_counter() - start)
         return self.loaded
 
     # -- writing ---------------------------------------------------------------------------------------------
@@ -212,17 +222,21 @@ class CompileCache:
         """Write this process's artifacts when something was compiled since the last save (always with
         `force`); the number of artifacts in the file, 0 when there was nothing to write."""
         misses = _misses()
-        if not force and misses == self._misses_at_save and self.saved:
+        new_traces = self.steps is not None and self.steps.unsaved()
+        if not force and misses == self._misses_at_save and self.saved and not new_traces:
             return 0  # nothing compiled since the file was loaded or written
         self._misses_at_save = misses
         start = time.perf_counter()
         result = torch.compiler.save_cache_artifacts()
-        if result is None:
+        traces = self.steps.collect() if self.steps is not None else {}
+        if result is None and not traces:
             return 0
-        payload, info = result
+        mega, info = result if result is not None else (None, None)
+        payload = pickle.dumps({"artifacts": mega, "traces": traces})
+        counts = {kind: len(keys) for kind, keys in info.artifacts.items()} if info is not None else {}
+        counts["traces"] = sum(len(items) for items in traces.values())
         header = {"format": FORMAT_VERSION, "identity": self.identity, "stamp": self.stamp, "size": len(payload),
-                  "sha256": hashlib.sha256(payload).hexdigest(),
-                  "artifacts": {kind: len(keys) for kind, keys in info.artifacts.items()}}
+                  "sha256": hashlib.sha256(payload).hexdigest(), "artifacts": counts}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,9 +250,12 @@ class CompileCache:
                         exc)
             tmp.unlink(missing_ok=True)
             return 0
-        self.saved = sum(header["artifacts"].values())
-        progress_logger().info("saved compile cache (%d artifacts, %.1f MiB) to %s in %.1f s", self.saved,
-                               len(payload) / 2**20, self.path, time.perf_counter() - start)
+        self.saved = sum(counts.values())
+        if self.steps is not None:
+            self.steps.mark_saved(counts["traces"])
+        progress_logger().info("saved compile cache (%d artifacts, %d traces, %.1f MiB) to %s in %.1f s",
+                               self.saved - counts["traces"], counts["traces"], len(payload) / 2**20, self.path,
+                               time.perf_counter() - start)
         return self.saved
 
     def attach(self, engine: Any) -> None:
@@ -254,12 +271,15 @@ class CompileCache:
 
         engine.generate = generate
         engine.compile_cache = self
+        self.steps = getattr(engine, "aot_steps", None)
 
 
-def engine_cache(plan: Any, config: Any, backend: Any, buckets: list[int]) -> CompileCache | None:
-    """The artifact file for an engine compiled with `backend` (moefx's), or None when the cache is off."""
+def engine_cache(plan: Any, config: Any, backend: Any, buckets: list[int],
+                 frames: int | None = None) -> CompileCache | None:
+    """The artifact file for an engine compiled with `backend` (moefx's), or None when the cache is off; `frames`
+    is the handle of the model's compiled frames (frames.py), when it has them."""
     folder = cache_folder(getattr(config, "compile_cache", None))
     manager = getattr(backend, "pass_manager", None)
     if folder is None or manager is None:
         return None
-    return CompileCache.for_plan(folder, plan, config, manager.uuid(), buckets)
+    return CompileCache.for_plan(folder, plan, config, manager.uuid(), buckets, frames)

@@ -43,6 +43,7 @@ import torch
 
 from moefx.backends.capture_mode import as_captured
 from moefx.log import get_logger, progress_logger, warn_once
+from moefx.sampling.aot import AotFunction, AotSteps, why_no_aot
 from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
 from moefx.sampling.regions import layer_frames
 from moefx.sampling.sampler import SamplingParams, sample
@@ -106,10 +107,10 @@ def _mark_slot_dynamic(slot: _Slot) -> None:
                 if static_layers:
                     torch._dynamo.maybe_mark_dynamic(t, 2)
         if static_layers:
-            layer.get_mask_sizes = types.MethodType(_mask_sizes_from_keys, layer)
+            layer.get_mask_sizes = types.MethodType(get_mask_sizes, layer)
 
 
-def _mask_sizes_from_keys(layer: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+def get_mask_sizes(layer: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     """StaticLayer.get_mask_sizes (kv length, kv offset), the length read from the keys' (dynamic) shape."""
     return layer.keys.shape[2], 0
 
@@ -206,6 +207,8 @@ class DecodeLoop:
     `forward` is the model forward to call (default `model.forward`; `optimize` passes the uncompiled one).
     `prefill_capture_tokens` caps rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off,
     every prompt runs unpadded; None: `PREFILL_CAPTURE_TOKENS` with `cuda_graphs` and `compile_kwargs`, else off).
+    `saved_traces` compiles each function as traces a new process loads without tracing (`aot.py`), for an
+    engine whose compile cache keeps them; `aot_steps` holds them (None: the ordinary torch.compile).
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class DecodeLoop:
         forward: Callable[..., Any] | None = None,
         prefill_capture_tokens: int | None = None,
         memory_budget: float | None = None,
+        saved_traces: bool = False,
     ) -> None:
         from transformers import StaticCache
 
@@ -243,6 +247,7 @@ class DecodeLoop:
         self.slots = SlotPool(self.stats, memory_budget)
         self.graph_pool = GraphPool()
         kw = self._compile_kwargs = dict(compile_kwargs or {})
+        self.aot_steps = AotSteps() if saved_traces and self.compiled and why_no_aot() is None else None
         self._prefill = self._compile("prefill", self._run, kw)
         if prefill_capture_tokens is None:
             prefill_capture_tokens = PREFILL_CAPTURE_TOKENS if cuda_graphs and self.compiled else 0
@@ -286,7 +291,10 @@ class DecodeLoop:
 
         from moefx.compile import with_exact_floats
 
-        return with_exact_floats(torch.compile(target, **{**kw, "backend": counting_backend}))
+        compiled = with_exact_floats(torch.compile(target, **{**kw, "backend": counting_backend}))
+        if self.aot_steps is None:
+            return compiled
+        return self.aot_steps.add(AotFunction(name, own, bound, counting_backend, compiled))
 
     # -- the model calls -------------------------------------------------------------------------------------
 

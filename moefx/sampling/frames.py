@@ -58,6 +58,11 @@ class LayerFrames(LayerCalls):
         self.handle = next(_HANDLES)
         _FRAMES[self.handle] = self
 
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickled as None: a saved trace's guard state (`aot.py`) pickles the layers its guards read, and each
+        layer's forward holds this object with the compiled bodies; no kept guard reads it."""
+        return type(None), ()
+
     @property
     def bound(self) -> bool:
         return self._compile is not None
@@ -148,13 +153,21 @@ def _parsed_flags(constants: str) -> dict[str, Any]:
     return {key: ast.literal_eval(value) for key, value in pairs}
 
 
+def _below_autograd() -> Any:
+    """The bodies run with the autograd keys excluded, whoever calls the op: the compiled steps' calls come without
+    them and a loaded trace's with them, and a body's guards compare its input's dispatch keys, so each caller
+    would otherwise get a trace of its own (the steps run under no_grad: nothing is recorded either way)."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
 @torch.library.impl(_LIB, "layer_decode", "CompositeExplicitAutograd")
 def _layer_decode(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
                   mask: torch.Tensor | None, position_ids: torch.Tensor | None, cache_position: torch.Tensor | None,
                   cos: torch.Tensor, sin: torch.Tensor, names: str, constants: str, cache_name: str, handle: int,
                   index: int) -> torch.Tensor:
     frames, layer, kwargs = _call(handle, index, names, constants, (mask, position_ids, cache_position, cos, sin))
-    (out,) = frames.body("decode")(layer, hidden, cache_name, (keys, values, length), (), kwargs, False)
+    with _below_autograd():
+        (out,) = frames.body("decode")(layer, hidden, cache_name, (keys, values, length), (), kwargs, False)
     return _as_declared(out, hidden.shape, hidden.dtype)
 
 
@@ -163,7 +176,8 @@ def _layer_prefill(hidden: torch.Tensor, mask: torch.Tensor | None, position_ids
                    cache_position: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, names: str,
                    constants: str, cache_name: str, handle: int, index: int) -> tuple[torch.Tensor, ...]:
     frames, layer, kwargs = _call(handle, index, names, constants, (mask, position_ids, cache_position, cos, sin))
-    out, keys, values = frames.body("prefill")(layer, hidden, cache_name, (), (), kwargs)
+    with _below_autograd():
+        out, keys, values = frames.body("prefill")(layer, hidden, cache_name, (), (), kwargs)
     shape = _kv_shape(layer, hidden)
     return (_as_declared(out, hidden.shape, hidden.dtype), _as_declared(keys, shape, hidden.dtype),
             _as_declared(values, shape, hidden.dtype))

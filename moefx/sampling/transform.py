@@ -18,9 +18,11 @@ from moefx.transforms import register_model_transform
 
 def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     from moefx.compile import backend
+    from moefx.sampling.aot import why_no_aot
     from moefx.sampling.compile_cache import engine_cache
     from moefx.sampling.decode import DecodeLoop
     from moefx.sampling.generate import install_generate
+    from moefx.sampling.regions import layer_frames
 
     mode = getattr(config, "mode", "compile")
     device = getattr(getattr(plan, "execution", None), "device_type", None)
@@ -30,10 +32,12 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     # Offloaded experts calls above the stream host's rows cannot be captured: their prefill stays unpadded.
     offloaded = any(hasattr(module, "moefx_offload") for module in model.modules())
     prefill_tokens = getattr(config, "prefill_capture_tokens", 0) if graphs and not offloaded else 0
+    frames = layer_frames(model)
+    cache = None if compile_kwargs is None else engine_cache(plan, config, compile_kwargs["backend"], sizes,
+                                                             frames.handle if frames is not None else None)
     engine = DecodeLoop(model, compile_kwargs=compile_kwargs, cuda_graphs=graphs, capture_sizes=sizes or None,
                         forward=model.forward, prefill_capture_tokens=prefill_tokens,
-                        memory_budget=getattr(config, "memory_budget", None))
-    cache = None if compile_kwargs is None else engine_cache(plan, config, compile_kwargs["backend"], sizes)
+                        memory_budget=getattr(config, "memory_budget", None), saved_traces=cache is not None)
     if cache is not None:
         cache.attach(engine)
     install_generate(model, engine)
@@ -43,7 +47,9 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     where = (f"decode steps replayed from CUDA graphs for batches {sizes}, each captured on first use (padded to "
              f"the bucket; larger batches without graphs, said once in fallbacks){prefill}" if graphs
              else f"no CUDA graphs (mode {mode} on {device})")
-    kept = "" if compile_kwargs is None else (f"; compile artifacts kept in {cache.path}" if cache is not None
+    traces = ("and traces (a new process runs the steps without tracing them) " if engine.aot_steps is not None
+              else f"(no traces: {why_no_aot() or 'not kept'}) ")
+    kept = "" if compile_kwargs is None else (f"; compile artifacts {traces}kept in {cache.path}" if cache is not None
                                              else "; compile cache off")
     slots = engine.slots
     budget = f"{slots.setting:g} of free memory" if slots.setting <= 1 else f"{slots.setting / 2**20:.0f} MiB"

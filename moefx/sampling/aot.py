@@ -1,0 +1,275 @@
+"""The engine's compiled steps in a form a new process loads without dynamo tracing them again.
+
+PyTorch's compile caches (the Mega-Cache, `compile_cache.py`) keep inductor's and AOTAutograd's outputs, not
+dynamo's, so a warm process still traced every step: 6.9 s of a 22.3 s warm start at 48 layers on the H200
+(docs/FINDINGS.md). torch's AOT compile (`torch.compile(fn, fullgraph=True).aot_compile(...)`, torch >= 2.10)
+keeps dynamo's output too: the transformed bytecode, the guards and the compiled graph, one serializable entry
+per trace. `AotFunction` compiles each of the engine's functions that way, one entry per distinct call (what
+dynamo's cache entries would have been), picks the entry whose guards pass at each call, and hands its entries
+to the engine's compile-cache file; a new process loads them and calls them with no tracing and no backend.
+
+Which guards an entry keeps (`_keep`): those on the call's own values, namely tensor metadata (dtype, device,
+shape, strides, which dimensions are dynamic), the shape relations, constants such as `by_head` or a None mask,
+sequence lengths (cache layers) and the global state (grad mode, default device). Guards on objects' identity,
+on code, closures, modules and dicts cannot be serialized, and what they protect is fixed by the engine's
+identity in the file name (model signature, config, plan, versions, pass sources): each is the same in a
+process that finds the file. Tensor dimension marks (`maybe_mark_dynamic`) are lost by torch's guard
+serialization, so they are kept beside the entry and put back on load. An entry that does not load, or a call
+that fullgraph tracing cannot take (a graph break), runs the ordinary `torch.compile` path, said once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from moefx.log import get_logger, warn_once
+
+log = get_logger("moefx.sampling")
+
+# Guard kinds that speak of the call's own values and survive serialization (see the module docstring).
+_KEPT_GUARDS = frozenset({
+    "TENSOR_MATCH", "SHAPE_ENV", "CONSTANT_MATCH", "EQUALS_MATCH", "SEQUENCE_LENGTH", "GRAD_MODE",
+    "DEFAULT_DEVICE", "DETERMINISTIC_ALGORITHMS", "TORCH_FUNCTION_STATE", "GLOBAL_STATE",
+})
+# Where torch keeps a tensor's dimension marks, read by the tensor guards.
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+          "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")
+
+
+def why_no_aot() -> str | None:
+    """Why this torch cannot keep dynamo's output across processes (None: it can)."""
+    try:
+        from torch._dynamo import aot_compile
+        from torch._dynamo.package import load_guard_manager, load_guards_state  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no AOT compile ({exc})"
+    if not hasattr(aot_compile, "AOTCompiledFunction"):
+        return f"torch {torch.__version__} has no AOT compile (torch._dynamo.aot_compile.AOTCompiledFunction)"
+    return None
+
+
+def _keep(entry: Any, owner: str | None) -> bool:
+    """Whether a guard stays in the entry: a kept kind, on the call's arguments (not a global, not the attributes of
+    `owner`, the engine a method is bound to, not code reached through dunder attributes)."""
+    name = entry.name
+    on_owner = owner is not None and (name == owner or name.startswith((f"{owner}.", f"{owner}[")))
+    return entry.guard_type in _KEPT_GUARDS and not entry.is_global and not on_owner and "__" not in name
+
+
+def _marks(names: Sequence[str], f_locals: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The dimension marks of the guarded tensors, by their guard's name (an expression over the call's locals)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            value = eval(name, {}, dict(f_locals))  # the guard's own source expression
+        except Exception:
+            continue
+        found = {attr: getattr(value, attr) for attr in _MARKS if hasattr(value, attr)}
+        if found:
+            out[name] = found
+    return out
+
+
+def _tensors(value: Any, path: str = "", depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """The tensors among a call's arguments, in tuples, lists and dicts two levels down, by path."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if depth > 2:
+        return []
+    if isinstance(value, (tuple, list)):
+        return [t for i, v in enumerate(value) for t in _tensors(v, f"{path}[{i}]", depth + 1)]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in _tensors(v, f"{path}[{k!r}]", depth + 1)]
+    return []
+
+
+def _loaded_class() -> type:
+    """torch's AOTCompiledFunction, with guards rebuilt from the saved state as `_keep` left them: the dimension
+    marks put back on the saved tensors, and no dict key-order sources (no dict guard is kept; torch would
+    evaluate them against the saved locals, which hold only what the kept guards read)."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._dynamo.package import load_guard_manager, load_guards_state
+    from torch._guards import TracingContext, tracing
+
+    class Loaded(AOTCompiledFunction):
+        marks: dict[str, dict[str, Any]] = {}
+
+        def __post_init__(self) -> None:
+            art = self._artifacts
+            art.check_compatibility()
+            self.fn = art.runtime_env.forward_callable(art.backend_id, art.compiled_fn,
+                                                       extra_globals=self._extra_globals)
+            with tracing(TracingContext(None)):  # unpickling import sources installs guards into a context
+                state = load_guards_state(art.guards_state)
+            scope = state.output_graph.local_scope
+            for name, marks in self.marks.items():
+                tensor = eval(name, {}, dict(scope))  # the guard's own source expression
+                for attr, value in marks.items():
+                    setattr(tensor, attr, value)
+            state.output_graph.guard_on_key_order = set()
+            art.guard_manager = load_guard_manager(state, art.original_code, self.fn.__globals__)
+
+    return Loaded
+
+
+@dataclasses.dataclass
+class _Entry:
+    compiled: Any  # an AOTCompiledFunction
+    blob: bytes | None  # what the compile-cache file keeps (None: could not be serialized)
+
+
+class AotFunction:
+    """`fn` (a function; `bound` its first argument, or None) compiled by `backend` one fullgraph trace per distinct
+    call, each trace an entry that a new process can load (`load`) and `blobs` to save. Calls that fullgraph
+    tracing cannot take go to `fallback` (the ordinary torch.compile of the same function)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], bound: Any, backend: Callable[..., Any],
+                 fallback: Callable[..., Any]) -> None:
+        self.name, self.fn, self.bound, self.backend, self.fallback = name, fn, bound, backend, fallback
+        self.entries: list[_Entry] = []
+        self.pending: list[bytes] = []  # loaded from the file, deserialized at the first call
+        self.loaded = 0  # entries this process loaded instead of tracing
+        self.broken: str | None = None  # why calls without a matching entry go to `fallback`
+        self._args = self._arg_names(fn)
+        self._sizes: dict[str, tuple[int, ...]] = {}  # the first trace's argument sizes, by path
+
+    @staticmethod
+    def _arg_names(fn: Callable[..., Any]) -> tuple[str, ...] | None:
+        code = fn.__code__
+        if code.co_flags & 0x0C:  # *args or **kwargs: bind through inspect
+            return None
+        return code.co_varnames[: code.co_argcount]
+
+    def _locals(self, args: tuple) -> dict[str, Any]:
+        if self._args is not None and len(args) == len(self._args):
+            return dict(zip(self._args, args))
+        import inspect
+
+        return dict(inspect.signature(self.fn).bind(*args).arguments)
+
+    def __call__(self, *args: Any) -> Any:
+        full = args if self.bound is None else (self.bound, *args)
+        if self.pending:
+            self._deserialize()
+        if self.entries:
+            f_locals = self._locals(full)
+            for entry in self.entries:
+                if entry.compiled._artifacts.guard_manager.check(f_locals):
+                    return entry.compiled.fn(*full)
+        if self.broken is None:
+            entry = self._compile(full)
+            if entry is not None:
+                return entry.compiled.fn(*full)
+        return self.fallback(*args)
+
+    def _dynamic_where_changed(self, full: tuple) -> None:
+        """Dynamo's automatic dynamic shapes, which its AOT compile does not apply: a trace after the first marks
+        the argument dimensions whose sizes differ from the first trace's dynamic, so one more trace serves every
+        size (layer bodies get new batch and cache sizes from intermediate tensors the engine cannot mark)."""
+        found = _tensors(full)
+        if not self._sizes:
+            self._sizes = {path: tuple(t.shape) for path, t in found}
+            return
+        for path, tensor in found:
+            first = self._sizes.get(path)
+            if first is not None and len(first) == tensor.dim():
+                for dim, (was, now) in enumerate(zip(first, tensor.shape)):
+                    if was != now:
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+    def _compile(self, full: tuple) -> _Entry | None:
+        self._dynamic_where_changed(full)
+        tensors: list[str] = []
+
+        owner = self._args[0] if self.bound is not None and self._args else None
+
+        def guard_filter(entries: Sequence[Any]) -> list[bool]:
+            keep = [_keep(e, owner) for e in entries]
+            tensors.extend(e.name for e, k in zip(entries, keep) if k and e.guard_type == "TENSOR_MATCH")
+            return keep
+
+        compiler = torch.compile(self.fn, fullgraph=True, backend=self.backend,
+                                 options={"guard_filter_fn": guard_filter})
+        try:
+            with torch._dynamo.config.patch(specialize_float=True):  # moefx.compile.with_exact_floats: why
+                compiled = compiler.aot_compile((full, {}))
+        except Exception as exc:  # a graph break, or a torch that cannot save this trace: the ordinary path
+            self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warn_once(f"moefx: {self.name} is compiled without a saved trace, so a new process traces it again "
+                      f"({self.broken})")
+            return None
+        marks = _marks(tensors, self._locals(full))
+        try:
+            blob = pickle.dumps({"aot": type(compiled).serialize(compiled).serialized_data, "marks": marks})
+        except Exception as exc:
+            blob = None
+            warn_once(f"moefx: {self.name}'s trace cannot be saved, so a new process traces it again "
+                      f"({type(exc).__name__}: {exc})")
+        entry = _Entry(compiled, blob)
+        self.entries.append(entry)
+        return entry
+
+    def _deserialize(self) -> None:
+        blobs, self.pending = self.pending, []
+        cls = _loaded_class()
+        for blob in blobs:
+            try:
+                data = pickle.loads(blob)
+                loaded = type("Loaded", (cls,), {"marks": data["marks"]}).deserialize(data["aot"],
+                                                                                       self.fn.__globals__)
+            except Exception as exc:  # whatever fails, the entry is not used: it is traced again and re-saved
+                log.warning("compile cache entry of %s does not load (%s: %s); tracing it afresh", self.name,
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                continue
+            self.entries.append(_Entry(loaded, blob))
+            self.loaded += 1
+
+    def blobs(self) -> list[bytes]:
+        """Every entry that can be saved, loaded ones included."""
+        return [e.blob for e in self.entries if e.blob is not None] + self.pending
+
+
+class AotSteps:
+    """An engine's AotFunctions by name, and the entries a compile-cache file handed over for names that are not
+    compiled yet (layer bodies are made on first use)."""
+
+    def __init__(self) -> None:
+        self.functions: dict[str, AotFunction] = {}
+        self._from_file: dict[str, list[bytes]] = {}
+        self._saved = 0
+
+    def add(self, function: AotFunction) -> AotFunction:
+        function.pending = self._from_file.pop(function.name, [])
+        self.functions[function.name] = function
+        return function
+
+    def give(self, blobs: dict[str, list[bytes]]) -> int:
+        """Entries read from a file, each function's ahead of its first call; the number of entries."""
+        for name, items in blobs.items():
+            target = self.functions.get(name)
+            if target is not None:
+                target.pending = list(items)
+            else:
+                self._from_file[name] = list(items)
+        self._saved = sum(len(items) for items in blobs.values())
+        return self._saved
+
+    def collect(self) -> dict[str, list[bytes]]:
+        out = {name: list(items) for name, items in self._from_file.items()}
+        out.update({name: f.blobs() for name, f in self.functions.items() if f.blobs()})
+        return out
+
+    def unsaved(self) -> bool:
+        """Whether entries were traced since the file was read or written."""
+        return sum(len(items) for items in self.collect().values()) != self._saved
+
+    def mark_saved(self, count: int) -> None:
+        self._saved = count
+
+    def loaded(self) -> int:
+        return sum(f.loaded for f in self.functions.values())
