@@ -66,14 +66,16 @@ def child(args: argparse.Namespace) -> dict:
         engine = model.moefx_generate.engine
         cache = getattr(engine, "compile_cache", None)
         row.update(compiles=engine.stats.compiles, backend_s=engine.stats.compile_s, captures=engine.stats.captures,
-                   cache_loaded=cache.loaded if cache else None, cache_file=str(cache.path) if cache else None)
+                   cache_loaded=cache.loaded if cache else None, cache_file=str(cache.path) if cache else None,
+                   traces_loaded=engine.aot_steps.loaded() if engine.aot_steps is not None else None)
     if args.device == "cuda":
         torch.cuda.synchronize()
     done = time.perf_counter()
     row.update(first_call_s=round(done - built, 2), ready_s=round(done - START, 2),
                build_s=round(built - START, 2), tokens=out[:, args.prompt:].tolist(),
                fxgraph_cache_miss=int(counters["inductor"]["fxgraph_cache_miss"]),
-               fxgraph_cache_hit=int(counters["inductor"]["fxgraph_cache_hit"]), phase_s=_phases())
+               fxgraph_cache_hit=int(counters["inductor"]["fxgraph_cache_hit"]),
+               dynamo_graphs=int(counters["stats"]["unique_graphs"]), phase_s=_phases())
     return row
 
 
