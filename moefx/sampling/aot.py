@@ -125,7 +125,7 @@ class _Entry:
 
 class AotFunction:
     """`fn` (a function; `bound` its first argument, or None) compiled by `backend` one fullgraph trace per distinct
-    call, each trace an entry that a new process can load (`load`) and `blobs` to save. Calls that fullgraph
+    call, each trace an entry that `blobs` gives to save and a new process loads (`pending`). Calls that fullgraph
     tracing cannot take go to `fallback` (the ordinary torch.compile of the same function)."""
 
     def __init__(self, name: str, fn: Callable[..., Any], bound: Any, backend: Callable[..., Any],
@@ -150,7 +150,9 @@ class AotFunction:
             return dict(zip(self._args, args))
         import inspect
 
-        return dict(inspect.signature(self.fn).bind(*args).arguments)
+        bound = inspect.signature(self.fn).bind(*args)
+        bound.apply_defaults()  # the guards read defaulted arguments too (layer_body's `advance`)
+        return dict(bound.arguments)
 
     def __call__(self, *args: Any) -> Any:
         full = args if self.bound is None else (self.bound, *args)
