@@ -64,9 +64,10 @@ def _keep(entry: Any, owner: str | None) -> bool:
 def _marks(names: Sequence[str], f_locals: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The dimension marks of the guarded tensors, by their guard's name (an expression over the call's locals)."""
     out: dict[str, dict[str, Any]] = {}
+    scope = dict(f_locals)
     for name in names:
         try:
-            value = eval(name, {}, dict(f_locals))  # the guard's own source expression
+            value = eval(name, {}, scope)  # the guard's own source expression
         except Exception:
             continue
         found = {attr: getattr(value, attr) for attr in _MARKS if hasattr(value, attr)}
@@ -134,6 +135,7 @@ class AotFunction:
         self.entries: list[_Entry] = []
         self.pending: list[bytes] = []  # loaded from the file, deserialized at the first call
         self.loaded = 0  # entries this process loaded instead of tracing
+        self.changes = 0  # entries traced, or dropped because they did not load: the file is out of date
         self.broken: str | None = None  # why calls without a matching entry go to `fallback`
         self._args = self._arg_names(fn)
         self._sizes: dict[str, tuple[int, ...]] = {}  # the first trace's argument sizes, by path
@@ -214,6 +216,7 @@ class AotFunction:
                       f"({type(exc).__name__}: {exc})")
         entry = _Entry(compiled, blob)
         self.entries.append(entry)
+        self.changes += blob is not None
         return entry
 
     def _deserialize(self) -> None:
@@ -227,6 +230,7 @@ class AotFunction:
             except Exception as exc:  # whatever fails, the entry is not used: it is traced again and re-saved
                 log.warning("compile cache entry of %s does not load (%s: %s); tracing it afresh", self.name,
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.changes += 1
                 continue
             self.entries.append(_Entry(loaded, blob))
             self.loaded += 1
@@ -243,7 +247,7 @@ class AotSteps:
     def __init__(self) -> None:
         self.functions: dict[str, AotFunction] = {}
         self._from_file: dict[str, list[bytes]] = {}
-        self._saved = 0
+        self._changes_at_save = 0
 
     def add(self, function: AotFunction) -> AotFunction:
         function.pending = self._from_file.pop(function.name, [])
@@ -258,20 +262,25 @@ class AotSteps:
                 target.pending = list(items)
             else:
                 self._from_file[name] = list(items)
-        self._saved = sum(len(items) for items in blobs.values())
-        return self._saved
+        return sum(len(items) for items in blobs.values())
 
     def collect(self) -> dict[str, list[bytes]]:
+        """Every entry to save, by function name."""
         out = {name: list(items) for name, items in self._from_file.items()}
-        out.update({name: f.blobs() for name, f in self.functions.items() if f.blobs()})
+        for name, function in self.functions.items():
+            if blobs := function.blobs():
+                out[name] = blobs
         return out
 
-    def unsaved(self) -> bool:
-        """Whether entries were traced since the file was read or written."""
-        return sum(len(items) for items in self.collect().values()) != self._saved
+    def _changes(self) -> int:
+        return sum(f.changes for f in self.functions.values())
 
-    def mark_saved(self, count: int) -> None:
-        self._saved = count
+    def unsaved(self) -> bool:
+        """Whether entries were traced, or dropped as unloadable, since the file was written."""
+        return self._changes() != self._changes_at_save
+
+    def mark_saved(self) -> None:
+        self._changes_at_save = self._changes()
 
     def loaded(self) -> int:
         return sum(f.loaded for f in self.functions.values())

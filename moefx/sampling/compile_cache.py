@@ -252,7 +252,7 @@ class CompileCache:
             return 0
         self.saved = sum(counts.values())
         if self.steps is not None:
-            self.steps.mark_saved(counts["traces"])
+            self.steps.mark_saved()
         progress_logger().info("saved compile cache (%d artifacts, %d traces, %.1f MiB) to %s in %.1f s",
                                self.saved - counts["traces"], counts["traces"], len(payload) / 2**20, self.path,
                                time.perf_counter() - start)
