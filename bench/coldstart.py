@@ -152,7 +152,8 @@ def main() -> int:
     print(f"\nwrote {path}\n| arm | first call s | ready s (from process start) | fx cache miss / hit | notes |")
     print("|---|---|---|---|---|")
     for r in rows:
-        notes = r.get("error") or (f"compiles {r.get('compiles')}, loaded {r.get('cache_loaded')}, same tokens "
+        notes = r.get("error") or (f"compiles {r.get('compiles')}, loaded {r.get('cache_loaded')} (traces "
+                                   f"{r.get('traces_loaded')}), dynamo graphs {r.get('dynamo_graphs')}, same tokens "
                                    f"{r.get('same_tokens_as_cold', '-')}" if r["arm"] != "hf_static" else "")
         print(f"| {r['arm']} | {r.get('first_call_s')} | {r.get('ready_s')} | {r.get('fxgraph_cache_miss')} / "
               f"{r.get('fxgraph_cache_hit')} | {notes} |")
