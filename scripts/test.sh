@@ -112,7 +112,7 @@ torch.__version__, 'triton', triton.__version__, 'python', __import__('sys').exe
 }
 
 # vLLM 0.33 pins torch 2.14, so it lives in its own venv, cached between runs and created when missing (about
-# 9.4 GB). These tests also run moefx's FX-level pass tests on torch 2.14.
+# 9.4 GB). These tests also run moefx's FX-level pass tests and the saved traces (torch's AOT compile) on torch 2.14.
 vllm_stage() {
     local venv=${MOEFX_VLLM_VENV:-$HOME/.cache/moefx/venv-vllm}
     if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
@@ -129,7 +129,8 @@ vllm_stage() {
         run_pytest "$venv/bin/python" -m pytest -q -ra --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_VLLM_TESTS:-\
 tests/test_vllm_integration.py tests/test_config.py tests/test_eliminate_noops.py tests/test_pass_manager.py \
 tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py tests/test_last_token_logits.py tests/test_sampler_syncs.py \
-tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py}
+tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py \
+tests/test_aot_steps.py}
 }
 
 start=$SECONDS
