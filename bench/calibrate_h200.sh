@@ -16,6 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 python - "$OUT" "$@" <<'PY'
 import json
+import os
 import shutil
 import sys
 import time
@@ -29,8 +30,8 @@ from moefx.cli import main
 out, extra = Path(sys.argv[1]), sys.argv[2:]
 if not torch.cuda.is_available():
     sys.exit("calibrate_h200.sh needs a CUDA device")
-table = out / "nvidia-h200.yaml"
-shipped = PACKAGE_TABLES / "nvidia-h200.yaml"
+table = out / os.environ.get("MOEFX_TABLE", "nvidia-h200.yaml")
+shipped = PACKAGE_TABLES / table.name
 if not table.is_file() and shipped.is_file():
     shutil.copyfile(shipped, table)
     print(f"seeded {table} with the {len(load_table(table))} shipped rows of {shipped}", flush=True)
