@@ -10,9 +10,8 @@ output and 5e-3 with bf16), incl. shapes that are not multiples of any tile, a f
 against eager; then time, at M = 1, 2, 4, 8, 16, 32, 64, CUDA-graph replays whose graph holds one call per weight
 set of a rotation larger than 3x L2 (so weights come from HBM), median of trials, and eager calls (CUDA events,
 launch overhead included). Floor = bytes moved (weights, scales, x, outputs) / copy rate.
-`--calibrate`: per shape and mode (capture = graph replay, eager = eager calls), the crossover M ranges of gemv vs
-upstream (calibration.crossover_ranges) as dense rows in $OUT/dense_calibration.yaml, to copy to
-moefx/backends/tables/. `--sweep`: a budgeted tile sweep at M = 1, 4, 16 (best DenseConfig per point vs the default).
+Calibration rows are `moefx calibrate --model M` (moefx/calibrate/dense.py); this benchmark reports the floors and
+the decode-layer forms. `--sweep`: a budgeted tile sweep at M = 1, 4, 16 (best DenseConfig per point vs the default).
 Decode-layer forms (`FORMS`, bf16, M = 1, 2, 4, the M <= 4 range fuse_norm_linear takes): q/k/v with the input
 RMSNorm in the GEMV's prologue (`moefx::rms_norm_dense_linear`), the router with the residual add and the
 post-attention norm (`moefx::add_rms_norm_dense_linear`) and with the routing too (`moefx::add_rms_norm_route`),
@@ -30,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -44,8 +42,6 @@ if __name__ == "__main__" and ("--quick" in sys.argv or not torch.cuda.is_availa
 
 from moefx.backends import dense as D
 from moefx.backends import router as _router  # noqa: F401  (registers moefx::add_rms_norm_route)
-from moefx.backends.calibration import crossover_ranges
-from moefx.backends.dense_policy import DenseRow, dense_key, write_dense_row
 from moefx.backends.kernels import dense_kernels as K
 from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
 
@@ -234,22 +230,6 @@ def time_graph(fn, reps: int = 10, trials: int = 5) -> float:
     return replayed(fn, reps=reps, trials=trials)
 
 
-def time_eager(fn, n: int, reps: int = 30) -> float:
-    """Median µs of one eager call (`fn(i)` over the n sets in turn), CUDA events around each call."""
-    for i in range(n):
-        fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for r in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(r % n)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def copy_rate() -> float:
     n = 1 << 30
     src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
@@ -263,7 +243,7 @@ def rotation(bytes_per_set: int) -> int:
     return max(2, min(256, -(-3 * l2 // bytes_per_set)))
 
 
-def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float, eager: bool) -> dict:
+def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float) -> dict:
     n = len(prob.sets)
     xs = [prob.x(m, gen) for _ in range(n)]
     per_call = {}
@@ -272,8 +252,6 @@ def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float, eager:
             for i in range(n):
                 prob.call(backend, *xs[i], i)
         per_call[backend] = time_graph(graph_fn) / n
-        if eager:
-            per_call[f"{backend}_eager"] = time_eager(lambda i, backend=backend: prob.call(backend, *xs[i], i), n)
     x_bytes = m * prob.k * (1 if prob.fp8 else 2) + (m * (-(-prob.k // BLOCK[1])) * 4 if prob.fp8 else 0)
     out_bytes = m * sum(prob.ns) * 2
     floor = (prob.weight_bytes() + x_bytes + out_bytes) / copy_bps * 1e6
@@ -320,7 +298,6 @@ def sweep(prob: Problem, gen: torch.Generator, budget_s: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no timing)")
-    ap.add_argument("--calibrate", action="store_true", help="write dense calibration rows to $OUT")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     ap.add_argument("--sweep-budget", type=float, default=60.0)
     ap.add_argument("--ms", default=",".join(map(str, MS)))
@@ -364,33 +341,16 @@ def main() -> None:
         (out_dir / "dense_sweep.json").write_text(json.dumps(result, indent=1, default=str))
         return
     result["rows"] = []
-    calib = out_dir / "dense_calibration.yaml"
     for name, fp8 in kinds:
         ns, k, _ = shapes[name]
         prob = Problem(ns, k, fp8, dev, gen, sets=1)
         prob = Problem(ns, k, fp8, dev, gen, sets=rotation(prob.weight_bytes()))
-        timings = {"capture": {"gemv": {}, "upstream": {}}, "eager": {"gemv": {}, "upstream": {}}}
         for m in ms:
-            r = measure(prob, m, gen, copy_bps, eager=args.calibrate)
+            r = measure(prob, m, gen, copy_bps)
             r.update(shape=name, kind="fp8" if fp8 else "bf16", N=list(ns), K=k, sets=len(prob.sets))
             result["rows"].append(r)
             print(f"{name:6} {r['kind']:4} M={m:3d} floor {r['floor_us']:6.2f} gemv {r['gemv']:7.2f} "
                   f"cuBLAS {r['upstream']:7.2f} us", flush=True)
-            for mode, suffix in (("capture", ""), ("eager", "_eager")):
-                for b in ("gemv", "upstream"):
-                    if f"{b}{suffix}" in r:
-                        timings[mode][b][m] = r[f"{b}{suffix}"]
-        if args.calibrate:
-            for mode, ts in timings.items():
-                ranges = crossover_ranges(ts)
-                key = dense_key(dev, ns, k, torch.bfloat16, BLOCK if fp8 else None, mode)
-                prov = dict(date=result["date"], device=result["device"], torch=str(torch.__version__),
-                            triton=_triton_version(), moefx=_moefx_version(),
-                            command=f"python bench/dense.py --calibrate --ms {args.ms}",
-                            shape=f"qwen3-30b-a3b {name}", grid=f"M {ms[0]}..{ms[-1]} ({len(ms)} points), median")
-                src = write_dense_row(calib, DenseRow(key, ranges, prov, "", ts))
-                print(f"calibrated {name} {'fp8' if fp8 else 'bf16'} {mode}: "
-                      f"{','.join(r.text() for r in ranges)} -> {calib.name} ({src})", flush=True)
     result["forms"] = []
     for name, (shape, _, _) in FORMS.items():
         ns, k, _ = shapes[shape]
@@ -404,18 +364,6 @@ def main() -> None:
     result["elapsed_s"] = time.time() - t0
     (out_dir / "dense.json").write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
-
-
-def _triton_version() -> str:
-    import triton
-
-    return str(triton.__version__)
-
-
-def _moefx_version() -> str:
-    from moefx import __version__
-
-    return __version__
 
 
 def print_table(result: dict) -> None:

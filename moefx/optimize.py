@@ -50,6 +50,11 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         model=model,
     )
     plan = resolve(ModelSignature.from_module(model), es, cfg)
+    uncalibrated = uncalibrated_calls(plan)
+    if uncalibrated:
+        warn_once(f"moefx: no calibration rows for this model on {es.device_name}: {', '.join(uncalibrated)} run "
+                  f"the upstream path (Plan.explain() lists each); `moefx calibrate --model {_model_spec(model)}` "
+                  "measures this device once, and later optimize() calls use its rows")
     for transform in ordered_transforms():
         applied = transform.fn(model, plan, cfg)
         plan.provenance.extend(f"{transform.name}: {line}" for line in applied)
@@ -62,6 +67,30 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
     model.moefx_plan = plan
     log.info("optimized %s\n%s", type(model).__name__, plan.explain())
     return model
+
+
+def uncalibrated_calls(plan: Any) -> list[str]:
+    """The calls that stay on the upstream path on a CUDA device only because no calibration row (shipped or the
+    user's) matches them: MoE experts and dense projections whose backend is `auto` and found no row. Empty where
+    the device is not CUDA or a backend was chosen by config or env."""
+    if plan.execution.device_type != "cuda":
+        return []
+    def no_row(policies: dict[str, Any]) -> bool:
+        return bool(policies) and all(p.source.startswith("no calibration row") for p in policies.values())
+
+    missing = []
+    if plan.moe is not None and plan.moe.backend == "auto" and no_row(plan.moe.policies):
+        missing.append("MoE experts")
+    if plan.dense is not None and plan.dense.backend == "auto":
+        missing += [f"dense {e.label}" for e in plan.dense.entries if no_row(e.policies)]
+    return missing
+
+
+def _model_spec(model: torch.nn.Module) -> str:
+    """What `moefx calibrate --model` takes for this model: its hub id or folder when transformers recorded one."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or getattr(config, "name_or_path", "")
+    return str(name) if name else "<hub id or config folder>"
 
 
 def _decorate_class(cls: type, cfg: CompilationConfig) -> type:

@@ -324,20 +324,20 @@ def test_calibrate_model_shapes_per_gpu(tmp_path):
 
 
 def test_sweep_stops_timing_a_contender_slow_at_two_m_in_a_row(monkeypatch):
-    from moefx.cli import calibrate
+    from moefx.calibrate import moe, sweep
 
     cost = {"fast": lambda m: float(m), "spiky": lambda m: 50.0 if m == 2 else float(m), "slow": lambda m: 10.0 * m}
-    problem = calibrate.Problem(4, 16, 8, 2, torch.float32, "none", torch.device("cpu"), seed=0)
+    problem = moe.MoeProblem(4, 16, 8, 2, torch.float32, "none", torch.device("cpu"), seed=0)
     monkeypatch.setattr(problem, "call", lambda name: cost[name])
-    monkeypatch.setattr(calibrate, "_cpu_timer", lambda fn, sets: lambda r: fn(sets[0][0].shape[0]))
-    result = calibrate.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
+    monkeypatch.setattr(sweep, "_cpu_timer", lambda fn, sets: lambda r: fn(sets[0][0].shape[0]))
+    result = sweep.sweep(problem, ["fast", "spiky", "slow"], "eager", (1, 2, 4, 8), reps=1)
     timings, skipped = result.timings, result.skipped
     assert set(timings["fast"]) == set(timings["spiky"]) == {1, 2, 4, 8}  # one spike is not enough
     assert set(timings["slow"]) == {1, 2} and "above M=2" in skipped["slow"]
 
 
 def test_close_calls_are_retimed_then_reported_uncertain():
-    from moefx.cli.calibrate import RETIME_ROUNDS, Sweep, resolve_close_calls
+    from moefx.calibrate.sweep import RETIME_ROUNDS, Sweep, resolve_close_calls
 
     result = Sweep()
     noisy = [100.0, 80.0, 120.0, 90.0, 110.0]  # 20% interquartile spread
@@ -369,7 +369,7 @@ def _noisy_run(cpu_bias: float, seed: int):
     cpu 5% ahead, the other 5% behind), a spike or two per contender, and gemv clearly ahead (3x) at M=8, 16."""
     import random
 
-    from moefx.cli.calibrate import Sweep, resolve_close_calls
+    from moefx.calibrate.sweep import Sweep, resolve_close_calls
 
     rng = random.Random(seed)
 
@@ -419,7 +419,7 @@ def test_crossover_ranges_follow_pinned_points():
 def test_interleaved_rounds_share_the_load_of_the_machine():
     """Each round times every contender once, order rotated: a round the machine is loaded slows all of them,
     so the medians keep their ratio; a contender that raises is dropped with the reason."""
-    from moefx.cli.calibrate import interleave
+    from moefx.calibrate.sweep import interleave
 
     load = [1.0, 30.0, 1.0, 1.0, 25.0]  # two rounds with a heavy spike
     order = []
@@ -528,15 +528,17 @@ def test_calibrate_fp8_quick_writes_an_fp8_row_auto_follows(tmp_path, capsys):
 def test_calibrate_sweep_times_cuda_contenders_interleaved(mode):
     """The CUDA timers (events; graph replay in capture) give every contender its reps at every M, interleaved,
     and the sweep decides or pins every point (no contender dropped for a timer error)."""
-    from moefx.cli import calibrate
+    from moefx.backends import available_backends
+    from moefx.backends.calibration import crossover_ranges
+    from moefx.calibrate import moe, sweep
 
-    problem = calibrate.Problem(8, 128, 64, 2, torch.bfloat16, "none", torch.device("cuda"), seed=0)
-    names, _ = calibrate._check(problem, [*calibrate.available_backends(torch.device("cuda")), "upstream"])
-    result = calibrate.sweep(problem, names, mode, (1, 2, 8), reps=4)
+    problem = moe.MoeProblem(8, 128, 64, 2, torch.bfloat16, "none", torch.device("cuda"), seed=0)
+    names, _ = moe.check(problem, [*available_backends(torch.device("cuda")), "upstream"])
+    result = sweep.sweep(problem, names, mode, (1, 2, 8), reps=4)
     assert not [why for why in result.skipped.values() if "Error" in why], result.skipped
     assert result.timings and set(result.timings) <= set(names)
     for name, ts in result.timings.items():
         assert all(len(result.samples[name][m]) >= 4 and t > 0 for m, t in ts.items())
     assert set(result.pinned) == set(result.uncertain)
-    ranges = calibrate.crossover_ranges(result.timings, tolerance=result.tolerance, pinned=result.pinned)
+    ranges = crossover_ranges(result.timings, tolerance=result.tolerance, pinned=result.pinned)
     assert ranges[0].min_m == 1 and ranges[-1].max_m is None

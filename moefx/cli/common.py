@@ -164,6 +164,51 @@ def progress(message: str, stream=None) -> Iterator[None]:
         stream.flush()
 
 
+class ProgressBar:
+    """A bar over `total` steps on stderr: redrawn in place on a terminal, else a line at most every `every` seconds.
+    `note` prints a message above it (stdout, or stderr with err=True) without breaking the bar."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: Any = None, every: float = 5.0):
+        self.total, self.done, self.every = max(total, 1), 0, every
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.start = self.last = time.perf_counter()
+        self.label = ""
+
+    def _line(self) -> str:
+        filled = self.WIDTH * self.done // self.total
+        return (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.start:6.1f}s  {self.label}")
+
+    def step(self, label: str) -> None:
+        """Count the step before this one as done and show `label` as the one running now."""
+        self.done = min(self.done + (1 if self.label else 0), self.total)
+        self.label = label
+        now = time.perf_counter()
+        if self.live:
+            self.stream.write(f"\r\033[K{self._line()}")
+            self.stream.flush()
+        elif now - self.last >= self.every:
+            self.stream.write(self._line() + "\n")
+            self.stream.flush()
+            self.last = now
+
+    def note(self, message: str, err: bool = False) -> None:
+        if self.live:
+            self.stream.write("\r\033[K")
+        print(message, file=sys.stderr if err else sys.stdout, flush=True)
+        if self.live:
+            self.stream.write(self._line())
+            self.stream.flush()
+
+    def close(self) -> None:
+        self.done, self.label = self.total, "done"
+        self.stream.write(f"{chr(13) + chr(27) + '[K' if self.live else ''}{self._line()}\n")
+        self.stream.flush()
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -94,7 +96,9 @@ def build_model(
     if routing not in ROUTINGS:
         raise ValueError(f"routing={routing!r}: valid choices are {', '.join(ROUTINGS)}")
     torch.manual_seed(seed)
-    with torch.device(device):
+    # parameters are created in `dtype` on `device`: a 48-layer Qwen3-30B-A3B-width model is ~61 GB in bf16 and
+    # would need twice that if it were drawn in float32 first (it then no longer fits an 80 GB card)
+    with torch.device(device), _default_dtype(dtype):
         if isinstance(config, Qwen3MoeConfig):
             model = Qwen3MoeForCausalLM(config)
         else:
@@ -105,3 +109,15 @@ def build_model(
 
         balance_routing(model, seed)
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default floating dtype set to `dtype` inside the block (integer dtypes leave it as it is)."""
+    previous = torch.get_default_dtype()
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
