@@ -4,7 +4,7 @@
 # (the device tool returns at most 8 files), and each stage's last lines are printed at the end.
 #   bash bench/run_h200.sh demo moe fusions sampler      # stages: demo moe moe-sweep fusions sampler offload offload-profile
 #                                                        #   gpu-tests gpu-gen (the engine and routing GPU tests only)
-#                                                        #   backend-tests calibrate calibrate-fp8 moe-profile
+#                                                        #   backend-tests calibrate calibrate-model moe-profile
 #                                                        #   moe-sweep-wide moe-sweep-gemv moe-sweep-1024 moe-sweep-grouped
 #                                                        #   moe-ncu (Nsight Compute on the grouped GEMMs at M=1024/4096)
 #                                                        #   moe-ncu-stalls (GEMM 1's stall reasons and hottest SASS lines)
@@ -52,7 +52,7 @@ run_stage() {  # name, limit seconds, command...
     OUT=$RES timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
     echo "=== $name exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
     # two stages in one call must not clash
-    for f in moe_sweep.json moe_profile.json calibrate_h200.json probe_read.json probe_ceilings.json tp.json; do
+    for f in moe_sweep.json moe_profile.json probe_read.json probe_ceilings.json tp.json; do
         if [ -f "$RES/$f" ]; then mv "$RES/$f" "$RES/$name-$f"; fi
     done
     pack  # after every stage, so a call stopped at its limit still returns what the finished stages wrote
@@ -76,8 +76,9 @@ for s in "${stages[@]}"; do
         gpu-tests) run_stage gpu-tests 240 bash -c "python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu tests; \
             python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_backends_grouped.py tests/test_backends_gemv.py \
             tests/test_backends_torch_grouped.py tests/test_moe_op.py" ;;
-        calibrate) run_stage calibrate 300 bash bench/calibrate_h200.sh ;;
-        calibrate-fp8) run_stage calibrate-fp8 300 bash bench/calibrate_h200.sh --quant fp8-block128 ;;
+        calibrate) run_stage calibrate 480 bash bench/calibrate_shipped.sh ;;  # bf16 + FP8, both modes, every shape
+        calibrate-model) run_stage calibrate-model 200 python3 -m moefx.cli calibrate --model qwen3-30b-a3b \
+            --output "$RES/calibrate-model.yaml" --plot none ;;  # the user's one command, timed from an empty table
         moe-sweep) run_stage moe-sweep 240 python3 bench/moe.py --sweep-only ;;
         moe-profile) run_stage moe-profile 200 python3 bench/moe.py --profile --ms 1,4,16,256,1024,4096 ;;
         moe-sweep-gemv) run_stage moe-sweep-gemv 230 python3 bench/moe.py --sweep-only --sweep-budget 170 \
@@ -141,8 +142,7 @@ for s in "${stages[@]}"; do
             --arms hf_static,moefx_cold,moefx_warm --layer-regions frames --tag _frames ;;
         dispatch) run_stage dispatch 420 python3 bench/dispatch.py ;;
         moe-bounds) run_stage moe-bounds 300 bash -c "python3 bench/probe_read.py; python3 bench/probe_ceilings.py" ;;
-        dense) run_stage dense 180 python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64
-            cp "$RES/dense_calibration.yaml" "$OUT/" 2>/dev/null ;;
+        dense) run_stage dense 180 python3 bench/dense.py --ms 1,2,4,8,16,32,64 ;;
         dense-sweep) run_stage dense-sweep 240 python3 bench/dense.py --sweep --sweep-budget 180 ;;
         moe-sweep-wide) run_stage moe-sweep-wide 280 python3 bench/moe.py --sweep-only --sweep-budget 230 \
             --sweep-ms "grouped=16,256,1024,4096;gemv=1,4" ;;
@@ -151,7 +151,7 @@ for s in "${stages[@]}"; do
         tp) run_stage tp 540 python3 bench/tp.py ;;
         tp-peer) run_stage tp-peer 560 python3 bench/tp.py --peer --batches 1,16 ;;
         *) echo "unknown stage $s (demo moe moe-sweep fusions sampler offload offload-profile gpu-tests backend-tests" \
-            "calibrate calibrate-fp8 moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
+            "calibrate calibrate-model moe-profile moe-ncu moe-ncu-stalls moe-bounds moe-backward moe-sweep-wide moe-sweep-gemv" \
             "moe-sweep-1024 moe-sweep-grouped routing tp-calibrate tp tp-peer e2e-quick e2e-8 e2e-8-fp8 e2e-48a e2e-48b" \
             "e2e-check e2e-8-readme e2e-48-b16 e2e-48-regions e2e-48-inline dense dense-sweep gpu-gen stream stream-prime" \
             "stream-cached coldstart coldstart-48 coldstart-48-b16 coldstart-48-frames dispatch ttft-8 ttft-48)" ;;

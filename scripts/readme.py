@@ -64,14 +64,15 @@ def _calibrated(config: dict, preset: str) -> str:
 
 
 def supported_table() -> str:
-    """Catalog models × what the plan turns on, per device (H200 with its calibration tables, other GPU presets,
-    the CPU), resolved from the registries exactly as `moefx plan NAME --device ...` does."""
+    """Catalog models × what the plan turns on, per device (H200 and H100 with their calibration tables, other GPU
+    presets, the CPU), resolved from the registries exactly as `moefx plan NAME --device ...` does."""
     from moefx.models.catalog import catalog_config, catalog_names
     from moefx.signatures import PROVIDERS, ExecutionSignature, ModelSignature, resolve
     from moefx.signatures.execution import DEVICE_PRESETS
 
     cpu = ExecutionSignature(device_type="cpu", mode="compile")
-    others = [p for p in DEVICE_PRESETS if p != "h200"]
+    measured = ("h200", "h100")  # the devices with shipped calibration tables
+    others = [p for p in DEVICE_PRESETS if p not in measured]
     rows, covered = [], set()
     for name in catalog_names():
         config = catalog_config(name)
@@ -81,13 +82,18 @@ def supported_table() -> str:
         gpu = resolve(ms, ExecutionSignature.preset("h200", mode="capture", cpu_isa=(), numa_nodes=1))
         covered.add(gpu.profile)
         fp8_config = config if config.get("quantization_config") else {**config, "quantization_config": FP8_BLOCK}
-        bf16 = "–" if config.get("quantization_config") else _calibrated(config, "h200")
+        per_device = []
+        for preset in measured:
+            per_device += ["–" if config.get("quantization_config") else _calibrated(config, preset),
+                           _calibrated(fp8_config, preset)]
         other = sorted({_calibrated(config, p) for p in others})
         rows.append((f"`{name}`", gpu.profile, ", ".join(f"`{p}`" for p in gpu.enabled_passes()) or "none",
-                     bf16, _calibrated(fp8_config, "h200"), " / ".join(other),
+                     *per_device, " / ".join(other),
                      ", ".join(f"`{p}`" for p in resolve(ms, cpu).enabled_passes()) or "none"))
-    head = ["model (`moefx plan NAME`)", "profile", "passes on CUDA", "MoE on H200 (M ranges), bf16",
-            "MoE on H200, FP8 block-128", f"MoE on {', '.join(others)}", "passes on CPU"]
+    head = ["model (`moefx plan NAME`)", "profile", "passes on CUDA"]
+    for preset in measured:
+        head += [f"MoE on {preset.upper()} (M ranges), bf16", f"MoE on {preset.upper()}, FP8 block-128"]
+    head += [f"MoE on {', '.join(others)}", "passes on CPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     builtin = {n for n, cls in PROVIDERS.items() if cls.__module__.startswith("moefx.signatures.providers.")}

@@ -4,7 +4,7 @@ Rows are keyed exactly like the MoE ones (device name, capability, multiprocesso
 mode), with N the list of the call's weight rows: q/k/v in one call (`N: [4096, 512, 512]`) is its own row, as its
 cuBLAS peer is three calls. dtype is the activation dtype (the output dtype for FP8 block weights, whose activations
 are e4m3). They live under `dense_rows:` in the same YAML table folders as the MoE rows (`calibration.table_paths`),
-usually a file of their own (`bench/dense.py --calibrate` writes one). A key with no row runs `upstream`: the call's
+usually a file of their own (`moefx calibrate --model M` writes them). A key with no row runs `upstream`: the call's
 linears one by one, exactly the unfused computation; a threshold is never guessed.
 
 Precedence per call, highest first: the op's `backend` argument when not "auto" (the config's `dense_backend`,
@@ -121,7 +121,7 @@ def _row_policy(key: DenseKey, generation: int) -> tuple[MoePolicy, int | None, 
 
 def write_dense_row(path: str | os.PathLike[str], row: DenseRow) -> str:
     """Add `row` to the table at `path` (replacing one with the same key; other sections kept); returns its id."""
-    header = "# moefx dense-linear calibration rows (bench/dense.py --calibrate). Keyed exactly; see docs/DENSE.md.\n"
+    header = "# moefx dense-linear calibration rows (moefx calibrate --model M). Keyed exactly; see docs/DENSE.md.\n"
     return calibration.write_section(path, TABLE_KEY, row, load_dense_table, header, row_prefix="dense")
 
 
