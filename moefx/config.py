@@ -115,9 +115,9 @@ class CompilationConfig:
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
     dynamic: bool | None = None
     # Persistent compile artifacts of the generate() engine: true, false or a folder; None: MOEFX_COMPILE_CACHE,
-    # else on (moefx/sampling/compile_cache.py).
+    # else on (moefx/engine/compile_cache/file.py).
     compile_cache: bool | str | None = None
-    # Compile identical decoder layers once (moefx/sampling/regions.py): as one nested compile region in the
+    # Compile identical decoder layers once (moefx/engine/layers/regions.py): as one nested compile region in the
     # prefill and the decode step ("all"), in the prefill only (the decode step keeps its cross-layer fusions),
     # nowhere, or ("frames") as compiled frames of their own, which trace once per kind of call on a torch without
     # region reuse. "auto": frames where this torch traces every region call again (< 2.12), else all.

@@ -1,7 +1,7 @@
 """The decode engine's slots under one memory budget: cache-length buckets, the fit check, least-recently-used.
 
 A slot is one batch bucket's static KV cache at one cache length, with the buffers and CUDA graphs over it
-(`moefx/sampling/decode.py`). Cache lengths grow geometrically (256, 384, 512, 768, 1024, 1536, ...: each power of
+(`moefx/engine/engine.py`). Cache lengths grow geometrically (256, 384, 512, 768, 1024, 1536, ...: each power of
 two and 1.5x it), so a context that grows to L allocates and re-captures O(log L) times. Every slot's cache and
 every captured graph's memory pool count against one budget:
 - the budget is config key `memory_budget`, else env `MOEFX_MEMORY_BUDGET`, else `DEFAULT_MEMORY_BUDGET` (0.7): a

@@ -1,28 +1,28 @@
 """The `optimize` transform for generation: `generate()` on moefx's decode engine, stop flag read late.
 
-On every device a transformers causal LM's `generate()` runs on the engine (`moefx/sampling/decode.py`) for
-the requests it reproduces (`moefx/sampling/generate.py`): static KV cache, prefill and decode step compiled
+On every device a transformers causal LM's `generate()` runs on the engine (`moefx/engine/engine.py`) for
+the requests it reproduces (`moefx/engine/hf_generate.py`): static KV cache, prefill and decode step compiled
 with the moefx backend (mode compile or capture), and in mode capture on CUDA each decode step replayed from a
 CUDA graph per capture bucket. Other requests run transformers' loop, which on CUDA reads its stop flag one
-step late (`moefx/sampling/stop.py`). The engine's compile artifacts persist across processes
-(`moefx/sampling/compile_cache.py`).
+step late (`moefx/engine/stop.py`). The engine's compile artifacts persist across processes
+(`moefx/engine/compile_cache/file.py`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from moefx.sampling.stop import enable_deferred_stop, no_transformers_generate
+from moefx.engine.stop import enable_deferred_stop, no_transformers_generate
 from moefx.transforms import register_model_transform
 
 
 def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     from moefx.compile import backend
-    from moefx.sampling.aot import why_no_aot
-    from moefx.sampling.compile_cache import engine_cache
-    from moefx.sampling.decode import DecodeLoop
-    from moefx.sampling.generate import install_generate
-    from moefx.sampling.regions import layer_frames
+    from moefx.engine.compile_cache.aot import why_no_aot
+    from moefx.engine.compile_cache.file import engine_cache
+    from moefx.engine.engine import DecodeLoop
+    from moefx.engine.hf_generate import install_generate
+    from moefx.engine.layers.regions import layer_frames
 
     mode = getattr(config, "mode", "compile")
     device = getattr(getattr(plan, "execution", None), "device_type", None)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from moefx.engine.engine import DecodeLoop
 from moefx.log import get_logger
-from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.sampler import SamplingParams
 
 log = get_logger("moefx.sampling")

@@ -6,7 +6,7 @@ criteria) runs as:
   (`logits_to_keep` keeps one row per sequence for the LM head); its keys and values are copied into the
   bucket's StaticCache and the first token is picked. With prefill buckets (on by default where decode steps
   are captured) the prompt is right-padded to its bucket and on CUDA replayed from a CUDA graph
-  (moefx/sampling/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
+  (moefx/engine/prefill.py); a prompt no bucket holds runs compiled with a dynamic prompt length;
 - decode: one step per token = model forward (one token per sequence) + sampler + EOS bookkeeping, reading
   and writing static per-bucket buffers. On CUDA the whole step is captured once per (slot, sampling
   params form) in a CUDA graph and replayed: no Python per layer and no host sync per token. With the graphs
@@ -17,7 +17,7 @@ step queued meanwhile is dropped). Batches are padded to the capture bucket with
 as finished from the start; a batch above the largest bucket runs the same steps without graphs, and says so
 once (a warning and a line in `stats.uncaptured`).
 Slots (a bucket's static cache at one cache length, its buffers and graphs) live in a `SlotPool`
-(`moefx/sampling/slots.py`): cache lengths grow geometrically, and all slots and graph pools share one memory
+(`moefx/engine/slots.py`): cache lengths grow geometrically, and all slots and graph pools share one memory
 budget, least-recently-used slots freed first; a request whose slot cannot fit raises before it allocates.
 
 Each compiled function gets a code object of its own (`_own_code`): dynamo keeps compiled entries per code
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from moefx.backends.capture_mode import as_captured
+from moefx.engine.compile_cache.aot import AotFunction, AotSteps, why_no_aot
+from moefx.engine.layers.regions import layer_frames
+from moefx.engine.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
+from moefx.engine.slots import GraphPool, SlotPool, cache_bytes
 from moefx.log import get_logger, progress_logger, warn_once
-from moefx.sampling.aot import AotFunction, AotSteps, why_no_aot
-from moefx.sampling.prefill import PREFILL_CAPTURE_TOKENS, BucketedPrefill, prefill_buckets
-from moefx.sampling.regions import layer_frames
 from moefx.sampling.sampler import SamplingParams, sample
-from moefx.sampling.slots import GraphPool, SlotPool, cache_bytes
 
 log = get_logger("moefx.sampling")
 progress = progress_logger()
@@ -147,7 +147,7 @@ class _Slot:
     mask: torch.Tensor  # [batch, max_len] long: 0 at left padding
     # (params form, masked, by_head) -> (CUDAGraph, its logits output), or (None, None) for a step run without one
     graphs: dict[tuple, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
-    # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/sampling/prefill.py)
+    # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/engine/prefill.py)
     prefill: dict[tuple, Any] = field(default_factory=dict)
     uncapturable: str | None = None  # _uncapturable_cache(cache), fixed when the slot is made
 
@@ -202,7 +202,7 @@ class DecodeLoop:
     replays it; the backend must then not add inductor's own CUDA graphs. `capture_sizes` are the buckets
     (None: every batch size is its own bucket); batches above the largest run without graphs. `max_len` fixes
     the cache length (None: the request's prompt + new tokens, rounded up to a geometric length bucket,
-    `moefx/sampling/slots.py`).
+    `moefx/engine/slots.py`).
     `memory_budget` bounds all slots together (None: env MOEFX_MEMORY_BUDGET, else the default; see slots.py).
     `forward` is the model forward to call (default `model.forward`; `optimize` passes the uncompiled one).
     `prefill_capture_tokens` caps rows × prompt bucket of the padded prefill (one of `PREFILL_BUCKETS`; 0: off,
