@@ -24,7 +24,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import moefx
 from moefx.engine.engine import DecodeLoop
 from moefx.engine.hf_generate import read_request
-from moefx.engine.slots import cache_bytes
+from moefx.engine.memory import cache_bytes
 from moefx.models import build_model, tiny_qwen3_moe_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefx.config import CompilationConfig
+from moefx.config import PREFILL_BUCKETS, CompilationConfig, prefill_buckets
 from moefx.engine.engine import DecodeLoop
-from moefx.engine.prefill import PREFILL_BUCKETS, pick_bucket, prefill_buckets
+from moefx.engine.prefill import pick_bucket
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.sampling.sampler import SamplingParams
 

@@ -10,7 +10,7 @@ import torch
 
 import moefx
 from moefx.engine.engine import DecodeLoop
-from moefx.engine.stop import deferred_stop_instances, enable_deferred_stop
+from moefx.engine.hf_generate import deferred_stop_instances, enable_deferred_stop
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.sampling.sampler import SamplingParams
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from moefx.engine.stop import deferred_stop_instances, enable_deferred_stop
+from moefx.engine.hf_generate import deferred_stop_instances, enable_deferred_stop
 from moefx.models import build_model, tiny_qwen3_moe_config
 
 
@@ -119,7 +119,7 @@ def test_decode_loop_cuda_graphs_option(models):
 def test_only_static_layers_are_captured(models):
     from transformers import DynamicCache, StaticCache
 
-    from moefx.engine.engine import _uncapturable_cache
+    from moefx.engine.slots import _uncapturable_cache
 
     stock, _ = models
     assert _uncapturable_cache(StaticCache(config=stock.config, max_cache_len=16)) is None

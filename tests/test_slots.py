@@ -15,7 +15,8 @@ import torch
 from moefx.config import CompilationConfig, parse_memory_budget
 from moefx.engine.engine import DecodeLoop
 from moefx.engine.hf_generate import install_generate
-from moefx.engine.slots import MemoryBudgetError, SlotPool, cache_bytes, cache_len
+from moefx.engine.memory import MemoryBudgetError, cache_bytes
+from moefx.engine.slots import SlotPool, cache_len
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.offload.env import get_setting
 from moefx.sampling.sampler import SamplingParams

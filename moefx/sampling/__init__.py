@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return DecodeLoop
     if name == "enable_deferred_stop":
-        from moefx.engine.stop import enable_deferred_stop
+        from moefx.engine.hf_generate import enable_deferred_stop
 
         return enable_deferred_stop
     raise AttributeError(f"module 'moefx.sampling' has no attribute {name!r}")

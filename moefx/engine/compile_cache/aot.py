@@ -55,7 +55,7 @@ def why_no_aot() -> str | None:
 
 def _keep(entry: Any, owner: str | None) -> bool:
     """Whether a guard stays in the entry: a kept kind, on the call's arguments (not a global, not the attributes of
-    `owner`, the engine a method is bound to, not code reached through dunder attributes)."""
+    `owner`, the engine's `Steps` a method is bound to, not code reached through dunder attributes)."""
     name = entry.name
     on_owner = owner is not None and (name == owner or name.startswith((f"{owner}.", f"{owner}[")))
     return entry.guard_type in _KEPT_GUARDS and not entry.is_global and not on_owner and "__" not in name
