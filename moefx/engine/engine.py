@@ -43,10 +43,9 @@ from moefx.engine.prefill import BucketedPrefill
 from moefx.engine.request import LateStop, Request
 from moefx.engine.slots import Slot, SlotPool, _uncapturable_cache
 from moefx.engine.steps import Steps, mark_slot_dynamic
-from moefx.log import get_logger, progress_logger, warn_once
+from moefx.log import progress_logger, warn_once
 from moefx.sampling.sampler import SamplingParams
 
-log = get_logger("moefx.sampling")
 progress = progress_logger()
 
 
