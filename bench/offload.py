@@ -440,7 +440,8 @@ def decode_loop_tps(model, batch: int, prompt: int, steps: int, vocab: int) -> f
     """Decode through `DecodeLoop(cuda_graphs=True)` (static cache, one graph replay per step; the queued experts
     are host-function nodes in it): B x steps tokens over the time of (steps + 1) tokens minus that of 1 token,
     medians of 3, so prefill drops out."""
-    from moefx.sampling import DecodeLoop, SamplingParams
+    from moefx.engine.engine import DecodeLoop
+    from moefx.sampling.sampler import SamplingParams
 
     loop = DecodeLoop(model, max_len=prompt + steps + 2, cuda_graphs=True)
     gen = torch.Generator(device="cpu").manual_seed(batch)
@@ -463,7 +464,8 @@ def decode_loop_tps(model, batch: int, prompt: int, steps: int, vocab: int) -> f
 @torch.no_grad()
 def graph_tokens_match(model, vocab: int, new: int = 8) -> bool:
     """Greedy tokens of the graph-replayed loop equal the eager loop's (B=1, `new` tokens)."""
-    from moefx.sampling import DecodeLoop, SamplingParams
+    from moefx.engine.engine import DecodeLoop
+    from moefx.sampling.sampler import SamplingParams
 
     ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(5)).cuda()
     greedy = SamplingParams(temperature=0)

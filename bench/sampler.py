@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
 from moefx.cli.common import progress
+from moefx.engine.engine import DecodeLoop
+from moefx.engine.hf_generate import enable_deferred_stop
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 from moefx.models.routing_stats import decode_distinct_experts
-from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.sampler import SamplingParams
-from moefx.sampling.stop import enable_deferred_stop
 from moefx.testing import without_codegen
 
 SAMPLE = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)

@@ -28,8 +28,11 @@ OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 # The decode engine's memory budget when neither config nor env sets it: this fraction of the free device memory
 # (measured at its first allocation) leaves the rest to activations and the prefill.
 DEFAULT_MEMORY_BUDGET = 0.7
-# Prompt-length buckets of the captured prefill (tokens per row); `prefill_capture_tokens` caps rows × bucket.
+# Prompt-length buckets of the engine's padded prefill, captured in a CUDA graph each (tokens per row): the one place
+# to change them (moefx/engine/prefill.py pads to them). Config key `prefill_capture_tokens` caps rows × bucket.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# The default cap on rows × bucket: bounds the activations one prefill graph holds.
+PREFILL_CAPTURE_TOKENS = PREFILL_BUCKETS[-1]
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
@@ -54,6 +57,15 @@ def parse_memory_budget(raw: str) -> float:
     except ValueError:
         value = None
     return check_memory_budget(value, "the memory budget (a fraction in (0, 1] or bytes, e.g. 0.6 or 40GiB)")
+
+
+def prefill_buckets(max_tokens: Any) -> tuple[int, ...]:
+    """The prefill buckets a rows × bucket cap (config key `prefill_capture_tokens`) allows; 0: none, the prefill is
+    neither padded nor captured."""
+    if max_tokens != 0 and max_tokens not in PREFILL_BUCKETS:
+        raise ValueError(f"config key 'prefill_capture_tokens' must be 0 (off) or one of {list(PREFILL_BUCKETS)}, "
+                         f"got {max_tokens!r}")
+    return tuple(b for b in PREFILL_BUCKETS if b <= max_tokens)
 
 
 def _choices(*values: str) -> dict[str, Any]:
@@ -109,15 +121,15 @@ class CompilationConfig:
     # Prefill token budget override; None lets the plan decide (SPEC §6).
     prefill_token_budget: int | None = None
     # Cap on rows × prompt bucket of the prefill captured in CUDA graphs (mode capture on CUDA); 0 turns it off.
-    prefill_capture_tokens: int = 4096
+    prefill_capture_tokens: int = PREFILL_CAPTURE_TOKENS
     # Turn "asked for but unsupported here" from a one-time warning into an error.
     strict: bool = False
     # Let torch.compile treat sequence lengths as dynamic from the first compile.
     dynamic: bool | None = None
     # Persistent compile artifacts of the generate() engine: true, false or a folder; None: MOEFX_COMPILE_CACHE,
-    # else on (moefx/sampling/compile_cache.py).
+    # else on (moefx/engine/compile_cache/file.py).
     compile_cache: bool | str | None = None
-    # Compile identical decoder layers once (moefx/sampling/regions.py): as one nested compile region in the
+    # Compile identical decoder layers once (moefx/engine/layers/regions.py): as one nested compile region in the
     # prefill and the decode step ("all"), in the prefill only (the decode step keeps its cross-layer fusions),
     # nowhere, or ("frames") as compiled frames of their own, which trace once per kind of call on a torch without
     # region reuse. "auto": frames where this torch traces every region call again (< 2.12), else all.
@@ -134,9 +146,7 @@ class CompilationConfig:
             raise ValueError(
                 f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
             )
-        if self.prefill_capture_tokens != 0 and self.prefill_capture_tokens not in PREFILL_BUCKETS:
-            raise ValueError(f"config key 'prefill_capture_tokens' must be 0 (off) or one of {list(PREFILL_BUCKETS)}, "
-                             f"got {self.prefill_capture_tokens!r}")
+        prefill_buckets(self.prefill_capture_tokens)
         if isinstance(self.compile_cache, str) and not self.compile_cache.strip():
             raise ValueError("config key 'compile_cache' must be true, false, null or a folder path, got ''")
 

@@ -5,7 +5,7 @@ compiled code depends on shapes, dtypes and the plan, not on weight values, so t
 model of the same config, device, dtype, mode and buckets. The model is optimized, one greedy request per
 (batch size, prompt length) compiles the prefill, decode step and sampler and captures each bucket's decode
 step, and the artifacts are written where the engine of a later process looks for them
-(`moefx/sampling/compile_cache.py`). Sampling requests (temperature, top-k, ...) compile their sampler on
+(`moefx/engine/compile_cache/file.py`). Sampling requests (temperature, top-k, ...) compile their sampler on
 first use; that is the one compile left to a serving process.
 """
 

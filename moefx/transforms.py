@@ -29,8 +29,8 @@ TRANSFORM_MODULES: tuple[str, ...] = (
     "moefx.integrations.transformers",
     "moefx.integrations.attention",
     "moefx.parallel.transform",
-    "moefx.sampling.transform",
-    "moefx.sampling.regions",
+    "moefx.engine.install",
+    "moefx.engine.layers.regions",
 )
 
 

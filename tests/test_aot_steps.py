@@ -1,5 +1,5 @@
-"""Saved traces (moefx/sampling/aot.py): an entry per distinct call picked by its kept guards, loaded by a new
-AotFunction without tracing, dynamic where sizes changed, the ordinary path where fullgraph tracing fails.
+"""Saved traces (moefx/engine/compile_cache/aot.py): an entry per distinct call picked by its kept guards, loaded by a
+new AotFunction without tracing, dynamic where sizes changed, the ordinary path where fullgraph tracing fails.
 
 The engine-level checks (a new process traces nothing and gives the same tokens, in both layer-call forms) are in
 tests/test_compile_cache.py; these compile tiny functions with inductor.
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from moefx.sampling import aot
+from moefx.engine.compile_cache import aot
 
 pytestmark = pytest.mark.skipif(aot.why_no_aot() is not None, reason=f"{aot.why_no_aot()}")
 

@@ -1,4 +1,4 @@
-"""Persistent compile artifacts (moefx/sampling/compile_cache.py): a new process loads them and compiles nothing,
+"""Persistent compile artifacts (moefx/engine/compile_cache/file.py): a new process loads them and compiles nothing,
 a stale or corrupt file is named in one warning, deleted and rebuilt, never loaded.
 
 The file-format checks swap torch's Mega-Cache calls for fakes (no compile). The process tests share one cold
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moefx.sampling import compile_cache as cc
+from moefx.engine.compile_cache import file as cc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_precompile_errors_are_one_line(monkeypatch, capsys):
 MERGE_SCRIPT = r"""
 import json, sys, torch
 from torch._dynamo.utils import counters
-from moefx.sampling.compile_cache import load_payload
+from moefx.engine.compile_cache.file import load_payload
 def f(x): return (x.sin() * 2).sum()
 def g(x): return (x.cos() + 3).mean()
 x = torch.randn(8)

@@ -12,13 +12,13 @@ import torch
 
 import moefx
 from moefx.config import CompilationConfig
+from moefx.engine.layers.layer_body import _StaticLayerView
 from moefx.integrations import attention as moefx_attention
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.ops.rope_cache import qk_norm_rope_cache_reference, unsupported_reason
 from moefx.passes import PassContext
 from moefx.passes.base import count_targets
 from moefx.passes.fuse_qk_norm_rope import ATTENTION, AUTO_FUNCTIONALIZED, FuseQkNormRope
-from moefx.sampling.layer_body import _StaticLayerView
 from moefx.testing import functional_graph
 
 aten = torch.ops.aten

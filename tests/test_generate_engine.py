@@ -13,8 +13,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import moefx
+from moefx.engine.engine import DecodeLoop
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -45,7 +45,7 @@ def test_default_plan_captures_lazily_and_a_request_over_the_budget_fails_before
     """No max_batch_size: capture sizes up to a cap from this GPU's free memory, each captured on first use. A
     request whose cache cannot fit in the memory budget raises MemoryBudgetError with nothing allocated (no CUDA
     out-of-memory half-way)."""
-    from moefx.sampling.slots import MemoryBudgetError, cache_bytes
+    from moefx.engine.memory import MemoryBudgetError, cache_bytes
 
     stock = build_model(tiny_qwen3_moe_config(), seed=2, device="cuda")
     budget = 4 * cache_bytes(stock.config, 16, 256, torch.float32)
@@ -73,7 +73,7 @@ def test_evicted_slots_give_their_memory_back():
     serves nobody: the longer slot takes the shorter requests), and the evicted memory is free at once: nothing
     waits for Python's cyclic collector (a 500-request stream's peak doubled while evicted caches did). The
     evicted slot held the only graphs: the next capture still works."""
-    from moefx.sampling.slots import cache_bytes
+    from moefx.engine.memory import cache_bytes
 
     stock = build_model(tiny_qwen3_moe_config(max_position_embeddings=8192), seed=2, device="cuda")
     smaller = cache_bytes(stock.config, 64, 3072, torch.float32)

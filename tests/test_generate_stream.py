@@ -22,10 +22,10 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import moefx
+from moefx.engine.engine import DecodeLoop
+from moefx.engine.hf_generate import read_request
+from moefx.engine.memory import cache_bytes
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling.decode import DecodeLoop
-from moefx.sampling.generate import read_request
-from moefx.sampling.slots import cache_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUESTS = 200

@@ -1,4 +1,4 @@
-"""Decoder layers compiled as one nested region (moefx/sampling/regions.py): compile work that does not grow with
+"""Decoder layers compiled as one nested region (moefx/engine/layers/regions.py): compile work that does not grow with
 depth, and the engine's tokens and logits unchanged.
 
 Compile work is counted on the post-grad graphs inductor would generate code for (moefx's passes run on each;
@@ -17,9 +17,9 @@ import torch
 import moefx
 from moefx.compile import backend as moefx_backend
 from moefx.compile import post_grad_only
+from moefx.engine.engine import DecodeLoop
+from moefx.engine.layers.regions import install_layer_regions, why_no_regions
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling.decode import DecodeLoop
-from moefx.sampling.regions import install_layer_regions, why_no_regions
 from moefx.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -104,7 +104,7 @@ def test_compile_work_does_not_grow_with_depth_and_tokens_equal_eager():
 def test_the_plan_says_when_this_torch_traces_every_layer_again(monkeypatch, reuses):
     """A torch without region reuse (before 2.12, the H200's 2.11) still compiles one body but traces each layer:
     the plan says so, so a slow first call is explained, not a surprise."""
-    from moefx.sampling import regions
+    from moefx.engine.layers import regions
 
     monkeypatch.setattr(regions, "_reuses_regions", lambda: reuses)
     model = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3)
@@ -244,7 +244,7 @@ def test_frames_no_engine_bound_trace_the_nested_region():
     layers through the nested region: one dynamo graph, no break at the layer calls."""
     from transformers import DynamicCache
 
-    from moefx.sampling.regions import layer_frames
+    from moefx.engine.layers.regions import layer_frames
 
     model = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval()
     install_layer_regions(model, frames=True)
@@ -269,8 +269,8 @@ def test_frames_no_engine_bound_trace_the_nested_region():
 def test_layer_regions_auto_takes_frames_where_torch_traces_every_region_call(monkeypatch, reuses):
     """The default (`auto`): one nested region where torch reuses a traced body (>= 2.12), compiled frames where
     it traces every call again (the H200's 2.11); the plan says which and why."""
-    from moefx.sampling import regions
-    from moefx.sampling.regions import layer_frames
+    from moefx.engine.layers import regions
+    from moefx.engine.layers.regions import layer_frames
 
     monkeypatch.setattr(regions, "_reuses_regions", lambda: reuses)
     model = moefx.optimize(build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval(),
@@ -284,7 +284,7 @@ def test_layer_regions_auto_takes_frames_where_torch_traces_every_region_call(mo
 def test_config_layer_regions_frames_reaches_the_engine():
     """`optimize(config={"layer_regions": "frames"})`: the plan says so and the generate() engine has bound the
     frames (its compiled steps then break at every layer call)."""
-    from moefx.sampling.regions import layer_frames
+    from moefx.engine.layers.regions import layer_frames
 
     model = moefx.optimize(build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval(),
                            config={"layer_regions": "frames"})
@@ -295,7 +295,7 @@ def test_config_layer_regions_frames_reaches_the_engine():
 def test_frames_hand_calls_they_cannot_carry_to_the_nested_region():
     """A layer call with a tensor argument the frame ops have no slot for, or a positional extra, goes through the
     region (fail closed), not through an op that would drop it."""
-    from moefx.sampling.frames import LayerFrames
+    from moefx.engine.layers.frames import LayerFrames
 
     class Region:
         def __init__(self) -> None:

@@ -142,8 +142,9 @@ def test_decode_calls_are_queued_on_the_stream(monkeypatch, build):
 def test_offloaded_decode_replays_from_cuda_graphs():
     """DecodeLoop(cuda_graphs=True) on an offloaded bf16 model gives the eager loop's tokens; a batch too large
     for the stream host cannot be captured, says so, and runs eagerly."""
+    from moefx.engine.engine import DecodeLoop
     from moefx.offload.transform import DECODE_POOL_MAX_TOKENS
-    from moefx.sampling import DecodeLoop, SamplingParams
+    from moefx.sampling.sampler import SamplingParams
 
     model = build_model(tiny_qwen3_moe_config(), seed=0, dtype=torch.bfloat16, device="cuda")
     model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})

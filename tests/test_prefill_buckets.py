@@ -1,4 +1,4 @@
-"""The prefill padded to its prompt-length bucket (moefx/sampling/prefill.py) gives the unpadded prefill's logits and
+"""The prefill padded to its prompt-length bucket (moefx/engine/prefill.py) gives the unpadded prefill's logits and
 cache (fp32, CPU: the same padding logic as under CUDA graphs, without the graph), and transformers' tokens."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefx.config import CompilationConfig
+from moefx.config import PREFILL_BUCKETS, CompilationConfig, prefill_buckets
+from moefx.engine.engine import DecodeLoop
+from moefx.engine.prefill import pick_bucket
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling.decode import DecodeLoop
-from moefx.sampling.prefill import PREFILL_BUCKETS, pick_bucket, prefill_buckets
 from moefx.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -132,7 +132,7 @@ def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str]]:
     its graph), and those `_call` runs around the model's forward (the writes into the static cache)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from moefx.sampling.prefill import BucketedPrefill
+    from moefx.engine.prefill import BucketedPrefill
 
     where = ["outside"]
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import moefx
+from moefx.engine.engine import DecodeLoop
+from moefx.engine.hf_generate import deferred_stop_instances, enable_deferred_stop
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling import DecodeLoop, SamplingParams, enable_deferred_stop
-from moefx.sampling.stop import deferred_stop_instances
+from moefx.sampling.sampler import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
+from moefx.engine.hf_generate import deferred_stop_instances, enable_deferred_stop
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling.stop import deferred_stop_instances, enable_deferred_stop
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_transform_turns_it_on_for_cuda_only(models):
     from types import SimpleNamespace
 
     from moefx.config import CompilationConfig
-    from moefx.sampling.transform import sampling_transform
+    from moefx.engine.install import sampling_transform
 
     stock, _ = models
     model = copy.deepcopy(stock)
@@ -82,7 +82,7 @@ def test_transform_turns_it_on_for_cuda_only(models):
 
 
 def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
-    from moefx.sampling.decode import DecodeLoop
+    from moefx.engine.engine import DecodeLoop
     from moefx.sampling.sampler import SamplingParams
 
     stock, _ = models
@@ -104,7 +104,7 @@ def test_decode_loop_cuda_graphs_option(models):
     """cuda_graphs over a backend that adds inductor's own CUDA graphs is refused; on CPU inputs it runs the
     steps without graphs (same tokens)."""
     import moefx
-    from moefx.sampling.decode import DecodeLoop
+    from moefx.engine.engine import DecodeLoop
     from moefx.sampling.sampler import SamplingParams
 
     stock, _ = models
@@ -119,7 +119,7 @@ def test_decode_loop_cuda_graphs_option(models):
 def test_only_static_layers_are_captured(models):
     from transformers import DynamicCache, StaticCache
 
-    from moefx.sampling.decode import _uncapturable_cache
+    from moefx.engine.slots import _uncapturable_cache
 
     stock, _ = models
     assert _uncapturable_cache(StaticCache(config=stock.config, max_cache_len=16)) is None

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from moefx.config import CompilationConfig, parse_memory_budget
+from moefx.engine.engine import DecodeLoop
+from moefx.engine.hf_generate import install_generate
+from moefx.engine.memory import MemoryBudgetError, cache_bytes
+from moefx.engine.slots import SlotPool, cache_len
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.offload.env import get_setting
-from moefx.sampling.decode import DecodeLoop
-from moefx.sampling.generate import install_generate
 from moefx.sampling.sampler import SamplingParams
-from moefx.sampling.slots import MemoryBudgetError, SlotPool, cache_bytes, cache_len
 
 GREEDY = SamplingParams(temperature=0)
 

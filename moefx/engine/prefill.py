@@ -15,11 +15,11 @@ inductor compile of the whole model.
 Prompts longer than the largest bucket, or whose rows × bucket exceed the token cap, take the dynamic compiled prefill
 (`DecodeLoop._prompt`), as do batches an engine that captures runs without graphs (above its capture sizes):
 padding pays only where it buys a graph, or where the caller asked for it without graphs (the CPU tests).
+The buckets and the default cap are `PREFILL_BUCKETS` and `PREFILL_CAPTURE_TOKENS` in `moefx/config.py`.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,20 +27,11 @@ from typing import Any
 import torch
 
 from moefx.backends.capture_mode import as_captured
-from moefx.config import PREFILL_BUCKETS
-from moefx.log import get_logger, warn_once
+from moefx.engine.graphs import Graphs
+from moefx.engine.steps import Steps
+from moefx.log import get_logger
 
 log = get_logger("moefx.sampling")
-
-PREFILL_CAPTURE_TOKENS = 4096  # default cap on rows × bucket: bounds the activations one graph holds
-
-
-def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
-    """The buckets a token cap allows (0: none, the prefill is neither padded nor captured)."""
-    if max_tokens != 0 and max_tokens not in PREFILL_BUCKETS:
-        raise ValueError(f"config key 'prefill_capture_tokens' must be 0 (off) or one of {list(PREFILL_BUCKETS)}, "
-                         f"got {max_tokens!r}")
-    return tuple(b for b in PREFILL_BUCKETS if b <= max_tokens)
 
 
 def pick_bucket(rows: int, prompt: int, buckets: Sequence[int], max_tokens: int) -> int | None:
@@ -68,13 +59,14 @@ class _Bucketed:
 
 
 class BucketedPrefill:
-    """The padded prefill of a `DecodeLoop`: one compiled function for all buckets, graphs kept on the slots."""
+    """The padded prefill: one compiled function of `steps` for all buckets, captured by `graphs`, the graphs kept
+    on the slots."""
 
-    def __init__(self, loop: Any, buckets: Sequence[int], max_tokens: int) -> None:
-        self.loop = loop
+    def __init__(self, steps: Steps, graphs: Graphs, buckets: Sequence[int], max_tokens: int) -> None:
+        self.steps, self.graphs = steps, graphs
         self.buckets = tuple(sorted(buckets))
         self.max_tokens = max_tokens
-        self._fn = loop._compile("prefill[padded]", types.MethodType(_forward, loop), dict(loop._compile_kwargs))
+        self._fn = steps.compile("prefill[padded]", steps.forward)
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
             graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
@@ -102,9 +94,8 @@ class BucketedPrefill:
     def _call(self, slot: Any, run: _Bucketed, by_head: bool) -> torch.Tensor:
         from transformers import DynamicCache
 
-        prompt_cache = DynamicCache(config=self.loop.model.config)
-        scores = self._fn(run.tokens, run.positions, run.cache_position, run.mask,
-                                               prompt_cache, by_head, run.last)
+        prompt_cache = DynamicCache(config=self.steps.model.config)
+        scores = self._fn(run.tokens, run.positions, run.cache_position, run.mask, prompt_cache, by_head, run.last)
         n = run.keep.shape[0]
         keep = run.keep[None, None, :, None]
         layers = slot.cache.layers
@@ -118,44 +109,19 @@ class BucketedPrefill:
         return scores
 
     def _capture(self, slot: Any, run: _Bucketed, key: tuple) -> None:
-        """Capture this prefill into the engine's graph pool (`GraphPool.capture`: warm-ups first, deciding kernels
-        as the capture will); a prefill that cannot be captured runs without a graph, with the reason in the
-        stats."""
-        loop, (bucket, masked, by_head) = self.loop, key
-        device = run.tokens.device
-        reserved = torch.cuda.memory_reserved(device)
-        rng = torch.cuda.get_rng_state(device)
-        graph, out, why = loop.graph_pool.capture(lambda: self._call(slot, run, by_head), device)
-        if graph is None:
-            self._uncaptured(slot, bucket, f"its forward {why}")
+        """Capture this prefill (`Graphs.capture`); a prefill that cannot be captured runs without a graph, with the
+        reason in the stats."""
+        bucket, masked, by_head = key
+        captured = self.graphs.capture("prefill", slot, lambda: self._call(slot, run, by_head))
+        if captured.graph is None:
+            self.graphs.uncaptured(f"prefill bucket {bucket} for batch {slot.batch} runs without a CUDA graph: its "
+                                   f"forward {captured.why}")
             return
-        torch.cuda.set_rng_state(rng, device)
-        run.graph, run.out = graph, out
-        loop.stats.prefill_captures += 1
-        grown = max(0, torch.cuda.memory_reserved(device) - reserved)
-        loop.stats.prefill_graph_bytes += grown
-        loop.slots.record_graph_bytes("prefill", grown, device, keep=slot)  # within the engine's memory budget
+        run.graph, run.out = captured.graph, captured.out
+        stats = self.graphs.stats
+        stats.prefill_captures += 1
+        stats.prefill_graph_bytes += captured.nbytes
         log.info("prefill captured for bucket %d, batch %d%s", bucket, slot.batch, " (left-padded)" if masked else "")
-
-    def _uncaptured(self, slot: Any, bucket: int, why: str) -> None:
-        message = f"prefill bucket {bucket} for batch {slot.batch} runs without a CUDA graph: {why}"
-        self.loop.stats.uncaptured.append(message)
-        warn_once(f"moefx generate(): {message}")
-
-
-def _forward(loop: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-             attention_mask: torch.Tensor | None, cache: Any, by_head: bool, last: torch.Tensor) -> torch.Tensor:
-    """Scores at position `last` of one padded forward: logits [rows, V], or with `by_head` the greedy tokens."""
-    if by_head:
-        from moefx.parallel.lm_head import greedy_step
-
-        return greedy_step(loop.model, input_ids=input_ids, position_ids=position_ids, cache_position=cache_position,
-                           attention_mask=attention_mask, last=last, **{loop._decoder_cache_arg: cache})
-    out = loop._model_forward(
-        input_ids=input_ids, position_ids=position_ids, cache_position=cache_position, attention_mask=attention_mask,
-        use_cache=True, logits_to_keep=last, **{loop._cache_arg: cache},
-    )
-    return out.logits[:, -1]
 
 
 def _buffers(slot: Any, bucket: int, masked: bool) -> _Bucketed:

@@ -1,28 +1,36 @@
 """The `optimize` transform for generation: `generate()` on moefx's decode engine, stop flag read late.
 
-On every device a transformers causal LM's `generate()` runs on the engine (`moefx/sampling/decode.py`) for
-the requests it reproduces (`moefx/sampling/generate.py`): static KV cache, prefill and decode step compiled
+On every device a transformers causal LM's `generate()` runs on the engine (`moefx/engine/engine.py`) for
+the requests it reproduces (`moefx/engine/hf_generate.py`): static KV cache, prefill and decode step compiled
 with the moefx backend (mode compile or capture), and in mode capture on CUDA each decode step replayed from a
 CUDA graph per capture bucket. Other requests run transformers' loop, which on CUDA reads its stop flag one
-step late (`moefx/sampling/stop.py`). The engine's compile artifacts persist across processes
-(`moefx/sampling/compile_cache.py`).
+step late (`enable_deferred_stop`, same file). The engine's compile artifacts persist across processes
+(`moefx/engine/compile_cache/`).
+
+What it must run before and after, and why:
+- before `optimize()` compiles `model.forward` (`moefx/optimize.py` does so after every model transform): the engine
+  takes the uncompiled `model.forward` here and compiles its own steps from it; given the compiled one, its steps
+  would trace into a second compiled frame. `optimize()` then compiles the model's own forward without CUDA
+  graphs, since `model.moefx_generate` says the engine captures its own;
+- after the `layer_regions` transform (`moefx/engine/layers/regions.py`, an earlier order): the engine binds the
+  compiled-frame hook that transform leaves on the model (`layer_frames`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from moefx.sampling.stop import enable_deferred_stop, no_transformers_generate
+from moefx.engine.hf_generate import enable_deferred_stop, no_transformers_generate
 from moefx.transforms import register_model_transform
 
 
 def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     from moefx.compile import backend
-    from moefx.sampling.aot import why_no_aot
-    from moefx.sampling.compile_cache import engine_cache
-    from moefx.sampling.decode import DecodeLoop
-    from moefx.sampling.generate import install_generate
-    from moefx.sampling.regions import layer_frames
+    from moefx.engine.compile_cache.aot import why_no_aot
+    from moefx.engine.compile_cache.file import engine_cache
+    from moefx.engine.engine import DecodeLoop
+    from moefx.engine.hf_generate import install_generate
+    from moefx.engine.layers.regions import layer_frames
 
     mode = getattr(config, "mode", "compile")
     device = getattr(getattr(plan, "execution", None), "device_type", None)
@@ -62,6 +70,9 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
 
 @register_model_transform("sampling", order=50)
 def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
+    # The engine's front goes on first, so that the deferred stop check adds no second wrapper of model.generate.
+    why_not = _engine_reason(model)
+    engine = [f"generate() engine off: {why_not}"] if why_not else _engine_lines(model, plan, config)
     device = getattr(getattr(plan, "execution", None), "device_type", None)
     if device != "cuda":
         lines = [f"deferred stop check off: device {device or 'unknown'} (on for cuda only)"]
@@ -69,9 +80,7 @@ def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
         why = enable_deferred_stop(model, devices=("cuda",))
         lines = [f"deferred stop check off: {why}" if why is not None
                  else "deferred stop check on for transformers' generate() (stop flag read one step late)"]
-    if why_not := _engine_reason(model):
-        return [*lines, f"generate() engine off: {why_not}"]
-    return [*lines, *_engine_lines(model, plan, config)]
+    return [*lines, *engine]
 
 
 def _engine_reason(model: Any) -> str | None:

@@ -30,13 +30,12 @@ save's artifacts; `load_payload` merges every chunk.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
 import pickle
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -259,17 +258,8 @@ class CompileCache:
         return self.saved
 
     def attach(self, engine: Any) -> None:
-        """Load before the engine's first request compiles; save after each request that compiled something."""
-        run: Callable[..., Any] = engine.generate
-
-        @functools.wraps(run)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            self.load()
-            out = run(*args, **kwargs)
-            self.save()
-            return out
-
-        engine.generate = generate
+        """Become `engine`'s compile store (`DecodeLoop.compile_cache`: loaded before its first request compiles,
+        saved after each request that compiled something), keeping its saved traces (`engine.aot_steps`)."""
         engine.compile_cache = self
         self.steps = getattr(engine, "aot_steps", None)
 

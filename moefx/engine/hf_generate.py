@@ -1,29 +1,168 @@
-"""transformers' `generate()` on moefx's decode engine, for the requests the engine reproduces exactly.
+"""transformers' `generate()` with moefx: requests the engine reproduces run on it, the rest in transformers' loop
+with its stop flag read one step late. `model.generate` is wrapped once, by `install_generate` (or, for a model
+without the engine, by `enable_deferred_stop`).
 
-`install_generate(model, engine)` wraps `model.generate`. Each call is read with transformers' own helpers
-(`_prepare_generation_config`, `_prepare_special_tokens`, `_get_logits_processor`), so defaults and the
+The engine front. `install_generate(model, engine)` wraps `model.generate`. Each call is read with transformers' own
+helpers (`_prepare_generation_config`, `_prepare_special_tokens`, `_get_logits_processor`), so defaults and the
 model's generation config apply as in the stock loop. A request runs on the engine when everything it asks
 for is something the engine does: greedy, or sampling with temperature / top-k / top-p / min-p; EOS and pad
 ids; `max_new_tokens` / `max_length`; user stopping criteria (called each step with the tokens so far and
 the step's raw logits); a left-padded attention mask. Anything else — beam search, other logits
 processors, streamers, returned scores or dicts, a cache passed in, assisted decoding — runs transformers'
 own loop, and the reason is logged once and kept in `model.moefx_generate.fallbacks`.
+
+The deferred stop check. Stock `_sample` evaluates `unfinished_sequences.max() == 0` on the host after every token,
+which waits for the GPU each step. transformers 5.x ships the fix (`DeferredStopCheck`: copy the flag to pinned
+memory asynchronously, read it on the next step, undo the one extra step at the end) but turns it on only for MPS.
+moefx turns it on, per model and only inside that model's `generate()`, for the devices it is asked for (CUDA from
+`optimize`). Outputs are identical to the stock loop: the extra step's token is trimmed and a returned cache is
+cropped back, by transformers' own code. Without a fork: the module-level `DeferredStopCheck` that `_sample` looks
+up is replaced once by a subclass that behaves exactly like the original unless a moefx-enabled `generate()` is
+running.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moefx.engine.request import Request
 from moefx.log import get_logger
-from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.sampler import SamplingParams
 
+if TYPE_CHECKING:
+    from moefx.engine.engine import DecodeLoop
+
 log = get_logger("moefx.sampling")
+
+# -- the deferred stop check ---------------------------------------------------------------------------------------
+
+# Device types for which the running generate() defers its stop check (empty: stock behaviour).
+_DEFER_ON: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("moefx_defer_stop", default=())
+_INSTALLED: dict[str, Any] = {}
+
+
+class _HostEvent:
+    """Stands in for `torch.Event` on devices without events (CPU): copies there are already synchronous."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _patched_class() -> type | None:
+    """transformers' DeferredStopCheck, subclassed to honour `_DEFER_ON`; None when this transformers lacks it."""
+    if "cls" in _INSTALLED:
+        return _INSTALLED["cls"]
+    try:
+        from transformers.generation import utils as gen_utils
+    except ImportError:
+        return None
+    base = getattr(gen_utils, "DeferredStopCheck", None)
+    if base is None or not hasattr(base, "is_supported"):
+        return None
+
+    class MoefxDeferredStopCheck(base):  # type: ignore[misc, valid-type]
+        """transformers' DeferredStopCheck, enabled on more devices while a moefx generate() runs."""
+
+        instances = 0
+
+        def __init__(
+            self, input_ids: torch.Tensor, max_length: int, cache: Any, cache_is_returned: bool, streamer: Any = None
+        ) -> None:
+            MoefxDeferredStopCheck.instances += 1
+            if input_ids.device.type != "cpu":
+                super().__init__(input_ids, max_length, cache, cache_is_returned, streamer)
+                return
+            # torch has no CPU events; the same state as the base class, with synchronous stand-ins.
+            gen_utils.StopCheck.__init__(self, streamer)
+            self.max_length = max_length
+            self.cache = cache if cache_is_returned else None
+            if self.cache is not None:
+                self.cache.activate_past_recording()
+            batch = input_ids.shape[0]
+            self.slots = collections.deque(
+                (torch.zeros((), dtype=torch.bool), torch.zeros(batch, dtype=torch.long), _HostEvent())
+                for _ in range(2)
+            )
+            self.is_first_step = True
+            self.stop_reported = False
+
+        @staticmethod
+        def is_supported(device: torch.device, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
+            if device.type not in _DEFER_ON.get():
+                return base.is_supported(device, cache, cache_is_returned, is_assistant)
+            if is_assistant:
+                return False
+            return cache is None or bool(getattr(cache, "is_croppable", False)) or not cache_is_returned
+
+    gen_utils.DeferredStopCheck = MoefxDeferredStopCheck
+    _INSTALLED["cls"] = MoefxDeferredStopCheck
+    return MoefxDeferredStopCheck
+
+
+def no_transformers_generate(model: Any) -> str | None:
+    """Why `model` has no transformers `generate()` loop to hook, or None when it has one."""
+    if not callable(getattr(model, "generate", None)) or not hasattr(model, "_sample"):
+        return "the model has no transformers generate()"
+    return None
+
+
+def enable_deferred_stop(model: Any, devices: tuple[str, ...] = ("cuda",)) -> str | None:
+    """Make `model.generate()` defer its stop check on `devices`. Returns None when applied, else why not. A model
+    whose generate() has the engine front (`install_generate`) gets no second wrapper: the front defers the stop
+    check of the requests it hands to transformers' loop."""
+    if why := no_transformers_generate(model):
+        return why
+    if getattr(model, "_moefx_deferred_stop", None) is not None:
+        return None
+    if _patched_class() is None:
+        return "this transformers version has no DeferredStopCheck"
+    model._moefx_deferred_stop = tuple(devices)
+    log.debug("deferred stop check enabled for %s on %s", type(model).__name__, devices)
+    if getattr(model, "moefx_generate", None) is not None:
+        return None
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        with _deferred_stop(model):
+            return original(*args, **kwargs)
+
+    model.generate = generate
+    return None
+
+
+@contextlib.contextmanager
+def _deferred_stop(model: Any) -> Iterator[None]:
+    """transformers' loop inside the block defers its stop check on the devices enabled for `model`."""
+    devices = getattr(model, "_moefx_deferred_stop", None)
+    if devices is None:
+        yield
+        return
+    token = _DEFER_ON.set(devices)
+    try:
+        yield
+    finally:
+        _DEFER_ON.reset(token)
+
+
+def deferred_stop_instances() -> int:
+    """How many deferred stop checks moefx-enabled generate() calls have created (tests, benchmarks)."""
+    cls = _patched_class()
+    return cls.instances if cls is not None else 0
+
+
+# -- the engine front ----------------------------------------------------------------------------------------
 
 # Processors transformers builds that the engine's sampler reproduces (moefx/sampling/sampler.py).
 ENGINE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
@@ -41,17 +180,6 @@ _CONFIG_NEEDS: dict[str, Any] = {
     "max_time": None, "stop_strings": None, "watermarking_config": None,
 }
 _MODEL_KWARGS_OK = {"attention_mask", "use_cache", "output_attentions", "output_hidden_states"}
-
-
-@dataclass
-class EngineRequest:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    max_new_tokens: int
-    params: SamplingParams
-    eos: list[int]
-    pad: int
-    criteria: list[Callable[..., Any]]
 
 
 @dataclass
@@ -87,7 +215,7 @@ def _fallback(front: GenerateFront, why: str) -> None:
     front.loop_requests += 1
 
 
-def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[EngineRequest | None, str]:
+def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Request | None, str]:
     """The engine request for this generate() call, or (None, why the engine cannot run it)."""
     kwargs = dict(kwargs)
     if len(args) > 2:
@@ -162,11 +290,12 @@ def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Engin
             attention_mask = None
         elif not bool(attention_mask[:, -1].all()):
             return None, "a right-padded attention_mask (the engine takes left padding)"
-    return EngineRequest(inputs, attention_mask, new, params, eos, pad, criteria), ""
+    return Request(inputs, attention_mask, new, params, eos, pad, criteria), ""
 
 
 def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
-    """Wrap `model.generate` so the requests the engine reproduces run on it (the rest as before)."""
+    """Wrap `model.generate` so the requests the engine reproduces run on it; the rest run as before, their stop
+    check deferred where `enable_deferred_stop` turned it on."""
     original = model.generate
     front = GenerateFront(engine)
 
@@ -177,7 +306,8 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
             _fallback(front, why)
             if len(args) < 2 and "generation_config" not in kwargs:
                 kwargs.setdefault("disable_compile", True)  # the forward is compiled already
-            return original(*args, **kwargs)
+            with _deferred_stop(model):
+                return original(*args, **kwargs)
         try:
             return engine.generate(
                 request.input_ids, request.max_new_tokens, request.params, eos_token_id=request.eos,

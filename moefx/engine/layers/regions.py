@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from moefx.sampling.frames import LayerFrames
-from moefx.sampling.layer_body import LayerCalls, own_body
+from moefx.engine.layers.frames import LayerFrames
+from moefx.engine.layers.layer_body import LayerCalls, own_body
 from moefx.transforms import register_model_transform
 
 _CACHE_NAMES = ("cache", "past_key_values")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moefx.sampling.layer_body import LayerCalls, own_body
+from moefx.engine.layers.layer_body import LayerCalls, own_body
 
 _TENSORS = ("attention_mask", "position_ids", "cache_position")
 _TENSOR_ARGS = "Tensor? mask, Tensor? position_ids, Tensor? cache_position, Tensor cos, Tensor sin"

@@ -1,6 +1,6 @@
 """The engine's compiled steps in a form a new process loads without dynamo tracing them again.
 
-PyTorch's compile caches (the Mega-Cache, `compile_cache.py`) keep inductor's and AOTAutograd's outputs, not
+PyTorch's compile caches (the Mega-Cache, `file.py`) keep inductor's and AOTAutograd's outputs, not
 dynamo's, so a warm process still traced every step: 6.9 s of a 22.3 s warm start at 48 layers on the H200
 (docs/FINDINGS.md). torch's AOT compile (`torch.compile(fn, fullgraph=True).aot_compile(...)`, torch >= 2.10)
 keeps dynamo's output too: the transformed bytecode, the guards and the compiled graph, one serializable entry
@@ -55,7 +55,7 @@ def why_no_aot() -> str | None:
 
 def _keep(entry: Any, owner: str | None) -> bool:
     """Whether a guard stays in the entry: a kept kind, on the call's arguments (not a global, not the attributes of
-    `owner`, the engine a method is bound to, not code reached through dunder attributes)."""
+    `owner`, the engine's `Steps` a method is bound to, not code reached through dunder attributes)."""
     name = entry.name
     on_owner = owner is not None and (name == owner or name.startswith((f"{owner}.", f"{owner}[")))
     return entry.guard_type in _KEPT_GUARDS and not entry.is_global and not on_owner and "__" not in name

@@ -1,0 +1,1 @@
+"""Decoder layers compiled once, whatever the depth: a nested region or compiled frames over one layer body."""
