@@ -29,7 +29,7 @@ import torch
 
 from moefx.engine.compile_cache.aot import AotFunction, AotSteps, why_no_aot
 from moefx.engine.layers.regions import layer_frames
-from moefx.log import progress_logger
+from moefx.log import progress_logger, warn_once
 from moefx.sampling.sampler import SamplingParams, sample
 
 progress = progress_logger()
@@ -117,7 +117,11 @@ class Steps:
         self.compiled = compile_kwargs is not None
         self.compile_kwargs = dict(compile_kwargs or {})
         self.stats = stats
-        self.aot = AotSteps() if saved_traces and self.compiled and why_no_aot() is None else None
+        no_aot = why_no_aot() if saved_traces and self.compiled else None
+        if no_aot:
+            warn_once(f"moefx: saved traces are off ({no_aot}): each new process traces the engine's steps again "
+                      "before it runs them (docs/SAMPLING.md, compile cache)")
+        self.aot = AotSteps() if saved_traces and self.compiled and no_aot is None else None
         self.prefill = self.compile("prefill", self.forward)
         self.decode = self.compile("decode", self.forward)
         self.pick = self.compile("sampler", advance)

@@ -21,6 +21,7 @@ that fullgraph tracing cannot take (a graph break), runs the ordinary `torch.com
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,8 +42,10 @@ _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_un
           "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")
 
 
+@functools.lru_cache(maxsize=1)
 def why_no_aot() -> str | None:
-    """Why this torch cannot keep dynamo's output across processes (None: it can)."""
+    """Why this torch cannot keep dynamo's output across processes (None: it can). torch 2.11 ships
+    torch._dynamo.aot_compile but not the `aot_compile` method of what torch.compile returns (2.12 and later)."""
     try:
         from torch._dynamo import aot_compile
         from torch._dynamo.package import load_guard_manager, load_guards_state  # noqa: F401
@@ -50,7 +53,26 @@ def why_no_aot() -> str | None:
         return f"torch {torch.__version__} has no AOT compile ({exc})"
     if not hasattr(aot_compile, "AOTCompiledFunction"):
         return f"torch {torch.__version__} has no AOT compile (torch._dynamo.aot_compile.AOTCompiledFunction)"
+    if not hasattr(torch.compile(_probe, fullgraph=True), "aot_compile"):
+        return f"torch {torch.__version__}'s torch.compile has no aot_compile (torch 2.12 and later have it)"
     return None
+
+
+def _probe() -> None:
+    """A function to ask torch.compile's wrapper what it offers (never called)."""
+
+
+def _said_once(message: str) -> None:
+    """The first step a saved trace fails for says so in one warning; later ones go to the log, not a wall."""
+    global _SAID
+    if _SAID:
+        log.info("%s", message)
+    else:
+        _SAID = True
+        warn_once(message)
+
+
+_SAID = False
 
 
 def _keep(entry: Any, owner: str | None) -> bool:
@@ -204,16 +226,16 @@ class AotFunction:
                 compiled = compiler.aot_compile((full, {}))
         except Exception as exc:  # a graph break, or a torch that cannot save this trace: the ordinary path
             self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            warn_once(f"moefx: {self.name} is compiled without a saved trace, so a new process traces it again "
-                      f"({self.broken})")
+            _said_once(f"moefx: {self.name} is compiled without a saved trace, so a new process traces it again "
+                       f"({self.broken}; later steps like it are logged at MOEFX_LOG=info)")
             return None
         marks = _marks(tensors, self._locals(full))
         try:
             blob = pickle.dumps({"aot": type(compiled).serialize(compiled).serialized_data, "marks": marks})
         except Exception as exc:
             blob = None
-            warn_once(f"moefx: {self.name}'s trace cannot be saved, so a new process traces it again "
-                      f"({type(exc).__name__}: {exc})")
+            _said_once(f"moefx: {self.name}'s trace cannot be saved, so a new process traces it again "
+                       f"({type(exc).__name__}: {exc}; later steps like it are logged at MOEFX_LOG=info)")
         entry = _Entry(compiled, blob)
         self.entries.append(entry)
         self.changes += blob is not None
