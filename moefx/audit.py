@@ -25,7 +25,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from moefx.config import CompilationConfig
-from moefx.sampling.fx import meta_val, source_of
+from moefx.passes.fx import meta_val, source_of
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import torch.fx
 
 from moefx.passes import linear_forms as lf
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import meta_val
+from moefx.passes.fx import meta_val
 
 MAX_N = 32768
 MAX_STATIC_M = 256

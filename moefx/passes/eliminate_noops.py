@@ -12,9 +12,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from moefx.passes import fx as _fx
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import RESHAPES
+from moefx.passes.fx import RESHAPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -16,7 +16,7 @@ import torch.fx
 
 from moefx.backends import op as _op  # noqa: F401  (registers the two ops)
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import RESHAPES, call, is_call, meta_val, sizes_of, source_of
+from moefx.passes.fx import RESHAPES, call, is_call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 MOE = torch.ops.moefx.moe_experts.default

@@ -35,7 +35,7 @@ from moefx.passes import fuse_norm_quant as fnq
 from moefx.passes import linear_forms as lf
 from moefx.passes import quant_patterns as qp
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, sizes_of, source_of
+from moefx.passes.fx import RESHAPES, call, dtype_of, is_call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 NORM_DENSE = torch.ops.moefx.rms_norm_dense_linear.default

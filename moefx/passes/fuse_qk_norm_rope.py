@@ -26,8 +26,8 @@ from moefx.ops import rope_cache as _rope_cache
 from moefx.passes import fuse_norm_quant, quant_patterns
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.passes.fuse_norm_quant import FuseNormQuant
+from moefx.passes.fx import call, is_call, meta_val, source_of
 from moefx.passes.quant_patterns import NotMine, Reject
-from moefx.sampling.fx import call, is_call, meta_val, source_of
 
 aten = torch.ops.aten
 ATTENTION = torch.ops.moefx.decode_attention.default

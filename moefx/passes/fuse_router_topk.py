@@ -27,7 +27,7 @@ from moefx.passes import fuse_norm_linear as fnl
 from moefx.passes.base import MoefxPass, PassContext, register_pass
 from moefx.passes.fuse_moe_routing import FUSED_TOPK
 from moefx.passes.fuse_norm_linear import ADD_NORM_DENSE
-from moefx.sampling.fx import call, is_call, meta_val, source_of
+from moefx.passes.fx import call, is_call, meta_val, source_of
 
 ROUTE = torch.ops.moefx.add_rms_norm_route.default
 

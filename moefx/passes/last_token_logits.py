@@ -19,9 +19,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from moefx.passes import fx as _fx
 from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import RESHAPES, call, meta_val, sizes_of, source_of
+from moefx.passes.fx import RESHAPES, call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -38,9 +38,9 @@ import torch.fx
 
 from moefx.ops import fused_quant  # noqa: F401  (registers the moefx ops used below)
 from moefx.ops.quant import FP8_MAX, INT8_MAX, QuantScheme
+from moefx.passes import fx as _fx
 from moefx.passes.base import MoefxPass, PassContext, log
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import LOW_DTYPES, dtype_of, is_call, val
+from moefx.passes.fx import LOW_DTYPES, dtype_of, is_call, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
