@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from moefx.passes.base import register_pass
+from moefx.passes.fx import dtype_of, is_call, source_line
 from moefx.passes.quant_patterns import (
     CAST,
     FLOAT_DTYPES,
@@ -25,13 +26,10 @@ from moefx.passes.quant_patterns import (
     QuantFusionPass,
     Reject,
     aten,
-    dtype_of,
-    is_call,
     moefx_ops,
     same_shape,
     scalar,
     shape_of,
-    source_line,
 )
 
 SILU_MUL = moefx_ops.silu_mul.default

@@ -22,24 +22,21 @@ import torch
 import torch.fx
 
 from moefx.passes.base import register_pass
+from moefx.passes.fx import LOW_DTYPES, dtype_of, is_call, source_line
 from moefx.passes.quant_patterns import (
     CAST,
     FLOAT_DTYPES,
-    LOW_DTYPES,
     NotMine,
     ProducerMatch,
     QuantFusionPass,
     Reject,
     aten,
-    dtype_of,
-    is_call,
     is_upcast,
     moefx_ops,
     norm_dims,
     same_shape,
     scalar,
     shape_of,
-    source_line,
     strip_views,
 )
 
