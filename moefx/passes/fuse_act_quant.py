@@ -16,7 +16,6 @@ import operator
 import torch
 import torch.fx
 
-from moefx.passes.base import register_pass
 from moefx.passes.fx import dtype_of, is_call, source_line
 from moefx.passes.quant_patterns import (
     CAST,
@@ -128,10 +127,8 @@ def _halves(gate: torch.fx.Node, up: torch.fx.Node) -> torch.fx.Node | None:
     return x
 
 
-@register_pass
 class FuseActQuant(QuantFusionPass):
     name = "fuse_act_quant"
-    order = 60
     producer_kind = "SiLU-mul"
 
     def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:

@@ -608,7 +608,11 @@ def dedupe_casts(graph: torch.fx.Graph) -> None:
 # ------------------------------------------------------------------------------------------------ the passes
 
 
-QUANT_PASSES: dict[str, type[QuantFusionPass]] = {}
+def quant_passes() -> list[type[QuantFusionPass]]:
+    """The quant fusion passes, in pipeline order."""
+    from moefx.passes.manager import PIPELINE  # the pipeline imports this module's passes
+
+    return [cls for cls in PIPELINE if issubclass(cls, QuantFusionPass)]
 
 
 class QuantFusionPass(MoefxPass):
@@ -618,16 +622,13 @@ class QuantFusionPass(MoefxPass):
     uuid_files = DEPENDENCY_FILES
     producer_kind: ClassVar[str] = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        QUANT_PASSES[cls.name] = cls
-
     def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:
         raise NotImplementedError
 
     def _owner(self, y: torch.fx.Node) -> tuple[type[QuantFusionPass] | None, Any]:
-        """The quant pass whose kind of producer made y, and its match (a ProducerMatch or a Reject)."""
-        for cls in sorted(QUANT_PASSES.values(), key=lambda c: (c.order, c.name)):
+        """The quant pass whose kind of producer made y, and its match (a ProducerMatch or a Reject); the first in
+        pipeline order that does not answer NotMine."""
+        for cls in quant_passes():
             inst = self if type(self) is cls else cls()
             try:
                 return cls, inst.recognize_producer(y)
