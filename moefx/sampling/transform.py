@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from moefx.sampling.stop import enable_deferred_stop, no_transformers_generate
-from moefx.transforms import register_model_transform
 
 
 def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
@@ -60,7 +59,6 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
             f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
 
 
-@register_model_transform("sampling", order=50)
 def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
     device = getattr(getattr(plan, "execution", None), "device_type", None)
     if device != "cuda":
