@@ -9,9 +9,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from moefx.config import CompilationConfig
-from moefx.passes import PassContext
 from moefx.passes.last_token_logits import LastTokenLogits
+from moefx.testing import run_passes
 
 aten = torch.ops.aten
 K, N = 48, 80
@@ -27,12 +26,8 @@ def post_grad(fn, *args, mode="symbolic"):
 
 
 def run_pass(gm):
-    ctx = PassContext(config=CompilationConfig.from_any({"pass_config": {"last_token_logits": True}}))
-    n = LastTokenLogits().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return n, ctx.skipped
+    run = run_passes(gm, LastTokenLogits, config={"pass_config": {"last_token_logits": True}})
+    return run.rewrites, run.skipped
 
 
 def mm_rows(gm) -> list[int]:

@@ -74,9 +74,3 @@ def registry(pipeline: tuple[type[MoefxPass], ...]) -> dict[str, type[MoefxPass]
             raise ValueError(f"pass {cls.name!r} has no toggle of that name in PassConfig")
         by_name[cls.name] = cls
     return by_name
-
-
-def count_targets(graph: torch.fx.Graph, *targets: object) -> int:
-    """Number of call nodes whose target is one of `targets` (handy for tests and logs)."""
-    wanted = set(targets)
-    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in wanted)
