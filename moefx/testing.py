@@ -6,12 +6,27 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
 import torch
+
+
+def decomposed_graph(fn: Callable[..., Any], *args: Any, tracing_mode: str = "fake",
+                     remove: str = "mutations") -> torch.fx.GraphModule:
+    """`fn(*args)` as a functional, inductor-decomposed aten graph (what a post-grad pass sees), dead code removed;
+    `remove` as for `torch.func.functionalize`, `tracing_mode="symbolic"` for symbolic sizes."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(functionalize(fn, remove=remove), decomposition_table=select_decomp_table(),
+                 tracing_mode=tracing_mode)(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor,

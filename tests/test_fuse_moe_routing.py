@@ -15,13 +15,12 @@ import operator
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-from torch._inductor.decomposition import select_decomp_table
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import moefx.integrations.transformers  # noqa: F401  (registers experts_implementation="moefx")
 from moefx.passes.fuse_moe_routing import FUSED_TOPK, FuseMoeRouting
-from moefx.testing import count_ops, run_passes
+from moefx.testing import count_ops, decomposed_graph, run_passes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -93,10 +92,7 @@ def post_grad(module: torch.nn.Module, *args: torch.Tensor) -> torch.fx.GraphMod
         return functional_call(module, state, xs)
 
     with torch.no_grad():
-        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(state, *args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+        gm = decomposed_graph(fn, state, *args)
     gm.state = state
     return gm
 
@@ -107,11 +103,7 @@ def run_pass(gm: torch.fx.GraphModule) -> tuple[int, list[str]]:
 
 
 def fn_graph(fn, *args: torch.Tensor) -> torch.fx.GraphModule:
-    gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                 tracing_mode="fake")(*args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return decomposed_graph(fn, *args)
 
 
 def _sorted_by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

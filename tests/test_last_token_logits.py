@@ -5,24 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from moefx.passes.last_token_logits import LastTokenLogits
-from moefx.testing import run_passes
+from moefx.testing import decomposed_graph, run_passes
 
 aten = torch.ops.aten
 K, N = 48, 80
 
 
 def post_grad(fn, *args, mode="symbolic"):
-    gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode=mode, decomposition_table=select_decomp_table())(
-        *args
-    )
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return decomposed_graph(fn, *args, tracing_mode=mode)
 
 
 def run_pass(gm):

@@ -6,26 +6,16 @@ import math
 
 import pytest
 import torch
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from moefx.passes.rewrite_sampler_syncs import RewriteSamplerSyncs
-from moefx.testing import count_ops, run_passes
+from moefx.testing import count_ops, decomposed_graph, run_passes
 
 aten = torch.ops.aten
 
 
 def post_grad(fn, *args):
     """The functional, inductor-decomposed aten graph of `fn` (what a post-grad pass sees)."""
-    gm = make_fx(
-        functionalize(fn, remove="mutations_and_views"),
-        tracing_mode="symbolic",
-        decomposition_table=select_decomp_table(),
-    )(*args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return decomposed_graph(fn, *args, tracing_mode="symbolic", remove="mutations_and_views")
 
 
 def run_pass(gm, race: bool = False):
