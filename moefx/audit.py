@@ -25,7 +25,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from moefx.config import CompilationConfig
-from moefx.sampling.fx import meta_val, source_of
+from moefx.passes.fx import meta_val, source_of, user_frame
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ _BOOL_INDEX = {aten.index.Tensor: "boolean-mask indexing", aten.index_put.defaul
 @dataclass
 class Finding:
     kind: str  # "graph break" | "sync op" | "runtime sync"
-    where: str  # file:line (code) of the user source
+    where: str  # `"file", line N (code)` of the user source (`_where`)
     what: str
     removed: bool
     why: str  # how moefx removes it, or why it does not
@@ -76,18 +76,30 @@ class AuditReport:
         return "\n".join([*lines, *self.notes])
 
 
-def _sync_nodes(graph: torch.fx.Graph) -> list[tuple[str, str, torch.fx.Node]]:
+def _where(path: str, line: int, code: str | None = None) -> str:
+    """A finding's place, `"file", line N (code)` as Python's tracebacks write it, whether it came from dynamo, a
+    sync warning or a graph node (the runtime syncs are matched to the graph's findings by this text)."""
+    return f'"{path}", line {line}' + (f" ({code.strip()})" if code and code.strip() else "")
+
+
+def _node_where(node: torch.fx.Node) -> str:
+    frame = user_frame(node)
+    return _where(frame.path, frame.line, frame.code) if frame is not None else f"node {node.name}"
+
+
+def _sync_nodes(graph: torch.fx.Graph) -> list[tuple[str, str, str]]:
+    """(what, where, the pass reports' `source_of`) of each sync op in `graph`."""
     found = []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node.target in SYNC_OPS:
-            found.append((SYNC_OPS[node.target], source_of(node), node))
+            found.append((SYNC_OPS[node.target], _node_where(node), source_of(node)))
         elif node.target in _BOOL_INDEX:
             indices = node.args[1] if len(node.args) > 1 else []
             vals = [meta_val(i) for i in indices if i is not None]
             if any(v is not None and v.dtype in (torch.bool, torch.uint8) for v in vals):
-                found.append((_BOOL_INDEX[node.target], source_of(node), node))
+                found.append((_BOOL_INDEX[node.target], _node_where(node), source_of(node)))
     return found
 
 
@@ -96,19 +108,20 @@ class _Recorder(CustomGraphPass):
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
-        self.before: list[tuple[str, str]] = []
-        self.after: list[tuple[str, str]] = []
+        # (what, where, source_of) per sync op, see `_sync_nodes`
+        self.before: list[tuple[str, str, str]] = []
+        self.after: list[tuple[str, str, str]] = []
         self.skipped: list[str] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.before += [(what, where) for what, where, _ in _sync_nodes(graph)]
+        self.before += _sync_nodes(graph)
         from moefx.reports import compile_reports
 
         start = len(compile_reports())
         self.manager(graph)
         for report in compile_reports()[start:]:
             self.skipped += report.skipped.get("rewrite_sampler_syncs", [])
-        self.after += [(what, where) for what, where, _ in _sync_nodes(graph)]
+        self.after += _sync_nodes(graph)
 
     def uuid(self) -> None:
         return None  # never served from the cache: the audit must see the graph
@@ -123,9 +136,7 @@ def _graph_breaks(fn: Callable[..., Any], args: tuple, kwargs: dict, capture: bo
     breaks = []
     for br in out.break_reasons:
         frame = br.user_stack[-1] if br.user_stack else None
-        where = f'"{frame.filename}", line {frame.lineno}' if frame else "unknown"
-        if frame is not None and frame.line:
-            where += f" ({frame.line.strip()})"
+        where = _where(frame.filename, frame.lineno, frame.line) if frame else "unknown"
         breaks.append((str(br.reason).strip().splitlines()[0], where))
     torch._dynamo.reset()
     return breaks
@@ -148,7 +159,7 @@ def _user_line(frame: types.FrameType | None, stop: types.FrameType) -> str | No
             return found
         module = str(frame.f_globals.get("__name__", ""))
         if not found and module.split(".", 1)[0] not in _NOT_USER and module != __name__:
-            found = f'"{frame.f_code.co_filename}", line {frame.f_lineno}'
+            found = _where(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
 
@@ -163,7 +174,7 @@ def _record_sync_warnings(call: Callable[[], Any]) -> list[str]:
         if "synchroniz" in str(message):
             where = _user_line(sys._getframe(1), stop)
             if where is not None:
-                found.append(where or f'"{filename}", line {lineno}')
+                found.append(where or _where(filename, lineno))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -190,9 +201,10 @@ def _same_line(where: str, line: str) -> bool:
     return where.startswith(line) and where[len(line):len(line) + 1] in ("", " ", ",")
 
 
-def _why_kept(where: str, what: str, skipped: list[str]) -> str:
+def _why_kept(source: str, what: str, skipped: list[str]) -> str:
+    """The reason `rewrite_sampler_syncs` gave for keeping the sync op it names at `source`."""
     for line in skipped:
-        if where in line:
+        if source in line:
             return line.split(" kept: ", 1)[-1]
     return f"no exact sync-free form for {what} here"
 
@@ -243,10 +255,11 @@ def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs
     with torch._dynamo.config.patch(flags), torch._inductor.config.patch(fx_graph_cache=False):
         compiled(*copy.deepcopy(args), **kwargs)
         remaining = list(recorder.after)
-        for what, where in recorder.before:
-            if (what, where) in remaining:
-                remaining.remove((what, where))
-                report.findings.append(Finding("sync op", where, what, False, _why_kept(where, what, recorder.skipped)))
+        for what, where, source in recorder.before:
+            if (what, where, source) in remaining:
+                remaining.remove((what, where, source))
+                why = _why_kept(source, what, recorder.skipped)
+                report.findings.append(Finding("sync op", where, what, False, why))
             else:
                 report.findings.append(Finding("sync op", where, what, True, "rewritten by rewrite_sampler_syncs"))
         if on_cuda:

@@ -58,10 +58,10 @@ def explain_fusions(fn: Callable[..., Any], *args: Any, dynamic_rows: bool = Fal
     takes is listed once). `dynamic_rows`: make dim 0 of every input with 2+ dims symbolic, as in serving.
     """
     from moefx.passes import PassManager
-    from moefx.passes.quant_patterns import QUANT_PASSES, post_grad_graph
+    from moefx.passes.quant_patterns import post_grad_graph, quant_passes
 
     graph = post_grad_graph(fn, list(args), dynamic_rows=dynamic_rows)
-    manager = PassManager(CompilationConfig(), list(QUANT_PASSES))
+    manager = PassManager(CompilationConfig(), [cls.name for cls in quant_passes()])
     report = manager.run_passes(graph)
     out = FusionExplanation()
     for name in manager.enabled:

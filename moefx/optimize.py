@@ -1,8 +1,14 @@
-"""`moefx.optimize`: resolve the plan for a model, apply its rewrites, compile its forward."""
+"""`moefx.optimize`: resolve the plan for a model, apply its model transforms, compile its forward.
+
+A model transform is `fn(model, plan, config) -> list[str]`: it rewrites the model where the plan says so and
+returns the decisions it applied, which land in the plan's provenance (`explain()` shows them) under its name.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,9 +17,37 @@ from moefx.compile import backend, with_exact_floats
 from moefx.config import CompilationConfig
 from moefx.log import get_logger, warn_once
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
-from moefx.transforms import ordered_transforms
 
 log = get_logger("moefx.optimize")
+
+TransformFn = Callable[[Any, Any, Any], list[str]]
+
+
+@dataclass(frozen=True)
+class ModelTransform:
+    name: str  # the prefix of its provenance lines
+    fn: TransformFn
+
+
+def model_transforms() -> tuple[ModelTransform, ...]:
+    """Every model transform, in the order `optimize` applies them (their modules load on first use, as the engine
+    and the transformers integrations are not needed to import moefx)."""
+    from moefx.engine.install import sampling_transform
+    from moefx.engine.layers.regions import layer_regions_transform
+    from moefx.integrations.attention import use_moefx_attention
+    from moefx.integrations.transformers import use_moefx_experts
+    from moefx.offload.transform import apply_offload
+    from moefx.parallel.transform import install_vocab_parallel_head
+
+    return (
+        ModelTransform("offload", apply_offload),
+        ModelTransform("moe_experts", use_moefx_experts),
+        ModelTransform("attention", use_moefx_attention),
+        ModelTransform("vocab_parallel_lm_head", install_vocab_parallel_head),
+        ModelTransform("layer_regions", layer_regions_transform),
+        # after layer_regions: the engine binds the compiled-frame hook that transform leaves on the model
+        ModelTransform("sampling", sampling_transform),
+    )
 
 
 def optimize(model: Any = None, *, config: Any = None) -> Any:
@@ -55,7 +89,7 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         warn_once(f"moefx: no calibration rows for this model on {es.device_name}: {', '.join(uncalibrated)} run "
                   f"the upstream path (Plan.explain() lists each); `moefx calibrate --model {_model_spec(model)}` "
                   "measures this device once, and later optimize() calls use its rows")
-    for transform in ordered_transforms():
+    for transform in model_transforms():
         applied = transform.fn(model, plan, cfg)
         plan.provenance.extend(f"{transform.name}: {line}" for line in applied)
     if cfg.mode != "eager":

@@ -1,40 +1,32 @@
-"""Helpers for testing passes at the FX level: get the post-grad graph inductor would hand to moefx."""
+"""Helpers for testing passes at the FX level: a post-grad style graph of a function or module, the one runner that
+puts moefx passes on it (`run_passes`: the pass manager's own loop, with the graph's op counts before and after) and
+the one op counter."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
 import torch
-import torch._inductor.config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
-class _Capture(CustomGraphPass):
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
+def decomposed_graph(fn: Callable[..., Any], *args: Any, tracing_mode: str = "fake",
+                     remove: str = "mutations") -> torch.fx.GraphModule:
+    """`fn(*args)` as a functional, inductor-decomposed aten graph (what a post-grad pass sees), dead code removed;
+    `remove` as for `torch.func.functionalize`, `tracing_mode="symbolic"` for symbolic sizes."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.graphs.append(copy.deepcopy(graph.owning_module))
-
-    def uuid(self) -> None:
-        return None  # never cache: the capture must run
-
-
-def post_grad_graphs(fn: Callable[..., Any], *args: Any, dynamic: bool | None = False) -> list[torch.fx.GraphModule]:
-    """Compile `fn(*args)` once with inductor and return a copy of each post-grad graph (before codegen).
-
-    The copies keep `meta["val"]`, so passes can be run on them and the result executed as a GraphModule.
-    """
-    capture = _Capture()
-    torch._dynamo.reset()
-    with inductor_config.patch(post_grad_custom_post_pass=capture, fx_graph_cache=False):
-        torch.compile(fn, backend="inductor", dynamic=dynamic, fullgraph=False)(*args)
-    torch._dynamo.reset()
-    return capture.graphs
+    gm = make_fx(functionalize(fn, remove=remove), decomposition_table=select_decomp_table(),
+                 tracing_mode=tracing_mode)(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor,
@@ -57,10 +49,54 @@ def functional_graph(module: torch.nn.Module, *inputs: torch.Tensor,
     return gm, state
 
 
-def count_ops(gm: torch.fx.GraphModule | torch.fx.Graph, *targets: object) -> int:
-    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+def count_ops(graph: torch.fx.GraphModule | torch.fx.Graph, *targets: object) -> int:
+    """How many call nodes of `graph` call one of `targets`."""
+    graph = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
     wanted = set(targets)
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in wanted)
+
+
+def _op_counts(graph: torch.fx.Graph) -> Counter:
+    return Counter(n.target for n in graph.nodes if n.op == "call_function")
+
+
+@dataclass
+class PassRun:
+    """What `run_passes` did to a graph: rewrites per pass, every skip reason and rewrite note (in pipeline order),
+    and the graph's text and op counts before and after."""
+
+    matches: dict[str, int]
+    skipped: list[str]
+    notes: list[str]
+    graph_before: str
+    graph_after: str
+    ops_before: Counter = field(default_factory=Counter)
+    ops_after: Counter = field(default_factory=Counter)
+
+    @property
+    def rewrites(self) -> int:
+        """Rewrites made by all the passes together."""
+        return sum(self.matches.values())
+
+
+def run_passes(graph: torch.fx.GraphModule | torch.fx.Graph, *passes: str | type, config: Any = None) -> PassRun:
+    """Run the moefx passes `passes` (toggle names or pass classes) on `graph` in place, through the pass manager as a
+    compile runs them: pipeline order, dead code removed after a pass that rewrote, the graph linted. A GraphModule
+    is recompiled, so it runs the rewritten graph. `config`: anything `CompilationConfig.from_any` takes."""
+    from moefx.config import CompilationConfig
+    from moefx.passes import PassManager
+
+    gm = graph if isinstance(graph, torch.fx.GraphModule) else None
+    graph = gm.graph if gm is not None else graph
+    names = [p if isinstance(p, str) else p.name for p in passes]
+    manager = PassManager(CompilationConfig.from_any(config), names)
+    before, ops_before = str(graph), _op_counts(graph)
+    report = manager.run_passes(graph)
+    if gm is not None:
+        gm.recompile()
+    skipped = [reason for name in manager.enabled for reason in report.skipped.get(name, [])]
+    notes = [note for name in manager.enabled for note in report.rewrites.get(name, [])]
+    return PassRun(dict(report.matches), skipped, notes, before, str(graph), ops_before, _op_counts(graph))
 
 
 @contextlib.contextmanager

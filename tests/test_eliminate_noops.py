@@ -1,9 +1,7 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from moefx.config import CompilationConfig
-from moefx.passes import PASS_REGISTRY, PassContext
-from moefx.testing import count_ops
+from moefx.testing import count_ops, run_passes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -12,10 +10,7 @@ prims = torch.ops.prims
 def _run(fn, *args):
     gm = make_fx(fn, tracing_mode="fake")(*args)
     before = len(gm.graph.nodes)
-    n = PASS_REGISTRY["eliminate_noops"]().run(gm.graph, PassContext(CompilationConfig()))
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
+    n = run_passes(gm, "eliminate_noops").rewrites
     return gm, n, before
 
 

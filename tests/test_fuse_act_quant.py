@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from moefx.ops.quant import QuantScheme
-from moefx.passes.base import PassContext, count_targets
 from moefx.passes.fuse_act_quant import FuseActQuant
 from moefx.passes.quant_patterns import post_grad_graph
+from moefx.testing import count_ops, run_passes
 
 aten, ops = torch.ops.aten, torch.ops.moefx
 FP8 = torch.float8_e4m3fn
@@ -89,10 +89,8 @@ def _inputs(kind, dtype, n=256, rows=M):
 
 def _run_pass(fn, args, dynamic=False):
     graph = post_grad_graph(fn, args, dynamic_rows=dynamic)
-    ctx = PassContext(config=None)
-    n = FuseActQuant().run(graph, ctx)
-    graph.lint()
-    return graph, n, ctx
+    run = run_passes(graph, FuseActQuant)
+    return graph, run.rewrites, run
 
 
 def _assert_close_quant(out, ref):
@@ -108,10 +106,10 @@ def _assert_close_quant(out, ref):
 
 def _check(fn, kind, dtype, fused_op, dynamic=False):
     args = _inputs(kind, dtype)
-    graph, n, ctx = _run_pass(fn, args, dynamic)
-    assert n == 1, ctx.skipped
-    assert count_targets(graph, fused_op) == 1
-    assert count_targets(graph, aten.exp.default, aten.neg.default, aten.amax.default, aten.max.dim,
+    graph, n, run = _run_pass(fn, args, dynamic)
+    assert n == 1, run.skipped
+    assert count_ops(graph, fused_op) == 1
+    assert count_ops(graph, aten.exp.default, aten.neg.default, aten.amax.default, aten.max.dim,
                          ops.quant.default, ops.silu_mul.default) == 0
     assert _casts_to_quant(graph) == 0
     fresh = _inputs(kind, dtype, rows=M - 24 if dynamic else M)
@@ -189,9 +187,9 @@ def test_sigmoid_form_left_alone_with_reason():
         g, u = x.chunk(2, -1)
         return fp8_token_quant(g * torch.sigmoid(g) * u)
 
-    graph, n, ctx = _run_pass(fn, _inputs("cat", torch.bfloat16))
+    graph, n, run = _run_pass(fn, _inputs("cat", torch.bfloat16))
     assert n == 0 and _casts_to_quant(graph) == 1
-    assert any("sigmoid" in r and "test_fuse_act_quant.py:" in r for r in ctx.skipped), ctx.skipped
+    assert any("sigmoid" in r and "test_fuse_act_quant.py:" in r for r in run.skipped), run.skipped
 
 
 def test_fp8_max_out_of_range_left_alone_with_reason():
@@ -200,9 +198,9 @@ def test_fp8_max_out_of_range_left_alone_with_reason():
         scale = y.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 500.0
         return (y.float() / scale).clamp(-500.0, 500.0).to(FP8), scale
 
-    graph, n, ctx = _run_pass(fn, _inputs("cat", torch.bfloat16))
+    graph, n, run = _run_pass(fn, _inputs("cat", torch.bfloat16))
     assert n == 0 and _casts_to_quant(graph) == 1
-    assert any("500.0" in r for r in ctx.skipped), ctx.skipped
+    assert any("500.0" in r for r in run.skipped), run.skipped
 
 
 def test_producer_with_other_users_left_alone():
@@ -211,9 +209,9 @@ def test_producer_with_other_users_left_alone():
         q, s = vllm_group_quant(y)
         return q, s, y.sum()
 
-    graph, n, ctx = _run_pass(fn, _inputs("cat", torch.bfloat16))
-    assert n == 0 and count_targets(graph, ops.quant.default) == 0
-    assert any("also feeds" in r for r in ctx.skipped), ctx.skipped
+    graph, n, run = _run_pass(fn, _inputs("cat", torch.bfloat16))
+    assert n == 0 and count_ops(graph, ops.quant.default) == 0
+    assert any("also feeds" in r for r in run.skipped), run.skipped
 
 
 def test_uuid_covers_the_ops_files():

@@ -7,12 +7,9 @@ import pytest
 import torch
 
 import moefx.integrations.transformers  # noqa: F401  (registers experts_implementation="moefx")
-from moefx.config import CompilationConfig
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.fuse_moe_residual import MOE, MOE_RESIDUAL, FuseMoeResidual
-from moefx.testing import functional_graph
+from moefx.testing import PassRun, count_ops, functional_graph, run_passes
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
@@ -38,24 +35,21 @@ def _block(twice: bool = False) -> _MoeHalf:
     return _MoeHalf(model.model.layers[0], twice)
 
 
-def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
-    ctx = PassContext(config=CompilationConfig())
-    n = FuseMoeResidual().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return n, ctx
+def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassRun]:
+    run = run_passes(gm, FuseMoeResidual)
+    return run.rewrites, run
 
 
 def test_the_layer_residual_add_goes_into_the_experts_call():
     block = _block()
     hidden = torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0])
     gm, state = functional_graph(block, hidden)
-    adds_before = count_targets(gm.graph, aten.add.Tensor)
-    assert count_targets(gm.graph, MOE) == 1 and count_targets(gm.graph, MOE_RESIDUAL) == 0
-    n, ctx = _run_pass(gm)
-    assert n == 1, ctx.skipped
-    assert count_targets(gm.graph, MOE) == 0 and count_targets(gm.graph, MOE_RESIDUAL) == 1
-    assert count_targets(gm.graph, aten.add.Tensor) == adds_before - 1
+    adds_before = count_ops(gm.graph, aten.add.Tensor)
+    assert count_ops(gm.graph, MOE) == 1 and count_ops(gm.graph, MOE_RESIDUAL) == 0
+    n, run = _run_pass(gm)
+    assert n == 1, run.skipped
+    assert count_ops(gm.graph, MOE) == 0 and count_ops(gm.graph, MOE_RESIDUAL) == 1
+    assert count_ops(gm.graph, aten.add.Tensor) == adds_before - 1
     with torch.no_grad():
         for seed in (1, 2):
             x = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(seed))
@@ -67,7 +61,7 @@ def test_an_experts_output_read_twice_is_left_alone():
     block = _block(twice=True)
     gm, _ = functional_graph(block, torch.randn(1, 3, block.layer.post_attention_layernorm.weight.shape[0]))
     n, _ = _run_pass(gm)
-    assert n == 0 and count_targets(gm.graph, MOE) == 1
+    assert n == 0 and count_ops(gm.graph, MOE) == 1
 
 
 def test_the_plan_prefers_it_on_cuda_only():
@@ -87,8 +81,8 @@ def test_symbolic_sizes_stay_nodes():
     h = block.layer.post_attention_layernorm.weight.shape[0]
     gm, state = functional_graph(block, torch.randn(2, 3, h), tracing_mode="symbolic")
     unfused = functional_graph(block, torch.randn(2, 3, h), tracing_mode="symbolic")[0]
-    n, ctx = _run_pass(gm)
-    assert n == 1, ctx.skipped
+    n, run = _run_pass(gm)
+    assert n == 1, run.skipped
     flat = [v for node in gm.graph.nodes for v in _flatten(node.args)]
     assert not any(isinstance(v, torch.SymInt) for v in flat), [node.format_node() for node in gm.graph.nodes]
     with torch.no_grad():

@@ -15,15 +15,12 @@ import operator
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-from torch._inductor.decomposition import select_decomp_table
 from torch.func import functional_call, functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import moefx.integrations.transformers  # noqa: F401  (registers experts_implementation="moefx")
-from moefx.config import CompilationConfig
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.fuse_moe_routing import FUSED_TOPK, FuseMoeRouting
+from moefx.testing import count_ops, decomposed_graph, run_passes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -95,29 +92,18 @@ def post_grad(module: torch.nn.Module, *args: torch.Tensor) -> torch.fx.GraphMod
         return functional_call(module, state, xs)
 
     with torch.no_grad():
-        gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                     tracing_mode="fake")(state, *args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+        gm = decomposed_graph(fn, state, *args)
     gm.state = state
     return gm
 
 
 def run_pass(gm: torch.fx.GraphModule) -> tuple[int, list[str]]:
-    ctx = PassContext(config=CompilationConfig.from_any({"pass_config": {"fuse_moe_routing": True}}))
-    n = FuseMoeRouting().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return n, ctx.skipped
+    run = run_passes(gm, FuseMoeRouting, config={"pass_config": {"fuse_moe_routing": True}})
+    return run.rewrites, run.skipped
 
 
 def fn_graph(fn, *args: torch.Tensor) -> torch.fx.GraphModule:
-    gm = make_fx(functionalize(fn, remove="mutations"), decomposition_table=select_decomp_table(),
-                 tracing_mode="fake")(*args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return decomposed_graph(fn, *args)
 
 
 def _sorted_by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,13 +145,13 @@ def test_router_is_fused_and_matches_eager(family: str, dtype: torch.dtype) -> N
         router.e_score_correction_bias.data = router.e_score_correction_bias.float()  # fp32, as transformers keeps it
     x = torch.randn(T, HID, dtype=dtype)
     gm = post_grad(router, x)
-    topks = count_targets(gm.graph, aten.topk.default)
+    topks = count_ops(gm.graph, aten.topk.default)
     assert topks == (3 if family in GROUPED else 1)
-    assert count_targets(gm.graph, *SOFTMAX_OPS) == (0 if family in GROUPED else 2)
+    assert count_ops(gm.graph, *SOFTMAX_OPS) == (0 if family in GROUPED else 2)
     n, skipped = run_pass(gm)
     assert (n, skipped) == (1, [])
-    assert count_targets(gm.graph, aten.topk.default) == 0 and count_targets(gm.graph, *SOFTMAX_OPS) == 0
-    assert count_targets(gm.graph, FUSED_TOPK) == 1
+    assert count_ops(gm.graph, aten.topk.default) == 0 and count_ops(gm.graph, *SOFTMAX_OPS) == 0
+    assert count_ops(gm.graph, FUSED_TOPK) == 1
     for _ in range(3):  # fresh inputs, including more rows than traced
         x = _tie_free_rows(router, torch.randn(64, HID, dtype=dtype) * 2, T + 4)
         with torch.no_grad():
@@ -209,9 +195,9 @@ def test_sparse_moe_block_with_moefx_experts(family: str) -> None:
     block = _init(block_cls(cfg))
     x = torch.randn(2, 5, HID)
     gm = post_grad(block, x)
-    assert count_targets(gm.graph, torch.ops.moefx.moe_experts.default) == 1
+    assert count_ops(gm.graph, torch.ops.moefx.moe_experts.default) == 1
     n, skipped = run_pass(gm)
-    assert (n, skipped) == (1, []) and count_targets(gm.graph, aten.topk.default) == 0
+    assert (n, skipped) == (1, []) and count_ops(gm.graph, aten.topk.default) == 0
     (experts,) = [nd for nd in gm.graph.nodes if nd.target is torch.ops.moefx.moe_experts.default]
     ids, weights = experts.args[1], experts.args[2]
     assert ids.target is operator.getitem and ids.args[0].target is FUSED_TOPK
@@ -280,10 +266,10 @@ def test_spellings_match_eager(name: str, trace_decomposed: bool) -> None:
         gm = fn_graph(fn, logits)
     else:  # softmax kept as aten._softmax
         gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode="fake")(logits)
-    assert count_targets(gm.graph, aten.topk.default) == 1
+    assert count_ops(gm.graph, aten.topk.default) == 1
     n, skipped = run_pass(gm)
     assert (n, skipped) == (rewrites, [])
-    assert count_targets(gm.graph, aten.topk.default) == 0
+    assert count_ops(gm.graph, aten.topk.default) == 0
     unsorted = name == "online_softmax"
     for _ in range(3):
         x = torch.randn(T + 3, 16) * 3
@@ -300,14 +286,14 @@ def test_spellings_match_eager(name: str, trace_decomposed: bool) -> None:
 def test_probabilities_read_elsewhere_keep_their_softmax() -> None:
     gm = fn_graph(_probs_also_read, torch.randn(T, 16))
     run_pass(gm)
-    assert count_targets(gm.graph, FUSED_TOPK) == 1 and count_targets(gm.graph, aten.exp.default) == 1
+    assert count_ops(gm.graph, FUSED_TOPK) == 1 and count_ops(gm.graph, aten.exp.default) == 1
 
 
 def test_values_read_elsewhere_leave_the_renormalization_in_the_graph() -> None:
     gm = fn_graph(_values_also_read, torch.randn(T, 16))
     run_pass(gm)
     (node,) = [n for n in gm.graph.nodes if n.target is FUSED_TOPK]
-    assert node.args[3] is False and count_targets(gm.graph, aten.div.Tensor) == 1
+    assert node.args[3] is False and count_ops(gm.graph, aten.div.Tensor) == 1
 
 
 # --- left alone, with the reason -------------------------------------------------------------------------------
@@ -354,9 +340,9 @@ def test_unsupported_routers_are_reported(fn, shape: tuple, reason: str) -> None
     if fn in (_masked_with_zero, _group_max):
         args.append(torch.randn(16))
     gm = fn_graph(fn, *args)
-    before = count_targets(gm.graph, aten.topk.default)
+    before = count_ops(gm.graph, aten.topk.default)
     n, skipped = run_pass(gm)
-    assert n == 0 and count_targets(gm.graph, aten.topk.default) == before
+    assert n == 0 and count_ops(gm.graph, aten.topk.default) == before
     assert len(skipped) == 1 and reason in skipped[0], skipped
 
 
@@ -414,7 +400,7 @@ def test_one_hot_group_mask_and_a_bf16_bias(bias_dtype: torch.dtype) -> None:
     bias = (torch.randn(16) * 0.3).to(bias_dtype)
     gm = fn_graph(_one_group_kept, torch.randn(T, 16), bias)
     n, skipped = run_pass(gm)
-    assert (n, skipped) == (1, []) and count_targets(gm.graph, aten.topk.default) == 0
+    assert (n, skipped) == (1, []) and count_ops(gm.graph, aten.topk.default) == 0
     (node,) = [nd for nd in gm.graph.nodes if nd.target is FUSED_TOPK]
     assert node.args[2:4] == ("sigmoid", True) and node.args[5:7] == (4, 1)
     for _ in range(3):

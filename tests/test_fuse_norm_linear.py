@@ -8,13 +8,10 @@ import pytest
 import torch
 
 from moefx.backends.dense import dense_linear
-from moefx.config import CompilationConfig
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.fuse_norm_linear import ADD_NORM_DENSE, NORM_DENSE, FuseNormLinear
 from moefx.passes.linear_forms import DENSE
-from moefx.testing import functional_graph
+from moefx.testing import PassRun, count_ops, functional_graph, run_passes
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
@@ -49,12 +46,9 @@ def _hidden(block: _AttentionEntry, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=dtype)
 
 
-def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassContext]:
-    ctx = PassContext(config=CompilationConfig())
-    n = FuseNormLinear().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return n, ctx
+def _run_pass(gm: torch.fx.GraphModule) -> tuple[int, PassRun]:
+    run = run_passes(gm, FuseNormLinear)
+    return run.rewrites, run
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -64,12 +58,12 @@ def test_the_input_norm_goes_into_the_qkv_call(dtype, flat):
     hidden = torch.randn(1, 3, block.layer.input_layernorm.weight.shape[0], dtype=dtype)
     gm, state = functional_graph(block, hidden)
     unfused = functional_graph(block, hidden)[0]
-    rsqrts = count_targets(gm.graph, aten.rsqrt.default)
-    assert count_targets(gm.graph, DENSE) == 1 and count_targets(gm.graph, NORM_DENSE) == 0
-    n, ctx = _run_pass(gm)
-    assert n == 1 and len(ctx.notes) == 1, ctx.skipped
-    assert count_targets(gm.graph, DENSE) == 0 and count_targets(gm.graph, NORM_DENSE) == 1
-    assert count_targets(gm.graph, aten.rsqrt.default) == rsqrts - 1
+    rsqrts = count_ops(gm.graph, aten.rsqrt.default)
+    assert count_ops(gm.graph, DENSE) == 1 and count_ops(gm.graph, NORM_DENSE) == 0
+    n, run = _run_pass(gm)
+    assert n == 1 and len(run.notes) == 1, run.skipped
+    assert count_ops(gm.graph, DENSE) == 0 and count_ops(gm.graph, NORM_DENSE) == 1
+    assert count_ops(gm.graph, aten.rsqrt.default) == rsqrts - 1
     with torch.no_grad():
         for seed in (1, 2):
             x = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -103,12 +97,12 @@ def test_the_post_attention_add_and_norm_go_into_the_router_call(dtype):
     shape = (1, 3, block.layer.post_attention_layernorm.weight.shape[0])
     gm, state = functional_graph(block, torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
     unfused = functional_graph(block, torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))[0]
-    rsqrts, adds = count_targets(gm.graph, aten.rsqrt.default), count_targets(gm.graph, aten.add.Tensor)
-    n, ctx = _run_pass(gm)
-    assert n == 1 and "moefx::add_rms_norm_dense_linear" in ctx.notes[0], ctx.skipped
-    assert count_targets(gm.graph, DENSE) == 0 and count_targets(gm.graph, ADD_NORM_DENSE) == 1
-    assert count_targets(gm.graph, aten.rsqrt.default) == rsqrts - 1
-    assert count_targets(gm.graph, aten.add.Tensor) < adds  # the residual add is the op's now
+    rsqrts, adds = count_ops(gm.graph, aten.rsqrt.default), count_ops(gm.graph, aten.add.Tensor)
+    n, run = _run_pass(gm)
+    assert n == 1 and "moefx::add_rms_norm_dense_linear" in run.notes[0], run.skipped
+    assert count_ops(gm.graph, DENSE) == 0 and count_ops(gm.graph, ADD_NORM_DENSE) == 1
+    assert count_ops(gm.graph, aten.rsqrt.default) == rsqrts - 1
+    assert count_ops(gm.graph, aten.add.Tensor) < adds  # the residual add is the op's now
     gm.graph.lint()
     with torch.no_grad():
         for seed in (1, 2):
@@ -123,9 +117,9 @@ def test_a_norm_with_another_reader_is_left_alone():
     """The normed tensor is also an output: the norm stays a kernel of its own, nothing is rewritten."""
     block = _block(torch.bfloat16, flat=True, twice=True)
     gm, _ = functional_graph(block, _hidden(block, torch.bfloat16))
-    n, ctx = _run_pass(gm)
-    assert n == 0 and count_targets(gm.graph, DENSE) == 1 and count_targets(gm.graph, NORM_DENSE) == 0
-    assert any("readers, not only this call" in s for s in ctx.skipped), ctx.skipped
+    n, run = _run_pass(gm)
+    assert n == 0 and count_ops(gm.graph, DENSE) == 1 and count_ops(gm.graph, NORM_DENSE) == 0
+    assert any("readers, not only this call" in s for s in run.skipped), run.skipped
 
 
 def test_a_call_the_policy_runs_upstream_keeps_its_norm():
@@ -133,9 +127,9 @@ def test_a_call_the_policy_runs_upstream_keeps_its_norm():
     row): the norm stays inductor's one kernel and the report says why."""
     block = _block(torch.bfloat16, backend="auto")
     gm, _ = functional_graph(block, _hidden(block, torch.bfloat16))
-    n, ctx = _run_pass(gm)
-    assert n == 0 and count_targets(gm.graph, NORM_DENSE) == 0
-    assert any("M=3 upstream" in s for s in ctx.skipped), ctx.skipped
+    n, run = _run_pass(gm)
+    assert n == 0 and count_ops(gm.graph, NORM_DENSE) == 0
+    assert any("M=3 upstream" in s for s in run.skipped), run.skipped
 
 
 def test_the_plan_prefers_it_where_it_prefers_dense_linears():

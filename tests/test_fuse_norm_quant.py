@@ -19,9 +19,9 @@ from test_fuse_act_quant import (
     vllm_group_quant,
 )
 
-from moefx.passes.base import PassContext, count_targets
 from moefx.passes.fuse_norm_quant import _TORCH_BELOW_2_13, FuseNormQuant
 from moefx.passes.quant_patterns import post_grad_graph
+from moefx.testing import count_ops, run_passes
 
 aten, ops = torch.ops.aten, torch.ops.moefx
 M, H = 48, 256
@@ -70,17 +70,15 @@ def _inputs(dtype, residual, rows=M):
 
 def _run_pass(fn, args, dynamic=False):
     graph = post_grad_graph(fn, args, dynamic_rows=dynamic)
-    ctx = PassContext(config=None)
-    n = FuseNormQuant().run(graph, ctx)
-    graph.lint()
-    return graph, n, ctx
+    run = run_passes(graph, FuseNormQuant)
+    return graph, run.rewrites, run
 
 
 def _check(fn, dtype, residual, fused_op, dynamic=False):
-    graph, n, ctx = _run_pass(fn, _inputs(dtype, residual), dynamic)
-    assert n == 1, ctx.skipped
-    assert count_targets(graph, fused_op) == 1
-    assert count_targets(graph, aten.rsqrt.default, aten.mean.dim, aten.amax.default, aten.max.dim, aten.add.Tensor,
+    graph, n, run = _run_pass(fn, _inputs(dtype, residual), dynamic)
+    assert n == 1, run.skipped
+    assert count_ops(graph, fused_op) == 1
+    assert count_ops(graph, aten.rsqrt.default, aten.mean.dim, aten.amax.default, aten.max.dim, aten.add.Tensor,
                          ops.quant.default, ops.rms_norm.default, ops.add_rms_norm.default) == 0
     assert _casts_to_quant(graph) == 0
     fresh = _inputs(dtype, residual, rows=M - 16 if dynamic else M)
@@ -127,9 +125,9 @@ def _moefx_add_norm_quant(x, r, w):
 def test_fuses_and_matches_eager(name, fn, dtype, residual):
     fused = ops.add_rms_norm_quant.default if residual else ops.rms_norm_quant.default
     if "f_rms_norm" in name.split("+") and _TORCH_BELOW_2_13:
-        graph, n, ctx = _run_pass(fn, _inputs(dtype, residual))  # fails closed there, with the reason
-        assert n == 0 and count_targets(graph, fused) == 0
-        assert any("verified exact on torch >= 2.13" in r for r in ctx.skipped), ctx.skipped
+        graph, n, run = _run_pass(fn, _inputs(dtype, residual))  # fails closed there, with the reason
+        assert n == 0 and count_ops(graph, fused) == 0
+        assert any("verified exact on torch >= 2.13" in r for r in run.skipped), run.skipped
         return
     _check(fn, dtype, residual, fused)
 
@@ -152,9 +150,9 @@ def test_qkv_style_quant_users_share_one_fused_op():
         y = hf_rms_norm(x, w)
         return moefx_quant(y), moefx_quant(y), moefx_quant(y)
 
-    graph, n, ctx = _run_pass(fn, _inputs(torch.bfloat16, False))
-    assert n == 1 and count_targets(graph, ops.rms_norm_quant.default) == 1, ctx.skipped
-    assert count_targets(graph, ops.quant.default) == 0
+    graph, n, run = _run_pass(fn, _inputs(torch.bfloat16, False))
+    assert n == 1 and count_ops(graph, ops.rms_norm_quant.default) == 1, run.skipped
+    assert count_ops(graph, ops.quant.default) == 0
 
 
 def test_norm_output_with_other_users_left_alone_with_reason():
@@ -162,10 +160,10 @@ def test_norm_output_with_other_users_left_alone_with_reason():
         y = hf_rms_norm(x, w)
         return (*moefx_quant(y), y @ torch.ones(H, 8, dtype=y.dtype))
 
-    graph, n, ctx = _run_pass(fn, _inputs(torch.bfloat16, False))
-    assert n == 0 and count_targets(graph, ops.rms_norm_quant.default, ops.rms_norm.default) == 0
-    assert count_targets(graph, ops.quant.default) == 1
-    assert any("also feeds" in r for r in ctx.skipped), ctx.skipped
+    graph, n, run = _run_pass(fn, _inputs(torch.bfloat16, False))
+    assert n == 0 and count_ops(graph, ops.rms_norm_quant.default, ops.rms_norm.default) == 0
+    assert count_ops(graph, ops.quant.default) == 1
+    assert any("also feeds" in r for r in run.skipped), run.skipped
 
 
 def test_low_precision_scale_left_alone():
@@ -176,7 +174,7 @@ def test_low_precision_scale_left_alone():
         return (y / s).clamp(-448.0, 448.0).to(FP8), s
 
     graph, n, _ = _run_pass(fn, _inputs(torch.bfloat16, False))
-    assert n == 0 and _casts_to_quant(graph) == 1 and count_targets(graph, ops.quant.default) == 0
+    assert n == 0 and _casts_to_quant(graph) == 1 and count_ops(graph, ops.quant.default) == 0
 
 
 def test_registered_and_toggle_named():

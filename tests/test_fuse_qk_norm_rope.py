@@ -11,15 +11,12 @@ import pytest
 import torch
 
 import moefx
-from moefx.config import CompilationConfig
 from moefx.engine.layers.layer_body import _StaticLayerView
 from moefx.integrations import attention as moefx_attention
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.ops.rope_cache import qk_norm_rope_cache_reference, unsupported_reason
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.fuse_qk_norm_rope import ATTENTION, AUTO_FUNCTIONALIZED, FuseQkNormRope
-from moefx.testing import functional_graph
+from moefx.testing import count_ops, functional_graph, run_passes
 
 aten = torch.ops.aten
 CACHE = 12  # static cache positions
@@ -76,18 +73,16 @@ def test_q_k_norm_rope_and_cache_write_become_one_op(dtype, monkeypatch):
     half = _half(dtype, monkeypatch)
     gm, state = functional_graph(half, *_inputs(half, dtype, 0))
     unfused, _ = functional_graph(half, *_inputs(half, dtype, 0))
-    assert count_targets(gm.graph, aten.index_put.default) == 2 and count_targets(gm.graph, ATTENTION) == 1
-    rsqrt_before = count_targets(gm.graph, aten.rsqrt.default)
-    ctx = PassContext(config=CompilationConfig())
-    assert FuseQkNormRope().run(gm.graph, ctx) == 1, ctx.skipped
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    assert count_targets(gm.graph, AUTO_FUNCTIONALIZED) == 1
-    assert count_targets(gm.graph, aten.index_put.default) == 0
-    assert count_targets(gm.graph, aten.cat.default) == 0
-    assert count_targets(gm.graph, torch.ops.prims.iota.default) == 0  # the op reads the write position itself
-    assert count_targets(gm.graph, aten.rsqrt.default) == rsqrt_before - 2  # the input norm stays
-    assert ctx.notes and "qk_norm_rope_cache" in ctx.notes[0]
+    assert count_ops(gm.graph, aten.index_put.default) == 2 and count_ops(gm.graph, ATTENTION) == 1
+    rsqrt_before = count_ops(gm.graph, aten.rsqrt.default)
+    run = run_passes(gm, FuseQkNormRope)
+    assert run.rewrites == 1, run.skipped
+    assert count_ops(gm.graph, AUTO_FUNCTIONALIZED) == 1
+    assert count_ops(gm.graph, aten.index_put.default) == 0
+    assert count_ops(gm.graph, aten.cat.default) == 0
+    assert count_ops(gm.graph, torch.ops.prims.iota.default) == 0  # the op reads the write position itself
+    assert count_ops(gm.graph, aten.rsqrt.default) == rsqrt_before - 2  # the input norm stays
+    assert run.notes and "qk_norm_rope_cache" in run.notes[0]
     for seed in (1, 2):
         inputs = _inputs(half, dtype, seed)
         got, want = _run(gm, state, inputs), _run(unfused, state, inputs)
@@ -102,10 +97,10 @@ def test_an_attention_without_the_pattern_is_left_with_a_reason(monkeypatch):
     attn = half.layer.self_attn
     attn.q_norm, attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
     gm, _ = functional_graph(half, *_inputs(half, torch.float32, 0))
-    ctx = PassContext(config=CompilationConfig())
-    assert FuseQkNormRope().run(gm.graph, ctx) == 0
-    assert count_targets(gm.graph, aten.index_put.default) == 2
-    assert any("not a plain RMSNorm" in s or "head norm" in s for s in ctx.skipped), ctx.skipped
+    run = run_passes(gm, FuseQkNormRope)
+    assert run.rewrites == 0
+    assert count_ops(gm.graph, aten.index_put.default) == 2
+    assert any("not a plain RMSNorm" in s or "head norm" in s for s in run.skipped), run.skipped
 
 
 @pytest.mark.compile

@@ -8,14 +8,11 @@ import pytest
 import torch
 
 from moefx.backends.dense import dense_linear
-from moefx.config import CompilationConfig
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.fuse_moe_routing import FUSED_TOPK
 from moefx.passes.fuse_norm_linear import ADD_NORM_DENSE, FuseNormLinear
 from moefx.passes.fuse_router_topk import ROUTE, FuseRouterTopk
-from moefx.testing import functional_graph
+from moefx.testing import count_ops, functional_graph, run_passes
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 
@@ -46,22 +43,19 @@ def _graph(dtype: torch.dtype, experts: int | None = None):
     shape = (1, 3, block.layer.post_attention_layernorm.weight.shape[0])
     gm, state = functional_graph(block, torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
     unfused = functional_graph(block, torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))[0]
-    ctx = PassContext(config=CompilationConfig())
-    assert FuseNormLinear().run(gm.graph, ctx) == 1, ctx.skipped
-    return gm, state, unfused, shape, ctx
+    run = run_passes(gm, FuseNormLinear)
+    assert run.rewrites == 1, run.skipped
+    return gm, state, unfused, shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_routing_goes_into_the_router_call(dtype):
-    gm, state, unfused, shape, ctx = _graph(dtype)
-    assert count_targets(gm.graph, ADD_NORM_DENSE) == 1 and count_targets(gm.graph, FUSED_TOPK) == 1
-    n = FuseRouterTopk().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    assert n == 1 and "moefx::add_rms_norm_route" in ctx.notes[-1], ctx.skipped
-    assert count_targets(gm.graph, ROUTE) == 1
-    assert count_targets(gm.graph, ADD_NORM_DENSE) == 0 and count_targets(gm.graph, FUSED_TOPK) == 0
+    gm, state, unfused, shape = _graph(dtype)
+    assert count_ops(gm.graph, ADD_NORM_DENSE) == 1 and count_ops(gm.graph, FUSED_TOPK) == 1
+    run = run_passes(gm, FuseRouterTopk)
+    assert run.rewrites == 1 and "moefx::add_rms_norm_route" in run.notes[-1], run.skipped
+    assert count_ops(gm.graph, ROUTE) == 1
+    assert count_ops(gm.graph, ADD_NORM_DENSE) == 0 and count_ops(gm.graph, FUSED_TOPK) == 0
     with torch.no_grad():
         for seed in (1, 2):
             g = torch.Generator().manual_seed(seed)
@@ -73,7 +67,8 @@ def test_the_routing_goes_into_the_router_call(dtype):
 
 def test_a_router_the_epilogue_does_not_take_keeps_its_routing_kernel():
     """More experts than one program holds: two calls, and the report says why."""
-    gm, _, _, _, ctx = _graph(torch.float32, experts=2048)
-    assert FuseRouterTopk().run(gm.graph, ctx) == 0
-    assert count_targets(gm.graph, FUSED_TOPK) == 1 and count_targets(gm.graph, ROUTE) == 0
-    assert any("does not take this router" in s for s in ctx.skipped), ctx.skipped
+    gm, _, _, _ = _graph(torch.float32, experts=2048)
+    run = run_passes(gm, FuseRouterTopk)
+    assert run.rewrites == 0
+    assert count_ops(gm.graph, FUSED_TOPK) == 1 and count_ops(gm.graph, ROUTE) == 0
+    assert any("does not take this router" in s for s in run.skipped), run.skipped

@@ -16,11 +16,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, 
 
 import moefx
 from moefx.backends import dense_linear
-from moefx.config import CompilationConfig
 from moefx.models.tiny import tiny_qwen3_moe_config
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.fuse_sibling_linears import FuseSiblingLinears
+from moefx.testing import count_ops, run_passes
 
 aten, ops = torch.ops.aten, torch.ops.moefx
 DENSE = ops.dense_linear.default
@@ -42,12 +40,8 @@ def trace(fn, *args):
 
 
 def run_pass(gm, pass_cls=FuseSiblingLinears, **cfg):
-    ctx = PassContext(config=CompilationConfig.from_any(cfg))
-    n = pass_cls().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return n, ctx.skipped
+    run = run_passes(gm, pass_cls, config=cfg)
+    return run.rewrites, run.skipped
 
 
 def dense_weights(gm) -> list[int]:
@@ -80,10 +74,10 @@ def test_qwen3_attention_qkv_become_one_call(bias):
     fn, args = attention_fn(bias)
     gm = trace(fn, *args)
     ref = gm(*args)
-    assert count_targets(gm.graph, aten.addmm.default if bias else aten.mm.default) == 4
+    assert count_ops(gm.graph, aten.addmm.default if bias else aten.mm.default) == 4
     assert run_pass(gm) == (1, [])
     assert dense_weights(gm) == [3]  # q, k, v; o_proj reads the attention output, it has no sibling
-    assert count_targets(gm.graph, *LINEARS) == 1
+    assert count_ops(gm.graph, *LINEARS) == 1
     assert torch.equal(gm(*args), ref)  # no CPU calibration row: upstream, the unfused linears bit for bit
 
 
@@ -109,7 +103,7 @@ def test_dense_mlp_gate_up_become_one_call():
 
     gm = trace(fn, params, x)
     ref = gm(params, x)
-    assert run_pass(gm)[0] == 1 and dense_weights(gm) == [2] and count_targets(gm.graph, aten.mm.default) == 1
+    assert run_pass(gm)[0] == 1 and dense_weights(gm) == [2] and count_ops(gm.graph, aten.mm.default) == 1
     assert torch.equal(gm(params, x), ref)
 
 
@@ -117,12 +111,12 @@ def test_fp8_attention_fuses_with_its_activation_quant_read_once():
     fn, args = attention_fn(False, quant="fp8_block128")
     gm = trace(fn, *args)
     ref = gm(*args)
-    assert count_targets(gm.graph, ops.fp8_block_gemm.default) == 4 and count_targets(gm.graph, ops.quant.default) == 4
+    assert count_ops(gm.graph, ops.fp8_block_gemm.default) == 4 and count_ops(gm.graph, ops.quant.default) == 4
     assert run_pass(gm) == (1, [])
     (node,) = [n for n in gm.graph.nodes if n.target is DENSE]
     assert len(node.args[1]) == 3 and node.args[5] == [128, 128] and node.args[6] == torch.float32
     # q/k/v each quantized the same input with the same scheme: one quant feeds the call, the others are dead
-    assert count_targets(gm.graph, ops.quant.default) == 2 and count_targets(gm.graph, ops.fp8_block_gemm.default) == 1
+    assert count_ops(gm.graph, ops.quant.default) == 2 and count_ops(gm.graph, ops.fp8_block_gemm.default) == 1
     assert torch.equal(gm(*args), ref)
 
 
@@ -162,10 +156,9 @@ def test_fp8_siblings_after_fuse_norm_quant():
     args = [torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, dtype=torch.bfloat16), *qw]
     gm, values = _graph_module(fn, args)
     ref = gm(*values)
-    ctx = PassContext(config=CompilationConfig.from_any({"pass_config": {"fuse_norm_quant": True}}))
-    assert FuseNormQuant().run(gm.graph, ctx) == 1
+    assert run_pass(gm, FuseNormQuant, pass_config={"fuse_norm_quant": True})[0] == 1
     assert run_pass(gm)[0] == 1
-    assert count_targets(gm.graph, ops.rms_norm_quant.default) == 1 and dense_weights(gm) == [3]
+    assert count_ops(gm.graph, ops.rms_norm_quant.default) == 1 and dense_weights(gm) == [3]
     assert all(torch.equal(a, b) for a, b in zip(gm(*values), ref))
 
 

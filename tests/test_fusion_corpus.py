@@ -28,10 +28,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moefx
-from moefx.config import CompilationConfig
-from moefx.passes import PassManager
 from moefx.passes.quant_patterns import post_grad_graph
+from moefx.testing import PassRun, count_ops, run_passes
 
 ops = torch.ops.moefx
 FP8 = torch.float8_e4m3fn
@@ -405,17 +403,16 @@ def assert_matches_eager(out, ref) -> None:
             assert torch.equal(o, r)
 
 
-def fuse(variant: Variant) -> tuple[torch.fx.Graph, moefx.CompileReport]:
+def fuse(variant: Variant) -> tuple[torch.fx.Graph, PassRun]:
     args = make_inputs(variant.inputs, variant.dtype, ROWS, seed=0)
     for a in args[: 2 if variant.inputs == "add_norm" else 1]:  # the token dimension is dynamic, weights static
         torch._dynamo.mark_dynamic(a, 0)
     graph = post_grad_graph(variant.fn, args)
-    PassManager(CompilationConfig(), ["fuse_norm_quant", "fuse_act_quant"])(graph)
-    return graph, moefx.compile_reports()[-1]
+    return graph, run_passes(graph, "fuse_norm_quant", "fuse_act_quant")
 
 
 def fused_count(graph: torch.fx.Graph) -> int:
-    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in FUSED_OPS)
+    return count_ops(graph, *FUSED_OPS)
 
 
 def quant_casts(graph: torch.fx.Graph) -> int:
@@ -448,7 +445,7 @@ def _write_tally(reporter) -> None:
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
 def test_variant_fuses_exactly_or_says_why(variant: Variant):
     graph, report = fuse(variant)
-    skipped = [r for reasons in report.skipped.values() for r in reasons]
+    skipped = report.skipped
     n = fused_count(graph)
     _TALLY[variant.name] = "fused" if n else f"left alone: {skipped[0] if skipped else 'NO REASON GIVEN'}"
     if variant.reason is not None:

@@ -5,34 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from moefx.config import CompilationConfig
-from moefx.passes import PassContext
 from moefx.passes.last_token_logits import LastTokenLogits
+from moefx.testing import decomposed_graph, run_passes
 
 aten = torch.ops.aten
 K, N = 48, 80
 
 
 def post_grad(fn, *args, mode="symbolic"):
-    gm = make_fx(functionalize(fn, remove="mutations"), tracing_mode=mode, decomposition_table=select_decomp_table())(
-        *args
-    )
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return decomposed_graph(fn, *args, tracing_mode=mode)
 
 
 def run_pass(gm):
-    ctx = PassContext(config=CompilationConfig.from_any({"pass_config": {"last_token_logits": True}}))
-    n = LastTokenLogits().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return n, ctx.skipped
+    run = run_passes(gm, LastTokenLogits, config={"pass_config": {"last_token_logits": True}})
+    return run.rewrites, run.skipped
 
 
 def mm_rows(gm) -> list[int]:

@@ -1,10 +1,14 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
 
 import moefx
+import moefx.passes.manager
 from moefx.config import CompilationConfig
-from moefx.passes import PASS_REGISTRY, PassManager
+from moefx.passes import PASS_REGISTRY, PIPELINE, PassManager
 
 
 def test_uuid_depends_on_toggles_and_config_only():
@@ -22,6 +26,26 @@ def test_uuid_covers_pass_source(monkeypatch):
     before = PassManager(cfg, ["eliminate_noops"]).uuid()
     monkeypatch.setattr(cls, "source_digest", classmethod(lambda c: "edited"))
     assert PassManager(cfg, ["eliminate_noops"]).uuid() != before
+
+
+def test_passes_run_in_pipeline_order_and_the_order_is_in_the_uuid(monkeypatch):
+    cfg = CompilationConfig()
+    names = ["fuse_act_quant", "eliminate_noops", "fuse_norm_quant"]
+    manager = PassManager(cfg, names)
+    assert manager.enabled == ["eliminate_noops", "fuse_norm_quant", "fuse_act_quant"]
+    assert list(PASS_REGISTRY) == [cls.name for cls in PIPELINE]
+    before = manager.uuid()
+    monkeypatch.setattr(moefx.passes.manager, "PASS_REGISTRY", dict(reversed(PASS_REGISTRY.items())))
+    reordered = PassManager(cfg, names)
+    assert reordered.enabled == ["fuse_act_quant", "fuse_norm_quant", "eliminate_noops"]
+    assert reordered.uuid() != before
+
+
+def test_importing_the_passes_loads_no_engine_module():
+    code = ("import sys, moefx.passes; "
+            "print(sorted(m for m in sys.modules if m.startswith(('moefx.sampling', 'moefx.engine'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_unknown_pass_is_rejected():

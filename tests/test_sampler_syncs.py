@@ -6,38 +6,22 @@ import math
 
 import pytest
 import torch
-from torch._inductor.decomposition import select_decomp_table
-from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from moefx.config import CompilationConfig
-from moefx.passes import PassContext
-from moefx.passes.base import count_targets
 from moefx.passes.rewrite_sampler_syncs import RewriteSamplerSyncs
+from moefx.testing import count_ops, decomposed_graph, run_passes
 
 aten = torch.ops.aten
 
 
 def post_grad(fn, *args):
     """The functional, inductor-decomposed aten graph of `fn` (what a post-grad pass sees)."""
-    gm = make_fx(
-        functionalize(fn, remove="mutations_and_views"),
-        tracing_mode="symbolic",
-        decomposition_table=select_decomp_table(),
-    )(*args)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return decomposed_graph(fn, *args, tracing_mode="symbolic", remove="mutations_and_views")
 
 
 def run_pass(gm, race: bool = False):
-    cfg = CompilationConfig.from_any({"pass_config": {"rewrite_sampler_syncs": True, "sampler_exponential_race": race}})
-    ctx = PassContext(config=cfg)
-    n = RewriteSamplerSyncs().run(gm.graph, ctx)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return n, ctx.skipped
+    cfg = {"pass_config": {"rewrite_sampler_syncs": True, "sampler_exponential_race": race}}
+    run = run_passes(gm, RewriteSamplerSyncs, config=cfg)
+    return run.rewrites, run.skipped
 
 
 def scalar_math(logits, t, p):
@@ -51,9 +35,9 @@ def scalar_math(logits, t, p):
 def test_item_feeding_tensor_math_becomes_0d_tensor(dtype):
     args = (torch.randn(3, 33).to(dtype), torch.tensor(0.37), torch.tensor(-2.5))
     gm = post_grad(scalar_math, *args)
-    assert count_targets(gm.graph, aten._local_scalar_dense.default) == 2
+    assert count_ops(gm.graph, aten._local_scalar_dense.default) == 2
     n, skipped = run_pass(gm)
-    assert count_targets(gm.graph, aten._local_scalar_dense.default) == 0, (gm.graph, skipped)
+    assert count_ops(gm.graph, aten._local_scalar_dense.default) == 0, (gm.graph, skipped)
     assert n == 2
     for _ in range(3):
         fresh = (torch.randn(3, 33).to(dtype), torch.rand(()) + 0.1, torch.randn(()))
@@ -94,10 +78,10 @@ def mask_fill(logits):
 
 def test_bool_index_put_becomes_where():
     gm = post_grad(mask_fill, torch.randn(4, 40))
-    assert count_targets(gm.graph, aten.index_put.default) == 3  # two bool masks, one int index
+    assert count_ops(gm.graph, aten.index_put.default) == 3  # two bool masks, one int index
     n, skipped = run_pass(gm)
     assert n == 2 and not skipped
-    assert count_targets(gm.graph, aten.index_put.default) == 1  # the integer-index put is left alone
+    assert count_ops(gm.graph, aten.index_put.default) == 1  # the integer-index put is left alone
     x = torch.randn(4, 40)
     assert torch.equal(gm(x), mask_fill(x))
 
@@ -133,7 +117,7 @@ def sample_repl(probs):
 def test_multinomial_needs_the_sub_toggle():
     gm = post_grad(sample, torch.randn(2, 10))
     n, skipped = run_pass(gm, race=False)
-    assert n == 0 and count_targets(gm.graph, aten.multinomial.default) == 1
+    assert n == 0 and count_ops(gm.graph, aten.multinomial.default) == 1
     assert any("sampler_exponential_race is off" in s for s in skipped)
     gm = post_grad(sample_repl, torch.rand(2, 10))
     n, skipped = run_pass(gm, race=True)
@@ -154,8 +138,8 @@ def test_exponential_race_samples_the_same_distribution():
     gm = post_grad(sample, torch.randn(2, 10))
     n, _ = run_pass(gm, race=True)
     assert n == 1
-    assert count_targets(gm.graph, aten.multinomial.default) == 0
-    assert count_targets(gm.graph, aten.exponential.default) == 1
+    assert count_ops(gm.graph, aten.multinomial.default) == 0
+    assert count_ops(gm.graph, aten.exponential.default) == 1
     torch.manual_seed(0)
     vocab, draws = 12, 40000
     logits = torch.randn(1, vocab) * 1.5
@@ -178,7 +162,7 @@ def test_exponential_race_without_replacement_draws_distinct_tokens():
     probs = torch.rand(64, 9) + 0.01
     gm = post_grad(sample_many, probs)
     n, _ = run_pass(gm, race=True)
-    assert n == 1 and count_targets(gm.graph, aten.topk.default) == 1
+    assert n == 1 and count_ops(gm.graph, aten.topk.default) == 1
     out = gm(probs)
     assert out.shape == (64, 3)
     assert all(len(set(row.tolist())) == 3 for row in out)
@@ -207,11 +191,11 @@ def nonzero_fill_and_count(probs):
 
 def test_nonzero_coordinates_fill_becomes_where():
     gm = post_grad(nonzero_fill, torch.rand(3, 8))
-    assert count_targets(gm.graph, aten.nonzero.default) == 2
+    assert count_ops(gm.graph, aten.nonzero.default) == 2
     n, skipped = run_pass(gm)
     assert n == 2 and not skipped
-    assert count_targets(gm.graph, aten.nonzero.default) == 0
-    assert count_targets(gm.graph, aten.index_put.default) == 0
+    assert count_ops(gm.graph, aten.nonzero.default) == 0
+    assert count_ops(gm.graph, aten.index_put.default) == 0
     x = torch.rand(5, 8)  # a fresh shape too: the graph is symbolic
     assert torch.equal(gm(x), nonzero_fill(x))
 

@@ -19,12 +19,10 @@ from moefx.signatures.serving import CAPTURE_SIZE_LIMIT, capture_sizes
 
 class _Plain(MoefxPass):
     name = "eliminate_noops"
-    order = 0
 
 
 class _CudaOnly(MoefxPass):
     name = "fuse_act_quant"
-    order = 10
 
     @classmethod
     def unsupported_reason(cls, ms: object, es: object) -> str | None:
@@ -33,7 +31,6 @@ class _CudaOnly(MoefxPass):
 
 class _Logits(MoefxPass):
     name = "last_token_logits"
-    order = 20
 
 
 @pytest.fixture(autouse=True)
@@ -255,9 +252,8 @@ def test_vocab_parallel_lm_head_needs_tp_and_a_known_causal_lm() -> None:
 def test_registered_passes_are_handled_generically(monkeypatch: pytest.MonkeyPatch) -> None:
     class _Later(MoefxPass):
         name = "fuse_norm_quant"
-        order = 5
 
-    monkeypatch.setitem(moefx.passes.PASS_REGISTRY, "fuse_norm_quant", _Later)
+    monkeypatch.setattr(moefx.passes, "PASS_REGISTRY", {p.name: p for p in (_Plain, _Later, _CudaOnly, _Logits)})
     plan = resolve(DS, H200)
     assert list(plan.passes) == ["eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "last_token_logits"]
     assert plan.pass_enabled("fuse_norm_quant")

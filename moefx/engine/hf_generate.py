@@ -40,7 +40,7 @@ from moefx.sampling.sampler import SamplingParams
 if TYPE_CHECKING:
     from moefx.engine.engine import DecodeLoop
 
-log = get_logger("moefx.sampling")
+log = get_logger("moefx.engine")
 
 # -- the deferred stop check ---------------------------------------------------------------------------------------
 

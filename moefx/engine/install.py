@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 from moefx.engine.hf_generate import enable_deferred_stop, no_transformers_generate
-from moefx.transforms import register_model_transform
 
 
 def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
@@ -68,7 +67,6 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
             f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
 
 
-@register_model_transform("sampling", order=50)
 def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
     # The engine's front goes on first, so that the deferred stop check adds no second wrapper of model.generate.
     why_not = _engine_reason(model)

@@ -23,7 +23,7 @@ import torch
 from moefx.config import DEFAULT_MEMORY_BUDGET, check_memory_budget
 from moefx.log import get_logger
 
-log = get_logger("moefx.sampling")
+log = get_logger("moefx.engine")
 
 _MIB = 2**20
 

@@ -31,7 +31,7 @@ from moefx.engine.graphs import Graphs
 from moefx.engine.steps import Steps
 from moefx.log import get_logger
 
-log = get_logger("moefx.sampling")
+log = get_logger("moefx.engine")
 
 
 def pick_bucket(rows: int, prompt: int, buckets: Sequence[int], max_tokens: int) -> int | None:

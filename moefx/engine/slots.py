@@ -20,7 +20,7 @@ from moefx.engine.memory import MemoryBudget
 from moefx.engine.request import MAX_EOS_IDS
 from moefx.log import get_logger
 
-log = get_logger("moefx.sampling")
+log = get_logger("moefx.engine")
 
 MIN_CACHE_LEN = 256  # the shortest cache length bucket
 _MIB = 2**20

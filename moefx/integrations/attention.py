@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from moefx.ops import decode_attention as decode_op
-from moefx.transforms import register_model_transform
 
 NAME = "moefx"
 REPLACES = "sdpa"
@@ -104,7 +103,6 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, causal_prompt_mask)
 
 
-@register_model_transform("attention", order=30)
 def use_moefx_attention(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     """On CUDA, replace transformers' SDPA attention by moefx's (decode steps on moefx::decode_attention)."""
     device = getattr(getattr(plan, "execution", None), "device_type", None)

@@ -23,7 +23,6 @@ from torch import nn
 from moefx.backends.activation import ACTIVATIONS, function_names, gate_up, gelu_name, module_types
 from moefx.backends.op import moe_experts
 from moefx.log import warn_once
-from moefx.transforms import register_model_transform
 
 NAME = "moefx"
 _ACT_TYPES = module_types()
@@ -226,7 +225,6 @@ def register() -> None:
             interface.register(NAME, fn)
 
 
-@register_model_transform("moe_experts", order=20)
 def use_moefx_experts(model: nn.Module, plan: Any, cfg: Any) -> list[str]:
     """Set `experts_implementation="moefx"` where the plan's MoE section names a moefx backend for some M."""
     moe = getattr(plan, "moe", None)

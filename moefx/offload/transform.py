@@ -35,7 +35,6 @@ from moefx.offload.plan import kv_reserve_sequences
 from moefx.offload.staging import StagingRing
 from moefx.offload.stream_host import StreamHost, build_stream_host
 from moefx.signatures.weights import is_stacked_experts
-from moefx.transforms import register_model_transform
 
 log = get_logger("moefx.offload")
 
@@ -320,7 +319,6 @@ def _expert_bytes(mod: torch.nn.Module, int8: bool) -> int:
     return 3 * (two_i // 2) * h * mod.gate_up_proj.element_size()
 
 
-@register_model_transform("offload", order=10)
 def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     """Move experts to host memory and swap their forward, when the plan says experts = cpu."""
     op = plan.offload

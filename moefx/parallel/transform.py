@@ -17,7 +17,6 @@ from torch import nn
 from moefx.parallel.comm import group_name
 from moefx.parallel.lm_head import VocabParallelLMHead
 from moefx.parallel.shard import chunk_bounds
-from moefx.transforms import register_model_transform
 
 # Config keys that put something between the last hidden state and the logits (the head is then not a matmul).
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -53,7 +52,6 @@ def vocab_shard(head: Any) -> tuple[dict[str, Any] | None, str]:
                 bias=local_bias), ""
 
 
-@register_model_transform("vocab_parallel_lm_head", order=30)
 def install_vocab_parallel_head(model: nn.Module, plan: Any, cfg: Any) -> list[str]:
     if not getattr(plan, "serving", {}).get("vocab_parallel_lm_head"):
         return []

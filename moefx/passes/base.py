@@ -1,8 +1,9 @@
-"""The contract every moefx pass follows, and the registry that maps toggle names to passes.
+"""The contract every moefx pass follows, and how a pipeline of passes becomes the registry of toggle names.
 
-A pass is one class in one file: `name` is its `PassConfig` toggle, `order` places it in the pipeline,
-`run()` rewrites the post-grad graph in place and returns how many rewrites it made. Candidates it
-leaves alone are recorded with `ctx.skip(reason)` so users see why in the compile report.
+A pass is one class in one file: `name` is its `PassConfig` toggle, `run()` rewrites the post-grad graph in place
+and returns how many rewrites it made. Candidates it leaves alone are recorded with `ctx.skip(reason)` so users see
+why in the compile report. Where a pass runs is its place in `moefx.passes.manager.PIPELINE`, the one list of
+passes.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ class PassContext:
 
 class MoefxPass:
     name: ClassVar[str]
-    order: ClassVar[int] = 100
     # Extra source files whose change must invalidate inductor's cache (the pass's own file is always in).
     uuid_files: ClassVar[tuple[str, ...]] = ()
 
@@ -62,22 +62,15 @@ class MoefxPass:
         return digest.hexdigest()
 
 
-PASS_REGISTRY: dict[str, type[MoefxPass]] = {}
-
-
-def register_pass(cls: type[MoefxPass]) -> type[MoefxPass]:
-    """Class decorator: make `cls` selectable by its toggle name."""
+def registry(pipeline: tuple[type[MoefxPass], ...]) -> dict[str, type[MoefxPass]]:
+    """`pipeline`'s passes by toggle name, in pipeline order; each name must be unique and a `PassConfig` toggle."""
     from moefx.config import PassConfig
 
-    if cls.name in PASS_REGISTRY:
-        raise ValueError(f"pass {cls.name!r} is registered twice")
-    if cls.name not in PassConfig.__dataclass_fields__:
-        raise ValueError(f"pass {cls.name!r} has no toggle of that name in PassConfig")
-    PASS_REGISTRY[cls.name] = cls
-    return cls
-
-
-def count_targets(graph: torch.fx.Graph, *targets: object) -> int:
-    """Number of call nodes whose target is one of `targets` (handy for tests and logs)."""
-    wanted = set(targets)
-    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in wanted)
+    by_name: dict[str, type[MoefxPass]] = {}
+    for cls in pipeline:
+        if cls.name in by_name:
+            raise ValueError(f"pass {cls.name!r} is in the pipeline twice")
+        if cls.name not in PassConfig.__dataclass_fields__:
+            raise ValueError(f"pass {cls.name!r} has no toggle of that name in PassConfig")
+        by_name[cls.name] = cls
+    return by_name

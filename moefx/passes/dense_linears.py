@@ -16,17 +16,15 @@ from __future__ import annotations
 import torch.fx
 
 from moefx.passes import linear_forms as lf
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import meta_val
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import meta_val
 
 MAX_N = 32768
 MAX_STATIC_M = 256
 
 
-@register_pass
 class DenseLinears(MoefxPass):
     name = "dense_linears"
-    order = 80  # after fuse_sibling_linears: what is still a plain linear here has no sibling
     uuid_files = lf.DEPENDENCY_FILES
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

@@ -12,9 +12,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import RESHAPES
+from moefx.passes import fx as _fx
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import RESHAPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -88,10 +88,8 @@ def _replacement(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-@register_pass
 class EliminateNoops(MoefxPass):
     name = "eliminate_noops"
-    order = 0
     uuid_files = (_fx.__file__,)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

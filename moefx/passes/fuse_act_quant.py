@@ -16,7 +16,7 @@ import operator
 import torch
 import torch.fx
 
-from moefx.passes.base import register_pass
+from moefx.passes.fx import dtype_of, is_call, source_line
 from moefx.passes.quant_patterns import (
     CAST,
     FLOAT_DTYPES,
@@ -25,13 +25,10 @@ from moefx.passes.quant_patterns import (
     QuantFusionPass,
     Reject,
     aten,
-    dtype_of,
-    is_call,
     moefx_ops,
     same_shape,
     scalar,
     shape_of,
-    source_line,
 )
 
 SILU_MUL = moefx_ops.silu_mul.default
@@ -130,10 +127,8 @@ def _halves(gate: torch.fx.Node, up: torch.fx.Node) -> torch.fx.Node | None:
     return x
 
 
-@register_pass
 class FuseActQuant(QuantFusionPass):
     name = "fuse_act_quant"
-    order = 60
     producer_kind = "SiLU-mul"
 
     def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:

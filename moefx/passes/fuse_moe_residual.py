@@ -15,8 +15,8 @@ import torch
 import torch.fx
 
 from moefx.backends import op as _op  # noqa: F401  (registers the two ops)
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import RESHAPES, call, is_call, meta_val, sizes_of, source_of
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import RESHAPES, call, is_call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 MOE = torch.ops.moefx.moe_experts.default
@@ -45,10 +45,8 @@ def _problem(add: torch.fx.Node, moe: torch.fx.Node, residual: object) -> str | 
     return None
 
 
-@register_pass
 class FuseMoeResidual(MoefxPass):
     name = "fuse_moe_residual"
-    order = 80  # after the linear fusions; reads only moefx::moe_experts
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         done = 0

@@ -33,9 +33,9 @@ from torch._inductor import inductor_prims  # noqa: F401  (registers prims.prepa
 
 from moefx.backends import routing as _routing
 from moefx.backends.routing import kernel_supports
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import LOW_DTYPES, RESHAPES, call, dtype_of, is_call, meta_val, source_of
+from moefx.passes import fx as _fx
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import LOW_DTYPES, RESHAPES, call, dtype_of, is_call, meta_val, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -474,10 +474,8 @@ def _apply(graph: torch.fx.Graph, topk: torch.fx.Node, rw: _Rewrite) -> None:
             old.replace_all_uses_with(weights)
 
 
-@register_pass
 class FuseMoeRouting(MoefxPass):
     name = "fuse_moe_routing"
-    order = 40
     uuid_files = (_fx.__file__, _routing.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

@@ -34,8 +34,8 @@ from moefx.backends.kernels.dense_kernels import default_config
 from moefx.passes import fuse_norm_quant as fnq
 from moefx.passes import linear_forms as lf
 from moefx.passes import quant_patterns as qp
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling.fx import RESHAPES, call, dtype_of, is_call, meta_val, sizes_of, source_of
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import RESHAPES, call, dtype_of, is_call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 NORM_DENSE = torch.ops.moefx.rms_norm_dense_linear.default
@@ -115,10 +115,8 @@ def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
     return None if name == GEMV else f"the dense policy runs M={m} {name}, not the gemv kernel with the norm prologue"
 
 
-@register_pass
 class FuseNormLinear(MoefxPass):
     name = "fuse_norm_linear"
-    order = 85  # after fuse_sibling_linears and dense_linears, which write the dense_linear calls it reads
     uuid_files = (*lf.DEPENDENCY_FILES, fnq.__file__, qp.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

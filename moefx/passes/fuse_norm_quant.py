@@ -21,25 +21,21 @@ import operator
 import torch
 import torch.fx
 
-from moefx.passes.base import register_pass
+from moefx.passes.fx import LOW_DTYPES, dtype_of, is_call, source_line
 from moefx.passes.quant_patterns import (
     CAST,
     FLOAT_DTYPES,
-    LOW_DTYPES,
     NotMine,
     ProducerMatch,
     QuantFusionPass,
     Reject,
     aten,
-    dtype_of,
-    is_call,
     is_upcast,
     moefx_ops,
     norm_dims,
     same_shape,
     scalar,
     shape_of,
-    source_line,
     strip_views,
 )
 
@@ -134,10 +130,8 @@ def plain_norm_problem(match: ProducerMatch, residual: bool = False) -> str | No
     return None
 
 
-@register_pass
 class FuseNormQuant(QuantFusionPass):
     name = "fuse_norm_quant"
-    order = 50
     producer_kind = "RMSNorm"
 
     def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:

@@ -24,10 +24,10 @@ import torch.fx
 from moefx.ops import decode_attention as _attention  # noqa: F401  (registers moefx::decode_attention)
 from moefx.ops import rope_cache as _rope_cache
 from moefx.passes import fuse_norm_quant, quant_patterns
-from moefx.passes.base import MoefxPass, PassContext, register_pass
+from moefx.passes.base import MoefxPass, PassContext
 from moefx.passes.fuse_norm_quant import FuseNormQuant
+from moefx.passes.fx import call, is_call, meta_val, source_of
 from moefx.passes.quant_patterns import NotMine, Reject
-from moefx.sampling.fx import call, is_call, meta_val, source_of
 
 aten = torch.ops.aten
 ATTENTION = torch.ops.moefx.decode_attention.default
@@ -139,10 +139,8 @@ def _start_of(positions: torch.fx.Node) -> torch.fx.Node:
     return positions
 
 
-@register_pass
 class FuseQkNormRope(MoefxPass):
     name = "fuse_qk_norm_rope"
-    order = 90  # after the dense-linear passes, which give q/k/v as moefx::dense_linear outputs
     uuid_files = (fuse_norm_quant.__file__, quant_patterns.__file__, _rope_cache.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

@@ -24,10 +24,10 @@ from moefx.backends.kernels import dense_kernels as _dense_kernels
 from moefx.backends.kernels import routing as _routing
 from moefx.backends.kernels.dense_kernels import route_supported
 from moefx.passes import fuse_norm_linear as fnl
-from moefx.passes.base import MoefxPass, PassContext, register_pass
+from moefx.passes.base import MoefxPass, PassContext
 from moefx.passes.fuse_moe_routing import FUSED_TOPK
 from moefx.passes.fuse_norm_linear import ADD_NORM_DENSE
-from moefx.sampling.fx import call, is_call, meta_val, source_of
+from moefx.passes.fx import call, is_call, meta_val, source_of
 
 ROUTE = torch.ops.moefx.add_rms_norm_route.default
 
@@ -60,10 +60,8 @@ def _problem(dense: torch.fx.Node, route: list) -> str | None:
     return None
 
 
-@register_pass
 class FuseRouterTopk(MoefxPass):
     name = "fuse_router_topk"
-    order = 88  # after fuse_norm_linear, which writes the router calls it reads
     uuid_files = (_router.__file__, _dense_kernels.__file__, _routing.__file__, _routing_op.__file__, fnl.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

@@ -17,13 +17,11 @@ from __future__ import annotations
 import torch.fx
 
 from moefx.passes import linear_forms as lf
-from moefx.passes.base import MoefxPass, PassContext, register_pass
+from moefx.passes.base import MoefxPass, PassContext
 
 
-@register_pass
 class FuseSiblingLinears(MoefxPass):
     name = "fuse_sibling_linears"
-    order = 70  # after the quant fusions, which rewrite the activation quant the FP8 linears read
     uuid_files = lf.DEPENDENCY_FILES
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

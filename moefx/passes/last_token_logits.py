@@ -19,9 +19,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import RESHAPES, call, meta_val, sizes_of, source_of
+from moefx.passes import fx as _fx
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import RESHAPES, call, meta_val, sizes_of, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -141,10 +141,8 @@ class _Candidate:
         return rows
 
 
-@register_pass
 class LastTokenLogits(MoefxPass):
     name = "last_token_logits"
-    order = 30
     uuid_files = (_fx.__file__,)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

@@ -26,7 +26,7 @@ import torch.fx
 
 import moefx.backends.dense  # registers moefx::dense_linear
 import moefx.ops  # noqa: F401  (registers moefx::quant, moefx::fp8_block_gemm)
-from moefx.sampling.fx import RESHAPES, call, meta_val, source_of
+from moefx.passes.fx import RESHAPES, call, meta_val, source_of
 
 aten = torch.ops.aten
 DENSE = torch.ops.moefx.dense_linear.default

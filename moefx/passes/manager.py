@@ -1,9 +1,10 @@
-"""The inductor post-grad hook that runs the enabled moefx passes in order.
+"""The moefx pass pipeline, and the inductor post-grad hook that runs its enabled passes in that order.
 
 Its `uuid()` hashes the config, the plan, the enabled passes and their source files, so inductor's FX
 graph cache never serves a graph that was built with other passes, another plan or another version of a pass.
 Each graph's compile report is stored with its cache entry (`moefx.reports`), so a cache hit still reports
-what was fused and why other candidates were left alone.
+what was fused and why other candidates were left alone. The pipeline's order is this file's text, so reordering it
+changes every uuid too.
 """
 
 from __future__ import annotations
@@ -17,10 +18,40 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from moefx.config import CompilationConfig
 from moefx.log import get_logger
-from moefx.passes.base import PASS_REGISTRY, PassContext
+from moefx.passes.base import MoefxPass, PassContext, registry
+from moefx.passes.dense_linears import DenseLinears
+from moefx.passes.eliminate_noops import EliminateNoops
+from moefx.passes.fuse_act_quant import FuseActQuant
+from moefx.passes.fuse_moe_residual import FuseMoeResidual
+from moefx.passes.fuse_moe_routing import FuseMoeRouting
+from moefx.passes.fuse_norm_linear import FuseNormLinear
+from moefx.passes.fuse_norm_quant import FuseNormQuant
+from moefx.passes.fuse_qk_norm_rope import FuseQkNormRope
+from moefx.passes.fuse_router_topk import FuseRouterTopk
+from moefx.passes.fuse_sibling_linears import FuseSiblingLinears
+from moefx.passes.last_token_logits import LastTokenLogits
+from moefx.passes.rewrite_sampler_syncs import RewriteSamplerSyncs
 from moefx.reports import CompileReport, new_report, store_with_cache_entry
 
 log = get_logger("moefx.passes")
+
+# Every moefx pass, in the order the enabled ones run.
+PIPELINE: tuple[type[MoefxPass], ...] = (
+    EliminateNoops,
+    RewriteSamplerSyncs,
+    LastTokenLogits,
+    FuseMoeRouting,
+    # the two quant fusions, in the order they are asked who made a quant's input (`QuantFusionPass.owner`)
+    FuseNormQuant,
+    FuseActQuant,
+    FuseSiblingLinears,  # after the quant fusions, which rewrite the activation quant the FP8 linears read
+    DenseLinears,  # after fuse_sibling_linears: what is still a plain linear here has no sibling
+    FuseMoeResidual,  # after the linear fusions; reads only moefx::moe_experts
+    FuseNormLinear,  # after fuse_sibling_linears and dense_linears, which write the dense_linear calls it reads
+    FuseRouterTopk,  # after fuse_norm_linear, which writes the router calls it reads
+    FuseQkNormRope,  # after the dense-linear passes, which give q/k/v as moefx::dense_linear outputs
+)
+PASS_REGISTRY: dict[str, type[MoefxPass]] = registry(PIPELINE)
 
 
 class PassManager(CustomGraphPass):
@@ -30,7 +61,8 @@ class PassManager(CustomGraphPass):
             raise ValueError(f"unknown pass(es) {unknown}; registered passes: {sorted(PASS_REGISTRY)}")
         self.config = config
         self.plan = plan
-        self.passes = sorted((PASS_REGISTRY[n]() for n in enabled), key=lambda p: (p.order, p.name))
+        wanted = set(enabled)
+        self.passes = [cls() for name, cls in PASS_REGISTRY.items() if name in wanted]
         dump = config.pass_config.dump_graph_dir or os.environ.get("MOEFX_DUMP_GRAPHS")
         self.dump_dir = Path(dump) if dump else None
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,9 +37,9 @@ import torch.fx
 
 from moefx.ops import fused_quant  # noqa: F401  (registers the moefx ops used below)
 from moefx.ops.quant import FP8_MAX, INT8_MAX, QuantScheme
+from moefx.passes import fx as _fx
 from moefx.passes.base import MoefxPass, PassContext, log
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import LOW_DTYPES, dtype_of, is_call, val
+from moefx.passes.fx import LOW_DTYPES, dtype_of, is_call, location, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -135,35 +134,6 @@ def round_to(value: float, dtype: torch.dtype) -> float:
 
 def fmt_num(v: float) -> str:
     return f"{v:g}"
-
-
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def location(node: Any) -> str:
-    """file:line of the user code that made `node` (the innermost frame outside torch), or the node name."""
-    trace = node.meta.get("stack_trace") if isinstance(node, torch.fx.Node) else None
-    frames = _FRAME.findall(trace or "")
-    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
-    if not user:
-        return getattr(node, "name", str(node))
-    path, line = user[-1]
-    try:
-        rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
-    except ValueError:
-        pass
-    return f"{path}:{line}"
-
-
-def source_line(node: torch.fx.Node) -> str:
-    """The code line of the innermost frame of `node`'s stack trace."""
-    lines = (node.meta.get("stack_trace") or "").rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        if _FRAME.search(lines[i]):
-            return lines[i + 1].strip() if i + 1 < len(lines) else ""
-    return ""
 
 
 def describe(node: Any) -> str:
@@ -638,7 +608,11 @@ def dedupe_casts(graph: torch.fx.Graph) -> None:
 # ------------------------------------------------------------------------------------------------ the passes
 
 
-QUANT_PASSES: dict[str, type[QuantFusionPass]] = {}
+def quant_passes() -> list[type[QuantFusionPass]]:
+    """The quant fusion passes, in pipeline order."""
+    from moefx.passes.manager import PIPELINE  # the pipeline imports this module's passes
+
+    return [cls for cls in PIPELINE if issubclass(cls, QuantFusionPass)]
 
 
 class QuantFusionPass(MoefxPass):
@@ -648,16 +622,13 @@ class QuantFusionPass(MoefxPass):
     uuid_files = DEPENDENCY_FILES
     producer_kind: ClassVar[str] = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        QUANT_PASSES[cls.name] = cls
-
     def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:
         raise NotImplementedError
 
     def _owner(self, y: torch.fx.Node) -> tuple[type[QuantFusionPass] | None, Any]:
-        """The quant pass whose kind of producer made y, and its match (a ProducerMatch or a Reject)."""
-        for cls in sorted(QUANT_PASSES.values(), key=lambda c: (c.order, c.name)):
+        """The quant pass whose kind of producer made y, and its match (a ProducerMatch or a Reject); the first in
+        pipeline order that does not answer NotMine."""
+        for cls in quant_passes():
             inst = self if type(self) is cls else cls()
             try:
                 return cls, inst.recognize_producer(y)

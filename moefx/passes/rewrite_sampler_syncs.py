@@ -24,9 +24,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from moefx.passes.base import MoefxPass, PassContext, register_pass
-from moefx.sampling import fx as _fx
-from moefx.sampling.fx import LOW_DTYPES, call, meta_val, source_of
+from moefx.passes import fx as _fx
+from moefx.passes.base import MoefxPass, PassContext
+from moefx.passes.fx import LOW_DTYPES, call, meta_val, source_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -233,10 +233,8 @@ def _rewrite_multinomial(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     graph.erase_node(node)
 
 
-@register_pass
 class RewriteSamplerSyncs(MoefxPass):
     name = "rewrite_sampler_syncs"
-    order = 20
     uuid_files = (_fx.__file__,)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:

@@ -104,8 +104,8 @@ def resolve(
 
     plan = Plan(model=ms, execution=es, profile=fragment.provider if fragment else "unknown", profile_reason=why)
     plan.rule = rule.label if rule is not None else None
-    for name in sorted(PASS_REGISTRY, key=lambda n: (PASS_REGISTRY[n].order, n)):
-        plan.passes[name] = _decide(name, PASS_REGISTRY[name], ms, es, cfg, fragment, rule, env)
+    for name, cls in PASS_REGISTRY.items():  # pipeline order
+        plan.passes[name] = _decide(name, cls, ms, es, cfg, fragment, rule, env)
     requested = set(env) | set(rule.passes if rule is not None else ())
     for name in sorted(requested - set(PASS_REGISTRY)):
         warn_once(f"pass {name} is set by {PASSES_ENV} or a rule but no pass of that name is registered; ignored")

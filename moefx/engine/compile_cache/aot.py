@@ -30,7 +30,7 @@ import torch
 
 from moefx.log import get_logger, warn_once
 
-log = get_logger("moefx.sampling")
+log = get_logger("moefx.engine")
 
 # Guard kinds that speak of the call's own values and survive serialization (see the module docstring).
 _KEPT_GUARDS = frozenset({

@@ -43,7 +43,7 @@ import torch
 
 from moefx.log import get_logger, progress_logger
 
-log = get_logger("moefx.sampling")
+log = get_logger("moefx.engine")
 
 FORMAT_VERSION = 2  # 2: the payload holds the Mega-Cache's bytes and the engine's saved traces
 MAGIC = b"moefx-compile-cache\n"

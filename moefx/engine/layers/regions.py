@@ -39,7 +39,6 @@ import torch
 
 from moefx.engine.layers.frames import LayerFrames
 from moefx.engine.layers.layer_body import LayerCalls, own_body
-from moefx.transforms import register_model_transform
 
 _CACHE_NAMES = ("cache", "past_key_values")
 
@@ -161,7 +160,6 @@ def layer_frames(model: Any) -> LayerFrames | None:
     return getattr(model, "_moefx_layer_frames", None)
 
 
-@register_model_transform("layer_regions", order=45)
 def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
     if getattr(config, "mode", "compile") == "eager":
         return ["decoder layers: no compiled regions (mode eager)"]

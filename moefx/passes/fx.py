@@ -1,4 +1,5 @@
-"""Small FX helpers shared by the moefx passes: node tests, insert nodes with fake values, name sources.
+"""Small FX helpers shared by the moefx passes: node tests, insert nodes with fake values, name the user code a node
+came from (`location`: the `file:line` format of every pass report).
 
 Inductor's later post-grad passes read `meta["val"]` (device, shape, dtype), so every node a moefx
 rewrite inserts gets a value computed under the graph's own fake mode.
@@ -6,6 +7,10 @@ rewrite inserts gets a value computed under the graph's own fake mode.
 
 from __future__ import annotations
 
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,13 +78,65 @@ def sizes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> list[Any]:
     return [d if isinstance(d, int) else call(graph, aten.sym_size.int, (node, i)) for i, d in enumerate(val.shape)]
 
 
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a node's stack trace: the file, the line and that line's code ("" when the trace has none)."""
+
+    path: str
+    line: int
+    code: str
+
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
+
+
+def frames(node: Any) -> list[Frame]:
+    """The frames of `node`'s stack trace, outermost first (none when `node` is not a node or has no trace)."""
+    trace = node.meta.get("stack_trace") if isinstance(node, torch.fx.Node) else None
+    lines = (trace or "").rstrip().splitlines()
+    found = []
+    for i, text in enumerate(lines):
+        m = _FRAME.match(text)
+        if m:
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            found.append(Frame(m.group(1), int(m.group(2)), "" if _FRAME.match(after) else after.strip()))
+    return found
+
+
+def user_frame(node: Any) -> Frame | None:
+    """The innermost frame of `node`'s stack trace outside torch (the innermost frame when all are torch's)."""
+    found = frames(node)
+    user = [f for f in found if not f.path.startswith(_TORCH_DIR)] or found
+    return user[-1] if user else None
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The code line of the innermost frame of `node`'s stack trace, torch's included (what op a decomposition
+    came from)."""
+    found = frames(node)
+    return found[-1].code if found else ""
+
+
+def location(node: Any) -> str:
+    """`file:line` of the user code that made `node` -- the one format every pass report names a place in (the file
+    relative to the working directory when under it) -- or the node's name when its trace is unknown."""
+    frame = user_frame(node)
+    if frame is None:
+        return getattr(node, "name", str(node))
+    path = frame.path
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{frame.line}"
+
+
 def source_of(node: torch.fx.Node) -> str:
-    """`file:line (code)` of the user code a node came from, or the node name when unknown."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            where = lines[i].replace("File ", "", 1)
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{where} ({code})" if code else where
-    return f"node {node.name}"
+    """`file:line (code)` of the user code a node came from (`location` and the line's code), or `node NAME` when
+    unknown."""
+    frame = user_frame(node)
+    if frame is None:
+        return f"node {node.name}"
+    return f"{location(node)} ({frame.code})" if frame.code else location(node)
