@@ -139,7 +139,7 @@ def dense_key(
 
 
 def env_token() -> tuple[str | None, ...]:
-    """The raw values of the variables `env_override()` reads: part of the op's memo key (backends/memo.py)."""
+    """The raw values of the variables `env_override()` reads: part of the op's memo key (kernels/memo.py)."""
     return setting_raw(ENV)
 
 

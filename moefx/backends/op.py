@@ -24,7 +24,6 @@ from moefx.backends import calibration
 from moefx.backends.activation import check_limit, gate_up, get_activation
 from moefx.backends.calibration import find_row, key_for_tensors
 from moefx.backends.capture_mode import decides_as_captured
-from moefx.backends.memo import ShapeMemo, tensor_meta
 from moefx.backends.policy import (
     HOST_SYNCING_BACKENDS,
     UPSTREAM,
@@ -35,6 +34,7 @@ from moefx.backends.policy import (
     parse_policy_spec,
 )
 from moefx.backends.registry import BACKENDS
+from moefx.kernels.memo import ShapeMemo, tensor_meta
 from moefx.log import get_logger, warn_once
 
 log = get_logger("moefx.backends")

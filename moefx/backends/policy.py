@@ -59,7 +59,7 @@ def _enum_setting(environ: Mapping[str, str]) -> tuple[str, str]:
 
 
 def env_token() -> tuple[str | None, ...]:
-    """The raw values of every variable `env_override()` reads: part of the op's memo key (backends/memo.py)."""
+    """The raw values of every variable `env_override()` reads: part of the op's memo key (kernels/memo.py)."""
     return (*setting_raw("MOEFX_MOE_BACKEND"), *(os.environ.get(var) for var in LEGACY_SWITCHES))
 
 

@@ -176,7 +176,7 @@ def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
 
 def setting_raw(name: str) -> tuple[str | None, ...]:
     """The raw environment values of setting `name` and its aliases: part of a memo key for anything decided from
-    the setting (moefx/backends/memo.py), so a changed value gives a new key without parsing it on every call."""
+    the setting (moefx/kernels/memo.py), so a changed value gives a new key without parsing it on every call."""
     found = _VARS.get(name)
     if found is None:
         _lookup(name)  # raises, naming the valid settings

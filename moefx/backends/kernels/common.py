@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
-from moefx.backends.memo import device_capability, on_device
 from moefx.backends.registry import MoEBackend
+from moefx.kernels.availability import triton_available
+from moefx.kernels.memo import device_capability, on_device
 
 FP8_MAX = 448.0
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def shape_problem(
