@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moefx.config import CompilationConfig, parse_memory_budget
+from moefx.env import get_setting
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.offload.env import get_setting
 from moefx.sampling.decode import DecodeLoop
 from moefx.sampling.generate import install_generate
 from moefx.sampling.sampler import SamplingParams

@@ -9,13 +9,13 @@ what was fused and why other candidates were left alone.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from moefx.config import CompilationConfig
+from moefx.env import get_setting
 from moefx.log import get_logger
 from moefx.passes.base import PASS_REGISTRY, PassContext
 from moefx.reports import CompileReport, new_report, store_with_cache_entry
@@ -31,7 +31,7 @@ class PassManager(CustomGraphPass):
         self.config = config
         self.plan = plan
         self.passes = sorted((PASS_REGISTRY[n]() for n in enabled), key=lambda p: (p.order, p.name))
-        dump = config.pass_config.dump_graph_dir or os.environ.get("MOEFX_DUMP_GRAPHS")
+        dump = config.pass_config.dump_graph_dir or get_setting("MOEFX_DUMP_GRAPHS")
         self.dump_dir = Path(dump) if dump else None
 
     @property
