@@ -102,7 +102,8 @@ class MoEBackend:
 
     def run(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[M, H] in hidden's dtype; `residual` is only passed where `adds_residual`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"MoE backend {self.name!r} defines no run(call: MoeCall), which the op calls "
+                                  f"(the backend contract, moefx/backends/registry.py)")
 
 
 BACKENDS: dict[str, MoEBackend] = {}
