@@ -12,21 +12,17 @@ every moefx message is) instead of breaking the graph on `warnings.warn`; `fullg
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any
 
-_VALID_LEVELS = ("debug", "info", "warning", "error")
+from moefx.env import get_setting, setting_source
+
 _warned: set[str] = set()
 
 
 def log_level() -> str:
     """The validated MOEFX_LOG level (the CLI checks it first, so a bad value is one line, not a traceback)."""
-    raw = os.environ.get("MOEFX_LOG", "").strip()
-    level = raw.lower() or "warning"
-    if level not in _VALID_LEVELS:
-        raise ValueError(f"environment variable MOEFX_LOG={raw!r} is invalid; valid values: {list(_VALID_LEVELS)}")
-    return level
+    return get_setting("MOEFX_LOG")
 
 
 def get_logger(name: str = "moefx") -> logging.Logger:
@@ -51,7 +47,7 @@ def progress_logger() -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("moefx: %(message)s"))
         logger.addHandler(handler)
-        asked = os.environ.get("MOEFX_LOG", "").strip() and log_level()
+        asked = log_level() if setting_source("MOEFX_LOG") != "default" else None
         logger.setLevel(asked.upper() if asked in ("warning", "error") else "INFO")
         logger.propagate = False
         logger._moefx_configured = True  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The per-key memos of the ops' dispatch (backends/memo.py): a memoized decision equals the one made afresh for
+"""The per-key memos of the ops' dispatch (kernels/memo.py): a memoized decision equals the one made afresh for
 every key, a key never answers for another, and env overrides and new calibration tables are honoured at once."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from moefx.backends import dense as D
 from moefx.backends import dense_policy as P
 from moefx.backends import op
 from moefx.backends.calibration import CalibrationRow, key_for_tensors, parse_ranges, write_row
-from moefx.backends.memo import ShapeMemo
+from moefx.kernels.memo import ShapeMemo
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 E, H, I, TOPK = 8, 64, 32, 2

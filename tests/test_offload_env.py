@@ -5,7 +5,7 @@ import warnings
 import pytest
 
 import moefx.offload as offload
-from moefx.offload.env import SETTINGS
+from moefx.offload import SETTINGS
 
 SPEC_ROWS = {
     "MOEFX_OFFLOAD_EXPERTS": ("gpu", {"VLLM_EXPERTS_LOAD_DEVICE"}),

@@ -17,8 +17,8 @@ from moefx.engine.engine import DecodeLoop
 from moefx.engine.hf_generate import install_generate
 from moefx.engine.memory import MemoryBudgetError, cache_bytes
 from moefx.engine.slots import SlotPool, cache_len
+from moefx.env import get_setting
 from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.offload.env import get_setting
 from moefx.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

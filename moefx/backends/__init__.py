@@ -3,6 +3,6 @@
 from moefx.backends import cpu, gemv, grouped, legacy, routing, torch_grouped  # noqa: F401
 from moefx.backends.dense import dense_linear
 from moefx.backends.op import available_backends, moe_experts
-from moefx.backends.registry import BACKENDS, MoEBackend, register_backend
+from moefx.backends.registry import BACKENDS, MoEBackend, MoeCall, register_backend
 
-__all__ = ["BACKENDS", "MoEBackend", "available_backends", "dense_linear", "moe_experts", "register_backend"]
+__all__ = ["BACKENDS", "MoEBackend", "MoeCall", "available_backends", "dense_linear", "moe_experts", "register_backend"]

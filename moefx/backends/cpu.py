@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.registry import MoEBackend, register_backend
+from moefx.backends.registry import MoEBackend, MoeCall, register_backend
 from moefx.offload.cpu_experts import ExpertStore, cpu_moe
 
 
@@ -38,22 +38,10 @@ class CpuBackend(MoEBackend):
             return f"cpu backend takes float expert weights, got {w13.dtype}"
         return super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> torch.Tensor:
-        reason = self.unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
+    def run(self, call: MoeCall) -> torch.Tensor:
+        reason = self.unsupported_reason(call.hidden, call.w13, call.w2, call.w13_scale, call.block_shape,
+                                         call.activation, call.gate_limit)
         if reason:
             raise ValueError(reason)
-        out = cpu_moe(ExpertStore(w13, w2), hidden.cpu(), topk_ids.cpu(), topk_weights.cpu())
-        return out.to(hidden.device, non_blocking=True)
+        out = cpu_moe(ExpertStore(call.w13, call.w2), call.hidden.cpu(), call.topk_ids.cpu(), call.topk_weights.cpu())
+        return out.to(call.hidden.device, non_blocking=True)

@@ -53,9 +53,9 @@ from moefx.backends import calibration
 from moefx.backends.capture_mode import decides_as_captured
 from moefx.backends.dense_policy import GEMV, dense_key, env_token, requested
 from moefx.backends.kernels.common import FLOAT_DTYPES
-from moefx.backends.memo import ShapeMemo, on_device, tensor_meta
 from moefx.backends.policy import UPSTREAM
 from moefx.config import DENSE_BACKENDS
+from moefx.kernels.memo import ShapeMemo, on_device, tensor_meta
 from moefx.log import get_logger, warn_once
 from moefx.ops.block_gemm import ref_fp8_block_gemm  # (and registers moefx::fp8_block_gemm, the FP8 upstream)
 from moefx.ops.quant import FP8_DTYPE as FP8

@@ -27,7 +27,7 @@ import torch
 from moefx.backends import calibration
 from moefx.backends.calibration import MODES, device_identity, dtype_name
 from moefx.backends.policy import UPSTREAM, MoePolicy
-from moefx.offload.env import setting_raw
+from moefx.env import get_setting, setting_raw, setting_source
 
 GEMV = "gemv"
 RUNNERS = (GEMV, UPSTREAM)
@@ -139,14 +139,12 @@ def dense_key(
 
 
 def env_token() -> tuple[str | None, ...]:
-    """The raw values of the variables `env_override()` reads: part of the op's memo key (backends/memo.py)."""
+    """The raw values of the variables `env_override()` reads: part of the op's memo key (kernels/memo.py)."""
     return setting_raw(ENV)
 
 
 def env_override() -> tuple[str | None, str]:
     """(backend forced by MOEFX_DENSE_BACKEND or None, its source)."""
-    from moefx.offload.env import get_setting, setting_source
-
     value = get_setting(ENV)
     return (None, "") if value == "auto" else (value, setting_source(ENV))
 

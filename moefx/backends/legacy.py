@@ -7,27 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from moefx.backends.activation import gate_up
-from moefx.backends.registry import MoEBackend, dequant_block, register_backend
+from moefx.backends.registry import MoEBackend, MoeCall, dequant_block, register_backend
 
 
 @register_backend
 class LegacyBackend(MoEBackend):
     name = "legacy"
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> torch.Tensor:
+    def run(self, call: MoeCall) -> torch.Tensor:
+        hidden, topk_ids, topk_weights, w13, w2 = call.hidden, call.topk_ids, call.topk_weights, call.w13, call.w2
+        w13_scale, w2_scale, block_shape = call.w13_scale, call.w2_scale, call.block_shape
         quantized = w13_scale is not None
         compute = torch.float32 if quantized else hidden.dtype
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (gradcheck)
@@ -38,6 +27,6 @@ class LegacyBackend(MoEBackend):
             down_w = dequant_block(w2[e], w2_scale[e], block_shape) if quantized else w2[e]
             x = hidden[token].to(compute)
             gate, up = F.linear(x, gate_up_w.to(compute)).chunk(2, dim=-1)
-            y = F.linear(gate_up(gate, up, activation, gate_limit), down_w.to(compute))
+            y = F.linear(gate_up(gate, up, call.activation, call.gate_limit), down_w.to(compute))
             out.index_add_(0, token, y.to(acc) * topk_weights[token, slot, None].to(acc))
         return out.to(hidden.dtype)

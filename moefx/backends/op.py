@@ -24,7 +24,6 @@ from moefx.backends import calibration
 from moefx.backends.activation import check_limit, gate_up, get_activation
 from moefx.backends.calibration import find_row, key_for_tensors
 from moefx.backends.capture_mode import decides_as_captured
-from moefx.backends.memo import ShapeMemo, tensor_meta
 from moefx.backends.policy import (
     HOST_SYNCING_BACKENDS,
     UPSTREAM,
@@ -34,7 +33,8 @@ from moefx.backends.policy import (
     is_policy_spec,
     parse_policy_spec,
 )
-from moefx.backends.registry import BACKENDS
+from moefx.backends.registry import BACKENDS, MoeCall
+from moefx.kernels.memo import ShapeMemo, tensor_meta
 from moefx.log import get_logger, warn_once
 
 log = get_logger("moefx.backends")
@@ -186,20 +186,12 @@ class _UpstreamExperts:
         return gate_up(gate, up, self.activation, self.gate_limit)
 
 
-def _transformers_upstream(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str,
-    gate_limit: float | None,
-) -> torch.Tensor:
+def _transformers_upstream(call: MoeCall) -> torch.Tensor:
     """transformers' default experts path (grouped_mm) on the op's layout: the plain path for HF models."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    experts = _UpstreamExperts(w13, w2, activation, gate_limit)
-    return grouped_mm_experts_forward(experts, hidden, topk_ids, topk_weights)
+    experts = _UpstreamExperts(call.w13, call.w2, call.activation, call.gate_limit)
+    return grouped_mm_experts_forward(experts, call.hidden, call.topk_ids, call.topk_weights)
 
 
 # flexible_layout: inductor hands over its buffers as they are (the backends make `hidden` contiguous). Under the
@@ -232,20 +224,15 @@ def _run(args: tuple, residual: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[0] == 0:
         out = hidden.new_zeros(0, w2.shape[1])
         return out if residual is None else residual + out
-    name = select_backend(hidden, topk_ids, w13, w2, w13_scale, block_shape, backend, upstream, activation=activation,
+    bs = tuple(block_shape) if block_shape is not None else None
+    call = MoeCall(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, activation, gate_limit)
+    name = select_backend(hidden, topk_ids, w13, w2, w13_scale, bs, backend, upstream, activation=activation,
                           gate_limit=gate_limit)
     log.debug("moe_experts M=%d -> %s", hidden.shape[0], name)
     if name == "transformers":
-        out = _transformers_upstream(hidden, topk_ids, topk_weights, w13, w2, activation, gate_limit)
+        out = _transformers_upstream(call)
         return out if residual is None else residual + out
-    bs = tuple(block_shape) if block_shape is not None else None
-    impl = BACKENDS[name]
-    fused = residual is not None and impl.adds_residual
-    out = impl(
-        hidden, topk_ids, topk_weights, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, block_shape=bs,
-        activation=activation, gate_limit=gate_limit, **({"residual": residual} if fused else {}),
-    )
-    return out if residual is None or fused else residual + out
+    return BACKENDS[name].apply(call, residual)
 
 
 @_moe_experts_op.register_fake

@@ -32,8 +32,8 @@ from moefx.backends.calibration import (
 )
 from moefx.backends.registry import BACKENDS
 from moefx.config import MOE_BACKENDS
+from moefx.env import get_setting, setting_raw, setting_source
 from moefx.log import warn_once
-from moefx.offload.env import setting_raw
 
 UPSTREAM = "upstream"
 # Backends that wait on the host inside a call (legacy: torch.unique/.tolist; cpu: copies the activations to
@@ -41,7 +41,6 @@ UPSTREAM = "upstream"
 HOST_SYNCING_BACKENDS = frozenset({"legacy", "cpu"})
 # Legacy boolean switches, each the old spelling of forcing one backend; they must agree with the enum.
 LEGACY_SWITCHES: dict[str, str] = {"MOEFX_USE_GEMV": "gemv"}
-_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 PIN_FIELDS = ("backend", "ranges", "mode", "source")
 
 
@@ -53,14 +52,12 @@ class EnvOverride:
 
 
 def _enum_setting(environ: Mapping[str, str]) -> tuple[str, str]:
-    from moefx.offload.env import get_setting, setting_source
-
     return get_setting("MOEFX_MOE_BACKEND", environ), setting_source("MOEFX_MOE_BACKEND", environ)
 
 
 def env_token() -> tuple[str | None, ...]:
-    """The raw values of every variable `env_override()` reads: part of the op's memo key (backends/memo.py)."""
-    return (*setting_raw("MOEFX_MOE_BACKEND"), *(os.environ.get(var) for var in LEGACY_SWITCHES))
+    """The raw values of every variable `env_override()` reads: part of the op's memo key (kernels/memo.py)."""
+    return (*setting_raw("MOEFX_MOE_BACKEND"), *(raw for var in LEGACY_SWITCHES for raw in setting_raw(var)))
 
 
 def env_override(environ: Mapping[str, str] | None = None) -> EnvOverride:
@@ -71,13 +68,10 @@ def env_override(environ: Mapping[str, str] | None = None) -> EnvOverride:
     source = enum_source if forced else ""
     disabled: set[str] = set()
     for var, backend in LEGACY_SWITCHES.items():
-        raw = env.get(var, "").strip()
-        if not raw:
+        on = get_setting(var, env)
+        if on is None:
             continue
-        low = raw.lower()
-        if low not in _TRUE + _FALSE:
-            raise ValueError(f"environment variable {var}={raw!r} is invalid: expected one of {list(_TRUE + _FALSE)}")
-        on = low in _TRUE
+        raw = env[var].strip()
         if forced is not None and (on != (forced == backend)):
             raise ValueError(
                 f"conflicting MoE backend settings: {var}={raw!r} and MOEFX_MOE_BACKEND={enum!r}; "

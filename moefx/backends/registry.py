@@ -12,15 +12,47 @@ to [-limit, limit] first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 
+@dataclass(frozen=True, eq=False)
+class MoeCall:
+    """One MoE backend call: the data arguments of moefx::moe_experts, built once per op call (backends/op.py) or
+    per direct call of a backend (`MoEBackend.__call__`) and passed to `MoEBackend.run`. `block_shape` is a tuple.
+    Compared by identity (`eq=False`): it holds tensors."""
+
+    hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    block_shape: tuple[int, int] | None = None
+    activation: str = "silu"
+    gate_limit: float | None = None
+
+    def kernel_args(self) -> tuple:
+        """(hidden made contiguous, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape): the positional
+        arguments of the Triton launchers and their PyTorch paths, which take `activation` and `gate_limit` by
+        keyword (`gate_kwargs`)."""
+        return (self.hidden.contiguous(), self.topk_ids, self.topk_weights, self.w13, self.w2, self.w13_scale,
+                self.w2_scale, self.block_shape)
+
+    def gate_kwargs(self) -> dict[str, object]:
+        return {"activation": self.activation, "gate_limit": self.gate_limit}
+
+
 class MoEBackend:
+    """A backend implements `run(call)`; `__call__` is the keyword front for direct calls (tests, the offload
+    ring's tile compute) and `apply` what the op calls."""
+
     name: ClassVar[str]
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
-    # True where `__call__` also takes `residual=` ([M, H], hidden's dtype) and returns residual + out, the sum
+    # True where `run` also takes `residual` ([M, H], hidden's dtype) and returns residual + out, the sum
     # rounded to hidden's dtype first (as a separate add would see it): moefx::moe_experts_residual then adds no
     # launch of its own.
     adds_residual: ClassVar[bool] = False
@@ -53,8 +85,25 @@ class MoEBackend:
         block_shape: tuple[int, int] | None = None,
         activation: str = "silu",
         gate_limit: float | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        raise NotImplementedError
+        bs = tuple(block_shape) if block_shape is not None else None
+        call = MoeCall(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, activation, gate_limit)
+        return self.apply(call, residual)
+
+    def apply(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' sum for `call`, plus `residual` when given: added by the backend where it can
+        (`adds_residual`), else by one add here; either way rounded as a separate add would."""
+        if residual is None:
+            return self.run(call)
+        if self.adds_residual:
+            return self.run(call, residual)
+        return residual + self.run(call)
+
+    def run(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[M, H] in hidden's dtype; `residual` is only passed where `adds_residual`."""
+        raise NotImplementedError(f"MoE backend {self.name!r} defines no run(call: MoeCall), which the op calls "
+                                  f"(the backend contract, moefx/backends/registry.py)")
 
 
 BACKENDS: dict[str, MoEBackend] = {}

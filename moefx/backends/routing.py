@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.memo import ShapeMemo, on_device
+from moefx.kernels.memo import ShapeMemo, on_device
 
 KINDS = ("softmax", "topk_softmax", "sigmoid")
 # transformers' DeepSeek-V3 / GLM4-MoE renormalization denominator (+ this); the Triton kernel adds the same literal

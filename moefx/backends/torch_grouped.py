@@ -13,7 +13,7 @@ import torch
 
 from moefx.backends.activation import gate_up
 from moefx.backends.kernels.common import shape_problem
-from moefx.backends.registry import MoEBackend, register_backend
+from moefx.backends.registry import MoEBackend, MoeCall, register_backend
 
 
 def cuda_grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:
@@ -82,20 +82,8 @@ class TorchGroupedBackend(MoEBackend):
             return "torch._grouped_mm on CPU takes bf16/fp32"
         return None
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> torch.Tensor:
-        if w13_scale is not None:
+    def run(self, call: MoeCall) -> torch.Tensor:
+        if call.w13_scale is not None:
             raise ValueError("torch_grouped has no FP8 path (w13_scale given); valid backends: grouped, gemv, legacy")
-        return torch_grouped_moe(hidden.contiguous(), topk_ids, topk_weights, w13, w2, activation, gate_limit)
+        return torch_grouped_moe(call.hidden.contiguous(), call.topk_ids, call.topk_weights, call.w13, call.w2,
+                                 call.activation, call.gate_limit)

@@ -60,7 +60,7 @@ def budget_setting(config_value: float | None) -> tuple[float, str]:
     """(budget number, where it came from): config key > env MOEFX_MEMORY_BUDGET > default."""
     if config_value is not None:
         return check_memory_budget(config_value, "config key 'memory_budget'"), "config key memory_budget"
-    from moefx.offload.env import get_setting
+    from moefx.env import get_setting
 
     env = get_setting("MOEFX_MEMORY_BUDGET")
     if env is not None:

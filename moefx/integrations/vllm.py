@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 
 from moefx.config import CompilationConfig
+from moefx.env import get_setting
 from moefx.log import get_logger, warn_once
 from moefx.passes import PassManager
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
@@ -30,7 +30,7 @@ _registered = False
 
 def load_config() -> CompilationConfig:
     """The moefx config of this vLLM process, from `MOEFX_CONFIG` (defaults when unset)."""
-    raw = os.environ.get(CONFIG_ENV, "").strip()
+    raw = get_setting(CONFIG_ENV)
     if not raw:
         return CompilationConfig()
     try:

@@ -1,5 +1,7 @@
-"""Expert offload: experts in host memory, computed on the CPU or streamed to the GPU."""
+"""Expert offload: experts in host memory, computed on the CPU or streamed to the GPU.
 
-from moefx.offload.env import SETTINGS, EnvSetting, get_setting, setting_source, settings
+`settings()` and its table (SPEC §1, §5) are moefx/env.py's, named here as the SPEC names them."""
+
+from moefx.env import SETTINGS, EnvSetting, get_setting, setting_source, settings
 
 __all__ = ["SETTINGS", "EnvSetting", "get_setting", "setting_source", "settings"]

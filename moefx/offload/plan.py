@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moefx.env import get_setting, setting_source, settings
 from moefx.log import warn_once
-from moefx.offload.env import get_setting, setting_source, settings
 from moefx.offload.hw import host_info_from_signature
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -76,7 +76,7 @@ def pick_tile_backend() -> str:
     """MoE backend that computes streamed tiles on the GPU: MOEFX_MOE_BACKEND if it names a GPU backend, else
     `grouped` when registered, else `legacy`."""
     from moefx.backends import BACKENDS
-    from moefx.offload.env import get_setting
+    from moefx.env import get_setting
 
     forced = get_setting("MOEFX_MOE_BACKEND")
     if forced in BACKENDS and forced != "cpu":

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.kernels.common import triton_available
-from moefx.backends.memo import ShapeMemo, tensor_meta
+from moefx.kernels.availability import triton_available
+from moefx.kernels.memo import ShapeMemo, tensor_meta
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -67,7 +67,7 @@ _CHECKED = ShapeMemo()
 
 
 def _use_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether the Triton kernels take this call: decided from metadata only, once per key (backends/memo.py)."""
+    """Whether the Triton kernels take this call: decided from metadata only, once per key (kernels/memo.py)."""
     key = (tensor_meta(q), tensor_meta(k), tensor_meta(v), None if mask is None else tensor_meta(mask))
     found = _CHECKED.get(key)
     if found is None:

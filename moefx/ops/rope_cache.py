@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.kernels.common import triton_available
-from moefx.backends.memo import ShapeMemo, tensor_meta
+from moefx.kernels.availability import triton_available
+from moefx.kernels.memo import ShapeMemo, tensor_meta
 from moefx.ops.quant import ref_rms_norm
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,7 +77,7 @@ _CHECKED = ShapeMemo()
 
 
 def _use_kernel(*args: torch.Tensor | None) -> bool:
-    """Whether the Triton kernel takes this call: decided from metadata only, once per key (backends/memo.py)."""
+    """Whether the Triton kernel takes this call: decided from metadata only, once per key (kernels/memo.py)."""
     key = tuple(None if t is None else tensor_meta(t) for t in args)
     found = _CHECKED.get(key)
     if found is None:

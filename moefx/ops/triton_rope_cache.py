@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moefx.backends.kernels.rounding import round_as
+from moefx.kernels.rounding import round_as
 
 
 @triton.jit

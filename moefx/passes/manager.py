@@ -10,13 +10,13 @@ changes every uuid too.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from moefx.config import CompilationConfig
+from moefx.env import get_setting
 from moefx.log import get_logger
 from moefx.passes.base import MoefxPass, PassContext, registry
 from moefx.passes.dense_linears import DenseLinears
@@ -63,7 +63,7 @@ class PassManager(CustomGraphPass):
         self.plan = plan
         wanted = set(enabled)
         self.passes = [cls() for name, cls in PASS_REGISTRY.items() if name in wanted]
-        dump = config.pass_config.dump_graph_dir or os.environ.get("MOEFX_DUMP_GRAPHS")
+        dump = config.pass_config.dump_graph_dir or get_setting("MOEFX_DUMP_GRAPHS")
         self.dump_dir = Path(dump) if dump else None
 
     @property

@@ -1,4 +1,4 @@
-"""The one place the signature registry reads the environment: `MOEFX_PASSES`.
+"""The one place the signature registry reads the environment: `MOEFX_PASSES` (a row of moefx/env.py's table).
 
 `MOEFX_PASSES="fuse_act_quant=on,last_token_logits=off"` sits between the user's config and the plan's
 preferred defaults. Names and values are validated; a bad entry is a ValueError, never ignored.
@@ -6,19 +6,18 @@ preferred defaults. Names and values are validated; a bad entry is a ValueError,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
+from moefx.env import ON_OFF_WORDS, ON_WORDS, get_setting
+
 PASSES_ENV = "MOEFX_PASSES"
-_ON = ("on", "true", "1", "yes")
-_OFF = ("off", "false", "0", "no")
 
 
 def pass_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
     """Parsed MOEFX_PASSES (pass name -> on/off); empty when unset."""
     from moefx.signatures.rules import pass_toggles
 
-    raw = (os.environ if environ is None else environ).get(PASSES_ENV, "")
+    raw = get_setting(PASSES_ENV, environ)
     valid = pass_toggles()
     out: dict[str, bool] = {}
     for item in (part.strip() for part in raw.split(",")):
@@ -29,9 +28,9 @@ def pass_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
             raise ValueError(
                 f"{PASSES_ENV} entry {item!r} must be NAME=on|off with NAME one of {list(valid)}"
             )
-        if value.lower() not in _ON + _OFF:
-            raise ValueError(f"{PASSES_ENV} entry {item!r}: value {value!r} is invalid; valid: {list(_ON + _OFF)}")
+        if value.lower() not in ON_OFF_WORDS:
+            raise ValueError(f"{PASSES_ENV} entry {item!r}: value {value!r} is invalid; valid: {list(ON_OFF_WORDS)}")
         if name in out:
             raise ValueError(f"{PASSES_ENV} sets {name!r} twice")
-        out[name] = value.lower() in _ON
+        out[name] = value.lower() in ON_WORDS
     return out

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
-from moefx.backends.memo import device_capability, on_device
-from moefx.backends.registry import MoEBackend
+from moefx.backends.registry import MoEBackend, MoeCall
+from moefx.kernels.availability import triton_available
+from moefx.kernels.memo import device_capability, on_device
 
 FP8_MAX = 448.0
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def shape_problem(
@@ -70,8 +63,7 @@ def cuda_fp8_problem(
 class TritonMoEBackend(MoEBackend):
     """A backend that runs a Triton kernel on CUDA and the same algorithm in PyTorch elsewhere.
 
-    Subclasses give `cuda_kernel` and `torch_path`, both taking
-    (hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, activation=..., gate_limit=...), and
+    Subclasses give `cuda_kernel` and `torch_path`, both taking `MoeCall.kernel_args()` and `gate_kwargs()`, and
     `fp8_min_block_k` when their CUDA kernel feeds FP8 quant blocks to a tensor-core dot (Triton's e4m3 dot on
     Hopper takes K >= 32 per step)."""
 
@@ -95,26 +87,11 @@ class TritonMoEBackend(MoEBackend):
             reason = cuda_fp8_problem(hidden, w13_scale, block_shape, self.fp8_min_block_k)
         return reason
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        args = (hidden.contiguous(), topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape)
-        gate = dict(activation=activation, gate_limit=gate_limit)
-        if hidden.is_cuda:
-            with on_device(hidden.device):  # Triton launches on the current device
-                if residual is not None and self.adds_residual:
+    def run(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
+        args, gate = call.kernel_args(), call.gate_kwargs()
+        if call.hidden.is_cuda:
+            with on_device(call.hidden.device):  # Triton launches on the current device
+                if residual is not None:  # only where adds_residual (MoEBackend.apply)
                     return self.cuda_kernel(*args, **gate, residual=residual)
                 out = self.cuda_kernel(*args, **gate)
         else:

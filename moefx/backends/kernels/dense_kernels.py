@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moefx.backends.kernels.rounding import round_as
 from moefx.backends.kernels.routing import constexprs as route_constexprs
 from moefx.backends.kernels.routing import route_row
+from moefx.kernels.rounding import round_as
 
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
 # Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles, so a prefill of

@@ -50,7 +50,7 @@ from moefx.backends.kernels.align import moe_align
 from moefx.backends.kernels.common import max_padded_len
 from moefx.backends.kernels.epilogue import gate_up
 from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
-from moefx.backends.memo import device_capability
+from moefx.kernels.memo import device_capability
 
 FP8_MAX = tl.constexpr(448.0)
 # RUNNING accumulators divide by scales: a weight scale is clamped here (an all-zero block has zero weights, so

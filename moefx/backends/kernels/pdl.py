@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from moefx.backends.memo import device_capability
+from moefx.kernels.memo import device_capability
 
 # Read once, as Triton does: whether a kernel runs in the interpreter is fixed when its module defines it.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

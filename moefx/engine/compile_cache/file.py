@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from moefx.env import get_setting
 from moefx.log import get_logger, progress_logger
 
 log = get_logger("moefx.engine")
@@ -48,8 +49,6 @@ log = get_logger("moefx.engine")
 FORMAT_VERSION = 2  # 2: the payload holds the Mega-Cache's bytes and the engine's saved traces
 MAGIC = b"moefx-compile-cache\n"
 ENV = "MOEFX_COMPILE_CACHE"
-_TRUE = ("1", "true", "on", "yes")
-_FALSE = ("0", "false", "off", "no")
 
 
 def load_payload(payload: bytes) -> Any:
@@ -76,17 +75,7 @@ def cache_folder(value: bool | str | None = None, environ: Mapping[str, str] | N
     from moefx.machine import cache_dir
 
     if value is None:
-        raw = (os.environ if environ is None else environ).get(ENV, "").strip()
-        low = raw.lower()
-        if low in _TRUE or not raw:
-            value = True
-        elif low in _FALSE:
-            value = False
-        elif "/" in raw or raw.startswith((".", "~")):
-            value = raw
-        else:
-            raise ValueError(f"environment variable {ENV}={raw!r} is invalid; valid values: "
-                             f"{list(_TRUE + _FALSE)} or a folder path (containing '/')")
+        value = get_setting(ENV, environ)
     if value is False:
         return None
     if value is True:

@@ -1,9 +1,17 @@
-"""The one declarative table of moefx's environment knobs (SPEC §5: offload and MoE; the decode engine's memory
-budget): the single place each default lives.
+"""The one declarative table of moefx's environment knobs: every `MOEFX_*` variable moefx reads, its parser,
+default, meaning and legacy aliases, and the one list of on/off words. Every reader goes through `get_setting`.
 
 `get_setting(name)` reads the environment every call (so tests and launchers can change it), maps a
 legacy alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
 for a bad value. Canonical and alias both set to different values is an error, never a silent choice.
+
+`settings()` (SPEC §1 `moefx.offload.settings()`) resolves the rows of SPEC §5's table (offload, the MoE and dense
+backends, the decode engine's memory budget); the plan validates them all at once. The other rows are read where
+they are used: logging, graph dumps, the compile cache's folder, the vLLM config, pass switches and a legacy
+backend switch.
+
+Importing this module imports neither torch nor another moefx package but `moefx.config` (the CLI checks
+`MOEFX_LOG` before anything heavy loads).
 """
 
 from __future__ import annotations
@@ -14,19 +22,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moefx.config import DEFAULT_MEMORY_BUDGET, DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES, parse_memory_budget
-from moefx.log import warn_once
 
-_TRUE = ("1", "true", "on", "yes")
-_FALSE = ("0", "false", "off", "no")
+ON_WORDS = ("1", "true", "on", "yes")
+OFF_WORDS = ("0", "false", "off", "no")
+ON_OFF_WORDS = ON_WORDS + OFF_WORDS
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _parse_bool(raw: str) -> bool:
+class NotOneOf(ValueError):
+    """A value outside a list of valid ones: "... is invalid; valid values: [...]", the project's wording for a
+    choice (a description of what is expected follows a colon instead)."""
+
+
+def parse_on_off(raw: str) -> bool:
+    """True for an on word, False for an off word (any case); a ValueError listing both otherwise."""
     low = raw.strip().lower()
-    if low in _TRUE:
+    if low in ON_WORDS:
         return True
-    if low in _FALSE:
+    if low in OFF_WORDS:
         return False
-    raise ValueError(f"expected one of {list(_TRUE + _FALSE)}")
+    raise ValueError(f"expected one of {list(ON_OFF_WORDS)}")
 
 
 def _int_parser(minimum: int) -> Callable[[str], int]:
@@ -42,29 +57,44 @@ def _int_parser(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _choice_parser(choices: tuple[str, ...], synonyms: Mapping[str, str] | None = None) -> Callable[[str], str]:
+def _choice_parser(
+    choices: tuple[str, ...], synonyms: Mapping[str, str] | None = None, noun: str = "choices"
+) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         low = raw.strip().lower()
         low = (synonyms or {}).get(low, low)
         if low not in choices:
-            raise ValueError(f"valid choices: {list(choices)}")
+            raise NotOneOf(f"valid {noun}: {list(choices)}")
         return low
 
     return parse
 
 
+def _cache_folder(raw: str) -> bool | str:
+    """On/off words, or a folder path (it contains '/' or starts with '.' or '~')."""
+    text = raw.strip()
+    low = text.lower()
+    if low in ON_OFF_WORDS:
+        return low in ON_WORDS
+    if "/" in text or text.startswith((".", "~")):
+        return text
+    raise NotOneOf(f"valid values: {list(ON_OFF_WORDS)} or a folder path (containing '/')")
+
+
 @dataclass(frozen=True)
 class EnvSetting:
-    """One knob: canonical name, parser, default (None = decided elsewhere, see `meaning`), aliases."""
+    """One knob: canonical name, parser (its type), default (None = decided elsewhere, see `meaning`), aliases;
+    `in_settings`: one of the values `settings()` resolves (SPEC §5's table)."""
 
     name: str
     parse: Callable[[str], Any]
     default: Any
     meaning: str
     aliases: tuple[str, ...] = field(default=())
+    in_settings: bool = True
 
 
-SETTINGS: tuple[EnvSetting, ...] = (
+TABLE: tuple[EnvSetting, ...] = (
     EnvSetting(
         "MOEFX_OFFLOAD_EXPERTS",
         _choice_parser(OFFLOAD_DEVICES, {"cuda": "gpu"}),
@@ -74,21 +104,21 @@ SETTINGS: tuple[EnvSetting, ...] = (
     ),
     EnvSetting(
         "MOEFX_OFFLOAD_INT8",
-        _parse_bool,
+        parse_on_off,
         None,
         "INT8 activation path for CPU experts on/off; unset = from the weight format (on for int8 weights)",
         ("XIAOTU_MOE_INT8", "XIAOTU_MOE_W4A8"),
     ),
     EnvSetting(
         "MOEFX_OFFLOAD_INT8_ALIGN",
-        _parse_bool,
+        parse_on_off,
         True,
         "ALIGN tile implementation: pad token rows to the int8 GEMM's alignment so every M takes the int8 kernel",
         ("XIAOTU_MOE_INT8_ALIGN",),
     ),
     EnvSetting(
         "MOEFX_OFFLOAD_INT8_VNNI",
-        _parse_bool,
+        parse_on_off,
         False,
         "older VNNI tile implementation: one int8 GEMM per expert and projection instead of the ALIGN tiles",
         ("XIAOTU_MOE_INT8_VNNI",),
@@ -135,10 +165,57 @@ SETTINGS: tuple[EnvSetting, ...] = (
         "(0.6) or bytes (40GiB); config key memory_budget wins over it; "
         f"unset = {DEFAULT_MEMORY_BUDGET}",
     ),
+    EnvSetting(
+        "MOEFX_USE_GEMV",
+        parse_on_off,
+        None,
+        "legacy switch of the MoE backend: on forces gemv for every call, off sends gemv's M ranges upstream; "
+        "it must agree with MOEFX_MOE_BACKEND",
+        in_settings=False,
+    ),
+    EnvSetting(
+        "MOEFX_PASSES",
+        str,
+        "",
+        "pass switches between the user's config and the plan's defaults, NAME=on|off separated by commas "
+        "(moefx/signatures/env.py checks the names against the pass toggles)",
+        in_settings=False,
+    ),
+    EnvSetting(
+        "MOEFX_LOG",
+        _choice_parser(LOG_LEVELS, noun="values"),
+        "warning",
+        "log level of the moefx loggers; warning or error also silences the progress lines (moefx/log.py)",
+        in_settings=False,
+    ),
+    EnvSetting(
+        "MOEFX_COMPILE_CACHE",
+        _cache_folder,
+        True,
+        "the decode engine's persistent compile artifacts: on/off words or a folder; config key compile_cache "
+        "wins over it; on = <moefx cache folder>/compile",
+        in_settings=False,
+    ),
+    EnvSetting(
+        "MOEFX_DUMP_GRAPHS",
+        str,
+        None,
+        "folder the pass manager writes each graph into, before and after the moefx passes; config key "
+        "pass_config.dump_graph_dir wins over it; unset = no dumps",
+        in_settings=False,
+    ),
+    EnvSetting(
+        "MOEFX_CONFIG",
+        str.strip,
+        None,
+        "the moefx config of a vLLM process (JSON or YAML text, or a file); unset = defaults",
+        in_settings=False,
+    ),
 )
+SETTINGS: tuple[EnvSetting, ...] = tuple(s for s in TABLE if s.in_settings)
 
-_BY_NAME: dict[str, EnvSetting] = {s.name: s for s in SETTINGS}
-_VARS: dict[str, tuple[str, ...]] = {s.name: (s.name, *s.aliases) for s in SETTINGS}
+_BY_NAME: dict[str, EnvSetting] = {s.name: s for s in TABLE}
+_VARS: dict[str, tuple[str, ...]] = {s.name: (s.name, *s.aliases) for s in TABLE}
 
 
 def _lookup(name: str) -> EnvSetting:
@@ -151,7 +228,8 @@ def _parse(var: str, raw: str, setting: EnvSetting) -> Any:
     try:
         return setting.parse(raw)
     except ValueError as exc:
-        raise ValueError(f"environment variable {var}={raw!r} is invalid: {exc}") from None
+        sep = "; " if isinstance(exc, NotOneOf) else ": "
+        raise ValueError(f"environment variable {var}={raw!r} is invalid{sep}{exc}") from None
 
 
 def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
@@ -164,6 +242,8 @@ def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     for alias in setting.aliases:
         if env.get(alias, "").strip():
             found.append((alias, _parse(alias, env[alias], setting)))
+            from moefx.log import warn_once  # here, not at the top: moefx.log imports this table, warn_once torch
+
             warn_once(f"environment variable {alias} is a legacy alias; use {setting.name} (value kept)")
     if not found:
         return setting.default
@@ -176,7 +256,7 @@ def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
 
 def setting_raw(name: str) -> tuple[str | None, ...]:
     """The raw environment values of setting `name` and its aliases: part of a memo key for anything decided from
-    the setting (moefx/backends/memo.py), so a changed value gives a new key without parsing it on every call."""
+    the setting (moefx/kernels/memo.py), so a changed value gives a new key without parsing it on every call."""
     found = _VARS.get(name)
     if found is None:
         _lookup(name)  # raises, naming the valid settings
@@ -194,5 +274,5 @@ def setting_source(name: str, environ: Mapping[str, str] | None = None) -> str:
 
 
 def settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Every canonical env name -> its resolved value (SPEC §1 `moefx.offload.settings()`)."""
+    """Every canonical name of SPEC §5's table -> its resolved value (SPEC §1 `moefx.offload.settings()`)."""
     return {s.name: get_setting(s.name, environ) for s in SETTINGS}
