@@ -6,8 +6,10 @@ in this process (generated code, on CUDA the compiled Triton kernels, autotune r
 `load_cache_artifacts()` writes them back into those caches, so the next compile of the same graph is a cache
 hit instead of a compile. On the CPU the generated C++ is built again on load (only its source is kept). That
 alone leaves dynamo's tracing to every new process; the engine's saved traces (`aot.py`: bytecode, guards and
-compiled graph per trace) go into the same file, so a new process calls its steps without tracing them. CUDA graphs
-are captured afresh.
+compiled graph per trace) go into the same file, so a new process calls its steps without tracing them. moefx's
+own Triton kernels, which its custom ops launch and Triton compiles at their first launch, are not among inductor's
+artifacts: their entries in Triton's cache folder (binaries and launcher stubs) go into the file too and are written
+back before the first launch (`moefx.kernels.triton_cache`). CUDA graphs are captured afresh.
 
 One file per engine identity — model signature, device (name, capability, SMs, CPU ISA), dtype, mode, parallel sizes,
 max batch size, capture buckets, the config hash and the compiled-frames handle its traces name — under
@@ -42,11 +44,13 @@ from typing import Any
 import torch
 
 from moefx.env import get_setting
+from moefx.kernels import triton_cache
 from moefx.log import get_logger, progress_logger
 
 log = get_logger("moefx.engine")
 
-FORMAT_VERSION = 2  # 2: the payload holds the Mega-Cache's bytes and the engine's saved traces
+FORMAT_VERSION = 2  # 2: the payload holds the Mega-Cache's bytes, the engine's saved traces (and, when present, moefx's
+# Triton kernel entries: a file without them loads as before)
 MAGIC = b"moefx-compile-cache\n"
 ENV = "MOEFX_COMPILE_CACHE"
 
@@ -199,10 +203,21 @@ class CompileCache:
             return 0
         artifacts = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
         traces = self.steps.give(parts["traces"]) if self.steps is not None else 0
+        kernels = self._restore_kernels(parts.get("kernels") or {})
         self.loaded = self.saved = artifacts + traces
-        progress_logger().info("loaded compile cache (%d artifacts, %d traces) from %s in %.1f s", artifacts, traces,
-                               self.path, time.perf_counter() - start)
+        progress_logger().info("loaded compile cache (%d artifacts, %d traces, %d Triton kernel entries) from %s in "
+                               "%.1f s", artifacts, traces, kernels, self.path, time.perf_counter() - start)
         return self.loaded
+
+    def _restore_kernels(self, entries: dict[str, dict[str, bytes]]) -> int:
+        """moefx's own Triton kernels into Triton's cache folder before their first launch (moefx.kernels.
+        triton_cache); a folder that cannot be written costs one warning: the kernels then compile at first launch."""
+        try:
+            return triton_cache.restore(entries)
+        except (OSError, ValueError) as exc:
+            log.warning("moefx's Triton kernels from %s could not be written to Triton's cache (%s); they compile "
+                        "at their first launch", self.path, exc)
+            return 0
 
     # -- writing ---------------------------------------------------------------------------------------------
 
@@ -220,7 +235,8 @@ class CompileCache:
         if result is None and not traces:
             return 0
         mega, info = result if result is not None else (None, None)
-        payload = pickle.dumps({"artifacts": mega, "traces": traces})
+        kernels = triton_cache.collect()
+        payload = pickle.dumps({"artifacts": mega, "traces": traces, "kernels": kernels})
         counts = {kind: len(keys) for kind, keys in info.artifacts.items()} if info is not None else {}
         counts["traces"] = sum(len(items) for items in traces.values())
         header = {"format": FORMAT_VERSION, "identity": self.identity, "stamp": self.stamp, "size": len(payload),
@@ -241,9 +257,9 @@ class CompileCache:
         self.saved = sum(counts.values())
         if self.steps is not None:
             self.steps.mark_saved()
-        progress_logger().info("saved compile cache (%d artifacts, %d traces, %.1f MiB) to %s in %.1f s",
-                               self.saved - counts["traces"], counts["traces"], len(payload) / 2**20, self.path,
-                               time.perf_counter() - start)
+        progress_logger().info("saved compile cache (%d artifacts, %d traces, %d Triton kernel entries, %.1f MiB) "
+                               "to %s in %.1f s", self.saved - counts["traces"], counts["traces"], len(kernels),
+                               len(payload) / 2**20, self.path, time.perf_counter() - start)
         return self.saved
 
     def attach(self, engine: Any) -> None:
