@@ -479,7 +479,7 @@ def _peak_gib(t: torch.Tensor) -> float:
 def _ceilings(device: str) -> dict[str, float]:
     if device == "cpu":  # --tiny smoke runs: nominal numbers, the floors mean nothing there
         return {"copy_Bps": 1e10, "bf16_flops": 1e11}
-    from moe import ceilings  # bench/moe.py
+    from bench.harness import ceilings
 
     return ceilings()
 

@@ -27,10 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe import ceilings, relerr, routing
-
+from bench.harness import ceilings, relerr, routing
 from moefx.backends import moe_experts
 from moefx.backends.backward import backward_path, backward_reference
 

@@ -34,6 +34,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import copy_ceiling_Bps
 from moefx.cli.common import progress
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 from moefx.models.routing_stats import decode_distinct_experts
@@ -121,15 +122,6 @@ def hf_generate(model, ids, params: SamplingParams, n: int, stop_after: int | No
     return generate(ids, **kwargs)
 
 
-def bandwidth(device: torch.device) -> float:
-    """Measured device copy bandwidth in bytes/s (read + write)."""
-    size = (1 << 30) if device.type == "cuda" else (1 << 24)
-    src = torch.randn(size // 4, device=device)
-    dst = torch.empty_like(src)
-    t, _ = timed(lambda: dst.copy_(src), device, 5)
-    return 2 * src.numel() * 4 / t
-
-
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -186,7 +178,7 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
     loop = DecodeLoop(model, max_len, compile_kwargs=backend_kwargs, cuda_graphs=device.type == "cuda")
     eager_loop = DecodeLoop(model, max_len)
     enable_deferred_stop(model, devices=(device.type,))
-    floor_bw = bandwidth(device)
+    floor_bw = copy_ceiling_Bps(device)
     for batch in batches:
         ids = torch.randint(1, cfg.vocab_size, (batch, prompt), device=device, generator=None)
         with progress(f"routing B={batch}"):
