@@ -99,7 +99,7 @@ for s in "${stages[@]}"; do
                 --section WarpStateStats --section SourceCounters --section SpeedOfLight --print-summary none \
                 --metrics "regex:smsp__average_warps?_.*issue_stalled_.*" --import-source no \
                 -o "$OUT/ncu-stalls-$1-$2" python3 bench/moe.py --profile --no-peer --dtypes $1 --ms $2 >/dev/null
-            python3 bench/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
+            python3 bench/probes/ncu_top.py "$OUT/ncu-stalls-$1-$2.ncu-rep" 30; done' ;;
         e2e-check) run_stage e2e-check 200 python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx \
             --runs 1 --n1 8 --n2 24 --tag _check ;;  # one timed run per length: a check, not a median
         e2e-8-readme) run_stage e2e-8-readme 420 python3 bench/e2e.py --layers 8 --batches 1,16,64 --arms hf_static,moefx \
