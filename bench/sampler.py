@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
 from bench.harness import copy_ceiling_Bps
+from bench.sections.sampler import DecodeRow
 from moefx.cli.common import progress
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 from moefx.models.routing_stats import decode_distinct_experts
@@ -209,16 +211,18 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
                 syncs = None if full.count is None else (full.count - one.count) / max(steps, 1)
                 tps = batch * steps / max(t_n - t_1, 1e-9)
                 rows.append(
-                    dict(
-                        arm=name,
-                        mode=label,
-                        batch=batch,
-                        tokens_per_s=tps,
-                        syncs_per_step=syncs,
-                        step_ms=1e3 * (t_n - t_1) / max(steps, 1),
-                        floor_step_ms=1e3 * floor_s,
-                        experts_hit=round(hit, 1),
-                        routing="balanced",
+                    asdict(
+                        DecodeRow(
+                            arm=name,
+                            mode=label,
+                            batch=batch,
+                            tokens_per_s=tps,
+                            syncs_per_step=syncs,
+                            step_ms=1e3 * (t_n - t_1) / max(steps, 1),
+                            floor_step_ms=1e3 * floor_s,
+                            experts_hit=round(hit, 1),
+                            routing="balanced",
+                        )
                     )
                 )
     return rows, checks

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from bench.sections.markdown import Section, num, ratio, section, span, table
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One row of bench/sampler.py's `decode` list: an arm's decode speed, its host syncs and its floor."""
+
+    arm: str
+    mode: str  # "sample" or "greedy"
+    batch: int
+    tokens_per_s: float
+    syncs_per_step: float | None  # counted with CUDA's sync debug mode; None where nothing counts them (the CPU)
+    step_ms: float
+    floor_step_ms: float  # weight bytes one step reads / the SM-copy ceiling (bench/harness.py)
+    experts_hit: float | None = None  # distinct experts per layer the batch routed to (older kept runs lack it)
+    routing: str | None = None
 
 SAMPLER_ARMS = {
     "hf": "transformers `generate()` with static cache and its auto-compile",
@@ -62,8 +78,9 @@ def render_sampler(r: dict[str, Any]) -> str:
 
 def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     """The README's sampling line, from the host syncs counted per `moefx` step (the most any row counted)."""
-    counts = [x["syncs_per_step"] for x in (results.get("sampler") or {}).get("decode", []) if x["arm"] == "moefx"]
-    if not counts:
+    rows = [DecodeRow(**x) for x in (results.get("sampler") or {}).get("decode", [])]
+    counts = [x.syncs_per_step for x in rows if x.arm == "moefx" and x.syncs_per_step is not None]
+    if not counts:  # not counted (a CPU run): no claim
         return []
     most = max(counts)
     syncs = "zero host syncs" if most == 0 else f"up to {most:.2f} host syncs"
