@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.sections.markdown import Section, num, ratio, section, span, table
+
+
+@dataclass(frozen=True)
+class BackwardRow:
+    """One M of bench/moe_backward.py: both arms' gradient errors; on the GPU also their µs per kind of backward
+    (BACKWARD_KINDS) and the floors (max(FLOPs / bf16 matmul rate, bytes / SM-copy ceiling), no recompute)."""
+
+    M: int
+    backward_path: str
+    moefx_err: list[float]  # relative L2 against the fp32 reference: hidden, routing weights, w13, w2
+    grouped_mm_err: list[float]
+    floor_us: dict[str, float] | None = None  # None: not timed (a CPU run, or a failed gradient check)
+    moefx: dict[str, float] | None = None
+    grouped_mm: dict[str, float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON row: the fields that were measured."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 BACKWARD_KINDS = {
     "full": "gradients of hidden, routing weights and both expert weights (training the experts)",
@@ -14,15 +33,14 @@ BACKWARD_KINDS = {
 
 
 def render_moe_backward(r: dict[str, Any]) -> str:
+    kept = [BackwardRow(**x) for x in r["rows"]]
     rows = []
-    for x in r["rows"]:
+    for x in kept:
         for kind in BACKWARD_KINDS:
-            floor = (x.get("floor_us") or {}).get(kind)
-            rows.append((x["M"], kind, num(x["moefx"][kind], 1), num(x["grouped_mm"][kind], 1),
-                         ratio(x["moefx"][kind], x["grouped_mm"][kind]), num(floor, 1),
-                         ratio(x["moefx"][kind], floor)))
-    errs = "; ".join(f"M={x['M']}: moefx {span(x['moefx_err'], 4)}, grouped_mm {span(x['grouped_mm_err'], 4)}"
-                     for x in r["rows"])
+            floor = (x.floor_us or {}).get(kind)
+            rows.append((x.M, kind, num(x.moefx[kind], 1), num(x.grouped_mm[kind], 1),
+                         ratio(x.moefx[kind], x.grouped_mm[kind]), num(floor, 1), ratio(x.moefx[kind], floor)))
+    errs = "; ".join(f"M={x.M}: moefx {span(x.moefx_err, 4)}, grouped_mm {span(x.grouped_mm_err, 4)}" for x in kept)
     body = table(["M", "gradients", "moefx µs", "grouped_mm µs", "moefx / grouped_mm", "floor µs", "moefx / floor"],
                  rows)
     body += ("\n\nKinds:\n" + "\n".join(f"- `{k}`: {v}" for k, v in BACKWARD_KINDS.items())
