@@ -3,9 +3,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from bench.sections.markdown import Section, num, ratio, section, sig, span, table
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decode row bench/e2e.py writes: an arm at a depth and batch, its speed and its floor. (The page reads
+    kept rows as plain dicts: runs kept before the routing count have no `routing` / `experts_hit`.)"""
+
+    layers: int
+    B: int
+    dtype: str
+    arm: str
+    tok_s: float
+    step_ms: float
+    floor_tok_s: float  # B / (weight bytes one step reads, the experts the batch hit / the SM-copy ceiling)
+    pct_floor: float
+    first_call_s: float
+    peak_mem_gib: float
+    agree_with_eager: float | None  # share of greedy tokens equal to eager's; None where no eager reference ran
+    routing: str
+    experts_hit: float  # distinct experts per layer the batch routed to, counted on the plain model
 
 E2E_ARMS = {
     "hf_eager": "transformers `generate()`, eager, dynamic cache",
