@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.sections.markdown import Section, section, sig, table
+
+
+@dataclass(frozen=True)
+class OffloadRow:
+    """One row bench/offload.py writes: a decode or prefill measurement with the experts in host memory. Its floor:
+    decode = routed-expert bytes per token / host copy rate, prefill = all expert bytes / pinned H2D rate (both
+    measured in the run)."""
+
+    what: str
+    tok_s: float
+    floor_tok_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON row, with `vs_floor` = tok/s over the floor (None without a floor)."""
+        return {**asdict(self), "vs_floor": self.tok_s / self.floor_tok_s if self.floor_tok_s else None}
 
 
 def render_offload(r: dict[str, Any]) -> str:
