@@ -224,8 +224,8 @@ class Form:
 
 
 def time_graph(fn, reps: int = 10, trials: int = 5) -> float:
-    """Median µs of one replay of a CUDA graph of `fn()` (bench/moe.py's timer)."""
-    from moe import time_graph as replayed  # bench/moe.py
+    """Median µs of one replay of a CUDA graph of `fn()` (the harness's timer)."""
+    from bench.harness import time_graph as replayed
 
     return replayed(fn, reps=reps, trials=trials)
 

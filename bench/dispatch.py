@@ -19,7 +19,7 @@ empty, so the call returns when its launches are queued), median of CALLS; plus 
 per call of each moefx:: op (the issue's measure; the profiler adds its own cost) and the kernel launches per call,
 next to one `aten::mm`. Floors, measured the same way: a no-op op defined as the moefx ops are
 (torch.library.custom_op with an autograd formula), the same no-op through torch.library.Library, and (CUDA) one
-launch of an empty Triton kernel with GEMM 1's argument count (bench/triton_floor.py): the part of an op's host
+launch of an empty Triton kernel with GEMM 1's argument count (bench/probes/triton_floor.py): the part of an op's host
 time that no moefx-side memo removes.
 CPU: the ops' CUDA paths run on CPU tensors of the same shapes with each Triton kernel object replaced by one whose
 launch does nothing, upstream linears returning empty outputs (CUDA: one mm launch each), and the calibration
@@ -126,7 +126,7 @@ def floor_cases(inp: dict[str, torch.Tensor], cuda: bool) -> dict[str, Callable[
         "floor/Library op no-op": lambda: torch.ops.moefx_bench_lib.noop.default(x, ws, "auto"),
     }
     if cuda:
-        from triton_floor import empty_launch  # bench/triton_floor.py
+        from bench.probes.triton_floor import empty_launch
 
         out["floor/Triton launch (30 args)"] = lambda: empty_launch(x)
     return out

@@ -39,6 +39,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.sections.e2e import DecodeRow
 from moefx.config import LAYER_REGIONS
 from moefx.integrations.transformers import is_experts_module
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
@@ -135,10 +137,10 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
     if ref is not None:
         m = min(AGREE_TOKENS, new.shape[1], ref.shape[1])
         agree = float((new[:, :m] == ref[:, :m]).float().mean())
-    row = dict(layers=layers, B=batch, dtype=dtype, arm=arm, tok_s=round(tok_s, 1), step_ms=round(1e3 * (t2 - t1) /
-               (n2 - n1), 3), floor_tok_s=round(floor_tok_s, 1), pct_floor=round(100 * tok_s / floor_tok_s, 1),
-               first_call_s=round(first_s, 1), peak_mem_gib=round(_peak_gib(ids), 1),
-               agree_with_eager=agree, **routing)
+    row = asdict(DecodeRow(layers=layers, B=batch, dtype=dtype, arm=arm, tok_s=round(tok_s, 1),
+                           step_ms=round(1e3 * (t2 - t1) / (n2 - n1), 3), floor_tok_s=round(floor_tok_s, 1),
+                           pct_floor=round(100 * tok_s / floor_tok_s, 1), first_call_s=round(first_s, 1),
+                           peak_mem_gib=round(_peak_gib(ids), 1), agree_with_eager=agree, **routing))
     print(f"  {arm:10s} B={batch:3d}: {tok_s:8.1f} tok/s ({row['pct_floor']}% of floor), first call "
           f"{first_s:.1f} s, agree {agree}", flush=True)
     return row, new
@@ -479,7 +481,7 @@ def _peak_gib(t: torch.Tensor) -> float:
 def _ceilings(device: str) -> dict[str, float]:
     if device == "cpu":  # --tiny smoke runs: nominal numbers, the floors mean nothing there
         return {"copy_Bps": 1e10, "bf16_flops": 1e11}
-    from moe import ceilings  # bench/moe.py
+    from bench.harness import ceilings
 
     return ceilings()
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import copy_ceiling_Bps, time_rotated, time_wall
 from moefx.ops import block_gemm, quant
 from moefx.ops.quant import QuantScheme
 
@@ -262,59 +262,11 @@ def check_kernels(device: str, quick: bool = False) -> list[dict]:
 
 # --- timing ---------------------------------------------------------------------------------------------------
 
-def time_gpu(fn: Callable, arg_sets: list[tuple], calls: int) -> float:
-    """Median µs per call from CUDA-graph replays of `calls` calls cycling through arg_sets."""
-    for a in arg_sets[:2]:
-        fn(*a)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*arg_sets[i % len(arg_sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    del graph
-    return statistics.median(times)
-
-
-def time_cpu(fn: Callable, arg_sets: list[tuple], calls: int) -> float:
-    fn(*arg_sets[0])
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for i in range(calls):
-            fn(*arg_sets[i % len(arg_sets)])
-        times.append((time.perf_counter() - t) * 1e6 / calls)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a large copy (read + write counted) by an SM kernel (`torch.mul(src, 1, out=dst)`), as the fused
-    kernels stream: a graph's memcpy node runs on the copy engines and read 2.7 TB/s on the H200, where the SM copy
-    reads 4.28 (2026-12-01), and the fused kernels then ran under that floor."""
-    n = (1 << 29) if device == "cuda" else (1 << 24)
-    src = torch.randn(n, device=device).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    timer = time_gpu if device == "cuda" else time_cpu
-    us = min(timer(lambda s, d: torch.mul(s, 1.0, out=d), [(src, dst)], 10 if device == "cuda" else 3)
-             for _ in range(3))
-    del src, dst
-    return 2 * n * 2 / (us * 1e-6)
-
-
 def read_bandwidth(device: str) -> float:
     """Bytes/s of a read-only pass (amax of a large bf16 tensor): the ceiling for read-heavy kernels."""
     n = (1 << 30) if device == "cuda" else (1 << 24)
     src = torch.randn(n // 2, device=device).to(torch.bfloat16)
-    timer = time_gpu if device == "cuda" else time_cpu
+    timer = time_rotated if device == "cuda" else time_wall
     us = timer(lambda t: t.abs().amax(), [(src,)], 10 if device == "cuda" else 3)
     del src
     return n / (us * 1e-6)
@@ -362,7 +314,7 @@ def run_class(name: str, ms: list[int], device: str, quick: bool) -> list[dict]:
             info["moefx_skipped"] = [x for r in reps for v in r.skipped.values() for x in v][:3]
         except Exception as e:  # report it and keep measuring the other arms
             info["moefx_error"] = f"{type(e).__name__}: {e}"[:300]
-    timer = time_gpu if device == "cuda" else time_cpu
+    timer = time_rotated if device == "cuda" else time_wall
     for m in ms:
         one = make_args(kind, m, width, device, 1)[0]
         per_set = nbytes(one)
@@ -398,13 +350,13 @@ def gemm_rows(device: str) -> list[dict]:
         ref = block_gemm.ref_fp8_block_gemm(a, a_s, wq, ws, 128, 128, None, torch.float32)
         row = {"M": m, "N": n, "K": k}
         operands = [(a, a_s, wq, ws)]
-        row["triton_us"] = time_gpu(
+        row["triton_us"] = time_rotated(
             lambda *o: triton_gemm.fp8_block_gemm(*o, 128, 128, None, torch.bfloat16), operands, 20)
-        row["bf16_mm_us"] = time_gpu(lambda xx, ww: xx @ ww.t(), [(x, wb)], 20)
+        row["bf16_mm_us"] = time_rotated(lambda xx, ww: xx @ ww.t(), [(x, wb)], 20)
         try:
             out = scaled_mm_blockwise(a, a_s, wq, ws).float()
             row["scaled_mm_rel_err"] = ((out - ref).norm() / ref.norm()).item()
-            row["scaled_mm_us"] = time_gpu(scaled_mm_blockwise, operands, 20)
+            row["scaled_mm_us"] = time_rotated(scaled_mm_blockwise, operands, 20)
         except Exception as e:
             row["scaled_mm_error"] = f"{type(e).__name__}: {e}"[:200]
         flop_us = 2 * m * n * k / FP8_RATE * 1e6 if FP8_RATE else 0.0
@@ -423,7 +375,7 @@ def fp8_matmul_rate(device: str) -> float:
     a = torch.randn(n, n, device=device).to(FP8)
     b = torch.randn(n, n, device=device).to(FP8)
     one = torch.ones((), device=device)
-    us = time_gpu(lambda x, y: torch._scaled_mm(x, y.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+    us = time_rotated(lambda x, y: torch._scaled_mm(x, y.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
                   [(a, b)], 5)
     return 2 * n**3 / (us * 1e-6)
 
@@ -449,7 +401,7 @@ def main() -> None:
     print(f"kernel checks on {device}: {len(checks) - len(bad)}/{len(checks)} within bounds", flush=True)
     for c in bad:
         print("  OUT OF BOUNDS:", c, flush=True)
-    copy_bw, read_bw = copy_bandwidth(device), read_bandwidth(device)
+    copy_bw, read_bw = copy_ceiling_Bps(device), read_bandwidth(device)
     BW = max(copy_bw, read_bw)
     print(f"bandwidth: copy {copy_bw / 1e12:.2f} TB/s, read-only {read_bw / 1e12:.2f} TB/s", flush=True)
     if device == "cuda":

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import ceilings, input_sets, kernel_times, quant_block, relerr, routing, time_graph
 from moefx.backends import BACKENDS
 
 MS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -37,82 +38,6 @@ PEER_TRITON_US = {  # tuned Triton fused-MoE on this H200 (anchors/h200_peers_20
     "fp8": (38.9, 66.1, 134, 184, 229, 346, 1001),
 }
 BOUNDS = {"bf16": 2e-2, "fp8": 8e-2}  # ||out - legacy|| / ||legacy||; fp8: w8a8 vs dequantized-weight oracle
-
-
-def quant_block(w: torch.Tensor, bs: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    bn, bk = bs
-    e, n, k = w.shape
-    blocks = w.float().reshape(e, n // bn, bn, k // bk, bk)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-8) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(e, n, k)
-    return q, scale.contiguous()
-
-
-def routing(m: int, e: int, k: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.randn(m, e, device=device, generator=gen)
-    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-    return ids, (w / w.sum(-1, keepdim=True)).float()
-
-
-def input_sets(m: int, h: int, e: int, k: int, dev: str, gen: torch.Generator, n: int) -> list[tuple]:
-    """n independent (hidden, topk_ids, topk_weights) sets: each call in a timed graph routes differently."""
-    return [(torch.randn(m, h, device=dev, generator=gen, dtype=torch.bfloat16), *routing(m, e, k, dev, gen))
-            for _ in range(n)]
-
-
-def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
-
-
-def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
-    """Median µs of one replay of a CUDA graph of `fn()` (warmed up eagerly first, so compiles stay out)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
-
-
-def ceilings() -> dict[str, float]:
-    """Matmul first (it also brings the clocks up), then a 1 GiB device copy; best of the trials' medians."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_us = min(time_graph(lambda: a @ b, reps=10) for _ in range(3))
-    res = {"bf16_flops": 2 * 8192**3 / (mm_us * 1e-6)}
-    try:
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device="cuda")
-        f8_us = time_graph(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=10)
-        res["fp8_flops"] = 2 * 8192**3 / (f8_us * 1e-6)
-    except (RuntimeError, TypeError) as exc:
-        print(f"fp8 matmul ceiling not measured ({exc}); using 2x bf16", flush=True)
-        res["fp8_flops"] = 2 * res["bf16_flops"]
-    n = 1 << 30
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    # an SM copy kernel (torch.mul), as our kernels stream: a graph memcpy node uses the copy engines instead
-    us = min(time_graph(lambda: torch.mul(src, 1.0, out=dst), reps=20) for _ in range(3))
-    res["copy_Bps"] = 2 * n / (us * 1e-6)
-    return res
 
 
 def make_peer(w13: torch.Tensor, w2: torch.Tensor, compile_: bool):
@@ -592,9 +517,6 @@ def print_sweep(res: dict) -> None:
               f"{b['best_text']} ({b['default_text']})")
 
 
-PROFILE_REPS = 10
-
-
 def profile_variants(dt: str, m: int, wt: dict) -> dict:
     """name -> call(x, ids, tw) for the backends worth a breakdown at this M, at their default tiles (a tile
     experiment adds a variant here: `fused_moe(..., config=, config2=)`, `gemv_moe(..., config=)`)."""
@@ -608,27 +530,6 @@ def profile_variants(dt: str, m: int, wt: dict) -> dict:
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out
-
-
-def kernel_times(call, sets: list[tuple]) -> dict[str, float]:
-    """µs per call of each GPU kernel (torch.profiler over eager calls on the rotating sets)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    for _ in range(2):
-        [call(*s) for s in sets]
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILE_REPS):
-            [call(*s) for s in sets]
-        torch.cuda.synchronize()
-    n = PROFILE_REPS * len(sets)
-    times: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0)
-        if us > 0:
-            times[ev.key[:60]] = us / n
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def profile(weights: dict, ms: tuple[int, ...], dtypes: list[str], e: int, h: int, inter: int, k: int,

@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe import ceilings, relerr, routing
-
+from bench.harness import ceilings, relerr, routing
+from bench.sections.moe_backward import BackwardRow
 from moefx.backends import moe_experts
 from moefx.backends.backward import backward_path, backward_reference
 
@@ -155,23 +154,27 @@ def main() -> None:
             return x, ids, w.to(torch.bfloat16), torch.randn(m, h, device=dev, generator=gen).to(torch.bfloat16)
 
         check_sets, sets = [new_set() for _ in range(2)], [new_set() for _ in range(4)]
-        row: dict = dict(M=m, backward_path=backward_path(check_sets[0][0], w2))
+        errs: dict[str, list[float]] = {}
         for name, fwd in fwds.items():
-            errs = check(fwd, check_sets, w13, w2)
-            row[f"{name}_err"] = [round(v, 5) for v in errs]
-            if max(errs) > BOUND:
-                failures.append(f"{name} M={m}: gradient errors {errs} > {BOUND}")
+            got = check(fwd, check_sets, w13, w2)
+            errs[name] = [round(v, 5) for v in got]
+            if max(got) > BOUND:
+                failures.append(f"{name} M={m}: gradient errors {got} > {BOUND}")
+        floor_us, us = None, {}
         if not quick and not failures:
             reps = max(5, int(2e4 // m))
-            row["floor_us"] = {kind: round(v, 1) for kind, v in floors(m, e, h, inter, k, ceil).items()}
+            floor_us = {kind: round(v, 1) for kind, v in floors(m, e, h, inter, k, ceil).items()}
             for name, fwd in fwds.items():
-                row[name] = dict(
+                us[name] = dict(
                     full=round(time_backward(fwd, sets, (w13, w2), reps, 5), 1),
                     frozen=round(time_backward(frozen[name], sets, (), reps, 5), 1),
                     fwd_bwd=round(time_fwd_bwd(fwd, sets, (w13, w2), reps, 5), 1),
                 )
-                print(f"M={m} {name}: {row[name]}", flush=True)
-        result["rows"].append(row)
+                print(f"M={m} {name}: {us[name]}", flush=True)
+        row = BackwardRow(M=m, backward_path=backward_path(check_sets[0][0], w2), moefx_err=errs["moefx"],
+                          grouped_mm_err=errs["grouped_mm"], floor_us=floor_us, moefx=us.get("moefx"),
+                          grouped_mm=us.get("grouped_mm"))
+        result["rows"].append(row.to_json())
     result["failures"], result["seconds"] = failures, round(time.time() - t0, 1)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.sections.offload import OffloadRow
 from moefx.backends import BACKENDS
 from moefx.machine import host_memory_available
 from moefx.models import qwen3_moe_config, tiny_qwen3_moe_config
@@ -595,7 +596,7 @@ def main() -> int:
         """One row; a failure is reported and the run goes on to the next row."""
         log(what)
         try:
-            rows.append({"what": what, "tok_s": fn(), "floor_tok_s": floor})
+            rows.append(OffloadRow(what, fn(), floor).to_json())
         except Exception as exc:
             result["errors"].append(f"{what} failed: {exc!r}")
             log(f"ERROR {what}: {exc!r}\n{traceback.format_exc()}")
@@ -624,8 +625,6 @@ def main() -> int:
         for batch in (1, 4):
             measure(f"decode B={batch}, CUDA graph (DecodeLoop)",
                     lambda b=batch: decode_loop_tps(model, b, 16, steps, vocab), decode_floor[batch])
-    for r in rows:
-        r["vs_floor"] = r["tok_s"] / r["floor_tok_s"] if r["floor_tok_s"] else None
     peer = result.get("accelerate")
     ours = next((r for r in rows if r["what"] == "decode B=1, 8 layers"), None)
     if ours is None and layers == 8:

@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, os.path.dirname(__file__))
-from moe import ceilings, kernel_times, quant_block, routing, time_graph
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import ceilings, kernel_times, quant_block, routing, time_graph
 from moefx.backends.kernels.fused_moe_kernels import fused_moe
 
 E, H, I, K = 128, 2048, 768, 8

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
-from moe import ceilings, time_graph
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import ceilings, time_graph
 
 EXPERT_FP8 = 3 * 2048 * 768  # bytes of one expert's w13 + w2 in FP8 (bf16: twice)
 L2_BYTES = 60 << 20  # more than the H200's 50 MB L2

@@ -13,8 +13,8 @@ and the compile report must show the rewrite. Then, per M in 1, 16, 64, 1024, CU
   whole router (gate linear + routing): inductor | inductor + fuse_moe_routing | the gate GEMM alone
 Gate weights rotate through copies larger than the L2 (as in decode, where 48 layers evict them); logits of
 the routing-only rows rotate through 8 sets and sit in L2, as they do straight after the gate GEMM.
-floor = max(one graph-replayed launch, bytes / copy bandwidth) (bytes: gate weights + hidden + logits +
-outputs). Compiles: M=1 static, then one graph dynamic in M (automatic dynamic), float constants kept.
+floor = max(one graph-replayed launch, bytes / the SM copy ceiling of bench/harness.py) (bytes: gate weights +
+hidden + logits + outputs). Compiles: M=1 static, then one graph dynamic in M (automatic dynamic), float constants kept.
 
     python bench/routing.py          # on the H200: ~60 s; table last, JSON to $OUT/routing.json
     python bench/routing.py --quick  # CPU smoke run of the same checks and arms (M = 1, 16; wall clock)
@@ -36,6 +36,7 @@ import torch._inductor.config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import copy_ceiling_Bps, time_rotated, time_wall
 from moefx.backends.routing import fused_topk
 
 MS = (1, 16, 64, 1024)
@@ -95,21 +96,8 @@ def compiled(fn: Callable, fused: bool) -> Callable:
 def time_gpu(fn: Callable, arg_sets: list[tuple]) -> float:
     """Median µs per call from CUDA-graph replays of CALLS calls cycling through arg_sets (CPU: wall clock)."""
     if DEVICE == "cpu":
-        fn(*arg_sets[0])
-        t = time.perf_counter()
-        for i in range(4):
-            fn(*arg_sets[i % len(arg_sets)])
-        return (time.perf_counter() - t) * 1e6 / 4
-    from fusions import time_gpu as replayed  # bench/fusions.py
-
-    return replayed(fn, arg_sets, CALLS)
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(1 << 28 if DEVICE == "cuda" else 1 << 22, device=DEVICE)
-    dst = torch.empty_like(src)
-    us = time_gpu(lambda: dst.copy_(src), [()])
-    return 2 * src.numel() * 4 / (us * 1e-6)
+        return time_wall(fn, arg_sets, 4, trials=1)
+    return time_rotated(fn, arg_sets, CALLS)
 
 
 def launch_us() -> float:
@@ -216,7 +204,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench/routing.py needs a CUDA device (or --quick for the CPU smoke run)")
     t0 = time.time()
-    bw, launch = copy_bandwidth(), launch_us()
+    bw, launch = copy_ceiling_Bps(DEVICE), launch_us()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, one graph-replayed launch {launch:.2f} µs", flush=True)
     checks, rows, rewrites = [], [], {}
     for case in ("qwen3", "dsv3"):

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import copy_ceiling_Bps
+from bench.sections.sampler import DecodeRow
 from moefx.cli.common import progress
 from moefx.engine.engine import DecodeLoop
 from moefx.engine.hf_generate import enable_deferred_stop
@@ -121,15 +124,6 @@ def hf_generate(model, ids, params: SamplingParams, n: int, stop_after: int | No
     return generate(ids, **kwargs)
 
 
-def bandwidth(device: torch.device) -> float:
-    """Measured device copy bandwidth in bytes/s (read + write)."""
-    size = (1 << 30) if device.type == "cuda" else (1 << 24)
-    src = torch.randn(size // 4, device=device)
-    dst = torch.empty_like(src)
-    t, _ = timed(lambda: dst.copy_(src), device, 5)
-    return 2 * src.numel() * 4 / t
-
-
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -186,7 +180,7 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
     loop = DecodeLoop(model, max_len, compile_kwargs=backend_kwargs, cuda_graphs=device.type == "cuda")
     eager_loop = DecodeLoop(model, max_len)
     enable_deferred_stop(model, devices=(device.type,))
-    floor_bw = bandwidth(device)
+    floor_bw = copy_ceiling_Bps(device)
     for batch in batches:
         ids = torch.randint(1, cfg.vocab_size, (batch, prompt), device=device, generator=None)
         with progress(f"routing B={batch}"):
@@ -217,16 +211,18 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
                 syncs = None if full.count is None else (full.count - one.count) / max(steps, 1)
                 tps = batch * steps / max(t_n - t_1, 1e-9)
                 rows.append(
-                    dict(
-                        arm=name,
-                        mode=label,
-                        batch=batch,
-                        tokens_per_s=tps,
-                        syncs_per_step=syncs,
-                        step_ms=1e3 * (t_n - t_1) / max(steps, 1),
-                        floor_step_ms=1e3 * floor_s,
-                        experts_hit=round(hit, 1),
-                        routing="balanced",
+                    asdict(
+                        DecodeRow(
+                            arm=name,
+                            mode=label,
+                            batch=batch,
+                            tokens_per_s=tps,
+                            syncs_per_step=syncs,
+                            step_ms=1e3 * (t_n - t_1) / max(steps, 1),
+                            floor_step_ms=1e3 * floor_s,
+                            experts_hit=round(hit, 1),
+                            routing="balanced",
+                        )
                     )
                 )
     return rows, checks

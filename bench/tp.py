@@ -54,6 +54,8 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import copy_ceiling_Bps  # noqa: E402
+
 BATCHES = (1, 16, 64)
 PROMPT = 16
 TARGET_TP2_SPEEDUP = 1.6
@@ -246,22 +248,6 @@ def comm_seconds(cfg: Any, batch: int, tp: int, greedy: bool, device: torch.devi
     return (time.perf_counter() - start) / reps
 
 
-def hbm_rate(device: torch.device) -> float:
-    """Measured copy rate (read + write bytes / s) of one device."""
-    size = (1 << 30) if device.type == "cuda" else (1 << 24)
-    src = torch.randn(size // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times)
-
-
 def model_config(args: argparse.Namespace) -> Any:
     from moefx.models import qwen3_moe_config, tiny_qwen3_moe_config
 
@@ -314,7 +300,7 @@ def moefx_arms(args: argparse.Namespace, cfg: Any, tp: int, device: torch.device
     plan = model.moefx_plan
     facts = {"plan": plan.explain(), "moe_policy": plan.moe.spec(), "weights_gib": sum(
         p.numel() * p.element_size() for p in model.parameters()) / 2**30}
-    rate = hbm_rate(device)
+    rate = copy_ceiling_Bps(device)
     facts["hbm_gbs"] = rate / 1e9
     head = greedy_head(model)
     rows = []

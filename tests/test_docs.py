@@ -9,6 +9,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,15 @@ def _module(path: Path, name: str):
 
 
 report = _module(ROOT / "bench" / "report.py", "moefx_bench_report")
-
+sys.path.insert(0, str(ROOT))  # the bench package
+from bench.sections import coldstart, e2e  # noqa: E402
+from bench.sections import stream as stream_section  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ PERFORMANCE.md
 
 
 def test_performance_page_is_what_report_generates():
-    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == report.render(report.load_results()), (
+    assert (ROOT / "docs" / "PERFORMANCE.md").read_text() == report.render_all(), (
         "docs/PERFORMANCE.md is stale or hand-edited: run `python bench/report.py`")
 
 
@@ -61,7 +64,7 @@ def test_e2e_renders_with_null_fields_and_new_arms():
          "ceilings": {"hbm_copy_TBps": None, "bf16_matmul_TFLOPs": None},
          "decode": [{**row, "arm": "hf_static", "tok_s": 500.0}, {**row, "arm": "moefx_new_path", "tok_s": 750.0}],
          "prefill": [{"layers": 8, "tokens": 512, "arm": "hf_compiled", "ms": 9.0, "floor_ms": None, "x_floor": None}]}
-    page = report.render_e2e(r)
+    page = e2e.render_e2e(r)
     assert "| 8 | 1 | bf16 | `moefx_new_path` | 750.0 |" in page and "| 1.50 |" in page
     lines = report.headline({"e2e": r})
     assert any("`moefx_new_path`: 1.50× at 8 layers B=1" in line for line in lines)
@@ -99,9 +102,9 @@ def test_coldstart_and_stream_runs_are_kept_with_their_stage_commands(tmp_path, 
     cold, kept = written["coldstart_h200_2026-02-03.json"], written["stream_h200_2026-02-03.json"]
     assert cold["command"] == "bash bench/run_h200.sh coldstart and bash bench/run_h200.sh coldstart-48"
     assert kept["ran"] == 2 and kept["command"].startswith("bash bench/run_h200.sh stream-prime and ")
-    page = report.render_coldstart({**cold, "_file": "x"})
+    page = coldstart.render_coldstart({**cold, "_file": "x"})
     assert "| 48 | 1 | `moefx_cold` | 90.0 | 99.0 | 1.50 |" in page and "| 8 | 1 | `moefx_warm` | 6.0 |" in page
-    page = report.render_stream({**kept, "_file": "x"})
+    page = stream_section.render_stream({**kept, "_file": "x"})
     assert "| all 2 requests ran | **FAIL** |" in page and page.index("B1 greedy") < page.index("B9-32 greedy")
 
 

@@ -1,6 +1,6 @@
 """Probe: tile variants of one backend against its defaults, A B C A B C in one run, at the M given (default 4096)
 and dtypes (default bf16,fp8); CUDA-graph replay plus the kernel breakdown. The variants are the current experiment's.
-Usage: python3 bench/probe_variants.py [Ms] [dtypes] [grouped|gemv]"""
+Usage: python3 bench/probes/probe_variants.py [Ms] [dtypes] [grouped|gemv]"""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from moe import BACKENDS, kernel_times, quant_block, relerr, routing, time_graph
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.harness import kernel_times, quant_block, relerr, routing, time_graph
+from moefx.backends import BACKENDS
 from moefx.backends.kernels.fused_moe_kernels import GemmConfig, default_tiles, fused_moe, normalize_tiles
 from moefx.backends.kernels.gemv_kernels import GemvConfig, default_gemv_config, gemv_moe
 

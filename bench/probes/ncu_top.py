@@ -1,6 +1,6 @@
 """Summarize an Nsight Compute report for the moe-ncu-stalls stage: per kernel, warp stall reasons (cycles per issued
 instruction) and the SASS lines with the most stall samples (--page source needs SourceCounters in the report).
-Usage: python3 bench/ncu_top.py REPORT.ncu-rep [lines]"""
+Usage: python3 bench/probes/ncu_top.py REPORT.ncu-rep [lines]"""
 
 from __future__ import annotations
 
