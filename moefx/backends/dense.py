@@ -60,6 +60,7 @@ from moefx.log import get_logger, warn_once
 from moefx.ops.block_gemm import ref_fp8_block_gemm  # (and registers moefx::fp8_block_gemm, the FP8 upstream)
 from moefx.ops.quant import FP8_DTYPE as FP8
 from moefx.ops.quant import ref_rms_norm  # transformers' RMSNorm, op for op
+from moefx.triton_support import triton_missing
 
 log = get_logger("moefx.backends")
 
@@ -150,6 +151,9 @@ def gemv_unsupported_reason(x: torch.Tensor, weights: Sequence[torch.Tensor], we
     if any(w.stride(-1) != 1 or w.stride(0) < w.shape[1] for w in weights):
         return "a weight is not contiguous in K (the kernel streams rows)"
     if x.is_cuda:
+        missing = triton_missing()
+        if missing:
+            return missing
         if weight_scales:
             bn, bk = (int(v) for v in block_shape)
             if bk < 16 or bk & (bk - 1) or bn < 1:

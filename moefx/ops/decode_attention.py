@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.kernels.common import triton_available
 from moefx.backends.memo import ShapeMemo, tensor_meta
+from moefx.triton_support import triton_available
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)

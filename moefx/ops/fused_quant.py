@@ -63,6 +63,7 @@ import torch
 
 from moefx.log import warn_once
 from moefx.ops import quant as R
+from moefx.triton_support import triton_missing
 
 _SCHEME = "str kind, int group_size, float eps, float min_scale, float qmax, bool scale_ue8m0, " \
     "bool column_major_scales, bool tma_aligned_scales, str scaling=\"divide\", bool ue8m0_after_min_scale=False"
@@ -139,7 +140,7 @@ def _ref_quant_into(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scheme: t
 
 def _triton_ok(t: torch.Tensor, scheme: tuple) -> bool:
     """CUDA tensors run the Triton kernels; anything they do not cover runs the reference, with a warning."""
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" or triton_missing():
         return False
     kind, gs = scheme[0], scheme[1]
     if kind.endswith("_group") and (gs & (gs - 1)) != 0:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.kernels.common import triton_available
 from moefx.backends.memo import ShapeMemo, tensor_meta
 from moefx.ops.quant import ref_rms_norm
+from moefx.triton_support import triton_available
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (32, 64, 128, 256)

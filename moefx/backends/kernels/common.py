@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
 from moefx.backends.memo import device_capability, on_device
 from moefx.backends.registry import MoEBackend
+from moefx.triton_support import triton_missing
 
 FP8_MAX = 448.0
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def shape_problem(
@@ -90,8 +83,9 @@ class TritonMoEBackend(MoEBackend):
         reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
         reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
         if reason is None and hidden.is_cuda:
-            if not triton_available():
-                return f"{self.name} needs Triton on CUDA"
+            missing = triton_missing()
+            if missing:
+                return f"{self.name} needs Triton on CUDA: {missing}"
             reason = cuda_fp8_problem(hidden, w13_scale, block_shape, self.fp8_min_block_k)
         return reason
 
