@@ -29,6 +29,7 @@ from moefx.backends.calibration import (
     dtype_name,
     key_for_tensors,
     user_table_dir,
+    write_problem,
     write_row,
 )
 from moefx.backends.policy import HOST_SYNCING_BACKENDS
@@ -474,6 +475,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("no contender matched the legacy oracle; nothing to calibrate")
 
     output = Path(args.output) if args.output else user_table_dir() / f"{_slug(device_identity(device)[0])}.yaml"
+    unwritable = write_problem(output)
+    if unwritable:
+        raise ValueError(unwritable)
     provenance = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device_identity(device)[0],
