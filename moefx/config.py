@@ -210,8 +210,30 @@ def _load_text_or_path(text: str) -> Any:
         raise ValueError(f"config path {text!r} must end in .json, .yaml or .yml (or pass a JSON object string)")
     if not path.is_file():
         raise ValueError(f"config file {text!r} does not exist")
-    content = path.read_text()
-    return json.loads(content) if path.suffix.lower() == ".json" else (yaml.safe_load(content) or {})
+    return load_data_file(path, "config file") or {}
+
+
+def load_data_file(path: str | os.PathLike[str], what: str) -> Any:
+    """The content of a JSON (`.json`) or YAML (any other suffix) file a user wrote; a file that cannot be read
+    or parsed is a one-line ValueError naming `what`, the file and, for a syntax error, its line and column."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} {str(p)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    if p.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} {str(p)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                             f"{exc.msg})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{what} {str(p)!r} is not valid YAML ({where}{problem})") from None
 
 
 def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:

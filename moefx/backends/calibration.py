@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 
+from moefx.config import load_data_file
 from moefx.log import warn_once
 from moefx.machine import cpu_model
 
@@ -264,7 +265,7 @@ def load_section(path: str | os.PathLike[str], section: str, parse: Callable[[An
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"calibration table {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    data = load_data_file(p, "calibration table") or {}
     if not isinstance(data, dict) or not isinstance(data.get(section, []), list):
         raise ValueError(f"calibration table {str(p)!r} must be a mapping with a {section!r} list")
     rows = [parse(r, f"{p.name}#{row_prefix}{i + 1}") for i, r in enumerate(data.get(section) or [])]

@@ -16,8 +16,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moefx.cli.common import add_config_arg, add_model_args, build_model_from_spec, load_config, progress
 
 
@@ -33,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_decode_step(model: Any, processors: Any) -> Any:
+    import torch
+
     """The per-token work of transformers' sampling loop, as one function."""
 
     def decode_step(tokens, positions, cache, unfinished):
@@ -48,6 +48,7 @@ def make_decode_step(model: Any, processors: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from transformers import StaticCache
     from transformers.generation.logits_process import (
         LogitsProcessorList,

@@ -8,14 +8,13 @@ import copy
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-import moefx
 from moefx.cli.bench import outside_noise, spread_pct
 from moefx.cli.common import add_config_arg, format_table, load_config, progress
-from moefx.models import build_model, tiny_qwen3_moe_config
-from moefx.sampling.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -120,6 +121,12 @@ def comparison(hf: dict, fx: dict, mode: str, engine: str | None, load: float | 
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import moefx
+    from moefx.models import build_model, tiny_qwen3_moe_config
+    from moefx.sampling.sampler import SamplingParams
+
     cfg = load_config(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
