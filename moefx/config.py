@@ -30,15 +30,20 @@ OFFLOAD_DEVICES = ("gpu", "cpu", "auto")
 DEFAULT_MEMORY_BUDGET = 0.7
 # Prompt-length buckets of the captured prefill (tokens per row); `prefill_capture_tokens` caps rows × bucket.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MIN_BUDGET_BYTES = 4096  # below a 4 KiB page no KV cache row of any model fits: such a number meant a fraction
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
 def check_memory_budget(value: Any, what: str) -> float:
-    """A memory budget as a number: 0 < x <= 1 is a fraction of free memory, x > 1 is bytes."""
+    """A memory budget as a number: 0 < x <= 1 is a fraction of free memory, x >= 4 KiB is bytes. A number between
+    the two (`2.0`, `50`) is refused rather than read as a few bytes: it reads as a fraction or a percentage."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{what} must be a number > 0 (a fraction of free device memory when <= 1, else bytes), "
                          f"got {value!r}")
+    if 1 < value < MIN_BUDGET_BYTES:
+        raise ValueError(f"{what} is {value!r}: neither a fraction of free device memory (0 < x <= 1, e.g. 0.6) "
+                         f"nor a byte amount (at least 4 KiB, e.g. 40GiB or 4e10); not read as {value:g} bytes")
     return float(value)
 
 

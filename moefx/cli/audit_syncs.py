@@ -67,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda was requested but no CUDA device is available; use --device cpu")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 (the audited step samples), got {args.temperature}")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with progress(f"building {args.model} on {device}"):
         model, what = build_model_from_spec(args.model, args.layers, device, dtype)

@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
+    if not 0 < args.red_line < 100:
+        raise ValueError(f"--red-line must be a percentage in (0, 100), got {args.red_line}")
     from moefx.cli.common import model_config
 
     model_config(args.model)  # a bad name or path fails here, not in every arm

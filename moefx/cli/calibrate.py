@@ -75,6 +75,8 @@ def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
         raise ValueError("give either --model or --experts/--hidden/--intermediate/--topk, not both")
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     if args.model:
         label, (e, h, i, k) = args.model, _model_shape(args.model)
     elif all(v is not None for v in explicit):

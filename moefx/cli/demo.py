@@ -125,14 +125,21 @@ def run(args: argparse.Namespace) -> int:
 
     import moefx
     from moefx.models import build_model, tiny_qwen3_moe_config
+    from moefx.sampling.decode import check_prompt
     from moefx.sampling.sampler import SamplingParams
 
+    for flag, value, low in (("--prompt-len", args.prompt_len, 1), ("--new-tokens", args.new_tokens, 2),
+                             ("--batch", args.batch, 1), ("--repeats", args.repeats, 1)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}" +
+                             (" (the decode rate is timed from 1 and --new-tokens tokens)" if low == 2 else ""))
     cfg = load_config(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was requested but no CUDA device is available; use --device cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     eager = build_model(tiny_qwen3_moe_config(), seed=args.seed, dtype=dtype, device=device)
+    check_prompt(eager.config, args.batch, args.prompt_len, args.new_tokens)
     optimized = moefx.optimize(copy.deepcopy(eager), config=cfg)
     print("plan:")
     print(optimized.moefx_plan.explain())

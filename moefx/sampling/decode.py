@@ -193,6 +193,19 @@ class EngineStats:
                 f"{self.memory_budget}")
 
 
+
+def check_prompt(config: Any, batch: int, prompt: int, max_new_tokens: int) -> None:
+    """ValueError for a request the model cannot run: an empty prompt, or more positions than the model has."""
+    if batch < 1 or prompt < 1:
+        raise ValueError(f"input_ids of shape ({batch}, {prompt}) holds an empty prompt; valid: at least 1 token in "
+                         f"each of at least 1 row")
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and prompt + max_new_tokens > positions:
+        raise ValueError(f"prompt length {prompt} + max_new_tokens {max_new_tokens} = {prompt + max_new_tokens} "
+                         f"positions is past the model's max_position_embeddings {positions}; valid: prompt length + "
+                         f"max_new_tokens <= {positions}")
+
+
 class DecodeLoop:
     """Generate with `model` (a transformers causal LM) over a StaticCache.
 
@@ -443,6 +456,7 @@ class DecodeLoop:
         batch, prompt = input_ids.shape
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_prompt(self.model.config, batch, prompt, max_new_tokens)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         if len(eos) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(eos)}")
