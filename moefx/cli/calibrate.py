@@ -75,8 +75,6 @@ def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
         raise ValueError("give either --model or --experts/--hidden/--intermediate/--topk, not both")
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
-    if args.reps is not None and args.reps < 1:
-        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     if args.model:
         label, (e, h, i, k) = args.model, _model_shape(args.model)
     elif all(v is not None for v in explicit):
@@ -456,6 +454,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_m < 1:
         raise ValueError(f"--max-m must be >= 1, got {args.max_m}")
     grid = tuple(m for m in (QUICK_GRID if args.quick else FULL_GRID) if m <= args.max_m) or (1,)
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     reps = args.reps or (3 if args.quick else (20 if device.type == "cuda" else 5))
     names = [*available_backends(device), UPSTREAM]
     if args.backends:

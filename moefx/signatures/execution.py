@@ -20,7 +20,7 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # CPU ISA extensions the offload path cares about, as /proc/cpuinfo spells them.
 CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_vbmi", "amx_bf16", "amx_int8")
-# Published memory of those GPUs (GiB), for the serving hints of a plan made without the device at hand.
+# Published memory of the DEVICE_PRESETS GPUs (GiB), for the serving hints of a plan made without the device at hand.
 DEVICE_MEMORY_GIB: dict[str, float] = {
     "NVIDIA H200": 140.0, "NVIDIA H100 80GB HBM3": 79.6, "NVIDIA A100-SXM4-80GB": 79.2, "NVIDIA L40S": 44.5,
     "NVIDIA GeForce RTX 4090": 23.6,
