@@ -33,15 +33,20 @@ DEFAULT_MEMORY_BUDGET = 0.7
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The default cap on rows × bucket: bounds the activations one prefill graph holds.
 PREFILL_CAPTURE_TOKENS = PREFILL_BUCKETS[-1]
+MIN_BUDGET_BYTES = 4096  # below a 4 KiB page no KV cache row of any model fits: such a number meant a fraction
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
 def check_memory_budget(value: Any, what: str) -> float:
-    """A memory budget as a number: 0 < x <= 1 is a fraction of free memory, x > 1 is bytes."""
+    """A memory budget as a number: 0 < x <= 1 is a fraction of free memory, x >= 4 KiB is bytes. A number between
+    the two (`2.0`, `50`) is refused rather than read as a few bytes: it reads as a fraction or a percentage."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{what} must be a number > 0 (a fraction of free device memory when <= 1, else bytes), "
                          f"got {value!r}")
+    if 1 < value < MIN_BUDGET_BYTES:
+        raise ValueError(f"{what} is {value!r}: neither a fraction of free device memory (0 < x <= 1, e.g. 0.6) "
+                         f"nor a byte amount (at least 4 KiB, e.g. 40GiB or 4e10); not read as {value:g} bytes")
     return float(value)
 
 
@@ -220,8 +225,30 @@ def _load_text_or_path(text: str) -> Any:
         raise ValueError(f"config path {text!r} must end in .json, .yaml or .yml (or pass a JSON object string)")
     if not path.is_file():
         raise ValueError(f"config file {text!r} does not exist")
-    content = path.read_text()
-    return json.loads(content) if path.suffix.lower() == ".json" else (yaml.safe_load(content) or {})
+    return load_data_file(path, "config file") or {}
+
+
+def load_data_file(path: str | os.PathLike[str], what: str) -> Any:
+    """The content of a JSON (`.json`) or YAML (any other suffix) file a user wrote; a file that cannot be read
+    or parsed is a one-line ValueError naming `what`, the file and, for a syntax error, its line and column."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} {str(p)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    if p.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} {str(p)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                             f"{exc.msg})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{what} {str(p)!r} is not valid YAML ({where}{problem})") from None
 
 
 def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:

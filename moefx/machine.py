@@ -7,6 +7,16 @@ import functools
 import os
 import platform
 from pathlib import Path
+from typing import Any
+
+# Published properties of common GPUs, for planning on a machine that does not have them (ExecutionSignature.preset).
+DEVICE_PRESETS: dict[str, dict[str, Any]] = {
+    "h200": {"device_name": "NVIDIA H200", "capability": (9, 0), "multiprocessor_count": 132},
+    "h100": {"device_name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "multiprocessor_count": 132},
+    "a100": {"device_name": "NVIDIA A100-SXM4-80GB", "capability": (8, 0), "multiprocessor_count": 108},
+    "l40s": {"device_name": "NVIDIA L40S", "capability": (8, 9), "multiprocessor_count": 142},
+    "rtx4090": {"device_name": "NVIDIA GeForce RTX 4090", "capability": (8, 9), "multiprocessor_count": 128},
+}
 
 
 def _cpuinfo_line(prefix: str) -> str | None:

@@ -93,6 +93,10 @@ def precompile(
         why = "the compile cache is off (config key 'compile_cache' or MOEFX_COMPILE_CACHE)" if front else \
             "generate() does not run on moefx's engine for this model (see model.moefx_plan.explain())"
         raise ValueError(f"nothing to precompile: {why}")
+    unwritable = cache.write_problem()
+    if unwritable:
+        raise ValueError(f"nothing to precompile into: {unwritable}; pass a writable folder (--cache-dir, config "
+                         f"key 'compile_cache' or MOEFX_COMPILE_CACHE)")
     engine = front.engine
     sizes = list(batch_sizes) if batch_sizes else (engine.capture_sizes or [1])
     if any(int(b) < 1 for b in sizes):
@@ -108,6 +112,8 @@ def precompile(
             model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             runs.append((int(batch), int(length)))
     artifacts = cache.save(force=True) or cache.saved
+    if cache.unwritable:
+        raise ValueError(f"the compile cache {str(cache.path)!r} could not be written: {cache.unwritable}")
     stats = engine.stats
     return PrecompileResult(cache.path, artifacts, time.perf_counter() - start, runs, dict(stats.compiles),
                             stats.captures, name)

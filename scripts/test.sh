@@ -17,7 +17,8 @@
 #   VIRTUAL_ENV       an active virtualenv is used as it is (its torch is kept; moefx[dev] is installed into it)
 #   MOEFX_VENV        else this venv folder (default .venv), created when missing with torch 2.13 (CPU)
 #   MOEFX_TORCH       what pip installs as torch into a venv that has none (default: this machine's local
-#                     torch 2.13.0+cpu wheel in /opt/wheels when present, else torch==2.13.0)
+#                     torch 2.13.0+cpu wheel in /opt/wheels when present, else torch==2.13.0); also the CPU
+#                     torch of the quick-start test's fresh venv (skipped when neither is set)
 #   MOEFX_TRITON      a pip requirement for Triton installed with moefx[dev], e.g. triton==3.6.0 (the GPU
 #                     machine's); default none: pip keeps or resolves the newest Triton moefx[dev] allows
 #   PYTEST_ARGS       extra pytest arguments for both stages, e.g. "-k config"
@@ -71,9 +72,11 @@ main_stage() {
         fi
         PY="$venv/bin/python"
     fi
+    local local_wheel
+    local_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
+    # The quick-start test (tests/test_quickstart_venv.py, slow) installs this CPU torch into a fresh venv.
+    if [ -z "${MOEFX_TORCH:-}" ] && [ -n "$local_wheel" ]; then export MOEFX_TORCH=$local_wheel; fi
     if ! "$PY" -c "import torch" 2>/dev/null; then
-        local local_wheel
-        local_wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -n 1 || true)
         local torch_req=${MOEFX_TORCH:-${local_wheel:-torch==2.13.0}}
         echo "== installing torch: $torch_req"
         "$PY" -m pip install -q "$torch_req" || return 1

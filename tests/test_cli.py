@@ -39,6 +39,35 @@ def test_help_and_version_start_without_torch() -> None:
     assert all(name in shown.stdout for name in COMMANDS)
 
 
+# calibrate.py builds its sweep from torch at module level; its help imports torch until the sweep moves out of it.
+HELP_IMPORTS_TORCH = {"calibrate"}
+HELP_SCRIPT = r"""
+import json, sys, time
+from moefx.cli import main
+out = {}
+for name in sys.argv[1:]:
+    start = time.perf_counter()
+    try:
+        main([name, "--help"])
+    except SystemExit as exc:
+        code = exc.code
+    out[name] = {"code": code, "s": time.perf_counter() - start, "torch": "torch" in sys.modules}
+print(json.dumps(out))
+"""
+
+
+def test_subcommand_help_imports_no_torch_and_answers_at_once() -> None:
+    """Each `moefx <cmd> --help` in one interpreter, in turn: none loads torch (sys.modules), each answers in well
+    under a second (torch alone takes 2-5 s to import)."""
+    names = [n for n in COMMANDS if n not in HELP_IMPORTS_TORCH]
+    proc = subprocess.run([sys.executable, "-c", HELP_SCRIPT, *names], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [n for n, r in seen.items() if r["torch"]] == [] and all(r["code"] == 0 for r in seen.values()), seen
+    assert max(r["s"] for r in seen.values()) < 1.0, seen
+
+
 def test_invalid_moefx_log_is_one_clean_line() -> None:
     proc = _moefx("plan", "tiny-qwen3-moe", MOEFX_LOG="verbose")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

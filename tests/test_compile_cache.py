@@ -122,6 +122,60 @@ def test_precompile_errors_are_one_line(monkeypatch, capsys):
     assert "MOEFX_COMPILE_CACHE='sometimes' is invalid" in capsys.readouterr().err
 
 
+def _logged_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("failure", ["folder is a file", "disk full", "folder vanished"])
+def test_an_unusable_folder_costs_one_warning_never_the_result(tmp_path, monkeypatch, caplog, failure):
+    _fake_mega_cache(monkeypatch)
+    if failure == "folder is a file":
+        (tmp_path / "cache").write_text("not a folder")
+        cache = cc.CompileCache(tmp_path / "cache" / "m.bin", {"model": "m"}, {"format": cc.FORMAT_VERSION})
+    else:
+        cache = _cache(tmp_path / "cache")
+
+        def broken(src, dst):
+            if failure == "disk full":
+                raise OSError(28, "No space left on device")
+            os.remove(src)  # the folder went away between the write and the rename
+            raise FileNotFoundError(2, "No such file or directory", str(src))
+
+        monkeypatch.setattr(cc.os, "replace", broken)
+
+    class Engine:
+        def generate(self, *args, **kwargs):
+            return "tokens"
+
+    engine = Engine()
+    cache.attach(engine)
+    assert engine.generate() == "tokens" and engine.generate() == "tokens"  # the result survives every save
+    assert cache.save(force=True) == 0 and cache.unwritable
+    warned = _logged_warnings(caplog)
+    assert len(warned) == 1 and "could not be written" in warned[0] and "keeps running" in warned[0], warned
+    assert not [p for p in tmp_path.rglob("*.tmp")]  # no half-written file left behind
+    if failure == "folder is a file":
+        assert "is not writable" in cache.write_problem()
+
+
+def test_graph_dump_and_calibration_folders_that_cannot_be_written_warn_once(tmp_path, caplog, recwarn):
+    from moefx.backends import calibration
+    from moefx.config import CompilationConfig
+    from moefx.passes import PassManager
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = CompilationConfig.from_any({"pass_config": {"dump_graph_dir": str(blocker / "dumps")}})
+    manager = PassManager(cfg, [])
+    graph = torch.fx.symbolic_trace(lambda x: x + 1).graph
+    manager(graph)
+    manager(graph)  # the compile goes on; the dump is off after one warning
+    warned = _logged_warnings(caplog)
+    assert len(warned) == 1 and "MOEFX_DUMP_GRAPHS" in warned[0] and manager.dump_dir is None
+    assert calibration.write_problem(blocker / "t.yaml").startswith(f"calibration table {str(blocker / 't.yaml')!r}")
+    assert calibration.write_problem(tmp_path / "ok" / "t.yaml") is None
+
+
 # -- new processes -------------------------------------------------------------------------------------------
 
 # Two compiles with a save after each (as the engine saves after every request that compiled), then a process

@@ -279,3 +279,18 @@ def test_every_readme_python_block_runs_or_names_the_example_that_does():
         code = [line.strip() for line in body.splitlines()[1:] if line.strip()]
         source = (ROOT / "examples" / m[1]).read_text()
         assert code and all(line in source for line in code), f"the excerpt of {m[1]} is not that file's code"
+
+
+def test_every_command_is_in_the_readme_table_the_cli_page_and_the_help() -> None:
+    """The README's command table, docs/CLI.md's sections and `moefx --help` name the same subcommands."""
+    from moefx.cli import COMMANDS, build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Command line"):]
+    table = table[: table.index("\n\n", table.index("| command |"))]
+    listed = set(re.findall(r"^\| `moefx ([a-z-]+)", table, re.MULTILINE))
+    sections = set(re.findall(r"^## `moefx ([a-z-]+)`", (ROOT / "docs" / "CLI.md").read_text(), re.MULTILINE))
+    helped = set(re.findall(r"^    ([a-z-]+)(?: |$)", build_parser([]).format_help(), re.MULTILINE))
+    assert listed == set(COMMANDS), f"README table: {sorted(listed)} vs {sorted(COMMANDS)}"
+    assert sections == set(COMMANDS), f"docs/CLI.md sections: {sorted(sections)} vs {sorted(COMMANDS)}"
+    assert helped == set(COMMANDS), f"moefx --help: {sorted(helped)} vs {sorted(COMMANDS)}"

@@ -142,3 +142,21 @@ def test_the_plan_prefers_it_where_it_prefers_dense_linears():
         plan = resolve(ms, es)
         assert plan.pass_enabled("fuse_norm_linear") == plan.pass_enabled("dense_linears")
     assert resolve(ms, ExecutionSignature.preset("h200", dtype="bfloat16")).pass_enabled("fuse_norm_linear")
+
+
+def test_without_triton_the_norm_stays_and_the_report_says_why(monkeypatch, caplog):
+    """No Triton (PyTorch's CPU wheels): the pass, whose fused call runs a Triton kernel, leaves the norm alone
+    with "triton is not installed", and the process says once what is off."""
+    from moefx.kernels import availability as triton_support
+
+    monkeypatch.setattr(triton_support, "triton_available", lambda: False)
+    triton_support._say_once.cache_clear()
+    block = _block(torch.bfloat16)
+    for _ in range(2):
+        gm, _ = functional_graph(block, _hidden(block, torch.bfloat16))
+        n, ctx = _run_pass(gm)
+        assert n == 0 and count_ops(gm.graph, NORM_DENSE) == 0
+        assert any(s.endswith(f": {triton_support.TRITON_MISSING}") for s in ctx.skipped), ctx.skipped
+    said = [r for r in caplog.records if triton_support.TRITON_MISSING in r.getMessage()]
+    assert len(said) == 1 and "every other path runs" in said[0].getMessage()
+    triton_support._say_once.cache_clear()

@@ -94,6 +94,10 @@ def test_demo_comparison_says_why_moefx_is_not_faster():
 
     hf, quiet_fast = arm(0.002, 0.01), arm(0.001, 0.01)
     assert comparison(hf, quiet_fast, "capture", None, 0.5, 2, 2).startswith("moefx decode: 2.00x transformers'")
+    assert "faster, beyond the noise" in comparison(hf, quiet_fast, "capture", None, 0.5, 2, 2)
+    noisy_fast = arm(0.0014, 0.9)  # 1.43x, inside a spread wider than that
+    inside = comparison(arm(0.002, 0.9), noisy_fast, "capture", None, 0.5, 2, 2)
+    assert inside.startswith("moefx decode: 1.43x transformers' loop: within the noise") and "faster" not in inside
     noisy_hf, noisy_fx = arm(0.002, 0.5), arm(0.0022, 0.5)  # 10% slower, 50% spread
     line = comparison(noisy_hf, noisy_fx, "capture", None, 3.0, 2, 2)
     assert line.startswith("moefx is not faster here: within the noise of the machine") and "load average 3.0" in line

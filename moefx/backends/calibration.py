@@ -9,6 +9,7 @@ a key with no row finds nothing, and the caller runs the plain path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 import yaml
 
+from moefx.config import load_data_file
+from moefx.log import warn_once
 from moefx.machine import cpu_model
 
 PACKAGE_TABLES = Path(__file__).parent / "tables"
@@ -262,7 +265,7 @@ def load_section(path: str | os.PathLike[str], section: str, parse: Callable[[An
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"calibration table {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    data = load_data_file(p, "calibration table") or {}
     if not isinstance(data, dict) or not isinstance(data.get(section, []), list):
         raise ValueError(f"calibration table {str(p)!r} must be a mapping with a {section!r} list")
     rows = [parse(r, f"{p.name}#{row_prefix}{i + 1}") for i, r in enumerate(data.get(section) or [])]
@@ -283,12 +286,36 @@ def write_section(path: str | os.PathLike[str], section: str, row: CalibrationRo
     rows = [r for r in load(p) if r.key != row.key] if p.is_file() else []
     rows.append(row)
     data[section] = [r.to_yaml() for r in rows]
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
-    tmp.replace(p)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+        tmp.replace(p)
+    except OSError as exc:  # the measured row is printed by the caller; the table write must not lose it
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        warn_once(f"calibration table {str(p)!r} could not be written ({type(exc).__name__}: {exc}); the row "
+                  f"is not saved")
+        return f"(not saved to {p.name})"
     invalidate()
     return f"{p.name}#{row_prefix}{len(rows)}"
+
+
+def write_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a calibration table cannot be written at `path` (None: it can), by writing and deleting a probe next to
+    it, so a calibration stops before it measures, not after."""
+    p = Path(path)
+    probe = p.with_name(f".{p.name}.{os.getpid()}.probe")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        return f"calibration table {str(p)!r} cannot be written ({type(exc).__name__}: {exc}); give --output a " \
+               f"writable path"
+    return None
 
 
 def table_paths(extra: Sequence[str] = ()) -> list[Path]:
@@ -296,8 +323,12 @@ def table_paths(extra: Sequence[str] = ()) -> list[Path]:
     user = user_table_dir()
     found = [Path(p) for p in extra]
     for folder in (user, PACKAGE_TABLES):
-        if folder.is_dir():
-            found.extend(sorted(folder.glob("*.yaml")))
+        try:
+            if folder.is_dir():
+                found.extend(sorted(folder.glob("*.yaml")))
+        except OSError as exc:  # an unreadable user folder: the shipped tables still decide
+            warn_once(f"calibration folder {str(folder)!r} could not be read ({type(exc).__name__}: {exc}); "
+                      f"its tables are not used")
     return found
 
 

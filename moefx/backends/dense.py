@@ -55,6 +55,7 @@ from moefx.backends.dense_policy import GEMV, dense_key, env_token, requested
 from moefx.backends.kernels.common import FLOAT_DTYPES
 from moefx.backends.policy import UPSTREAM
 from moefx.config import DENSE_BACKENDS
+from moefx.kernels.availability import triton_missing
 from moefx.kernels.memo import ShapeMemo, on_device, tensor_meta
 from moefx.log import get_logger, warn_once
 from moefx.ops.block_gemm import ref_fp8_block_gemm  # (and registers moefx::fp8_block_gemm, the FP8 upstream)
@@ -150,6 +151,9 @@ def gemv_unsupported_reason(x: torch.Tensor, weights: Sequence[torch.Tensor], we
     if any(w.stride(-1) != 1 or w.stride(0) < w.shape[1] for w in weights):
         return "a weight is not contiguous in K (the kernel streams rows)"
     if x.is_cuda:
+        missing = triton_missing()
+        if missing:
+            return missing
         if weight_scales:
             bn, bk = (int(v) for v in block_shape)
             if bk < 16 or bk & (bk - 1) or bn < 1:

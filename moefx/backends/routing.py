@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from moefx.kernels.availability import triton_missing
 from moefx.kernels.memo import ShapeMemo, on_device
 
 KINDS = ("softmax", "topk_softmax", "sigmoid")
@@ -128,7 +129,8 @@ def _use_kernel(router_logits: torch.Tensor, top_k: int, kind: str, n_group: int
     found = _CHECKED.get(key)
     if found is None:
         _check(router_logits, top_k, kind, n_group, topk_group)  # raises on every call with a bad key
-        found = _CHECKED.put(key, router_logits.is_cuda and kernel_supports(router_logits.shape[1], n_group) is None)
+        found = _CHECKED.put(key, router_logits.is_cuda and not triton_missing()
+                            and kernel_supports(router_logits.shape[1], n_group) is None)
     return found
 
 

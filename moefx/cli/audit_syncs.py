@@ -16,8 +16,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moefx.cli.common import add_config_arg, add_model_args, build_model_from_spec, load_config, progress
 
 
@@ -33,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_decode_step(model: Any, processors: Any) -> Any:
+    import torch
+
     """The per-token work of transformers' sampling loop, as one function."""
 
     def decode_step(tokens, positions, cache, unfinished):
@@ -48,6 +48,7 @@ def make_decode_step(model: Any, processors: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from transformers import StaticCache
     from transformers.generation.logits_process import (
         LogitsProcessorList,
@@ -66,6 +67,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda was requested but no CUDA device is available; use --device cpu")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 (the audited step samples), got {args.temperature}")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with progress(f"building {args.model} on {device}"):
         model, what = build_model_from_spec(args.model, args.layers, device, dtype)

@@ -57,12 +57,19 @@ def spread_pct(samples: list[float]) -> float:
     return 100.0 * (q3 - q1) / q2 if q2 > 0 else float("inf")
 
 
+def outside_noise(change_pct: float, noise_pct: float) -> bool:
+    """Whether a change of `change_pct` (either sign, in %) can be told from run-to-run noise of `noise_pct` (the
+    wider arm's `spread_pct`): only a change larger than the spread is a measured difference. `moefx bench` asks it
+    of its red line, `moefx demo` of its speed ratio, so neither claims a difference inside its own noise."""
+    return abs(change_pct) > noise_pct
+
+
 def verdict(a: list[float], b: list[float], red_line: float) -> tuple[str, int, float, float]:
     """(verdict line, exit code, change of B vs A in %, noise in %) from each arm's decode tok/s samples."""
     change = 100.0 * (statistics.median(b) / statistics.median(a) - 1.0)
     noise = max(spread_pct(a), spread_pct(b))
     head = f"decode tok/s B vs A: {change:+.1f}% (red line -{red_line:.1f}%, noise {noise:.1f}%)"
-    if noise > red_line:
+    if not outside_noise(red_line, noise):
         return (f"{head}: inconclusive: the arms' spread ({noise:.1f}%) is wider than the red line; use a quieter "
                 f"machine, more --runs/--repeats or a wider --red-line"), EXIT_INCONCLUSIVE, change, noise
     if change < -red_line:
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
+    if not 0 < args.red_line < 100:
+        raise ValueError(f"--red-line must be a percentage in (0, 100), got {args.red_line}")
     from moefx.cli.common import model_config
 
     model_config(args.model)  # a bad name or path fails here, not in every arm

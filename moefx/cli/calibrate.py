@@ -27,6 +27,7 @@ from moefx.backends.calibration import (
     dtype_name,
     key_for_tensors,
     user_table_dir,
+    write_problem,
     write_row,
 )
 from moefx.backends.dense_policy import DenseRow, dense_key, model_projections, write_dense_row
@@ -131,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
                                                 else ["none"])
     if args.max_m < 1:
         raise ValueError(f"--max-m must be >= 1, got {args.max_m}")
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     reps = args.reps or (3 if args.quick else (20 if device.type == "cuda" else 5))
     moe_names = [*available_backends(device), UPSTREAM]
     if args.backends:
@@ -147,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     steps = sum(len(modes) * (len(moe_grid if part == "moe" else dense_grid) + 1) for part, _, _ in jobs)
 
     output = Path(args.output) if args.output else user_table_dir() / f"{_slug(device_identity(device)[0])}.yaml"
+    unwritable = write_problem(output)
+    if unwritable:
+        raise ValueError(unwritable)
     print(f"calibrating {label} on {device_identity(device)[0]}: {' and '.join(parts)}, {dtype_name(dtype)}, "
           f"weights {' and '.join(quants)}, modes {modes}; {len(jobs)} shapes, {steps} timing steps -> {output}")
     start = time.perf_counter()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -12,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from moefx.config import CompilationConfig
+from moefx.config import CompilationConfig, load_data_file
 
 
 def add_config_arg(parser: argparse.ArgumentParser) -> None:
@@ -36,10 +35,7 @@ def model_config(spec: str) -> dict[str, Any]:
         if not path.is_file():
             raise ValueError(f"model folder {spec!r} holds no config.json")
     if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"model config {str(path)!r} is not valid JSON: {exc}") from None
+        data = load_data_file(path, "model config")
         if not isinstance(data, dict):
             raise ValueError(f"model config {str(path)!r} must hold a JSON object")
         return data

@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from moefx.cli.common import add_config_arg, load_config, model_config
-from moefx.config import MODES
+from moefx.config import MODES, load_data_file
+from moefx.machine import DEVICE_PRESETS
 from moefx.models.catalog import catalog_names
-from moefx.signatures import ExecutionSignature, ModelSignature, resolve
-from moefx.signatures.execution import DEVICE_PRESETS
+
+if TYPE_CHECKING:
+    from moefx.signatures import ExecutionSignature, ModelSignature
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,9 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_spec(spec: str) -> tuple[ModelSignature, dict[str, Any]]:
     """(model signature, execution fields from a YAML `execution:` section)."""
+    from moefx.signatures import ModelSignature
     path = Path(spec)
     if path.is_file() and path.suffix.lower() in (".yaml", ".yml"):
-        data = yaml.safe_load(path.read_text())
+        data = load_data_file(path, "model signature file")
         if not isinstance(data, dict):
             raise ValueError(f"{spec}: a YAML model signature must be a mapping")
         if "model" in data or "execution" in data:
@@ -57,6 +58,8 @@ def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, A
         "max_batch_size": args.max_batch_size,
         "dtype": args.dtype,
     }
+    from moefx.signatures import ExecutionSignature
+
     defaults = {"mode": cfg.mode, "max_batch_size": cfg.max_batch_size, "dtype": ms.dtype}
     chosen = {**defaults, **fields, **{k: v for k, v in flags.items() if v is not None}}
     if fields and args.device is None:
@@ -69,6 +72,8 @@ def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
+    from moefx.signatures import resolve
+
     cfg = load_config(args)
     ms, fields = _load_spec(args.model)
     es = _execution(args, ms, fields, cfg)

@@ -40,7 +40,7 @@ from moefx.config import PREFILL_CAPTURE_TOKENS, prefill_buckets
 from moefx.engine.graphs import Graphs
 from moefx.engine.memory import cache_bytes
 from moefx.engine.prefill import BucketedPrefill
-from moefx.engine.request import LateStop, Request
+from moefx.engine.request import LateStop, Request, check_prompt
 from moefx.engine.slots import Slot, SlotPool, _uncapturable_cache
 from moefx.engine.steps import Steps, mark_slot_dynamic
 from moefx.log import progress_logger, warn_once
@@ -166,6 +166,7 @@ class DecodeLoop:
         given, receives a copy of each step's last-position logits [B, V] (checks and benchmarks)."""
         if self.compile_cache is not None:
             self.compile_cache.load()  # before the first compile: a cache hit instead
+        check_prompt(self.model.config, *input_ids.shape, max_new_tokens)
         request = Request.admit(input_ids, max_new_tokens, params, eos_token_id, pad_token_id, attention_mask,
                                 stopping_criteria, logits_out)
         out = self._generate(request)

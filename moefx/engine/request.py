@@ -44,6 +44,18 @@ class Request:
                    logits_out)
 
 
+def check_prompt(config: Any, batch: int, prompt: int, max_new_tokens: int) -> None:
+    """ValueError for a request the model cannot run: an empty prompt, or more positions than the model has."""
+    if batch < 1 or prompt < 1:
+        raise ValueError(f"input_ids of shape ({batch}, {prompt}) holds an empty prompt; valid: at least 1 token in "
+                         f"each of at least 1 row")
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and prompt + max_new_tokens > positions:
+        raise ValueError(f"prompt length {prompt} + max_new_tokens {max_new_tokens} = {prompt + max_new_tokens} "
+                         f"positions is past the model's max_position_embeddings {positions}; valid: prompt length + "
+                         f"max_new_tokens <= {positions}")
+
+
 class LateStop:
     """"Every row finished?" read one step late: the flag is copied to pinned memory as the step is queued
     and read when the next one has been queued, so the host never waits for the step it just launched."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from moefx.kernels.availability import triton_missing
 from moefx.ops.fused_quant import _LIB
 
 _LIB.define("fp8_block_gemm(Tensor a, Tensor a_scale, Tensor w, Tensor w_scale, int block_n, int block_k, "
@@ -116,7 +117,7 @@ def _scaled_mm(a2, a_s2, w, w_scale, bias) -> torch.Tensor:
 
 def _fp8_block_gemm_impl(a, a_scale, w, w_scale, block_n, block_k, bias, out_dtype) -> torch.Tensor:
     _check_fp8(a, a_scale, w, w_scale, block_n, block_k, out_dtype)
-    if not a.is_cuda:
+    if not a.is_cuda or triton_missing():
         return ref_fp8_block_gemm(a, a_scale, w, w_scale, block_n, block_k, bias, out_dtype)
     from moefx.log import warn_once
     from moefx.ops import triton_gemm

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import torch
 
+from moefx.kernels.availability import triton_missing
 from moefx.log import warn_once
 from moefx.ops import quant as R
 
@@ -139,7 +140,7 @@ def _ref_quant_into(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scheme: t
 
 def _triton_ok(t: torch.Tensor, scheme: tuple) -> bool:
     """CUDA tensors run the Triton kernels; anything they do not cover runs the reference, with a warning."""
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" or triton_missing():
         return False
     kind, gs = scheme[0], scheme[1]
     if kind.endswith("_group") and (gs & (gs - 1)) != 0:

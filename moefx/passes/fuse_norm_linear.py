@@ -30,7 +30,7 @@ import torch.fx
 
 from moefx.backends.dense import select_backend
 from moefx.backends.dense_policy import GEMV
-from moefx.backends.kernels.dense_kernels import default_config
+from moefx.kernels.availability import triton_missing
 from moefx.passes import fuse_norm_quant as fnq
 from moefx.passes import linear_forms as lf
 from moefx.passes import quant_patterns as qp
@@ -109,6 +109,11 @@ def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
     if any(not isinstance(d, int) for d in xv.shape):
         return "its row count is not static (the dense policy decides per M)"
     m = xv.numel() // max(xv.shape[-1], 1)
+    missing = triton_missing()
+    if missing:
+        return missing
+    from moefx.backends.kernels.dense_kernels import default_config
+
     if default_config(m, False).dot:
         return f"M={m} runs the tensor-core tiles, where the prologue costs more than the norm kernel it saves"
     name = select_backend(xv, ws, [], None, None, backend, capturing=True)

@@ -20,9 +20,7 @@ import torch.fx
 
 from moefx.backends import router as _router  # (registers moefx::add_rms_norm_route)
 from moefx.backends import routing as _routing_op
-from moefx.backends.kernels import dense_kernels as _dense_kernels
-from moefx.backends.kernels import routing as _routing
-from moefx.backends.kernels.dense_kernels import route_supported
+from moefx.kernels.availability import module_file, triton_missing
 from moefx.passes import fuse_norm_linear as fnl
 from moefx.passes.base import MoefxPass, PassContext
 from moefx.passes.fuse_moe_routing import FUSED_TOPK
@@ -47,6 +45,11 @@ def _routing_args(topk: torch.fx.Node) -> list | None:
 
 def _problem(dense: torch.fx.Node, route: list) -> str | None:
     x, residual, norm_weight, eps, weights, biases, backend = dense.args
+    missing = triton_missing()
+    if missing:
+        return missing
+    from moefx.backends.kernels.dense_kernels import route_supported
+
     if len(weights) != 1 or any(b is not None for b in biases):
         return f"the router call has {len(weights)} weights or a bias"
     w = meta_val(weights[0])
@@ -62,7 +65,8 @@ def _problem(dense: torch.fx.Node, route: list) -> str | None:
 
 class FuseRouterTopk(MoefxPass):
     name = "fuse_router_topk"
-    uuid_files = (_router.__file__, _dense_kernels.__file__, _routing.__file__, _routing_op.__file__, fnl.__file__)
+    uuid_files = (_router.__file__, module_file("moefx.backends.kernels.dense_kernels"),
+                  module_file("moefx.backends.kernels.routing"), _routing_op.__file__, fnl.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         done = 0

@@ -109,8 +109,14 @@ class PassManager(CustomGraphPass):
     def _dump(self, graph: torch.fx.Graph, index: int, stage: str) -> None:
         if self.dump_dir is None:
             return
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        (self.dump_dir / f"graph{index:03d}_{stage}.txt").write_text(str(graph))
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / f"graph{index:03d}_{stage}.txt").write_text(str(graph))
+        except OSError as exc:  # a dump never costs the compile: say so once and stop dumping
+            log.warning("graph dump folder %s (pass_config.dump_graph_dir / MOEFX_DUMP_GRAPHS) could not be "
+                        "written (%s: %s); graphs are not dumped in this process", self.dump_dir,
+                        type(exc).__name__, exc)
+            self.dump_dir = None
 
     def uuid(self) -> str:
         digest = hashlib.sha256(self.config.compute_hash().encode())

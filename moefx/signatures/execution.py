@@ -14,20 +14,13 @@ from typing import Any
 import torch
 
 from moefx.config import MODES, did_you_mean
+from moefx.machine import DEVICE_PRESETS  # (torch-free there, so the CLI's help lists the presets at once)
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # CPU ISA extensions the offload path cares about, as /proc/cpuinfo spells them.
 CPU_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_vbmi", "amx_bf16", "amx_int8")
-# Published properties of common GPUs, for planning on a machine that does not have them.
-DEVICE_PRESETS: dict[str, dict[str, Any]] = {
-    "h200": {"device_name": "NVIDIA H200", "capability": (9, 0), "multiprocessor_count": 132},
-    "h100": {"device_name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "multiprocessor_count": 132},
-    "a100": {"device_name": "NVIDIA A100-SXM4-80GB", "capability": (8, 0), "multiprocessor_count": 108},
-    "l40s": {"device_name": "NVIDIA L40S", "capability": (8, 9), "multiprocessor_count": 142},
-    "rtx4090": {"device_name": "NVIDIA GeForce RTX 4090", "capability": (8, 9), "multiprocessor_count": 128},
-}
-# Published memory of those GPUs (GiB), for the serving hints of a plan made without the device at hand.
+# Published memory of the DEVICE_PRESETS GPUs (GiB), for the serving hints of a plan made without the device at hand.
 DEVICE_MEMORY_GIB: dict[str, float] = {
     "NVIDIA H200": 140.0, "NVIDIA H100 80GB HBM3": 79.6, "NVIDIA A100-SXM4-80GB": 79.2, "NVIDIA L40S": 44.5,
     "NVIDIA GeForce RTX 4090": 23.6,

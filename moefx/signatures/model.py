@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moefx.config import load_data_file
 from moefx.signatures.quant import parse_quantization
 
 _DTYPE_ALIASES = {
@@ -186,14 +187,11 @@ def _type_ok(tp: Any, value: Any) -> bool:
 
 
 def _load_mapping(path: Path) -> dict[str, Any]:
-    import yaml
-
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model config {str(path)!r} does not exist")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    data = load_data_file(path, "model config")
     if not isinstance(data, dict):
         raise ValueError(f"model config {str(path)!r} must hold a mapping, got {type(data).__name__}")
     return data

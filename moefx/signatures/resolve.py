@@ -77,6 +77,27 @@ def _decide(
     return PassDecision(unsupported is None, preferred, plan_enabled, plan_source, plan_why)
 
 
+def _tp_fits(ms: ModelSignature, tp: int) -> bool:
+    """Whether tensor parallelism over `tp` ranks splits this model: its attention heads, its KV heads (or each KV
+    head replicated over tp / kv ranks) and its experts' intermediate size."""
+    heads, kv, inter = ms.num_heads, ms.num_kv_heads, ms.moe_intermediate_size or ms.intermediate_size
+    return ((heads is None or heads % tp == 0) and (kv is None or kv % tp == 0 or tp % kv == 0)
+            and (inter is None or inter % tp == 0))
+
+
+def check_parallel_sizes(ms: ModelSignature, es: ExecutionSignature) -> None:
+    """ValueError naming the size and the sizes that fit where tp_size / ep_size do not divide the model."""
+    if es.tp_size > 1 and not _tp_fits(ms, es.tp_size):
+        valid = [t for t in range(1, 65) if _tp_fits(ms, t)]
+        raise ValueError(f"tp_size {es.tp_size} does not divide the model (attention heads {ms.num_heads}, KV heads "
+                         f"{ms.num_kv_heads}, expert intermediate size {ms.moe_intermediate_size}); valid tp sizes "
+                         f"up to 64: {valid}")
+    experts = ms.num_experts
+    if es.ep_size > 1 and experts and experts % es.ep_size:
+        valid = [e for e in range(1, min(experts, 64) + 1) if experts % e == 0]
+        raise ValueError(f"ep_size {es.ep_size} does not divide the model's {experts} experts; valid ep sizes: {valid}")
+
+
 def resolve(
     ms: ModelSignature | Any,
     es: ExecutionSignature | None = None,
@@ -97,6 +118,7 @@ def resolve(
     if es is None:
         es = ExecutionSignature.detect(mode=cfg.mode, max_batch_size=cfg.max_batch_size)
     ms = ms.with_dtype(es.dtype, "execution signature")  # the run's stated compute dtype, where the config has none
+    check_parallel_sizes(ms, es)
     env = pass_overrides()
     fragment, why = match(ms, es)
     all_rules = [*(rules or ()), *(r for path in cfg.rules for r in load_rules(path))]

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean
+from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean, load_data_file
 from moefx.log import warn_once
 from moefx.signatures.execution import DEVICE_TYPES, ExecutionSignature
 from moefx.signatures.model import ModelSignature
@@ -240,10 +238,7 @@ def load_rules(path: str | Path) -> list[Rule]:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"rule file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"rule file {str(p)!r} is not valid YAML: {exc}") from exc
+    data = load_data_file(p, "rule file")
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise ValueError(f"rule file {str(p)!r} must be a mapping with a 'rules' list")
     extra = sorted(set(data) - {"rules", "version"})

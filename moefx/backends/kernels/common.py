@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moefx.backends.registry import MoEBackend, MoeCall
-from moefx.kernels.availability import triton_available
+from moefx.kernels.availability import triton_missing
 from moefx.kernels.memo import device_capability, on_device
 
 FP8_MAX = 448.0
@@ -82,8 +82,9 @@ class TritonMoEBackend(MoEBackend):
         reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
         reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
         if reason is None and hidden.is_cuda:
-            if not triton_available():
-                return f"{self.name} needs Triton on CUDA"
+            missing = triton_missing()
+            if missing:
+                return f"{self.name} needs Triton on CUDA: {missing}"
             reason = cuda_fp8_problem(hidden, w13_scale, block_shape, self.fp8_min_block_k)
         return reason
 

@@ -31,6 +31,7 @@ save's artifacts; `load_payload` merges every chunk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -126,6 +127,7 @@ class CompileCache:
     steps: Any = None  # the engine's AotSteps (aot.py), whose traces the file keeps; None: artifacts only
     _tried: bool = False
     _misses_at_save: int = 0
+    unwritable: str | None = None  # why the file could not be written: said once, then no more tries
 
     @classmethod
     def for_plan(cls, folder: Path, plan: Any, config: Any, pass_uuid: str, buckets: list[int],
@@ -185,7 +187,7 @@ class CompileCache:
         start = time.perf_counter()
         try:
             payload, why = self._read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no file yet, or no folder (the save says so, once)
             return 0
         except OSError as exc:
             payload, why = None, f"unreadable ({exc})"
@@ -224,6 +226,8 @@ class CompileCache:
     def save(self, force: bool = False) -> int:
         """Write this process's artifacts when something was compiled since the last save (always with
         `force`); the number of artifacts in the file, 0 when there was nothing to write."""
+        if self.unwritable:
+            return 0
         misses = _misses()
         new_traces = self.steps is not None and self.steps.unsaved()
         if not force and misses == self._misses_at_save and self.saved and not new_traces:
@@ -249,10 +253,12 @@ class CompileCache:
                 f.write(json.dumps(header, sort_keys=True).encode() + b"\n")
                 f.write(payload)
             os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
-        except OSError as exc:
-            log.warning("compile cache %s could not be written (%s); the next process compiles afresh", self.path,
-                        exc)
-            tmp.unlink(missing_ok=True)
+        except OSError as exc:  # unwritable, full or vanished folder: the cache never costs the result
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self.unwritable = f"{type(exc).__name__}: {exc}"
+            log.warning("compile cache %s could not be written (%s); this process keeps running without saving it "
+                        "and the next process compiles afresh", self.path, self.unwritable)
             return 0
         self.saved = sum(counts.values())
         if self.steps is not None:
@@ -261,6 +267,19 @@ class CompileCache:
                                "to %s in %.1f s", self.saved - counts["traces"], counts["traces"], len(kernels),
                                len(payload) / 2**20, self.path, time.perf_counter() - start)
         return self.saved
+
+    def write_problem(self) -> str | None:
+        """Why the file cannot be written in its folder (None: it can), found by writing and deleting a probe."""
+        probe = self.path.with_name(f".{self.path.name}.{os.getpid()}.probe")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
+            return f"compile cache folder {str(self.path.parent)!r} is not writable ({type(exc).__name__}: {exc})"
+        return None
 
     def attach(self, engine: Any) -> None:
         """Become `engine`'s compile store (`DecodeLoop.compile_cache`: loaded before its first request compiles,
