@@ -83,6 +83,9 @@ STAGES: tuple[Stage, ...] = (
           "median", section="e2e"),
     Stage("e2e-8-readme", 420, "python3 bench/e2e.py --layers 8 --batches 1,16,64 --arms hf_static,moefx --fp8 "
           "--fp8-batches 16 --tag _readme", "the README path (no config) at every batch, FP8 at 16", section="e2e"),
+    Stage("e2e-48-readme", 560, "python3 bench/e2e.py --layers 48 --batches 1,16 --arms hf_static,moefx --runs 2 "
+          "--tag _readme48", "48 layers B=1 and B=16, the README path (no config) against transformers' static "
+          "compile", section="e2e"),
     Stage("e2e-48-b16", 560, "python3 bench/e2e.py --layers 48 --batches 16 --arms hf_static,moefx --runs 2 "
           "--tag _b16", "48 layers B=16 with the peer", section="e2e"),
     Stage("e2e-quick", 420, "python3 bench/e2e.py --layers 8 --batches 1,16 --arms hf_static,moefx --profile "

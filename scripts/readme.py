@@ -57,7 +57,10 @@ def _calibrated(config: dict, preset: str) -> str:
 
     ms = ModelSignature.from_config(config)
     for tp in (1, 2, 4, 8):
-        plan = resolve(ms, ExecutionSignature.preset(preset, mode="capture", tp_size=tp, cpu_isa=(), numa_nodes=1))
+        try:
+            plan = resolve(ms, ExecutionSignature.preset(preset, mode="capture", tp_size=tp, cpu_isa=(), numa_nodes=1))
+        except ValueError:  # a tensor-parallel size that does not divide the model
+            continue
         if plan.moe.applies:
             return _moe_summary(plan) + ("" if tp == 1 else f" (TP={tp})")
     return "upstream (no calibration row)"

@@ -46,7 +46,7 @@ def test_a_result_whose_command_runs_another_sections_stage_is_refused():
 def test_the_runner_gets_each_stage_from_the_table():
     out = subprocess.run([sys.executable, "bench/stages.py", "--shell", "dense"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
-    assert out.startswith("limit=180; command='python3 bench/dense.py --calibrate --ms 1,2,4,8,16,32,64'; after=")
+    assert out.startswith("limit=180; command='python3 bench/dense.py --ms 1,2,4,8,16,32,64'; after=")
     assert "case $s in" not in (ROOT / "bench" / "run_h200.sh").read_text()
 
 

@@ -308,7 +308,7 @@ def test_calibrate_model_shapes_per_gpu(tmp_path):
     import argparse
     import json
 
-    from moefx.cli.calibrate import _shape
+    from moefx.cli.calibrate_run import _shape
     from moefx.models.catalog import catalog_config
 
     ns = argparse.Namespace(model="deepseek-v3", tp=8, experts=None, hidden=None, intermediate=None, topk=None)

@@ -19,7 +19,6 @@ from moefx.calibrate.sweep import UPSTREAM
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 QUICK_GRID = (1, 2, 4, 8, 16)
-QUANTS = ("none", "fp8-block128")
 
 
 class MoeProblem:
