@@ -15,7 +15,7 @@ import torch
 
 from moefx.backends import dense as D
 from moefx.backends.dense_policy import GEMV
-from moefx.calibrate.sweep import UPSTREAM
+from moefx.calibrate.sweep import UPSTREAM, match_reference
 from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -95,21 +95,10 @@ def contenders(device: torch.device) -> list[str]:
 
 def check(problem: DenseProblem, names: list[str]) -> tuple[list[str], dict[str, str]]:
     """Contenders whose outputs match the fp32 reference within BOUNDS on fresh inputs; the rest with the reason."""
-    bound = BOUNDS[problem.dtype]
-    rejected: dict[str, str] = {}
-    for m in (1, 5):
-        x, *rest = problem.inputs(m)
-        xs = rest[0] if rest else None
-        refs = problem.reference(x, xs)
-        for name in names:
-            if name in rejected:
-                continue
-            try:
-                outs = problem._one(name, x, xs, 0)
-                rel = max(((o.float() - r).norm() / r.norm().clamp(min=1e-30)).item() for o, r in zip(outs, refs))
-            except Exception as exc:  # a contender that crashes is reported, not timed
-                rejected[name] = f"failed: {type(exc).__name__}: {exc}"
-                continue
-            if not rel <= bound:
-                rejected[name] = f"rel err {rel:.2e} > {bound:.0e} vs the fp32 reference at M={m}"
-    return [n for n in names if n not in rejected], rejected
+    def cases():
+        for m in (1, 5):
+            x, *rest = problem.inputs(m)
+            xs = rest[0] if rest else None
+            yield m, problem.reference(x, xs), lambda name, x=x, xs=xs: problem._one(name, x, xs, 0)
+
+    return match_reference(names, cases(), BOUNDS[problem.dtype], "the fp32 reference", {})

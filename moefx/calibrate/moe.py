@@ -15,7 +15,7 @@ import torch
 from moefx.backends import moe_experts
 from moefx.backends.policy import HOST_SYNCING_BACKENDS
 from moefx.backends.registry import BACKENDS
-from moefx.calibrate.sweep import UPSTREAM
+from moefx.calibrate.sweep import UPSTREAM, match_reference
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 QUICK_GRID = (1, 2, 4, 8, 16)
@@ -95,20 +95,12 @@ def check(problem: MoeProblem, names: list[str]) -> tuple[list[str], dict[str, s
             reason = BACKENDS[name].unsupported_reason(hidden, problem.w13, problem.w2, problem.s13, problem.block)
             if reason:
                 rejected[name] = f"unsupported: {reason}"
-    for m in (1, 37):
-        hidden, ids, weights = problem.inputs(m)
-        ref = problem.call("legacy")(hidden, ids, weights).float()
-        for name in names:
-            if name in rejected:
-                continue
-            try:
-                out = problem.call(name)(hidden, ids, weights).float()
-                rel = ((out - ref).norm() / ref.norm()).item()
-            except Exception as exc:  # a contender that crashes is reported, not timed
-                rejected[name] = f"failed: {type(exc).__name__}: {exc}"
-                continue
-            if not rel <= bound:
-                rejected[name] = f"rel err {rel:.2e} > {bound:.0e} vs legacy at M={m}"
-    return [n for n in names if n not in rejected], rejected
+
+    def cases():
+        for m in (1, 37):
+            args = problem.inputs(m)
+            yield m, [problem.call("legacy")(*args)], lambda name, args=args: problem.call(name)(*args)
+
+    return match_reference(names, cases(), bound, "legacy", rejected)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +39,27 @@ class Problem(Protocol):
     def default(self, live: list[str]) -> str | None:
         """The contender that runs without a row (close calls keep it)."""
         ...
+
+
+def match_reference(names: list[str], cases: Iterable[tuple[int, Sequence[torch.Tensor], Callable[[str], Any]]],
+                    bound: float, reference: str, rejected: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The contenders whose outputs stay within `bound` (relative error) of the reference in every case — each case
+    is (M, the reference's outputs, a call giving a contender's outputs) — and the rest in `rejected` with why."""
+    for m, refs, run in cases:
+        for name in names:
+            if name in rejected:
+                continue
+            try:
+                outs = run(name)
+                outs = [outs] if isinstance(outs, torch.Tensor) else outs
+                rel = max(((o.float() - r.float()).norm() / r.float().norm().clamp(min=1e-30)).item()
+                          for o, r in zip(outs, refs))
+            except Exception as exc:  # a contender that crashes is reported, not timed
+                rejected[name] = f"failed: {type(exc).__name__}: {exc}"
+                continue
+            if not rel <= bound:
+                rejected[name] = f"rel err {rel:.2e} > {bound:.0e} vs {reference} at M={m}"
+    return [n for n in names if n not in rejected], rejected
 
 
 Timer = Callable[[int], float]  # round r -> µs of one call on the r-th input set
