@@ -37,7 +37,7 @@ _BACKENDS_DIR = Path(__file__).resolve().parent.parent / "backends"
 DEPENDENCY_FILES = (
     str(Path(__file__).resolve()),
     str(_BACKENDS_DIR / "dense.py"),
-    str(Path(__file__).resolve().parent.parent / "sampling" / "fx.py"),
+    str(Path(__file__).resolve().parent / "fx.py"),
 )
 
 
