@@ -108,3 +108,23 @@ def test_build_model_creates_parameters_in_the_dtype_asked_for(monkeypatch):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert drawn and set(drawn) == {torch.bfloat16}  # never drawn in float32 first
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize(("preset", "calibrates"), [("a100", True), ("h100", False)])
+def test_precompile_calibrates_first_on_a_cuda_device_without_rows(preset, calibrates, monkeypatch, capsys):
+    import argparse
+
+    import moefx.cli
+    from moefx.cli import precompile
+
+    calls = []
+    monkeypatch.setattr(ExecutionSignature, "detect",
+                        classmethod(lambda cls, *a, **k: ExecutionSignature.preset(preset, mode=k["mode"])))
+    monkeypatch.setattr(moefx.cli, "main", lambda argv: calls.append(argv) or 0)
+    args = argparse.Namespace(model="qwen3-30b-a3b", device="cuda", dtype=None)
+    precompile._calibrate_if_missing(args, CompilationConfig(mode="capture"))
+    if calibrates:
+        assert calls == [["calibrate", "--model", "qwen3-30b-a3b", "--device", "cuda"]]
+        assert "running `moefx calibrate --model qwen3-30b-a3b` first" in capsys.readouterr().out
+    else:
+        assert calls == []
