@@ -97,8 +97,8 @@ class Slot:
     def release(self) -> None:
         """Drop what the slot holds (the pool calls it on eviction), so its memory is free at once: the layers'
         `get_mask_sizes` override (`moefx/engine/steps.py`) is a bound method of its layer, a reference cycle that
-        would otherwise keep the cache alive until Python's cyclic collector ran (on the H200 a 500-request
-        stream's peak allocated memory doubled while evicted caches waited for it)."""
+        would otherwise keep the cache alive until Python's cyclic collector ran (a long request stream's peak
+        allocated memory doubled while evicted caches waited for it: docs/FINDINGS.md)."""
         for layer in getattr(self.cache, "layers", None) or []:
             vars(layer).pop("get_mask_sizes", None)
         self.graphs.clear()

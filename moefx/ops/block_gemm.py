@@ -91,8 +91,8 @@ def _int8_gemm_impl(a, a_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
     return out.to(out_dtype).reshape(*a.shape[:-1], w.shape[0])
 
 
-# Measured on the H200 (torch 2.11, bench/fusions.py, N = K = 4096): Triton 11.0 µs vs torch._scaled_mm 13.6 µs
-# at M = 16; _scaled_mm 15.2 vs 27.8 µs at M = 512 and 246 vs 423 µs at M = 8192. Between 16 and 512 unmeasured.
+# From this M on torch._scaled_mm runs the block-scaled GEMM: it is faster at M = 512 and up (1.8x at 512), the
+# Triton kernel at M = 16; M between 16 and 512 is not measured (docs/FINDINGS.md, "Fusions and sampling").
 SCALED_MM_MIN_M = 17
 _scaled_mm_state: dict[str, str | bool] = {}
 

@@ -21,10 +21,9 @@ from moefx.kernels.memo import ShapeMemo, tensor_meta
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # Key positions per program before they are split over several programs: one 64-position block, so no program
-# waits on a chain of blocks. At B=1 on the H200 (32 q / 4 KV heads, head 128, CUDA-graph replays, 2026-12-03) the
-# two kernels took 5.1 us per layer over a 256-position static cache at 64 (7.5 at 128, 8.7 at 256; 32 gained
-# nothing) and 6.7 over 1024 positions (9.9 at 128); 4.8 and 6.2 with the V load issued next to the K load. The
-# combine kernel is one small launch.
+# waits on a chain of blocks: at B=1 decode (32 q / 4 KV heads, head 128) 64 positions beat 128 and 256, and 32
+# gains nothing (docs/FINDINGS.md: 5.1 us per layer over a 256-position cache, against 7.5 at 128 and 8.7 at 256).
+# The combine kernel is one small launch.
 SPLIT_POSITIONS = 64
 TARGET_PROGRAMS = 264  # two per SM on an H200: splitting further only adds combine work
 

@@ -5,8 +5,8 @@ Runs after fuse_sibling_linears, on the linears it left single: attention's o_pr
 router gate, and their FP8 block forms (linear_forms.py). Exact in the same sense: no row or an M above the row's
 range runs the linear as the graph did. Left in cuBLAS, by rule:
 - N >= MAX_N output features (32768): LM heads (vocabularies of 32k-256k rows). cuBLAS already spreads such an N
-  over every SM and reads the head at its bytes floor at decode M (H200, Qwen3-30B-A3B's 151936 x 2048 head: 148 us
-  for 622 MB), and `last_token_logits` / the sampler passes own that matmul.
+  over every SM and reads the head at its bytes floor at decode M (Qwen3-30B-A3B's 151936 x 2048 head: 148 us
+  for 622 MB on the H200, docs/FINDINGS.md), and `last_token_logits` / the sampler passes own that matmul.
 - a static M above MAX_STATIC_M (256) rows: a prefill-only graph, far above every calibrated small-M range.
 Linears that are left alone are reported with the reason.
 """

@@ -1,8 +1,8 @@
 """fuse_moe_routing: a router's scores -> top-k -> weights chain -> one `moefx::fused_topk` launch.
 
-At B=1 decode of Qwen3-30B-A3B on the H200 the router's `torch.topk` alone costs 9.3 us a layer
-(`gatherTopK` + `bitonicSortKVInPlace`) beside inductor's softmax kernel; the fused op does scores, top-k,
-renormalize and scale in one program per row. Matched by dataflow and constants in post-grad graphs:
+At B=1 decode of Qwen3-30B-A3B the router's `torch.topk` alone (`gatherTopK` + `bitonicSortKVInPlace`, beside
+inductor's softmax kernel) takes over twice as long as the whole fused op (docs/FINDINGS.md); the fused op does
+scores, top-k, renormalize and scale in one program per row. Matched by dataflow and constants in post-grad graphs:
 
 - softmax -> top-k [-> renormalize] [-> * c]  (Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V2 greedy): the softmax
   over the last dim decomposed (amax/sub/exp/sum/div, or a multiply by the sum's `reciprocal`), inductor's CUDA form

@@ -95,7 +95,8 @@ ARGMAX_CHUNK = 1024  # greedy over a vocabulary longer than 4x this reduces in c
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(x, -1)` for [B, V], in two reductions when V is long: compiled, one row of a 152k vocabulary
-    is otherwise one program's serial reduction (H200, Qwen3 vocabulary, B=1: 32.5 us of an 894 us step).
+    is otherwise one program's serial reduction (H200, Qwen3 vocabulary, B=1: 32.5 us of an 894 us step;
+    docs/FINDINGS.md).
     Same index: each chunk keeps its first maximum, and the first chunk holding the row's maximum wins (NaN
     counts as the maximum in both, as in torch.argmax)."""
     rows, v = x.shape

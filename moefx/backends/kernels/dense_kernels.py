@@ -59,11 +59,9 @@ NO_ROUTE = dict(E=1, TOP_K=1, KIND=0, RENORM=False, HAS_BIAS=False, N_GROUP=1, T
 NORM_TILE = 4096
 # Automatic CUDA-core tiles (block_k 0 / block_n 0): each program loads its whole K range in one step, so all of
 # its weight loads are in flight at once, and each thread holds 128 weight bytes of it (bf16 q/k/v at K 2048: 4
-# rows, 4 warps; o_proj at K 4096: 2 rows; FP8 twice the rows). On the H200 (CUDA-graph replays, L2-cold weights,
-# 2026-12-03), against the fixed tiles before (4 rows x 1024 at M=1, x 256 at M <= 4, which took dependent steps):
-# bf16 M=1 q/k/v with the norm prologue 10.0 -> 8.1 us, o_proj 8.3 -> 6.7, the add-norm-route router 7.9 -> 7.2;
-# M=2 q/k/v 21.3 -> 8.8, o_proj 20.4 -> 8.4; M=4 12.2 and 10.9 against 32.8 and 28.1; FP8 M=1 q/k/v 8.4 -> 7.2,
-# o_proj 7.6 -> 6.4. The best tile of each grid point was within 0.4 us of these.
+# rows, 4 warps; o_proj at K 4096: 2 rows; FP8 twice the rows). The fixed tiles they replace (4 rows x 1024 at M=1,
+# x 256 at M <= 4) took dependent load steps; these are faster at every probed point (bf16 M=1 q/k/v with the norm
+# prologue 10.0 -> 8.1 us, M=2 21.3 -> 8.8) and within 0.4 us of the best tile of a grid (docs/DENSE.md).
 MAX_AUTO_BLOCK_K = 4096
 AUTO_THREAD_BYTES = 128
 

@@ -89,22 +89,21 @@ DEFAULT_TILES: dict[str, tuple[tuple[float, GemmConfig, GemmConfig], ...]] = {
     "bf16": (
         (8, _C(16, 64, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
         (32, _C(32, 128, 128, 4, 4, 3, tma=True), _C(32, 128, 128, 4, 4, 3, tma=True)),
-        # H200 M=1024 (2026-11-29, 4c00435/38ae633): GEMM 1 aligns at 128 (one block for most experts, half tiles
-        # for those with at most 64 rows), GEMM 2 keeps 64-row tiles inside those blocks: 0.98x (A/B twice); then
-        # sweep: 0.97x
+        # M=1024: GEMM 1 aligns at 128 (one block for most experts, half tiles for those with at most 64 rows),
+        # GEMM 2 keeps 64-row tiles inside those blocks (docs/FINDINGS.md: 0.98x in A/B, 0.97x after a sweep)
         (128, _C(128, 128, 64, 8, 8, 4, tma=True, half=True), _C(64, 128, 64, 8, 4, 3, tma=True)),
-        # H200 M=4096 (2026-11-29): GEMM 2 128x256x64 0.86x (sweep); TMA on both 0.94x (profile, a1e299e); half
-        # tiles 0.97x (A/B twice, 4c00435)
+        # M=4096: GEMM 2 at 128x256x64, TMA weight tiles on both GEMMs, half tiles for an expert's last block
+        # (docs/FINDINGS.md: 0.86x, 0.94x and 0.97x)
         (math.inf, _C(128, 128, 64, 8, 8, 3, tma=True, half=True), _C(128, 256, 64, 8, 8, 3, tma=True, half=True)),
     ),
     "fp8": (
         (8, _C(16, 128, 128, 1, 4, 4), _C(16, 64, 128, 1, 4, 4)),
         (32, _C(32, 128, 128, 4, 4, 3, tma=True), _C(32, 128, 128, 4, 4, 3, tma=True)),
-        # H200 M=1024 (2026-11-29, 4c00435/38ae633): GEMM 1 at the large-M tile with half tiles, GEMM 2 at 64 rows:
-        # 0.97x (A/B twice); then sweep: 0.97x
+        # M=1024: GEMM 1 at the large-M tile with half tiles, GEMM 2 at 64 rows (docs/FINDINGS.md: 0.97x in A/B,
+        # 0.97x after a sweep)
         (128, _C(128, 128, 128, 1, 8, 4, running=True, half=True), _C(64, 128, 128, 16, 4, 3, tma=True)),
-        # H200 M=4096 (2026-11-29): running-scale accumulators let BLOCK_M 128 fit without spills: 708 -> 530 us
-        # (ed62f09); half tiles in GEMM 2: GEMM 2 0.99x, the call within run-to-run spread (4c00435)
+        # M=4096: running-scale accumulators let BLOCK_M 128 fit without spills (docs/FINDINGS.md: 708 -> 530 us);
+        # half tiles in GEMM 2 (GEMM 2 0.99x, the whole call within run-to-run spread)
         (math.inf, _C(128, 128, 128, 8, 8, 4, running=True),
          _C(128, 128, 128, 16, 8, 3, tma=True, running=True, half=True)),
     ),

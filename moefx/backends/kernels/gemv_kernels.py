@@ -18,8 +18,8 @@ Activations stay in fp32 (w8a16 arithmetic): same bytes as w8a8 at these M, and 
 Hopper and later: stage 2 is a programmatic dependent launch (H200, M=1: 23.0 vs 24.1 µs bf16). Stage 1
 lets it start once every stage-1 program has finished its loop; stage 2 loads its ids and routing weights
 (which stage 1 does not write) and then waits for stage 1's activations. Tried and dropped on the H200
-(docs/FINDINGS.md, 2026-11-29): stage 2 loading its first w2 tile before the wait (FP8 M=1 stage 2 ~7 -> 16.5 µs:
-twice the live tile), L2 prefetches of its w2 rows before the wait (bf16 M=1 23.2 -> 28.9 µs), an FP8
+(docs/FINDINGS.md, "Tried and not kept"): stage 2 loading its first w2 tile before the wait (FP8 M=1 stage 2
+~7 -> 16.5 µs: twice the live tile), L2 prefetches of its w2 rows before the wait (bf16 M=1 23.2 -> 28.9 µs), an FP8
 stage 1 on tensor cores (e4m3 -> fp16 into 16-row MMAs: M=1 stage 1 10.1 -> 19.1 µs), software-pipelined K loops
 (`tl.range(num_stages=...)`, cp.async through shared memory: twice as slow), and, with per-row accumulators,
 stage 2 as one K step whose whole w2 tile is loaded before the wait while stage 1 signals at its start (FP8 M=1
@@ -139,8 +139,8 @@ class GemvConfig:
 # The default tiles, in one place: per weight kind ("bf16" serves every unquantized dtype), rows of
 # (largest M, config), first match wins. Adopting a `bench/moe.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, GemvConfig], ...]] = {
-    # per-stage grid sweep, H200, 2026-11-29 (commit 90644a5): bf16 M=1 0.95x, M=4 0.93x; fp8 M=1 0.92x,
-    # M=4 0.90x of the first per-row-accumulator defaults (each ratio re-timed back to back)
+    # picked by a per-stage grid sweep against the first per-row-accumulator defaults, each ratio re-timed back
+    # to back (docs/FINDINGS.md: bf16 M=1 0.95x, M=4 0.93x; fp8 M=1 0.92x, M=4 0.90x)
     "bf16": (
         (1, GemvConfig(block_n1=4, rows2=16, block_k1=1024, block_k2=128, num_warps1=2)),
         (math.inf, GemvConfig(block_n1=4, rows2=64, block_k1=1024, block_k2=128, num_warps1=2, num_warps2=8)),

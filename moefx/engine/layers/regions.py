@@ -15,8 +15,8 @@ gives each decoder layer a forward that, while torch.compile traces it, calls th
 Inside the region the layer sees a one-layer cache view that ignores `layer_idx` (`layer_body.py`), so the
 traced body is the same for every layer: dynamo traces it once and stamps out the rest (torch >= 2.12; earlier
 versions trace each call and deduplicate identical bodies, which the plan says: on the H200's torch 2.11 tracing
-48 layers twice took ~29 s of a warm start), AOTAutograd and inductor compile it once, and the moefx post-grad
-passes run on it like on any graph. Any other case — eager calls, other cache layers (sliding window, a
+48 layers twice took ~29 s of a warm start, docs/FINDINGS.md), AOTAutograd and inductor compile it once, and the
+moefx post-grad passes run on it like on any graph. Any other case — eager calls, other cache layers (sliding window, a
 DynamicLayer that already holds tokens), no cache — runs the layer's own forward unchanged.
 
 `frames=True` (config `layer_regions: frames`, and `auto` on a torch without region reuse) keeps the layers out
@@ -151,7 +151,7 @@ def install_layer_regions(model: Any, decode: bool = True, frames: bool = False)
     if not _reuses_regions():
         notes.append(f"torch {torch.__version__} traces every layer's region call again (reuse of a traced body "
                      f"needs torch >= 2.12): inductor compiles one body, but tracing still grows with depth "
-                     f"(~0.3 s per layer and function on the H200, docs/FINDINGS.md)")
+                     f"(docs/FINDINGS.md)")
     return notes
 
 
@@ -176,6 +176,5 @@ def layer_regions_transform(model: Any, plan: Any, config: Any) -> list[str]:
         notes.append(f"layer_regions auto = {scope}: " + (
             "this torch reuses a traced region body" if scope == "all" else
             f"torch {torch.__version__} traces every nested region call again (reuse needs torch >= 2.12); frames "
-            f"trace once per kind of call (48 layers on the H200, torch 2.11: first generate() 52.5 s from cold "
-            f"caches, transformers' static compile 65.4 s; docs/PERFORMANCE.md)"))
+            f"trace once per kind of call, not once per layer (docs/FINDINGS.md)"))
     return notes + install_layer_regions(model, decode=scope in ("all", "frames"), frames=scope == "frames")
