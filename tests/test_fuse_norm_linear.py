@@ -148,7 +148,10 @@ def test_without_triton_the_norm_stays_and_the_report_says_why(monkeypatch, capl
     """No Triton (PyTorch's CPU wheels): the pass, whose fused call runs a Triton kernel, leaves the norm alone
     with "triton is not installed", and the process says once what is off."""
     from moefx.kernels import availability as triton_support
+    from moefx.log import progress_logger
 
+    # the progress logger does not propagate to the root logger caplog listens on: listen on it directly
+    monkeypatch.setattr(progress_logger(), "handlers", [*progress_logger().handlers, caplog.handler])
     monkeypatch.setattr(triton_support, "triton_available", lambda: False)
     triton_support._say_once.cache_clear()
     block = _block(torch.bfloat16)
