@@ -192,9 +192,10 @@ def cpu_stand_ins() -> Iterator[None]:
 
     from moefx.backends import calibration, dense, dense_policy
     from moefx.backends import routing as routing_op
-    from moefx.backends.kernels import align, common, dense_kernels, fused_moe_kernels, gemv_kernels, routing
+    from moefx.backends.kernels import align, dense_kernels, fused_moe_kernels, gemv_kernels, routing
     from moefx.backends.policy import UPSTREAM
     from moefx.backends.registry import BACKENDS
+    from moefx.kernels import availability
 
     saved: list[tuple[object, str, object]] = []
 
@@ -208,7 +209,7 @@ def cpu_stand_ins() -> Iterator[None]:
                 patch(mod, name, _NoLaunch())
     for name in ("gemv", "grouped"):
         patch(BACKENDS[name], "torch_path", BACKENDS[name].cuda_kernel)
-    patch(common, "triton_available", lambda: True)
+    patch(availability, "triton_available", lambda: True)
 
     def gemv_launch(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype):
         k = x.shape[-1]

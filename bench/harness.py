@@ -11,8 +11,9 @@ Ceilings: `copy_ceiling_Bps` is the copy rate every floor divides bytes by: an S
 graph becomes a memcpy node that the copy engines run, which reads slower, so a floor taken from it would sit under
 the kernels' reach. `ceilings()` adds the bf16 and FP8 matmul rates (measured first: they bring the clocks up).
 
-Inputs: `routing` / `input_sets` draw random top-k routings and hidden states (Qwen3-MoE style), `quant_block`
-block-quantizes expert weights to FP8, `relerr` compares outputs, `kernel_times` splits a call into its kernels.
+Inputs: `routing` / `input_sets` draw random top-k routings and hidden states (Qwen3-MoE style; FP8 expert weights
+come from moefx's own `quant_weight_fp8_block`), `relerr` compares outputs, `kernel_times` splits a call into its
+kernels.
 """
 
 from __future__ import annotations
@@ -133,16 +134,6 @@ def ceilings() -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------- inputs
-
-
-def quant_block(w: torch.Tensor, bs: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert weights [E, N, K] -> FP8 e4m3 codes and one fp32 scale per (bn, bk) block."""
-    bn, bk = bs
-    e, n, k = w.shape
-    blocks = w.float().reshape(e, n // bn, bn, k // bk, bk)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-8) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(e, n, k)
-    return q, scale.contiguous()
 
 
 def routing(m: int, e: int, k: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import ceilings, input_sets, kernel_times, quant_block, relerr, routing, time_graph
+from bench.harness import ceilings, input_sets, kernel_times, relerr, routing, time_graph
 from moefx.backends import BACKENDS
+from moefx.ops.quant import quant_weight_fp8_block
 
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 PEER_TRITON_US = {  # tuned Triton fused-MoE on this H200 (anchors/h200_peers_2026-11-29.json, kernels only)
@@ -86,8 +87,8 @@ def main() -> None:
     w2 = (torch.randn(e, h, inter, device=dev, generator=gen) / inter**0.5).to(torch.bfloat16)
     weights = {"bf16": dict(w13=w13, w2=w2, kw={})}
     if "fp8" in dtypes:
-        q13, s13 = quant_block(w13, bs)
-        q2, s2 = quant_block(w2, bs)
+        q13, s13 = quant_weight_fp8_block(w13, *bs)
+        q2, s2 = quant_weight_fp8_block(w2, *bs)
         weights["fp8"] = dict(w13=q13, w2=q2, kw=dict(w13_scale=s13, w2_scale=s2, block_shape=bs))
     legacy = BACKENDS["legacy"]
     result: dict = {"device": torch.cuda.get_device_name() if not quick else "cpu", "torch": torch.__version__,

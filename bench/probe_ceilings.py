@@ -20,8 +20,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import ceilings, kernel_times, quant_block, routing, time_graph
+from bench.harness import ceilings, kernel_times, routing, time_graph
 from moefx.backends.kernels.fused_moe_kernels import fused_moe
+from moefx.ops.quant import quant_weight_fp8_block
 
 E, H, I, K = 128, 2048, 768, 8
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -32,8 +33,8 @@ def expert_weights(e: int, gen: torch.Generator) -> dict[str, tuple]:
     """Random experts as fused_moe takes them: bf16 (w13, w2) and their FP8 block-128 quantization with scales."""
     w13 = (torch.randn(e, 2 * I, H, device="cuda", generator=gen) / H**0.5).to(BF16)
     w2 = (torch.randn(e, H, I, device="cuda", generator=gen) / I**0.5).to(BF16)
-    q13, s13 = quant_block(w13, (128, 128))
-    q2, s2 = quant_block(w2, (128, 128))
+    q13, s13 = quant_weight_fp8_block(w13, 128, 128)
+    q2, s2 = quant_weight_fp8_block(w2, 128, 128)
     return {"bf16": (w13, w2, None, None, None), "fp8": (q13, q2, s13, s2, (128, 128))}
 
 

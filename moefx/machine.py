@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -56,3 +57,18 @@ def cache_dir() -> Path:
     """$XDG_CACHE_HOME/moefx (default ~/.cache/moefx), read at each call so tests and users can redirect it."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "moefx"
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (None: it can), found by creating its folder and writing and deleting
+    a probe beside it: a cache or table write then fails before the work it would keep, not after."""
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -22,12 +22,10 @@ def kernel_device() -> str:
 
 
 def quant_block(w: torch.Tensor, bs: tuple[int, int] = BS) -> tuple[torch.Tensor, torch.Tensor]:
-    bn, bk = bs
-    e, n, k = w.shape
-    blocks = w.float().reshape(e, n // bn, bn, k // bk, bk)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-8) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(e, n, k)
-    return q, scale.contiguous()
+    """Expert weights [E, N, K] -> FP8 codes and one scale per block, at the tests' block size."""
+    from moefx.ops.quant import quant_weight_fp8_block
+
+    return quant_weight_fp8_block(w, *bs)
 
 
 def make_inputs(

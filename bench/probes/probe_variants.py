@@ -12,10 +12,11 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.harness import kernel_times, quant_block, relerr, routing, time_graph
+from bench.harness import kernel_times, relerr, routing, time_graph
 from moefx.backends import BACKENDS
 from moefx.backends.kernels.fused_moe_kernels import GemmConfig, default_tiles, fused_moe, normalize_tiles
 from moefx.backends.kernels.gemv_kernels import GemvConfig, default_gemv_config, gemv_moe
+from moefx.ops.quant import quant_weight_fp8_block
 
 E, H, I, K = 128, 2048, 768, 8
 
@@ -47,8 +48,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).bfloat16()
-    q13, s13 = quant_block(w13, (128, 128))
-    q2, s2 = quant_block(w2, (128, 128))
+    q13, s13 = quant_weight_fp8_block(w13, 128, 128)
+    q2, s2 = quant_weight_fp8_block(w2, 128, 128)
     weights = {"bf16": (w13, w2, None, None, None), "fp8": (q13, q2, s13, s2, (128, 128))}
     rows = []
     for m in (int(a) for a in (sys.argv[1] if len(sys.argv) > 1 else "4096").split(",")):

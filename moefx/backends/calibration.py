@@ -23,7 +23,7 @@ import yaml
 
 from moefx.config import load_data_file
 from moefx.log import warn_once
-from moefx.machine import cpu_model
+from moefx.machine import cpu_model, unwritable
 
 PACKAGE_TABLES = Path(__file__).parent / "tables"
 MODES = ("eager", "capture")
@@ -302,20 +302,10 @@ def write_section(path: str | os.PathLike[str], section: str, row: CalibrationRo
 
 
 def write_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why a calibration table cannot be written at `path` (None: it can), by writing and deleting a probe next to
-    it, so a calibration stops before it measures, not after."""
-    p = Path(path)
-    probe = p.with_name(f".{p.name}.{os.getpid()}.probe")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            probe.unlink(missing_ok=True)
-        return f"calibration table {str(p)!r} cannot be written ({type(exc).__name__}: {exc}); give --output a " \
-               f"writable path"
-    return None
+    """Why a calibration table cannot be written at `path` (None: it can), so a calibration stops before it
+    measures, not after."""
+    why = unwritable(Path(path))
+    return f"calibration table {str(path)!r} cannot be written ({why}); give --output a writable path" if why else None
 
 
 def table_paths(extra: Sequence[str] = ()) -> list[Path]:

@@ -16,6 +16,7 @@ from moefx.backends import moe_experts
 from moefx.backends.policy import HOST_SYNCING_BACKENDS
 from moefx.backends.registry import BACKENDS
 from moefx.calibrate.sweep import UPSTREAM, match_reference
+from moefx.ops.quant import quant_weight_fp8_block
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 QUICK_GRID = (1, 2, 4, 8, 16)
@@ -34,8 +35,8 @@ class MoeProblem:
         self.w13 = self._weight((e, 2 * i, h))
         self.w2 = self._weight((e, h, i))
         if self.block:
-            self.w13, self.s13 = _fp8_blocks(self.w13, self.block)
-            self.w2, self.s2 = _fp8_blocks(self.w2, self.block)
+            self.w13, self.s13 = quant_weight_fp8_block(self.w13, *self.block)
+            self.w2, self.s2 = quant_weight_fp8_block(self.w2, *self.block)
         else:
             self.w13, self.w2 = self.w13.to(dtype), self.w2.to(dtype)
 
@@ -71,18 +72,6 @@ class MoeProblem:
         if UPSTREAM in live:
             return UPSTREAM
         return "legacy" if self.block is not None and "legacy" in live else None
-
-
-def _fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-128 FP8 with per-block scales (dequantized = fp8 * scale)."""
-    e, n, k = w.shape
-    bn, bk = block
-    pn, pk = -n % bn, -k % bk
-    padded = torch.nn.functional.pad(w, (0, pk, 0, pn))
-    blocks = padded.reshape(e, (n + pn) // bn, bn, (k + pk) // bk, bk)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).reshape(e, n + pn, k + pk)[:, :n, :k]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.float()
 
 
 def check(problem: MoeProblem, names: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -47,6 +47,7 @@ import torch
 from moefx.env import get_setting
 from moefx.kernels import triton_cache
 from moefx.log import get_logger, progress_logger
+from moefx.machine import unwritable
 
 log = get_logger("moefx.engine")
 
@@ -269,17 +270,9 @@ class CompileCache:
         return self.saved
 
     def write_problem(self) -> str | None:
-        """Why the file cannot be written in its folder (None: it can), found by writing and deleting a probe."""
-        probe = self.path.with_name(f".{self.path.name}.{os.getpid()}.probe")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                probe.unlink(missing_ok=True)
-            return f"compile cache folder {str(self.path.parent)!r} is not writable ({type(exc).__name__}: {exc})"
-        return None
+        """Why the file cannot be written in its folder (None: it can)."""
+        why = unwritable(self.path)
+        return f"compile cache folder {str(self.path.parent)!r} is not writable ({why})" if why else None
 
     def attach(self, engine: Any) -> None:
         """Become `engine`'s compile store (`DecodeLoop.compile_cache`: loaded before its first request compiles,
