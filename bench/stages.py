@@ -96,6 +96,8 @@ STAGES: tuple[Stage, ...] = (
           "8 layers B=16 FP8", section="e2e"),
     Stage("e2e-b1", 300, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --fp8 --tag _b1",
           "batch 1: 8 layers bf16 and FP8 with the peer", section="e2e"),
+    Stage("e2e-8-b1", 200, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --runs 3 --tag _b1",
+          "8 layers B=1, the README path (no config) with the peer", section="e2e"),
     Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --arms moefx --fp8 --profile "
           "--tag _fp8_b1", "48 layers B=1, FP8 against bf16 in one process", section="e2e"),
     Stage("e2e-48a", 560, "python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 "
