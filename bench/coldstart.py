@@ -1,19 +1,29 @@
-"""Cold start: what a user waits for before the first token, in fresh processes (issue 29).
+"""Cold start: what a user waits for before the first token, in fresh processes (issues 29 and 51).
 
 Qwen3-MoE at Qwen3-30B-A3B widths, `--layers` deep, seeded random weights, bf16 (`--tiny`: the embedded tiny
-model, fp32, a CPU smoke run), a `--prompt`-token prompt, greedy, `--new-tokens` tokens. Each arm is a new
-Python process with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, so only what the arm is meant to
-reuse is reused:
-  hf_static    transformers' generate(cache_implementation="static") (it compiles its own decode step)
-  moefx_cold   moefx.optimize(model) + generate(), moefx's compile cache empty (the process writes it)
-  moefx_warm   the same in a new process with the file moefx_cold wrote (inductor's and Triton's own caches
+model, fp32, a CPU smoke run), a `--prompt`-token prompt, greedy, `--new-tokens` tokens, the README path
+(`moefx.optimize(model)` with no config: on CUDA the capture cap comes from free memory; `--max-batch-size` pins it).
+Each arm is a new Python process with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, so only what the
+arm is meant to reuse is reused:
+  moefx_cold   the saving process, as a server that runs other compiled code: transformers'
+               generate(cache_implementation="static") first (it compiles its own decode step; on the CPU told to, as
+               transformers compiles on CUDA only), then moefx.optimize(model) + generate(), moefx's compile cache
+               empty (the process writes it). transformers' first call is this process's first compile on empty
+               caches, so it is the peer: its row (`hf_static`, `in_process` moefx_cold) is written from this process,
+               which spares a process of its own (`--no-hf-first` runs moefx alone)
+  moefx_warm   a "new machine": a new process with only the file moefx_cold wrote (inductor's and Triton's own caches
                empty: every hit comes from moefx's compile cache)
   moefx_restart  as moefx_warm, with the Triton cache moefx_cold left (a restart on the same machine, where
-               ~/.triton/cache survives: kernels Triton builds outside inductor, e.g. moefx's MoE ops, are kept)
+               ~/.triton/cache survives)
+  hf_static    transformers' static-cache generate alone in a process of its own (not in the default arms)
 First call = optimize (moefx arms) + the first generate() (compiles and captures included); ready = from the
-process's start (imports, model build) to the first call's return. The warm arm's tokens must equal the cold
-arm's; its inductor cache misses are counted (0 when nothing was compiled anew).
-Writes JSON to $OUT/coldstart_<layers>l.json and prints a table last.
+process's start (imports, model build) to the first call's return, less transformers' run in the saving process.
+Counted in every moefx process: compiles (inductor's `fxgraph_cache_miss`, and AOTAutograd's misses, which are the
+only count where a saved-trace compile bundles inductor's output into AOTAutograd's cache entry), first-
+launch compiles of moefx's own Triton kernels (their entries that appeared in the arm's Triton folder and were not
+written there from moefx's file; None off CUDA), and each capture's seconds (first run, check run, capture:
+`moefx/engine/graphs.py`, which runs `WARMUPS` runs before each). The warm arms' tokens must equal the cold arm's.
+Writes JSON to $OUT/coldstart_<layers>l<tag>.json and prints a table last.
 """
 
 from __future__ import annotations
@@ -27,10 +37,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("hf_static", "moefx_cold", "moefx_warm", "moefx_restart")
+DEFAULT_ARMS = ("moefx_cold", "moefx_warm", "moefx_restart")
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -40,8 +52,10 @@ def child(args: argparse.Namespace) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import moefx
+    from moefx.kernels import triton_cache
     from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 
+    triton_before = _TritonEntries(triton_cache) if args.device == "cuda" else None
     cfg = tiny_qwen3_moe_config(num_hidden_layers=args.layers) if args.tiny else qwen3_moe_config(args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing="balanced").eval()
@@ -50,33 +64,103 @@ def child(args: argparse.Namespace) -> dict:
     ids = torch.randint(1, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(args.device)
     kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
+    _sync(args.device)
     built = time.perf_counter()
     row: dict = {"arm": args.child}
-    if args.child == "hf_static":
-        out = model.generate(ids, cache_implementation="static", **kwargs)
-    else:
-        config = {"max_batch_size": args.batch}
+    hf_s = 0.0
+    if args.child == "hf_static" or (args.child == "moefx_cold" and args.hf_first):
+        out = model.generate(ids, cache_implementation="static", **_hf_compile(args.device), **kwargs)
+        _sync(args.device)
+        hf_s = time.perf_counter() - built
+        hf = {"first_call_s": round(hf_s, 2), "ready_s": round(time.perf_counter() - START, 2),
+              "tokens": out[:, args.prompt:].tolist(), **_compile_counts(counters)}
+        if args.child == "hf_static":
+            row.update(hf)
+        else:
+            row["hf_static"] = hf
+            built = time.perf_counter()
+    before = _compile_counts(counters)
+    if args.child != "hf_static":
+        config: dict = {}
+        if args.max_batch_size:
+            config["max_batch_size"] = args.max_batch_size
         if args.layer_regions != "auto":  # the default: left out, so the default run has the README's config
             config["layer_regions"] = args.layer_regions
-        model = moefx.optimize(model, config=config)
+        model = moefx.optimize(model, config=config or None)
         row["optimize_s"] = round(time.perf_counter() - built, 2)
         out = model.generate(ids, **kwargs)
+        _sync(args.device)
         engine = model.moefx_generate.engine
         cache = getattr(engine, "compile_cache", None)
+        from moefx.engine.graphs import WARMUPS
+
         row.update(compiles=engine.stats.compiles, backend_s=engine.stats.compile_s, captures=engine.stats.captures,
+                   capture_s=engine.stats.capture_seconds, capture_warmups=WARMUPS,
                    cache_loaded=cache.loaded if cache else None, cache_file=str(cache.path) if cache else None,
                    traces_loaded=engine.aot_steps.loaded() if engine.aot_steps is not None else None)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
+        if triton_before is not None:
+            row.update(triton_before.since(triton_cache))
+        row["tokens"] = out[:, args.prompt:].tolist()
     done = time.perf_counter()
-    row.update(first_call_s=round(done - built, 2), ready_s=round(done - START, 2),
-               build_s=round(built - START, 2), tokens=out[:, args.prompt:].tolist(),
-               fxgraph_cache_miss=int(counters["inductor"]["fxgraph_cache_miss"]),
-               fxgraph_cache_hit=int(counters["inductor"]["fxgraph_cache_hit"]),
-               dynamo_graphs=int(counters["stats"]["unique_graphs"]), phase_s=_phases())
+    counts = _compile_counts(counters)
+    row.update(first_call_s=round(done - built, 2), ready_s=round(done - START - hf_s, 2),
+               build_s=round(built - START - hf_s, 2),
+               **{k: counts[k] - before[k] for k in counts}, phase_s=_phases())
     return row
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hf_compile(device: str) -> dict:
+    """transformers compiles its static-cache decode step on CUDA only unless its CompileConfig says otherwise (a
+    private flag, for its tests): set on the CPU, so the smoke run has the same protocol and a peer."""
+    if device == "cuda":
+        return {}
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return {"compile_config": config}
+
+
+def _compile_counts(counters: Any) -> dict[str, int]:
+    """Compiles inductor and AOTAutograd did (misses) or served from their caches (hits), and graphs dynamo traced,
+    so far in this process (a row holds its own part: the saving process's moefx row less transformers')."""
+    return {"fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+            "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "aot_autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+            "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
+
+
+class _TritonEntries:
+    """moefx's Triton kernels compiled at their first launch in this process: their entries in the arm's Triton
+    folder that were neither there at the start nor written there from moefx's compile-cache file (whose `restore`
+    is wrapped to record what it writes). Triton writes an entry only when it compiles (a hit reads it)."""
+
+    def __init__(self, triton_cache: Any) -> None:
+        folder = triton_cache.cache_dir()
+        self.at_start = {e.name for e in folder.iterdir()} if folder is not None and folder.is_dir() else set()
+        self.restored: set[str] = set()
+        restore = triton_cache.restore
+
+        def recording(entries: dict) -> int:
+            here = triton_cache.cache_dir()
+            self.restored.update(k for k in entries if here is None or not (here / k).is_dir())
+            return restore(entries)
+
+        triton_cache.restore = recording
+
+    def since(self, triton_cache: Any) -> dict[str, int]:
+        found = triton_cache.entries()
+        new = {name: kind for name, kind in found.items() if name not in self.at_start | self.restored}
+        return {"moefx_triton_compiles": sum(kind == "kernel" for kind in new.values()),
+                "triton_launchers_built": sum(kind == "launcher" for kind in new.values()),
+                "triton_entries_restored": len(self.restored)}
 
 
 def _phases(top: int = 16) -> dict[str, float]:
@@ -97,7 +181,8 @@ def _run_arm(arm: str, args: argparse.Namespace, tmp: Path) -> dict:
            "MOEFX_COMPILE_CACHE": str(tmp / "moefx-compile")}
     cmd = [sys.executable, __file__, "--child", arm, "--layers", str(args.layers), "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--device", args.device,
-           "--layer-regions", args.layer_regions, *(["--tiny"] if args.tiny else [])]
+           "--layer-regions", args.layer_regions, "--max-batch-size", str(args.max_batch_size),
+           *(["--tiny"] if args.tiny else []), *([] if args.hf_first else ["--no-hf-first"])]
     print(f"{arm}: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
@@ -114,7 +199,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"any of {', '.join(ARMS)}")
+    ap.add_argument("--max-batch-size", type=int, default=0,
+                    help="moefx config max_batch_size (0: unset, the README path: on CUDA the cap comes from memory)")
+    ap.add_argument("--no-hf-first", dest="hf_first", action="store_false",
+                    help="the saving process (moefx_cold) runs moefx alone, without transformers' compile first")
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model in fp32 (a CPU smoke run)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tag", default="")
@@ -137,6 +226,8 @@ def main() -> int:
             rows.append(_run_arm(arm, args, Path(tmp)))
     by_arm = {r["arm"]: r for r in rows}
     cold = by_arm.get("moefx_cold", {})
+    if "hf_static" not in by_arm and "hf_static" in cold:  # the peer, from the saving process
+        rows.insert(0, {"arm": "hf_static", "in_process": "moefx_cold", **cold.pop("hf_static")})
     for warm in (by_arm.get("moefx_warm", {}), by_arm.get("moefx_restart", {})):
         if "tokens" in cold and "tokens" in warm:
             warm["same_tokens_as_cold"] = warm["tokens"] == cold["tokens"]
@@ -146,18 +237,30 @@ def main() -> int:
     result = {"stage": "coldstart", "date": datetime.date.today().isoformat(), "device": device,
               "versions": {"torch": torch.__version__}, "command": " ".join(["python3", *sys.argv]),
               "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "layer_regions": args.layer_regions,
-              "rows": rows}
+              "max_batch_size": args.max_batch_size or None, "hf_first": args.hf_first, "rows": rows}
     path = out_dir / f"coldstart_{args.layers}l{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}\n| arm | first call s | ready s (from process start) | fx cache miss / hit | notes |")
-    print("|---|---|---|---|---|")
+    print(f"\nwrote {path}\n| arm | first call s | ready s | compiles: inductor fx miss / hit, AOTAutograd miss "
+          "| moefx Triton first-launch compiles | decode capture s (first run + check run + capture) x warm-ups "
+          "| notes |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         notes = r.get("error") or (f"compiles {r.get('compiles')}, loaded {r.get('cache_loaded')} (traces "
                                    f"{r.get('traces_loaded')}), dynamo graphs {r.get('dynamo_graphs')}, same tokens "
-                                   f"{r.get('same_tokens_as_cold', '-')}" if r["arm"] != "hf_static" else "")
+                                   f"{r.get('same_tokens_as_cold', '-')}" if r["arm"] != "hf_static" else
+                                   f"in the process of {r['in_process']}" if r.get("in_process") else "")
         print(f"| {r['arm']} | {r.get('first_call_s')} | {r.get('ready_s')} | {r.get('fxgraph_cache_miss')} / "
-              f"{r.get('fxgraph_cache_hit')} | {notes} |")
+              f"{r.get('fxgraph_cache_hit')}, {r.get('aot_autograd_cache_miss', '-')} | "
+              f"{r.get('moefx_triton_compiles', '-')} | {_captures(r)} | {notes} |")
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def _captures(row: dict) -> str:
+    """Each decode capture's seconds, by batch: total (first run + check run + capture), and the warm-up count."""
+    parts = [f"b{c['batch']}: {c.get('first_run', 0) + c.get('check_run', 0) + c.get('capture', 0):.2f} "
+             f"({c.get('first_run', 0):.2f} + {c.get('check_run', 0):.2f} + {c.get('capture', 0):.2f})"
+             for c in row.get("capture_s") or [] if c["what"] == "decode"]
+    return f"{'; '.join(parts)} x {row.get('capture_warmups')}" if parts else "-"
 
 
 if __name__ == "__main__":

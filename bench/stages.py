@@ -129,13 +129,15 @@ STAGES: tuple[Stage, ...] = (
     Stage("moe-backward", 150, "python3 bench/moe_backward.py", "MoE experts autograd vs transformers' grouped_mm",
           section="moe-backward", keeps=("moe_backward.json",)),
     Stage("coldstart", 540, "python3 bench/coldstart.py --layers 8 --batch 1",
-          "first call: cold vs a new process with moefx's compile cache, vs transformers", section="coldstart"),
+          "first call: transformers then moefx cold in the saving process, a new machine with moefx's file, a "
+          "restart", section="coldstart"),
     Stage("coldstart-48", 580, "python3 bench/coldstart.py --layers 48 --batch 1", "cold start, 48 layers",
           section="coldstart"),
-    Stage("coldstart-48-b16", 500, "python3 bench/coldstart.py --layers 48 --batch 16 --arms hf_static,moefx_cold "
-          "--tag _b16", "cold start, 48 layers B=16: cold vs transformers only", section="coldstart"),
+    Stage("coldstart-48-b16", 500, "python3 bench/coldstart.py --layers 48 --batch 16 --arms moefx_cold,moefx_warm "
+          "--tag _b16", "cold start, 48 layers B=16: transformers then moefx cold, and a new machine",
+          section="coldstart"),
     Stage("coldstart-48-frames", 580, "python3 bench/coldstart.py --layers 48 --batch 1 "
-          "--arms hf_static,moefx_cold,moefx_warm --layer-regions frames --tag _frames",
+          "--arms moefx_cold,moefx_warm --layer-regions frames --tag _frames",
           "cold start, 48 layers B=1, layer_regions frames", section="coldstart"),
     Stage("dispatch", 420, "python3 bench/dispatch.py", "host time per moefx op call vs the 15 us target"),
     Stage("moe-bounds", 300, "python3 bench/probe_read.py; python3 bench/probe_ceilings.py",

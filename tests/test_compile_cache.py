@@ -229,6 +229,11 @@ model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", 
 prompts = [torch.randint(1, 200, (batch, 6), generator=torch.Generator().manual_seed(batch)) for batch in (1, 2)]
 kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
 stock = [model.generate(ids, **kwargs).tolist() for ids in prompts]
+if os.environ.get("HF_STATIC"):  # transformers' static-cache compile first, as a server running other compiled code
+    from transformers import CompileConfig
+    hf_compile = CompileConfig()
+    hf_compile._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    model.generate(prompts[0], cache_implementation="static", compile_config=hf_compile, **kwargs)
 model = moefx.optimize(model, config={"mode": "compile", "layer_regions": os.environ.get("REGIONS", "auto")})
 out = [model.generate(ids, **kwargs).tolist() for ids in prompts]
 cache = model.moefx_generate.engine.compile_cache
@@ -348,3 +353,39 @@ def test_without_aot_compile_one_line_says_traces_are_off_and_tokens_are_eagers(
     assert result["tokens"] == result["stock"] and result["traces_loaded"] == 0
     lines = [line for line in proc.stderr.splitlines() if "warning" in line.lower() and "trace" in line]
     assert len(lines) == 1 and "saved traces are off" in lines[0] and "has no aot_compile" in lines[0], lines
+
+
+# The README path on CUDA plans its capture cap from the free memory the process reads (lower where transformers'
+# static-cache compile ran first) and quotes that reading in the plan's text; the CPU plans no cap, so the same text
+# gets the reading here.
+READING = r"""
+import os, sys
+import moefx.signatures.resolve
+_resolve = sys.modules["moefx.signatures.resolve"]  # the package's `resolve` is the function
+_hints = _resolve.serving_hints
+def _quoting(*args, **kwargs):
+    values, sources = _hints(*args, **kwargs)
+    sources["capture_sizes"] += f" (cap from {os.environ['FREE_GIB']} GiB free on this device)"
+    return values, sources
+_resolve.serving_hints = _quoting
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_a_new_machine_hits_whatever_the_saving_process_compiled_and_read_first(tmp_path):
+    """The issue's protocol on the CPU, through the Mega-Cache alone (no aot_compile, as on torch 2.11): the saving
+    process runs transformers' static-cache compile first and plans with less free memory; a new process with an
+    empty inductor folder loads the file, compiles nothing and gives the saving process's tokens."""
+    runs = []
+    for inductor, free, hf in (("inductor-save", "20.2", "1"), ("inductor-new", "20.3", "")):
+        env = _env(tmp_path, inductor, FREE_GIB=free, HF_STATIC=hf)
+        proc = subprocess.run([sys.executable, "-c", NO_AOT + READING + SCRIPT], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append((json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr))
+    (saved, _), (new, new_err) = runs
+    assert saved["fx_miss"] > 0 and saved["tokens"] == saved["stock"]
+    assert new["path"] == saved["path"] and new["loaded"] >= 3, new
+    assert new["fx_miss"] == 0 and new["aot_miss"] == 0 and new["tokens"] == saved["tokens"], new
+    assert not _warnings(new_err), _warnings(new_err)

@@ -58,6 +58,9 @@ def test_default_plan_captures_lazily_and_a_request_over_the_budget_fails_before
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
     stats = model.moefx_generate.engine.stats
     assert stats.captures == 1 and stats.slots == 1  # bucket 16 only: nothing captured ahead of use
+    decode = [c for c in stats.capture_seconds if c["what"] == "decode"]  # its parts timed (moefx/engine/graphs.py)
+    assert len(decode) == 1 and decode[0]["batch"] == 16 and decode[0]["captured"], decode
+    assert all(decode[0][part] >= 0 for part in ("first_run", "check_run", "capture")), decode
     big = _ids(96, 7, 1)  # bucket 96: six times the 16-row cache, above the whole budget
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

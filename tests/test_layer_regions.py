@@ -314,3 +314,21 @@ def test_frames_hand_calls_they_cannot_carry_to_the_nested_region():
     assert frames.decode(0, None, hidden, "cache", static, ("positional",), known) == "region"
     assert frames.decode(0, None, hidden, "cache", static, (), {**known, "flag": object()}) == "region"
     assert region.calls == ["decode"] * 3
+
+
+def test_frames_handle_is_the_layers_kind_not_what_the_process_built_before():
+    """The handle is a constant of every traced step (inductor's keys, the compile-cache file's name): a model's frames
+    get the same one in a new process as in one that optimized another model first; two alive of one kind differ."""
+    import gc
+
+    from moefx.engine.layers.frames import LayerFrames
+
+    model_b = [torch.nn.Linear(4, 8) for _ in range(2)]
+    alone = LayerFrames(model_b, None)
+    handle = alone.handle
+    del alone
+    gc.collect()
+    first = LayerFrames([torch.nn.Linear(4, 4) for _ in range(2)], None)  # another model, optimized first, alive
+    second = LayerFrames(model_b, None)
+    assert second.handle == handle != first.handle
+    assert LayerFrames(model_b, None).handle != second.handle

@@ -257,3 +257,30 @@ def test_registered_passes_are_handled_generically(monkeypatch: pytest.MonkeyPat
     plan = resolve(DS, H200)
     assert list(plan.passes) == ["eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "last_token_logits"]
     assert plan.pass_enabled("fuse_norm_quant")
+
+
+def test_the_free_memory_a_process_reads_when_it_plans_changes_no_compile_key(monkeypatch, tmp_path) -> None:
+    """README path (no max_batch_size): the capture cap comes from the free memory the planning process reads, which
+    is lower where transformers' static-cache compile ran first. The plan says so in its explain text, but the
+    cache keys (the plan's fingerprint, the pass manager's uuid that inductor's FX cache keys on, the compile-cache
+    file's name and stamp) must not change while the decisions stay the same; a cap read across a bucket edge
+    changes the capture sizes, which no pass reads: the uuid and the file stay the same."""
+    import moefx.signatures.serving as serving
+    from moefx.config import CompilationConfig
+    from moefx.engine.compile_cache.file import CompileCache
+    from moefx.passes import PassManager
+
+    es = ExecutionSignature.preset("h100", mode="capture", dtype="bfloat16")
+    plans = []
+    for gib in (20.31, 20.18, 9.0):  # two readings under one cap, then a lower cap
+        monkeypatch.setattr(serving, "_free_memory", lambda ms, es, g=gib: (int(g * 2**30), f"{g:.1f} GiB free"))
+        plans.append(resolve(QWEN, es))
+    a, b, low = plans
+    assert "20.3 GiB free" in a.explain() and "20.2 GiB free" in b.explain()
+    assert a.serving == b.serving and a.fingerprint() == b.fingerprint()
+    assert low.serving["capture_sizes"] != a.serving["capture_sizes"] and low.fingerprint() != a.fingerprint()
+    cfg = CompilationConfig()
+    uuids = {PassManager(cfg, p.enabled_passes(), p).uuid() for p in plans}
+    assert len(uuids) == 1
+    files = [CompileCache.for_plan(tmp_path, p, cfg, next(iter(uuids))) for p in plans]
+    assert len({f.path for f in files}) == 1 and all(f.stamp == files[0].stamp for f in files)

@@ -60,6 +60,9 @@ class EngineStats:
     compiles: dict[str, int] = field(default_factory=dict)
     compile_s: dict[str, float] = field(default_factory=dict)
     captures: int = 0
+    # One entry per capture, decode and prefill (`Graphs.capture`): what, batch, cache length, whether it captured,
+    # and the wall seconds of its first run (compiles, loads, first launches), check run and capture.
+    capture_seconds: list[dict[str, Any]] = field(default_factory=list)
     uncaptured: list[str] = field(default_factory=list)
     requests: int = 0
     prefill_buckets: tuple[int, ...] = ()

@@ -40,7 +40,7 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     offloaded = any(hasattr(module, "moefx_offload") for module in model.modules())
     prefill_tokens = getattr(config, "prefill_capture_tokens", 0) if graphs and not offloaded else 0
     frames = layer_frames(model)
-    cache = None if compile_kwargs is None else engine_cache(plan, config, compile_kwargs["backend"], sizes,
+    cache = None if compile_kwargs is None else engine_cache(plan, config, compile_kwargs["backend"],
                                                              frames.handle if frames is not None else None)
     engine = DecodeLoop(model, compile_kwargs=compile_kwargs, cuda_graphs=graphs, capture_sizes=sizes or None,
                         forward=model.forward, prefill_capture_tokens=prefill_tokens,

@@ -66,24 +66,36 @@ def _entry_kind(entry: Path, names: set[str]) -> str | None:
     return None
 
 
-def collect(names: set[str] | None = None, limit: int = MAX_BYTES) -> dict[str, dict[str, bytes]]:
-    """{entry folder name: {file name: bytes}} of moefx's kernels and the launcher stubs in Triton's cache, at most
-    `limit` bytes (kernels first). Nothing when triton or its folder is missing or unreadable."""
+def entries(names: set[str] | None = None) -> dict[str, str]:
+    """{entry folder name: "kernel" or "launcher"} for moefx's kernels (`names`, default those loaded) and the
+    launcher stubs in Triton's cache folder, in name order. Nothing when triton or its folder is missing or
+    unreadable."""
     folder = cache_dir()
     if folder is None or not folder.is_dir():
         return {}
     names = moefx_kernel_names() if names is None else names
-    found: dict[str, list[Path]] = {"kernel": [], "launcher": []}
+    found: dict[str, str] = {}
     try:
         for entry in sorted(folder.iterdir()):
             kind = entry.is_dir() and _entry_kind(entry, names)
             if kind:
-                found[kind].append(entry)
+                found[entry.name] = kind
     except OSError:
+        return {}
+    return found
+
+
+def collect(names: set[str] | None = None, limit: int = MAX_BYTES) -> dict[str, dict[str, bytes]]:
+    """{entry folder name: {file name: bytes}} of moefx's kernels and the launcher stubs in Triton's cache, at most
+    `limit` bytes (kernels first). Nothing when triton or its folder is missing or unreadable."""
+    found = entries(names)
+    folder = cache_dir()
+    if not found or folder is None:
         return {}
     out: dict[str, dict[str, bytes]] = {}
     total = 0
-    for entry in found["kernel"] + found["launcher"]:
+    for name in sorted(found, key=lambda n: found[n] != "kernel"):  # kernels first, each kind in name order
+        entry = folder / name
         try:
             files = {f.name: f.read_bytes() for f in entry.iterdir() if f.is_file() and f.name != "lock"}
         except OSError:

@@ -1,7 +1,9 @@
 """The moefx pass pipeline, and the inductor post-grad hook that runs its enabled passes in that order.
 
-Its `uuid()` hashes the config, the plan, the enabled passes and their source files, so inductor's FX
-graph cache never serves a graph that was built with other passes, another plan or another version of a pass.
+Its `uuid()` hashes the config, the plan's decisions (not the serving hints no pass reads, nor the text saying
+why, which may quote this process's free memory: `Plan.fingerprint`), the enabled passes and their source files,
+so inductor's FX graph cache never serves a graph that was built with other passes, another plan or another
+version of a pass, and serves one whatever else the process did before it planned.
 Each graph's compile report is stored with its cache entry (`moefx.reports`), so a cache hit still reports
 what was fused and why other candidates were left alone. The pipeline's order is this file's text, so reordering it
 changes every uuid too.
@@ -121,9 +123,11 @@ class PassManager(CustomGraphPass):
     def uuid(self) -> str:
         digest = hashlib.sha256(self.config.compute_hash().encode())
         digest.update(Path(__file__).read_bytes())
-        # Passes may read the plan (e.g. the model's quant scheme): a different plan is a different graph.
+        # Passes may read the plan (e.g. the model's quant scheme): a different plan is a different graph. Not its
+        # serving hints, which no pass reads: without max_batch_size the capture cap comes from the free memory of
+        # the process that plans, so two processes compiling the same graphs may differ there.
         if hasattr(self.plan, "fingerprint"):
-            digest.update(self.plan.fingerprint().encode())
+            digest.update(self.plan.fingerprint(serving=False).encode())
         for p in self.passes:
             digest.update(p.name.encode())
             digest.update(p.source_digest().encode())

@@ -71,10 +71,17 @@ class Plan:
         tail = [f"  applied: {line}" for line in self.provenance]
         return "\n".join(head + ["  " + line for line in self.decisions()] + tail)
 
-    def fingerprint(self) -> str:
-        """Stable short hash of both signatures and every decision: a cache key that can never serve a
-        graph built under a different plan."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=str)
+    def fingerprint(self, serving: bool = True) -> str:
+        """Stable short hash of both signatures and every decision's value: a cache key that can never serve a
+        graph built under a different plan. The text saying why (sources, reasons, notes, explain lines,
+        provenance) is left out: it may quote what this process measured, such as the free memory a capture cap
+        was read from, which differs between two processes that decide the same (`_decisions`). `serving=False`
+        leaves out the serving hints too (capture sizes, a cap derived from free memory), which the engine reads
+        and no compiled graph does."""
+        data = self.to_dict()
+        if not serving:
+            data.pop("serving")
+        blob = json.dumps(_decisions(data), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,6 +117,21 @@ def _parallel_dict(info: Any) -> dict[str, Any] | None:
     if info is None:
         return None
     return {k: getattr(info, k) for k in ("tp_size", "ep_size", "world_size", "backend", "experts", "source")}
+
+
+# Keys of `Plan.to_dict()` (at any depth) whose values explain a decision rather than make it.
+_WHY_KEYS = ("source", "sources", "reason", "notes", "provenance")
+
+
+def _decisions(value: Any) -> Any:
+    """`value` without the keys that say why (`_WHY_KEYS`, also as suffixes such as `serving_sources`,
+    `profile_reason`), nor a section's explain lines where its fields are kept."""
+    if isinstance(value, dict):
+        return {k: _decisions(v) for k, v in value.items()
+                if not (isinstance(k, str) and (k.endswith(_WHY_KEYS) or (k == "lines" and "fields" in value)))}
+    if isinstance(value, (list, tuple)):
+        return [_decisions(v) for v in value]
+    return value
 
 
 def _jsonable(value: Any) -> bool:

@@ -12,16 +12,21 @@ artifacts: their entries in Triton's cache folder (binaries and launcher stubs) 
 back before the first launch (`moefx.kernels.triton_cache`). CUDA graphs are captured afresh.
 
 One file per engine identity — model signature, device (name, capability, SMs, CPU ISA), dtype, mode, parallel sizes,
-max batch size, capture buckets, the config hash and the compiled-frames handle its traces name — under
+max batch size, the config hash and the compiled-frames handle its traces name — under
 `<moefx cache folder>/compile/` (`machine.cache_dir()`, i.e. `$XDG_CACHE_HOME/moefx/compile`), or the folder the
 config key `compile_cache` / `MOEFX_COMPILE_CACHE` names. Its header holds the format version, that identity, a
-stamp (torch, triton, transformers and moefx versions, the pass manager's uuid, which hashes the config, the plan
-and the passes' sources) and the payload's length and SHA-256. A file whose stamp differs (stale) or whose header,
-checksum or payload does not load (corrupt) is named in one warning line, deleted, and rebuilt by compiling
-afresh; it is never loaded. A saved trace that does not load is named in a warning and traced again.
+stamp (torch, triton, transformers and moefx versions, the plan's fingerprint and the pass manager's uuid, which
+hashes the config, the plan and the passes' sources) and the payload's length and SHA-256. A file whose stamp
+differs (stale) or whose header, checksum or payload does not load (corrupt) is named in one warning line, deleted,
+and rebuilt by compiling afresh; it is never loaded. A saved trace that does not load is named in a warning and
+traced again.
 
 moefx's own plan inputs need nothing extra: calibration tables are files already (their content is in the
-config hash), and what the plan derives at run time (capture buckets from free memory) is in the identity.
+config hash). Nothing this process measured is in the identity or the stamp: without max_batch_size the capture
+buckets come from the free memory of the process that plans (lower in a process that ran transformers' static-cache
+compile first), yet the compiled graphs are the same, so the buckets stay out of both and the plan's fingerprint
+leaves out its serving hints and the text saying why (`Plan.fingerprint`); a trace is picked by its guards and an
+artifact by inductor's key, whatever bucket asked for it.
 `save_cache_artifacts()` holds every artifact of the process, so the file may also carry other compiles made
 in it (harmless: each artifact is keyed by inductor's own hash). It appends what is new since the last call, one
 chunk per artifact kind, and torch's `load_cache_artifacts` keeps only the last chunk of each kind (torch 2.13 and
@@ -131,19 +136,18 @@ class CompileCache:
     unwritable: str | None = None  # why the file could not be written: said once, then no more tries
 
     @classmethod
-    def for_plan(cls, folder: Path, plan: Any, config: Any, pass_uuid: str, buckets: list[int],
-                 frames: int | None = None) -> CompileCache:
+    def for_plan(cls, folder: Path, plan: Any, config: Any, pass_uuid: str, frames: int | None = None) -> CompileCache:
         es = plan.execution
         identity = {
             "model": plan.model.key(), "device": es.device_type, "device_name": es.device_name,
             "capability": list(es.capability) if es.capability else None, "sms": es.multiprocessor_count,
             "cpu_isa": list(es.cpu_isa),
             "dtype": es.dtype, "mode": es.mode, "tp": es.tp_size, "ep": es.ep_size,
-            "max_batch_size": es.max_batch_size, "buckets": list(buckets), "config": config.compute_hash(),
+            "max_batch_size": es.max_batch_size, "config": config.compute_hash(),
             # A saved trace calls the compiled-frame ops with this handle as a constant (frames.py).
             "frames": frames,
         }
-        stamp = {"format": FORMAT_VERSION, **versions(), "passes": pass_uuid}
+        stamp = {"format": FORMAT_VERSION, **versions(), "plan": plan.fingerprint(serving=False), "passes": pass_uuid}
         name = f"{plan.model.key()}-{_digest(identity)[:16]}.bin"
         return cls(folder / name, identity, stamp)
 
@@ -281,12 +285,11 @@ class CompileCache:
         self.steps = getattr(engine, "aot_steps", None)
 
 
-def engine_cache(plan: Any, config: Any, backend: Any, buckets: list[int],
-                 frames: int | None = None) -> CompileCache | None:
+def engine_cache(plan: Any, config: Any, backend: Any, frames: int | None = None) -> CompileCache | None:
     """The artifact file for an engine compiled with `backend` (moefx's), or None when the cache is off; `frames`
     is the handle of the model's compiled frames (frames.py), when it has them."""
     folder = cache_folder(getattr(config, "compile_cache", None))
     manager = getattr(backend, "pass_manager", None)
     if folder is None or manager is None:
         return None
-    return CompileCache.for_plan(folder, plan, config, manager.uuid(), buckets, frames)
+    return CompileCache.for_plan(folder, plan, config, manager.uuid(), frames)

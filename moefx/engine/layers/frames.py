@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
-import itertools
+import hashlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +34,6 @@ _TENSORS = ("attention_mask", "position_ids", "cache_position")
 _TENSOR_ARGS = "Tensor? mask, Tensor? position_ids, Tensor? cache_position, Tensor cos, Tensor sin"
 _CONSTANTS = "str names, str constants, str cache_name, int handle, int index"
 _FRAMES: weakref.WeakValueDictionary[int, LayerFrames] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
 
 _LIB = torch.library.Library("moefx", "FRAGMENT")  # other moefx files define more ops in the same namespace
 # flexible_layout on the decode op: under inductor's default (exact strides) each layer's op got its own copy of the
@@ -55,7 +54,7 @@ class LayerFrames(LayerCalls):
         self._compile: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None
         self._fns: dict[str, Callable[..., Any]] = {}
         self._lengths: list[torch.Tensor] = []  # the write positions this step's ops have not advanced yet
-        self.handle = next(_HANDLES)
+        self.handle = _handle(layers)
         _FRAMES[self.handle] = self
 
     def __reduce__(self) -> tuple[Any, tuple]:
@@ -112,6 +111,20 @@ class LayerFrames(LayerCalls):
     def _constants(self, rest: dict[str, Any], name: str, index: int) -> tuple[Any, ...]:
         tensors = [k for k in (*_TENSORS, "position_embeddings") if k in rest]
         return ",".join(tensors), ";".join(f"{k}={rest[k]!r}" for k in _flags(rest)), name, self.handle, index
+
+
+def _handle(layers: list[torch.nn.Module]) -> int:
+    """The handle the frame ops name these layers by: a constant of every traced step, so it is in inductor's keys
+    and the compile-cache file's identity. Derived from the layers' kind (class, count, parameter shapes), not from
+    how many engines this process built before, so a new process that builds one model gets the handle the process
+    that saved its file gave it, whatever else that one optimized first; the next free value where a model of the
+    same kind is alive in the process."""
+    kind = [(type(layer).__module__, type(layer).__qualname__, [tuple(p.shape) for p in layer.parameters()])
+            for layer in layers]
+    handle = int.from_bytes(hashlib.sha256(repr(kind).encode()).digest()[:4], "big") >> 2  # an int64 op argument
+    while handle in _FRAMES:
+        handle += 1
+    return handle
 
 
 def _flags(rest: dict[str, Any]) -> list[str]:
