@@ -99,18 +99,17 @@ class Graphs:
         self.budget = budget
         self.stats = stats
 
-    def capture(self, what: str, slot: Any, run: Callable[[], Any],
-                restore: Callable[[], None] = lambda: None) -> Captured:
-        """`run()` (a step over `slot`) captured into the pool; its memory is counted under `what` ("decode",
-        "prefill") and may evict other slots, never `slot`."""
-        device = slot.state["seq"].device
+    def capture(self, what: str, device: torch.device, run: Callable[[], Any],
+                restore: Callable[[], None] = lambda: None, keep: Any = None) -> Captured:
+        """`run()` captured into the pool on `device`; its memory is counted under `what` ("decode", "prefill",
+        "forward") and may evict slots, never `keep` (the slot the step runs over, if any)."""
         reserved = torch.cuda.memory_reserved(device)
         rng = torch.cuda.get_rng_state(device)
         try:
             graph, out, why = self.pool.capture(run, device, restore)
         finally:
             grown = max(0, torch.cuda.memory_reserved(device) - reserved)
-            self.budget.record_graph_bytes(what, grown, device, keep=slot)
+            self.budget.record_graph_bytes(what, grown, device, keep=keep)
         torch.cuda.set_rng_state(rng, device)
         return Captured(graph, out, why, grown)
 
