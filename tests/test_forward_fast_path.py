@@ -85,6 +85,20 @@ def test_logits_to_keep_forms_and_position_ids(stock, fast):
         _close(shared, stock(input_ids=ids, position_ids=torch.arange(20)[None] + 4, logits_to_keep=1).logits)
 
 
+def test_inference_mode_then_no_grad_share_a_bucket_key(stock, fast):
+    forward, front = fast
+    ids, _ = _ids(2, 11, 10, False)
+    calls = front.calls
+    with torch.inference_mode():
+        first = forward(input_ids=ids, logits_to_keep=1).logits
+    with torch.no_grad():
+        second = forward(input_ids=ids, logits_to_keep=1).logits
+        want = stock(input_ids=ids, logits_to_keep=1).logits
+    assert front.calls == calls + 2
+    _close(first, want)
+    _close(second, want)
+
+
 def test_labels_give_transformers_loss(stock, fast):
     forward, _ = fast
     ids, mask = _ids(2, 33, 4, True)

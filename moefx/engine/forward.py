@@ -214,7 +214,7 @@ class ForwardFront:
 
     def _fallback(self, why: str) -> None:
         if why not in self.fallbacks:
-            warn_once(f"moefx forward: the plain compiled forward runs calls with {why}")
+            warn_once(f"moefx forward: the plain compiled forward runs this call and those like it: {why}")
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
 
     # -- a call on the padded prefill -------------------------------------------------------------------------
@@ -281,15 +281,18 @@ class ForwardFront:
 
 
 def _buffers(call: Call, rows: int, bucket: int, last: bool) -> _Run:
+    """A key's static inputs: normal tensors even when the first call runs under `torch.inference_mode()`, so a
+    later call outside it may write them."""
     inputs = call.inputs
     long = {"dtype": torch.long, "device": inputs.device}
-    run = _Run(
-        inputs=inputs.new_zeros((rows, bucket, *inputs.shape[2:])),
-        positions=torch.zeros(rows, bucket, **long),
-        cache_position=torch.arange(bucket, **long),
-        mask=torch.ones(rows, bucket, **long) if call.mask is not None else None,
-        keep=torch.zeros(1, **long) if last else 0,
-    )
+    with torch.inference_mode(False):
+        run = _Run(
+            inputs=torch.zeros((rows, bucket, *inputs.shape[2:]), dtype=inputs.dtype, device=inputs.device),
+            positions=torch.zeros(rows, bucket, **long),
+            cache_position=torch.arange(bucket, **long),
+            mask=torch.ones(rows, bucket, **long) if call.mask is not None else None,
+            keep=torch.zeros(1, **long) if last else 0,
+        )
     # Dynamic rows and length from the first call: every bucket and batch shares one compile.
     for t in (run.inputs, run.positions, run.mask):
         if t is not None:
