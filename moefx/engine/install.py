@@ -5,13 +5,14 @@ the requests it reproduces (`moefx/engine/hf_generate.py`): static KV cache, pre
 with the moefx backend (mode compile or capture), and in mode capture on CUDA each decode step replayed from a
 CUDA graph per capture bucket. Other requests run transformers' loop, which on CUDA reads its stop flag one
 step late (`enable_deferred_stop`, same file). The engine's compile artifacts persist across processes
-(`moefx/engine/compile_cache/`).
+(`moefx/engine/compile_cache/`). The model's own forward gets a front too (`moefx/engine/forward.py`,
+`model.moefx_forward`): calls that fit the padded prefill run it, the rest the compiled forward.
 
 What it must run before and after, and why:
 - before `optimize()` compiles `model.forward` (`moefx/optimize.py` does so after every model transform): the engine
   takes the uncompiled `model.forward` here and compiles its own steps from it; given the compiled one, its steps
   would trace into a second compiled frame. `optimize()` then compiles the model's own forward without CUDA
-  graphs, since `model.moefx_generate` says the engine captures its own;
+  graphs, since `model.moefx_generate` says the engine captures its own, and puts `model.moefx_forward` in front;
 - after the `layer_regions` transform (`moefx/engine/layers/regions.py`, an earlier order): the engine binds the
   compiled-frame hook that transform leaves on the model (`layer_frames`).
 """
