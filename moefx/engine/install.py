@@ -64,8 +64,7 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     slots = engine.slots
     budget = f"{slots.setting:g} of free memory" if slots.setting <= 1 else f"{slots.setting / 2**20:.0f} MiB"
     return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
-            f"loop (model.moefx_generate.fallbacks says why){kept}",
-            forward,
+            f"loop (model.moefx_generate.fallbacks says why){kept}; {forward}",
             f"decode engine memory: cache lengths {slots.min_len}, {slots.min_len * 3 // 2}, {slots.min_len * 2}, "
             f"... (x1.5 / x4/3 steps); all slots and graph pools within a budget of {budget} ({slots.source}), "
             f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
