@@ -514,9 +514,14 @@ def main() -> int:
         optim = torch.optim.AdamW(list(experts.values()), lr=1e-5)
         ids = torch.randint(1, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(7)).to(args.device)
 
-        def step() -> torch.Tensor:
+        grad_norms: list[float] = []
+
+        def step(keep_norms: bool = False) -> torch.Tensor:
             loss = fwd(input_ids=ids, labels=ids).loss
             loss.backward()
+            if keep_norms:  # the first step's gradient of each expert weight, compared across arms
+                grad_norms.extend(float(p.grad.float().norm()) if p.grad is not None else 0.0
+                                  for p in experts.values())
             optim.step()
             optim.zero_grad(set_to_none=True)
             return loss.detach()
@@ -525,13 +530,14 @@ def main() -> int:
 
         def warm() -> None:
             nonlocal first_loss
-            first_loss = float(step())
+            first_loss = float(step(keep_norms=True))
 
         first = wall(warm)
         ms = 1e3 * statistics.median(wall(step) for _ in range(args.runs))
         row = dict(layers=args.layers, B=b, tokens=t, arm=arm, ms=round(ms, 2), first_call_s=round(first, 1),
-                   loss=round(first_loss, 5), trainable=f"experts ({sum(p.numel() for p in experts.values())} "
-                   "weights), AdamW", dtype="bf16" if dtype == torch.bfloat16 else str(dtype).split(".")[-1])
+                   loss=round(first_loss, 5), grad_norms=[round(n, 6) for n in grad_norms],
+                   trainable=f"experts ({sum(p.numel() for p in experts.values())} weights), AdamW",
+                   dtype="bf16" if dtype == torch.bfloat16 else str(dtype).split(".")[-1])
         if arm == "moefx":
             front = getattr(mdl, "moefx_forward", None)
             row["fast_path_calls"] = front.calls if front is not None else 0  # a training step takes none
@@ -567,6 +573,11 @@ def main() -> int:
         if len(losses) > 1:
             extra["train_loss_rel_diff"] = round((max(losses) - min(losses)) / abs(losses[0]), 5)
             print(f"  training losses {losses}: relative spread {extra['train_loss_rel_diff']}", flush=True)
+            norms = [r["grad_norms"] for r in train]
+            extra["train_grad_norm_max_rel_diff"] = round(max(
+                abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms[-1], norms[0])), 5)
+            print(f"  first-step gradient norms of the expert weights, largest relative difference between arms: "
+                  f"{extra['train_grad_norm_max_rel_diff']}", flush=True)
 
     path = save()
     print(f"\nwrote {path}\n")

@@ -57,6 +57,12 @@ def render_forward(r: dict[str, Any]) -> str:
                          trows))
         body += "\n\nArms:\n" + "\n".join(f"- `{a}`: {TRAIN_ARMS.get(a, a)}"
                                            for a in dict.fromkeys(t["arm"] for t in train))
+        checks = [f"{what} {extra[key]:.3g}" for key, what in (
+            ("train_loss_rel_diff", "first-step losses apart by (relative)"),
+            ("train_grad_norm_max_rel_diff", "first-step gradient norms of the expert weights apart by at most "
+                                             "(relative)")) if extra.get(key) is not None]
+        if checks:
+            body += "\n\nSame weights and tokens in both arms: " + "; ".join(checks) + "."
     body += "\n\n" + ROUTING_NOTE
     ceil = r.get("ceilings") or {}
     return "\n" + section(
