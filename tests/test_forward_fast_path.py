@@ -218,3 +218,30 @@ def test_optimized_forward_routes_and_trains_as_eager(stock, optimized):
         compared += 1
     assert compared >= len(grads) // 2 and front.calls == 2  # the training step took the compiled forward
     assert any("training mode" in why or "gradients" in why for why in front.fallbacks)
+
+
+@pytest.mark.gpu
+@pytest.mark.compile
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_forward_equals_eager_on_cuda_fp32():
+    """fp32 on CUDA, mode capture: each bucket key captured once and replayed (two lengths in one bucket refill its
+    buffers; batch 3 runs as 4 rows), logits, loss and cache equal eager's; a batch above the capture sizes runs the
+    compiled forward. The experts run moefx's gemv (capturable in fp32, as in tests/test_generate_gpu.py)."""
+    stock = build_model(tiny_qwen3_moe_config(), seed=2, device="cuda")
+    model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 4, "moe_backend": "gemv"})
+    front = model.moefx_forward
+    assert front.capture
+    with torch.no_grad():
+        for batch, length, padded in ((1, 9, False), (1, 14, False), (3, 20, True), (2, 100, True), (6, 10, False)):
+            ids, mask = _ids(batch, length, batch * length, padded)
+            ids, mask = ids.cuda(), (mask.cuda() if mask is not None else None)
+            for keep in (1, 0):
+                got = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep, labels=None if keep else ids)
+                want = stock(input_ids=ids, attention_mask=mask, logits_to_keep=keep, labels=None if keep else ids)
+                torch.testing.assert_close(got.logits, want.logits, rtol=1e-3, atol=1e-3)
+                if not keep:
+                    torch.testing.assert_close(got.loss, want.loss, rtol=1e-3, atol=1e-3)
+                    for mine, theirs in zip(got.cache.layers, want.cache.layers):
+                        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-3, atol=1e-3)
+    assert front.captures == 6, front.describe()  # (1, 16) and (4, 32) and (2, 128), each last and all
+    assert any("above the largest capture size" in why for why in front.fallbacks), front.fallbacks
