@@ -26,9 +26,10 @@ to the engine's capture sizes only where graphs are captured, so the graphs stay
 
 Bucket key: (rows, bucket, masked, inputs kind, keep), keep = "last" (a one-element index of the last real position:
 `logits_to_keep=1`, the common scoring call) or "all" (every position; other `logits_to_keep` forms select from
-them). One compiled function (`forward[padded]`) serves every key: its rows and length are dynamic from the first
-compile, so compiles are bounded by the key's discrete parts (batch 1 vs more, masked or not, ids or embeds, last
-or all), not by lengths or buckets; captures by the keys used.
+them). One compiled function per form (`forward[padded, ...]`: masked or not, ids or embeddings, last or all)
+serves every bucket and batch of that form: its rows and length are dynamic from the first compile, so compiles are
+bounded by the forms used and batch 1 vs more (dynamo specializes size 1), not by lengths or buckets; captures by
+the keys used.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class ForwardFront:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
-        self._fn = self.steps.compile("forward[padded]", self.padded_forward)
+        self._fns: dict[tuple[bool, bool, str], Callable[..., Any]] = {}  # per form, see `_fn`
         self._params = [p for p in self.model.parameters()]
         first = next(iter(self._params), None)
         self._device = first.device if first is not None else None
@@ -177,8 +178,12 @@ class ForwardFront:
         self._no_cache = (None if kinds == {DynamicLayer} else
                           f"cache layers {sorted(k.__name__ for k in kinds)} (the fast path rebuilds DynamicLayers)")
 
+    def compiles(self) -> int:
+        """Compiles of the padded forward, all forms together."""
+        return sum(n for name, n in self.steps.stats.compiles.items() if name.startswith("forward[padded"))
+
     def describe(self) -> str:
-        compiles = self.steps.stats.compiles.get("forward[padded]", 0)
+        compiles = self.compiles()
         return (f"{self.calls} forward calls on the padded prefill ({len(self._runs)} bucket keys, {compiles} "
                 f"compiles, {self.captures} CUDA graphs); plain compiled forward for {self.fallbacks or 'none'}")
 
@@ -257,12 +262,23 @@ class ForwardFront:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        out = self._fn(run.inputs, run.positions, run.cache_position, run.mask, cache, run.keep)
+        out = self._fn(run)(run.inputs, run.positions, run.cache_position, run.mask, cache, run.keep)
         return out, cache
+
+    def _fn(self, run: _Run) -> Callable[..., Any]:
+        """The compiled padded forward of this run's form (masked or not, ids or embeddings, last position or all):
+        a function of its own per form, so that each form's batch-1 and batch-N compiles stay far inside dynamo's
+        recompile limit per function; its compiles are counted under its name."""
+        form = (run.mask is not None, run.inputs.is_floating_point(), "all" if isinstance(run.keep, int) else "last")
+        fn = self._fns.get(form)
+        if fn is None:
+            name = f"forward[padded{', masked' if form[0] else ''}{', embeds' if form[1] else ''}, {form[2]}]"
+            fn = self._fns[form] = self.steps.compile(name, self.padded_forward)
+        return fn
 
     def padded_forward(self, inputs: torch.Tensor, positions: torch.Tensor, cache_position: torch.Tensor,
                        mask: torch.Tensor | None, cache: Any, keep: int | torch.Tensor) -> Any:
-        """The model over the padded inputs into `cache`: the function `forward[padded]` compiles."""
+        """The model over the padded inputs into `cache`: the function each `forward[padded, ...]` compiles."""
         kind = "inputs_embeds" if inputs.is_floating_point() else "input_ids"
         return self.steps.model_forward(**{kind: inputs, self.steps.cache_arg: cache}, position_ids=positions,
                                         cache_position=cache_position, attention_mask=mask, use_cache=True,
