@@ -25,6 +25,18 @@ warm-up call, per arm: hf_eager `generate(ids, max_new_tokens=1)`, hf_compiled a
 `optimize`; then one run under torch.profiler for its GPU kernel time, wall time and kernel count. Floors: FLOPs
 as for the prefill rows / the bf16 matmul rate, and bytes = every non-expert weight, the distinct experts the
 prompt's tokens hit in each layer, the prompt's embedding rows / the HBM copy rate.
+Forward (`--forward 256,1024,4096` at B=1, `--forward-batch 8x512`): the model's own forward, logits_to_keep=1,
+median of `--runs` after one warm-up call, then one profiled call, floors as for TTFT; arms (`--forward-arms`):
+hf_compiled `torch.compile(model.forward, dynamic=True)` on the plain model (before `optimize`; the peer),
+moefx_forward `model(input_ids=ids, logits_to_keep=1)` after `optimize` (the engine's padded prefill,
+moefx/engine/forward.py), moefx_ttft `generate(ids, max_new_tokens=1)` on the same optimized model. The moefx
+forward's logits are checked against the peer's (relative error, `extra.forward_logits_rel_err`) and the forward
+front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks).
+Training step (`--train`, `--train-shape 4x512`): a model of its own per arm (same seed), bf16, AdamW on the experts'
+weights only (the rest frozen), `loss = forward(input_ids, labels=input_ids).loss; loss.backward(); step`; arms
+(`--train-arms`): hf_compiled `torch.compile(model.forward, dynamic=True)`, moefx `moefx.optimize(model)` then the
+model's forward (a training call runs the compiled forward); median of `--runs` steps after one warm-up step, the
+warm-up's loss (same weights and tokens in every arm) kept to compare.
 Writes JSON (the `e2e` schema of bench/report.py) to $OUT and prints a table last.
 """
 
@@ -248,6 +260,12 @@ def main() -> int:
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
     ap.add_argument("--ttft-batch-arms", default="", help="the arms that run the BxT rows (default: all TTFT arms); "
                     "transformers' compiled forward compiles a batch > 1 apart (222 s at 48 layers)")
+    ap.add_argument("--forward", default="", help="B=1 prompt lengths of the forward rows, e.g. 256,1024,4096")
+    ap.add_argument("--forward-batch", default="", help="BxT forward rows, e.g. 8x512")
+    ap.add_argument("--forward-arms", default="hf_compiled,moefx_forward,moefx_ttft")
+    ap.add_argument("--train", action="store_true", help="training-step rows (AdamW on the experts)")
+    ap.add_argument("--train-shape", default="4x512", help="BxT of the training step")
+    ap.add_argument("--train-arms", default="hf_compiled,moefx")
     ap.add_argument("--routing", default="balanced", choices=ROUTINGS, help="build_model's routing")
     ap.add_argument("--max-batch-size", type=int, default=0,
                     help="moefx config max_batch_size (default 0: no config key, the plan's capture sizes)")
@@ -287,7 +305,10 @@ def main() -> int:
     inputs = {b: torch.randint(1, cfg.vocab_size, (b, args.prompt), generator=gen).to(args.device) for b in batches}
     shapes = [(1, int(t)) for t in args.ttft.split(",") if t]
     shapes += [tuple(int(x) for x in bt.split("x")) for bt in args.ttft_batch.split(",") if bt]
-    ttft_ids = {bt: torch.randint(1, cfg.vocab_size, bt, generator=gen).to(args.device) for bt in shapes}
+    fwd_shapes = [(1, int(t)) for t in args.forward.split(",") if t]
+    fwd_shapes += [tuple(int(x) for x in bt.split("x")) for bt in args.forward_batch.split(",") if bt]
+    ttft_ids = {bt: torch.randint(1, cfg.vocab_size, bt, generator=gen).to(args.device)
+                for bt in dict.fromkeys(shapes + fwd_shapes)}
     # the routing each row measures, counted on the plain model before any arm rewrites it
     names = list(experts_modules(model))
     hits = {b: decode_distinct_experts(model, inputs[b], steps=2) for b in batches}
@@ -297,9 +318,11 @@ def main() -> int:
           + ", ".join(f"{_label(k)}: {v['experts_hit']}" for k, v in routing.items()), flush=True)
     floors = {b: b / (step_bytes(model, b, hits[b]) / hbm) for b in batches}
     ttft_floors = {(b, t): (1e3 * prefill_flops(model, t, b) / ceil["bf16_flops"],
-                            1e3 * step_bytes(model, b * t, prompt_hits[(b, t)]) / hbm) for b, t in shapes}
+                            1e3 * step_bytes(model, b * t, prompt_hits[(b, t)]) / hbm) for b, t in ttft_ids}
     ttft_arms = args.ttft_arms.split(",")
+    fwd_arms = args.forward_arms.split(",")
     decode, prefill, ttft, refs, extra = [], [], [], {}, {}
+    forward, train, fwd_logits = [], [], {}
     stock_generate = type(model).generate.__get__(model)
 
     def save() -> Path:
@@ -310,7 +333,8 @@ def main() -> int:
                       commit=os.environ.get("MOEFX_COMMIT", "unknown"), command=" ".join(["python3", *sys.argv]),
                       ceilings=dict(hbm_copy_TBps=round(hbm / 1e12, 3),
                                     bf16_matmul_TFLOPs=round(ceil["bf16_flops"] / 1e12, 1)),
-                      routing=args.routing, decode=decode, prefill=prefill, ttft=ttft, extra=extra)
+                      routing=args.routing, decode=decode, prefill=prefill, ttft=ttft, forward=forward, train=train,
+                      extra=extra)
         path = out_dir / f"e2e_{args.layers}l{args.tag}.json"
         path.write_text(json.dumps(result, indent=1))
         return path
@@ -382,6 +406,27 @@ def main() -> int:
             input_ids=ids, logits_to_keep=1).logits.argmax(-1)))
         del compiled_ttft
         torch._dynamo.reset()
+    def forward_rows(arm: str, make) -> None:
+        for bt in fwd_shapes:
+            forward.append(ttft_row(arm, make(ttft_ids[bt]), args.layers, *bt, args.runs, ttft_floors[bt],
+                                    routing[bt]))
+            save()
+
+    def logits_of(fn, bt) -> torch.Tensor:
+        with torch.no_grad():
+            return fn(input_ids=ttft_ids[bt], logits_to_keep=1).logits[:, -1].float()
+
+    if fwd_shapes and "hf_compiled" in fwd_arms:
+        print("forward, hf_compiled", flush=True)
+        compiled_fwd = torch.compile(model.forward, dynamic=True)
+
+        def peer_rows() -> None:
+            forward_rows("hf_compiled", lambda ids: lambda: compiled_fwd(input_ids=ids, logits_to_keep=1).logits)
+            fwd_logits.update({bt: logits_of(compiled_fwd, bt) for bt in fwd_shapes})
+
+        guarded("forward_hf_compiled", peer_rows)
+        del compiled_fwd
+        torch._dynamo.reset()
     if "hf_static" in arms:
         print("hf_static", flush=True)
 
@@ -431,6 +476,74 @@ def main() -> int:
         if shapes and name == "moefx" and "moefx" in ttft_arms:
             print("ttft, moefx", flush=True)
             ttft_rows("moefx", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
+        if fwd_shapes and name == "moefx":
+            moefx_forward_rows(opt)
+
+    def moefx_forward_rows(opt) -> None:
+        if "moefx_forward" in fwd_arms:
+            print("forward, moefx_forward", flush=True)
+            forward_rows("moefx_forward", lambda ids: lambda: opt(input_ids=ids, logits_to_keep=1).logits)
+            errs = {f"{b}x{t}": float((logits_of(opt, (b, t)) - ref).norm() / ref.norm())
+                    for (b, t), ref in fwd_logits.items()}
+            extra["forward_logits_rel_err"] = errs
+            print(f"  forward logits vs hf_compiled: {errs}", flush=True)
+            if errs and max(errs.values()) > LOGITS_BOUND:
+                print(f"  CHECK FAILED: moefx forward logits differ from the peer's by more than {LOGITS_BOUND}",
+                      flush=True)
+            front = getattr(opt, "moefx_forward", None)
+            extra["moefx_forward"] = (dict(describe=front.describe(), calls=front.calls, fallbacks=front.fallbacks,
+                                           captures=front.captures) if front is not None
+                                      else "no forward front (the plan's line says why)")
+            print(f"  {extra['moefx_forward']}", flush=True)
+        if "moefx_ttft" in fwd_arms:
+            print("forward, moefx_ttft", flush=True)
+            forward_rows("moefx_ttft", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
+
+    def train_row(arm: str) -> None:
+        """One arm's training step on a model of its own (the same seed: the same weights in every arm)."""
+        b, t = (int(x) for x in args.train_shape.split("x"))
+        mdl = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing)
+        experts = {id(p): p for m in experts_modules(mdl).values() for p in m.parameters()}
+        for p in mdl.parameters():
+            p.requires_grad_(id(p) in experts)
+        if arm == "hf_compiled":
+            fwd = torch.compile(mdl.forward, dynamic=True)
+        else:
+            fwd = moefx.optimize(mdl, config=config)
+        mdl.train()
+        optim = torch.optim.AdamW(list(experts.values()), lr=1e-5)
+        ids = torch.randint(1, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(7)).to(args.device)
+
+        grad_norms: list[float] = []
+
+        def step(keep_norms: bool = False) -> torch.Tensor:
+            loss = fwd(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if keep_norms:  # the first step's gradient of each expert weight, compared across arms
+                grad_norms.extend(float(p.grad.float().norm()) if p.grad is not None else 0.0
+                                  for p in experts.values())
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        first_loss = None
+
+        def warm() -> None:
+            nonlocal first_loss
+            first_loss = float(step(keep_norms=True))
+
+        first = wall(warm)
+        ms = 1e3 * statistics.median(wall(step) for _ in range(args.runs))
+        row = dict(layers=args.layers, B=b, tokens=t, arm=arm, ms=round(ms, 2), first_call_s=round(first, 1),
+                   loss=round(first_loss, 5), grad_norms=[round(n, 6) for n in grad_norms],
+                   trainable=f"experts ({sum(p.numel() for p in experts.values())} weights), AdamW",
+                   dtype="bf16" if dtype == torch.bfloat16 else str(dtype).split(".")[-1])
+        if arm == "moefx":
+            front = getattr(mdl, "moefx_forward", None)
+            row["fast_path_calls"] = front.calls if front is not None else 0  # a training step takes none
+        train.append(row)
+        print(f"  train {arm:11s} {b}x{t}: {ms:.1f} ms per step, loss {first_loss:.5f}, first step {first:.1f} s",
+              flush=True)
 
     save()
     if "moefx" in arms:
@@ -447,6 +560,24 @@ def main() -> int:
             moefx_arm("moefx_fp8", fp8, "fp8_block128", fp8_batches)
 
         guarded("moefx_fp8", fp8_arm)
+
+    if args.train:
+        for arm in args.train_arms.split(","):
+            print(f"train, {arm}", flush=True)
+            guarded(f"train_{arm}", lambda arm=arm: train_row(arm))
+            torch._dynamo.reset()  # the arm's model and optimizer go with its compiled frames
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        losses = [r["loss"] for r in train]
+        if len(losses) > 1:
+            extra["train_loss_rel_diff"] = round((max(losses) - min(losses)) / abs(losses[0]), 5)
+            print(f"  training losses {losses}: relative spread {extra['train_loss_rel_diff']}", flush=True)
+            norms = [r["grad_norms"] for r in train]
+            extra["train_grad_norm_max_rel_diff"] = round(max(
+                abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms[-1], norms[0])), 5)
+            print(f"  first-step gradient norms of the expert weights, largest relative difference between arms: "
+                  f"{extra['train_grad_norm_max_rel_diff']}", flush=True)
 
     path = save()
     print(f"\nwrote {path}\n")
@@ -467,6 +598,17 @@ def main() -> int:
         print(f"| {r['layers']} | {r['B']}x{r['tokens']} | {r['arm']} | {r['ms']} | {r['flop_floor_ms']} | "
               f"{r['bytes_floor_ms']} | {r['x_floor']} | {r['prof_wall_ms']} | {r['kernel_ms']} | {r['kernel_pct']} | "
               f"{r['kernels']} | {r['experts_hit']} |")
+    if forward:
+        print("\n| layers | B x tokens | forward arm | ms | x floor | kernel ms | kernels |")
+        print("|---|---|---|---|---|---|---|")
+    for r in forward:
+        print(f"| {r['layers']} | {r['B']}x{r['tokens']} | {r['arm']} | {r['ms']} | {r['x_floor']} | "
+              f"{r['kernel_ms']} | {r['kernels']} |")
+    if train:
+        print("\n| layers | B x tokens | training arm | ms per step | loss |")
+        print("|---|---|---|---|---|")
+    for r in train:
+        print(f"| {r['layers']} | {r['B']}x{r['tokens']} | {r['arm']} | {r['ms']} | {r['loss']} |")
     return 0
 
 

@@ -35,7 +35,18 @@ if str(ROOT) not in sys.path:  # run as `python bench/report.py`: the bench pack
     sys.path.insert(0, str(ROOT))
 
 from bench import stages as stage_table  # noqa: E402
-from bench.sections import coldstart, dense, e2e, fusions, moe, moe_backward, offload, sampler, stream  # noqa: E402
+from bench.sections import (  # noqa: E402
+    coldstart,
+    dense,
+    e2e,
+    forward,
+    fusions,
+    moe,
+    moe_backward,
+    offload,
+    sampler,
+    stream,
+)
 from bench.sections.markdown import Section  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -44,8 +55,8 @@ DEVICE = "h200"  # the device of the page's main sections; every other device's 
 NAME = re.compile(r"^(?P<stage>[a-z0-9-]+)_(?P<device>[a-z0-9-]+)_(?P<date>\d{4}-\d{2}-\d{2})\.json$")
 STAMP = ("stage", "date", "device", "versions", "commit", "command")
 
-SECTIONS: dict[str, Section] = {s.stage: s for mod in (e2e, stream, coldstart, moe, moe_backward, dense, fusions,
-                                                        sampler, offload) for s in mod.SECTIONS}
+SECTIONS: dict[str, Section] = {s.stage: s for mod in (e2e, forward, stream, coldstart, moe, moe_backward, dense,
+                                                        fusions, sampler, offload) for s in mod.SECTIONS}
 HEADLINES = (e2e.headline, moe.headline, fusions.headline, sampler.headline, offload.headline)  # README order
 
 
@@ -106,7 +117,7 @@ CUDA-graph replays, and report medians.
 """
 
 WORKLOADS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("End to end", ("e2e", "ttft", "coldstart", "stream")),
+    ("End to end", ("e2e", "ttft", "forward", "coldstart", "stream")),
     ("MoE experts", ("moe", "moe-vllm-peer", "moe-bounds", "moe-backward")),
     ("Dense linears", ("dense",)),
     ("Fusions", ("fusions",)),
@@ -169,8 +180,22 @@ def merge_e2e(paths: list[Path]) -> dict[str, Any]:
     return {**first, "decode": [row for r in runs_ for row in r["decode"]],
             "prefill": [row for r in runs_ for row in r.get("prefill") or []],
             "ttft": [row for r in runs_ for row in r.get("ttft") or []],
+            "forward": [row for r in runs_ for row in r.get("forward") or []],
+            "train": [row for r in runs_ for row in r.get("train") or []],
+            "extra": _merged_extra(runs_),
             "commit": ", ".join(dict.fromkeys(str(r.get("commit")) for r in runs_)),
             "command": " and ".join(dict.fromkeys(r["command"] for r in runs_))}
+
+
+def _merged_extra(runs_: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' `extra`, the first run's winning; per-shape forward checks of every run kept together."""
+    merged: dict[str, Any] = {}
+    for r in reversed(runs_):
+        merged.update(r.get("extra") or {})
+    errs = {k: v for r in runs_ for k, v in ((r.get("extra") or {}).get("forward_logits_rel_err") or {}).items()}
+    if errs:
+        merged["forward_logits_rel_err"] = errs
+    return merged
 
 
 def _coldstart_stage(path: Path) -> tuple[int, str]:
@@ -198,17 +223,19 @@ def ingest(folder: Path, commit: str | None, day: str | None) -> list[Path]:
     day = day or _date.today().isoformat()
     written = []
     stages: dict[str, list[Path]] = {stage: [folder / f for f in files] for stage, files in stage_outputs().items()}
-    # TTFT runs (`--tag _ttft`) are kept apart from the decode runs: a stage's kept result replaces the last one.
+    # TTFT runs (`--tag _ttft`) and forward runs (`--tag _forward...`) are kept apart from the decode runs: a stage's
+    # kept result replaces the last one.
     e2e_files = sorted(folder.glob("e2e_*.json"))
     stages["ttft"] = [p for p in e2e_files if p.stem.endswith("_ttft")]
-    stages["e2e"] = [p for p in e2e_files if not p.stem.endswith("_ttft")]
+    stages["forward"] = [p for p in e2e_files if "_forward" in p.stem]
+    stages["e2e"] = [p for p in e2e_files if not p.stem.endswith("_ttft") and "_forward" not in p.stem]
     stages["coldstart"] = sorted(folder.glob("coldstart_*.json"), key=_coldstart_stage)  # by depth
     # stream-prime only fills the compile caches for stream-cached: the kept run is the whole stream
     stages["stream"] = [p for p in sorted(folder.glob("stream_*.json")) if not p.stem.endswith("_prime")][:1]
     for stage, paths in stages.items():
         if not paths or not all(p.exists() for p in paths):
             continue
-        if stage in ("e2e", "ttft"):
+        if stage in ("e2e", "ttft", "forward"):
             data = merge_e2e(paths)
         elif stage == "coldstart":
             runs_ = [json.loads(p.read_text()) for p in paths]
@@ -217,7 +244,7 @@ def ingest(folder: Path, commit: str | None, day: str | None) -> list[Path]:
             data = {"probe_read": json.loads(paths[0].read_text()), "probe_ceilings": json.loads(paths[1].read_text())}
         else:
             data = json.loads(paths[0].read_text())
-        command = data["command"] if stage in ("e2e", "ttft") else _stage_command(stage, paths)
+        command = data["command"] if stage in ("e2e", "ttft", "forward") else _stage_command(stage, paths)
         data = {**data, "stage": stage, "date": day, "device": device, "versions": vers,
                 "commit": commit or data.get("commit"), "command": command}
         for old in RESULTS.glob(f"{stage}_{slug}_*.json"):  # this device's older file; other devices keep theirs

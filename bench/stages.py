@@ -124,6 +124,16 @@ STAGES: tuple[Stage, ...] = (
     Stage("ttft-48", 560, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --ttft 256,1024,4096 '
           "--ttft-batch 8x512 --ttft-batch-arms hf_eager,moefx --tag _ttft",
           "time to first token, 48 layers (no compiled 8 x 512: its compile takes 222 s)", section="ttft"),
+    Stage("forward-8", 580, 'python3 bench/e2e.py --layers 8 --batches "" --arms moefx --forward 256,1024,4096 '
+          "--forward-batch 8x512 --train --tag _forward", "the optimized model's forward vs torch.compile(forward) "
+          "and the engine's TTFT, 8 layers: 256/1024/4096 x B=1 and 8 x 512; a training step (B=4 x 512, AdamW on "
+          "the experts) vs torch.compile", section="forward"),
+    Stage("forward-48", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward 256,1024,4096 '
+          "--tag _forward48", "the optimized model's forward vs torch.compile(forward) and the engine's TTFT, 48 "
+          "layers, B=1", section="forward"),
+    Stage("forward-48-b8", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward-batch 8x512 '
+          "--tag _forward48_b8", "the same at 48 layers, 8 x 512 (a process of its own: torch.compile's first "
+          "compile there is its batch-8 compile)", section="forward"),
     Stage("gpu-gen", 240, "python3 -m pytest -q -n 4 --tb=short -p no:cacheprovider -m gpu tests/test_generate_gpu.py "
           "tests/test_routing_gpu.py", "the engine and routing GPU tests only"),
     Stage("moe-backward", 150, "python3 bench/moe_backward.py", "MoE experts autograd vs transformers' grouped_mm",

@@ -97,7 +97,11 @@ def _optimize_instance(model: torch.nn.Module, cfg: CompilationConfig) -> torch.
         # forward (direct calls, transformers' loop for other requests) is compiled without CUDA graphs.
         graphs = False if hasattr(model, "moefx_generate") else None
         compiled = torch.compile(model.forward, backend=backend(cfg, plan, cudagraphs=graphs), dynamic=cfg.dynamic)
-        model.forward = with_exact_floats(compiled)
+        plain = with_exact_floats(compiled)
+        # The engine's forward front (moefx/engine/forward.py) runs the calls that fit its padded prefill, the
+        # compiled forward the rest.
+        front = getattr(model, "moefx_forward", None)
+        model.forward = plain if front is None else front.route(plain)
     model.moefx_plan = plan
     log.info("optimized %s\n%s", type(model).__name__, plan.explain())
     return model

@@ -37,3 +37,27 @@ def test_e2e_tiny_cpu_writes_decode_and_ttft_rows(tmp_path):
 
     page = e2e_section.render_e2e({**r, "_file": "e2e.json"})
     assert "### Time to first token" in page and "experts hit / layer" in page and "(balanced)" in page
+
+
+def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
+    """The forward section's smoke path: moefx's forward and TTFT rows at two shapes, a training step, the page's
+    table (mode eager and no torch.compile arm: an inductor compile is minutes on a small CPU)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
+           "--batches", "", "--arms", "moefx", "--mode", "eager", "--runs", "1", "--forward", "16",
+           "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft", "--train", "--train-shape", "2x8",
+           "--train-arms", "moefx", "--tag", "_forward"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "e2e_2l_forward.json").read_text())
+    assert not r["extra"].get("errors")
+    assert {(t["arm"], t["B"], t["tokens"]) for t in r["forward"]} == {
+        (arm, b, t) for arm in ("moefx_forward", "moefx_ttft") for b, t in ((1, 16), (2, 8))}
+    (step,) = r["train"]
+    assert step["arm"] == "moefx" and step["ms"] > 0 and step["loss"] > 0 and (step["B"], step["tokens"]) == (2, 8)
+
+    sys.path.insert(0, str(ROOT))  # the bench package
+    from bench.sections import forward as forward_section
+
+    page = forward_section.render_forward({**r, "_file": "forward.json"})
+    assert "### Forward" in page and "Training step" in page and "`moefx_forward`" in page

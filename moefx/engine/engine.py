@@ -379,7 +379,8 @@ class DecodeLoop:
             for layer, length in zip(slot.cache.layers, lengths):
                 layer.cumulative_length.copy_(length)
 
-        captured = self.graphs.capture("decode", slot, lambda: self._step(slot, form, masked, by_head), restore)
+        captured = self.graphs.capture("decode", slot.state["seq"].device,
+                                       lambda: self._step(slot, form, masked, by_head), restore, keep=slot)
         if captured.graph is None:
             return self._uncaptured(slot, f"its step {captured.why}")
         self.stats.captures += 1

@@ -133,11 +133,11 @@ class Graphs:
         self.budget = budget
         self.stats = stats
 
-    def capture(self, what: str, slot: Any, run: Callable[[], Any],
-                restore: Callable[[], None] = lambda: None) -> Captured:
-        """`run()` (a step over `slot`) captured into the pool; its memory is counted under `what` ("decode",
-        "prefill") and may evict other slots, never `slot`; its parts' seconds go to the stats (`capture_seconds`)."""
-        device = slot.state["seq"].device
+    def capture(self, what: str, device: torch.device, run: Callable[[], Any],
+                restore: Callable[[], None] = lambda: None, keep: Any = None) -> Captured:
+        """`run()` captured into the pool on `device`; its memory is counted under `what` ("decode", "prefill",
+        "forward") and may evict slots, never `keep` (the slot the step runs over, if any); its parts' seconds go to
+        the stats (`capture_seconds`)."""
         reserved = torch.cuda.memory_reserved(device)
         rng = torch.cuda.get_rng_state(device)
         seconds: dict[str, float] = {}
@@ -145,9 +145,10 @@ class Graphs:
             graph, out, why = self.pool.capture(run, device, restore, seconds)
         finally:
             grown = max(0, torch.cuda.memory_reserved(device) - reserved)
-            self.budget.record_graph_bytes(what, grown, device, keep=slot)
+            self.budget.record_graph_bytes(what, grown, device, keep=keep)
         torch.cuda.set_rng_state(rng, device)
-        self.stats.capture_seconds.append({"what": what, "batch": slot.batch, "cache": slot.max_len,
+        self.stats.capture_seconds.append({"what": what, "batch": getattr(keep, "batch", None),
+                                           "cache": getattr(keep, "max_len", None),
                                            "captured": graph is not None, **seconds})
         return Captured(graph, out, why, grown, seconds)
 

@@ -5,13 +5,14 @@ the requests it reproduces (`moefx/engine/hf_generate.py`): static KV cache, pre
 with the moefx backend (mode compile or capture), and in mode capture on CUDA each decode step replayed from a
 CUDA graph per capture bucket. Other requests run transformers' loop, which on CUDA reads its stop flag one
 step late (`enable_deferred_stop`, same file). The engine's compile artifacts persist across processes
-(`moefx/engine/compile_cache/`).
+(`moefx/engine/compile_cache/`). The model's own forward gets a front too (`moefx/engine/forward.py`,
+`model.moefx_forward`): calls that fit the padded prefill run it, the rest the compiled forward.
 
 What it must run before and after, and why:
 - before `optimize()` compiles `model.forward` (`moefx/optimize.py` does so after every model transform): the engine
   takes the uncompiled `model.forward` here and compiles its own steps from it; given the compiled one, its steps
   would trace into a second compiled frame. `optimize()` then compiles the model's own forward without CUDA
-  graphs, since `model.moefx_generate` says the engine captures its own;
+  graphs, since `model.moefx_generate` says the engine captures its own, and puts `model.moefx_forward` in front;
 - after the `layer_regions` transform (`moefx/engine/layers/regions.py`, an earlier order): the engine binds the
   compiled-frame hook that transform leaves on the model (`layer_frames`).
 """
@@ -48,6 +49,8 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     if cache is not None:
         cache.attach(engine)
     install_generate(model, engine)
+    off = "mode eager" if compile_kwargs is None else "offloaded experts" if offloaded else None
+    forward = _install_forward(model, engine, config, off, graphs)
     steps = "eager steps (mode eager)" if compile_kwargs is None else "compiled prefill and decode step"
     prefill = (f"; prefill padded to prompt buckets {list(engine.stats.prefill_buckets)} (rows × bucket <= "
                f"{prefill_tokens}) and captured" if prefill_tokens else "")
@@ -61,10 +64,30 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     slots = engine.slots
     budget = f"{slots.setting:g} of free memory" if slots.setting <= 1 else f"{slots.setting / 2**20:.0f} MiB"
     return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
-            f"loop (model.moefx_generate.fallbacks says why){kept}",
+            f"loop (model.moefx_generate.fallbacks says why){kept}; {forward}",
             f"decode engine memory: cache lengths {slots.min_len}, {slots.min_len * 3 // 2}, {slots.min_len * 2}, "
             f"... (x1.5 / x4/3 steps); all slots and graph pools within a budget of {budget} ({slots.source}), "
             f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
+
+
+def _install_forward(model: Any, engine: Any, config: Any, off: str | None, graphs: bool) -> str:
+    """`model.moefx_forward` (`moefx/engine/forward.py`), which `optimize` puts in front of the compiled forward,
+    unless `off` says why not; the provenance line. Offloaded experts calls above the stream host's rows cannot be
+    captured, as for the engine's padded prefill."""
+    from moefx.config import PREFILL_CAPTURE_TOKENS, prefill_buckets
+    from moefx.engine.forward import ForwardFront
+
+    max_tokens = getattr(config, "prefill_capture_tokens", PREFILL_CAPTURE_TOKENS)
+    buckets = prefill_buckets(max_tokens)
+    off = off or (None if buckets else "config key prefill_capture_tokens 0")
+    if off:
+        return f"forward: the plain forward ({off})"
+    model.moefx_forward = ForwardFront(model, engine.steps, engine.graphs, engine.bucket, buckets, max_tokens,
+                                       capture=graphs, compile_cache=engine.compile_cache)
+    where = "replayed from a CUDA graph per bucket key" if graphs else "compiled, without CUDA graphs"
+    return (f"forward: calls without gradients and without a cache passed in run the prompt padded to its bucket "
+            f"{list(buckets)} (rows × bucket <= {max_tokens}), {where}; other calls run the compiled forward "
+            f"(model.moefx_forward.fallbacks says why)")
 
 
 def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:

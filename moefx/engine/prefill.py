@@ -112,7 +112,8 @@ class BucketedPrefill:
         """Capture this prefill (`Graphs.capture`); a prefill that cannot be captured runs without a graph, with the
         reason in the stats."""
         bucket, masked, by_head = key
-        captured = self.graphs.capture("prefill", slot, lambda: self._call(slot, run, by_head))
+        captured = self.graphs.capture("prefill", slot.state["seq"].device, lambda: self._call(slot, run, by_head),
+                                       keep=slot)
         if captured.graph is None:
             self.graphs.uncaptured(f"prefill bucket {bucket} for batch {slot.batch} runs without a CUDA graph: its "
                                    f"forward {captured.why}")

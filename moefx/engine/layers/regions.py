@@ -73,10 +73,20 @@ def _region_forward(region: _Region, frames: LayerFrames | None, decode: bool, i
     """A decoder layer's forward: while compiling, through the shared compiled code (an engine's compiled frames
     where it bound them, else the nested region) when its cache layer is one the views reproduce; the layer's own
     forward otherwise."""
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() or _records_grad(layer, hidden_states):
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     shared = frames if frames is not None and frames.bound else region
     return _dispatch(shared, decode, index, layer, hidden_states, args, kwargs)
+
+
+def _records_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether autograd records this layer call (a training step through the compiled forward). The shared bodies
+    are for inference: a compiled frame is an op without a backward, and the nested region's backward gives other
+    gradients than the layer's own (torch 2.13, tests/test_forward_fast_path.py); such a call is inlined. dynamo
+    guards on the grad mode and the requires_grad flags it reads, so inference traces keep the shared bodies."""
+    if not torch.is_grad_enabled():
+        return False
+    return hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
 
 
 def _dispatch(shared: LayerCalls, decode: bool, index: int, layer: torch.nn.Module,
