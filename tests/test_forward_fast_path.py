@@ -8,6 +8,8 @@ on a small CPU); the `compile` tests go through `moefx.optimize` itself, trainin
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import warnings
 
 import pytest
@@ -20,6 +22,17 @@ from moefx.engine.forward import ForwardFront
 from moefx.models import build_model, tiny_qwen3_moe_config
 
 LENGTHS = (3, 7, 16, 17, 31, 64, 65, 100, 130)
+
+
+def _cache(out):
+    """The output's cache: `cache` from transformers 5.2x, `past_key_values` before (5.17 names it so)."""
+    fields = {f.name for f in dataclasses.fields(type(out))}
+    return out.cache if "cache" in fields else out.past_key_values
+
+
+def _cache_arg(model) -> str:
+    """The forward's cache argument under this transformers (`cache` or `past_key_values`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +75,7 @@ def test_logits_and_cache_equal_the_plain_forward_with_bounded_compiles(stock, f
                 assert got.logits.shape == want.logits.shape == (batch, length, 256)
                 _close(got.logits, want.logits)
                 _close(last.logits, want.logits[:, -1:])
-                for mine, theirs in zip(got.cache.layers, want.cache.layers):
+                for mine, theirs in zip(_cache(got).layers, _cache(want).layers):
                     assert mine.keys.shape == theirs.keys.shape, (batch, padded, length)
                     _close(mine.keys, theirs.keys)
                     _close(mine.values, theirs.values)
@@ -118,7 +131,7 @@ def test_inputs_embeds_and_use_cache_off(stock, fast):
         got = forward(inputs_embeds=embeds, use_cache=False)
         want = stock(inputs_embeds=embeds, use_cache=False)
     _close(got.logits, want.logits)
-    assert got.cache is None and want.cache is None
+    assert _cache(got) is None and _cache(want) is None
     assert any(key[3] == 3 for key in front._runs)  # an embeddings bucket key ran
 
 
@@ -128,7 +141,7 @@ def test_the_returned_cache_continues_a_request(stock, fast):
     ids, _ = _ids(1, 10, 6, False)
     with torch.no_grad():
         prefix = forward(input_ids=ids[:, :9])
-        step = stock(input_ids=ids[:, 9:], cache=prefix.cache, logits_to_keep=1).logits
+        step = stock(input_ids=ids[:, 9:], **{_cache_arg(stock): _cache(prefix)}, logits_to_keep=1).logits
         whole = stock(input_ids=ids, logits_to_keep=1).logits
     _close(step, whole)
 
@@ -143,8 +156,8 @@ def test_what_does_not_fit_runs_the_plain_forward_and_says_why_once(stock, fast)
             out = forward(input_ids=ids)  # gradients enabled, the parameters require grad: a training call
         assert out.logits.requires_grad
         with torch.no_grad():
-            cache = forward(input_ids=ids[:, :4]).cache
-            forward(input_ids=ids[:, 4:], cache=cache)  # a continuation
+            cache = _cache(forward(input_ids=ids[:, :4]))
+            forward(input_ids=ids[:, 4:], **{_cache_arg(stock): cache})  # a continuation
             forward(input_ids=ids, output_hidden_states=True)
             forward(input_ids=torch.randint(1, 256, (3, 1400)))  # 3 x bucket 2048 > 4096
     said = [str(w.message) for w in caught if "moefx forward" in str(w.message)]
@@ -241,7 +254,7 @@ def test_captured_forward_equals_eager_on_cuda_fp32():
                 torch.testing.assert_close(got.logits, want.logits, rtol=1e-3, atol=1e-3)
                 if not keep:
                     torch.testing.assert_close(got.loss, want.loss, rtol=1e-3, atol=1e-3)
-                    for mine, theirs in zip(got.cache.layers, want.cache.layers):
+                    for mine, theirs in zip(_cache(got).layers, _cache(want).layers):
                         torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-3, atol=1e-3)
     assert front.captures == 6, front.describe()  # (1, 16) and (4, 32) and (2, 128), each last and all
     assert any("above the largest capture size" in why for why in front.fallbacks), front.fallbacks
