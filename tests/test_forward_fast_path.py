@@ -258,3 +258,26 @@ def test_captured_forward_equals_eager_on_cuda_fp32():
                         torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-3, atol=1e-3)
     assert front.captures == 6, front.describe()  # (1, 16) and (4, 32) and (2, 128), each last and all
     assert any("above the largest capture size" in why for why in front.fallbacks), front.fallbacks
+
+
+def test_fallbacks_the_caller_said_already_are_counted_not_said_again(stock, monkeypatch):
+    """Inside `said_by_caller()` (transformers' own generate() loop for a request the engine does not take, whose
+    reason hf_generate.py says) a call on the plain path is counted and not warned about; outside, it is, once."""
+    import moefx.engine.forward as forward_mod
+
+    said: list[str] = []
+    monkeypatch.setattr(forward_mod, "warn_once", said.append)
+    model = copy.deepcopy(stock)
+    loop = DecodeLoop(model, compile_kwargs={"backend": "eager"})
+    front = ForwardFront(model, loop.steps, loop.graphs, loop.bucket, PREFILL_BUCKETS, 4096, capture=False)
+    forward = front.route(model.forward)
+    ids, _ = _ids(1, 8, 11, False)
+    with torch.no_grad():
+        prefix = _cache(stock(input_ids=ids[:, :4]))
+        with front.said_by_caller():
+            forward(input_ids=ids[:, 4:6], **{_cache_arg(stock): prefix})
+        assert not said and sum(front.fallbacks.values()) == 1
+        for _ in range(2):
+            forward(input_ids=ids[:, 6:], **{_cache_arg(stock): prefix})
+    assert len(said) == 1 and "a cache passed in" in said[0], said
+    assert sum(front.fallbacks.values()) == 3 and front.calls == 0

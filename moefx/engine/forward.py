@@ -34,10 +34,11 @@ the keys used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +163,8 @@ class ForwardFront:
     calls: int = 0  # calls on the fast path
     captures: int = 0
     _runs: dict[tuple, _Run] = field(default_factory=dict)
+    _said: set[str] = field(default_factory=set)  # the fallback reasons warned about
+    _quiet: int = 0  # > 0 inside `said_by_caller()`
 
     def __post_init__(self) -> None:
         from transformers import DynamicCache
@@ -217,8 +220,20 @@ class ForwardFront:
 
         return forward
 
+    @contextlib.contextmanager
+    def said_by_caller(self) -> Iterator[None]:
+        """Forward calls made inside it whose caller has said already why they run the plain path (transformers' own
+        `generate()` loop for a request the engine does not take: hf_generate.py warns once why): their fallbacks
+        are counted, not said again."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
     def _fallback(self, why: str) -> None:
-        if why not in self.fallbacks:
+        if why not in self._said and not self._quiet:
+            self._said.add(why)
             warn_once(f"moefx forward: the plain compiled forward runs this call and those like it: {why}")
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
 

@@ -306,7 +306,8 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
             _fallback(front, why)
             if len(args) < 2 and "generation_config" not in kwargs:
                 kwargs.setdefault("disable_compile", True)  # the forward is compiled already
-            with _deferred_stop(model):
+            forward = getattr(model, "moefx_forward", None)  # its fallbacks are this request's, said above
+            with _deferred_stop(model), (forward.said_by_caller() if forward is not None else contextlib.nullcontext()):
                 return original(*args, **kwargs)
         try:
             return engine.generate(
