@@ -22,7 +22,8 @@ Counted in every moefx process: compiles (inductor's `fxgraph_cache_miss`, and A
 only count where a saved-trace compile bundles inductor's output into AOTAutograd's cache entry), first-
 launch compiles of moefx's own Triton kernels (their entries that appeared in the arm's Triton folder and were not
 written there from moefx's file; None off CUDA), and each capture's seconds (first run, check run, capture:
-`moefx/engine/graphs.py`, which runs `WARMUPS` runs before each). The warm arms' tokens must equal the cold arm's.
+`moefx/engine/graphs.py`; the warm-ups counted as the runs it timed before each). The warm arms' tokens must
+equal the cold arm's.
 Writes JSON to $OUT/coldstart_<layers>l<tag>.json and prints a table last.
 """
 
@@ -92,10 +93,9 @@ def child(args: argparse.Namespace) -> dict:
         _sync(args.device)
         engine = model.moefx_generate.engine
         cache = getattr(engine, "compile_cache", None)
-        from moefx.engine.graphs import WARMUPS
-
+        warmups = max((sum(k.endswith("_run") for k in entry) for entry in engine.stats.capture_seconds), default=0)
         row.update(compiles=engine.stats.compiles, backend_s=engine.stats.compile_s, captures=engine.stats.captures,
-                   capture_s=engine.stats.capture_seconds, capture_warmups=WARMUPS,
+                   capture_s=engine.stats.capture_seconds, capture_warmups=warmups,
                    cache_loaded=cache.loaded if cache else None, cache_file=str(cache.path) if cache else None,
                    traces_loaded=engine.aot_steps.loaded() if engine.aot_steps is not None else None)
         if triton_before is not None:

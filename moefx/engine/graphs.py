@@ -1,6 +1,6 @@
 """The engine's CUDA graphs: one memory pool, one capture routine for the decode step and the padded prefill.
 
-A capture (`Graphs.capture`) runs the step twice first on a side stream (`WARMUPS`), deciding kernels as the capture
+A capture (`Graphs.capture`) runs the step twice first on a side stream, deciding kernels as the capture
 will (`moefx/backends/capture_mode.py`), and each run is needed:
 1. the first run does what a capture cannot: dynamo's trace (or a saved trace's load) and the backend's compile (or
    its load from the compile cache), the first launch of each Triton kernel (a compile, or a load from Triton's cache
@@ -31,8 +31,6 @@ from moefx.backends.capture_mode import as_captured
 from moefx.engine.memory import MemoryBudget
 from moefx.log import warn_once
 
-WARMUPS = 2  # runs of the step before each capture: the first compiles and builds lazy state, the second checks syncs
-
 
 class GraphPool:
     """The memory pool every CUDA graph of one engine is captured into, kept alive for the engine's life.
@@ -61,7 +59,7 @@ class GraphPool:
 
     def capture(self, run: Callable[[], Any], device: torch.device, restore: Callable[[], None] = lambda: None,
                 seconds: dict[str, float] | None = None) -> tuple[Any, Any, str | None]:
-        """`run()` captured into this pool after its `WARMUPS` runs (see the module docstring): (graph, what the
+        """`run()` captured into this pool after its two warm-up runs (see the module docstring): (graph, what the
         captured call returned, None), or (None, None, why not). `seconds` gets each part's wall time: the first
         run, the check run, the capture."""
         clock = _Clock(seconds)
