@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import ceilings, kernel_times, routing, time_graph
-from moefx.backends.kernels.fused_moe_kernels import fused_moe
+from moefx.kernels.moe_grouped import fused_moe
 from moefx.ops.quant import quant_weight_fp8_block
 
 E, H, I, K = 128, 2048, 768, 8

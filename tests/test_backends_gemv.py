@@ -28,7 +28,7 @@ def test_cpu_path_matches_legacy(m: int, case: str, dtype: torch.dtype, fp8: boo
 @pytest.mark.parametrize("m,case", [(1, "random"), (9, "zero_experts"), (3, "one_expert")])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8: bool) -> None:
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+    from moefx.kernels.moe_gemv import gemv_moe
 
     dev = kernel_device()
     inp = make_inputs(m, dtype, case, device=dev, fp8=fp8)
@@ -40,7 +40,7 @@ def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8:
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_kernels_top_k_not_power_of_two(fp8: bool) -> None:
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+    from moefx.kernels.moe_gemv import gemv_moe
 
     dev = kernel_device()
     inp = make_inputs(5, torch.float32, device=dev, fp8=fp8, k=3)
@@ -66,7 +66,7 @@ def test_unsupported_reasons_name_the_problem() -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_kernels_other_tiles(fp8: bool) -> None:
     """Non-default GemvConfig (wider stage-1 rows than the FP8 block: clamped; small BLOCK_K, 2 warps)."""
-    from moefx.backends.kernels.gemv_kernels import GemvConfig, gemv_moe
+    from moefx.kernels.moe_gemv import GemvConfig, gemv_moe
 
     dev = kernel_device()
     inp = make_inputs(3, torch.float32, device=dev, fp8=fp8)
@@ -84,7 +84,7 @@ def test_triton_kernels_other_tiles(fp8: bool) -> None:
 @pytest.mark.parametrize("m", [1, 5])
 def test_triton_residual_epilogue_is_the_separate_add(m: int, dtype: torch.dtype) -> None:
     """The down kernel's residual add rounds the sum to the output dtype first: bit for bit out + residual."""
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+    from moefx.kernels.moe_gemv import gemv_moe
 
     dev = kernel_device()
     if dev != "cuda" and dtype == torch.bfloat16:

@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
 from moefx.backends import BACKENDS, available_backends, moe_experts
-from moefx.backends.activation import ACTIVATIONS
+from moefx.kernels.activation import ACTIVATIONS
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 NON_SILU = [a for a in sorted(ACTIVATIONS) if a != "silu"]
@@ -33,8 +33,8 @@ def test_derivatives_match_autograd():
 def test_kernel_epilogues_match_legacy(activation, limit):
     """fused_moe's GEMM 1 and gemv_moe's stage 1 with the activation's ACT id and the clamp (fp32 inputs: the
     interpreter's dot); limit 1.0 clamps about half the gate and up values of these inputs."""
-    from moefx.backends.kernels.fused_moe_kernels import fused_moe
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+    from moefx.kernels.moe_gemv import gemv_moe
+    from moefx.kernels.moe_grouped import fused_moe
 
     dev = kernel_device()
     for m, kernel in ((3, gemv_moe), (20, fused_moe)):

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from moefx.backends import available_backends, moe_experts
-from moefx.backends.activation import ACTIVATIONS
 from moefx.backends.backward import backward_grouped_mm, backward_reference
+from moefx.kernels.activation import ACTIVATIONS
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 E, H, I, TOPK = 6, 16, 8, 2

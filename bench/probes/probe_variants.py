@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench.harness import kernel_times, relerr, routing, time_graph
 from moefx.backends import BACKENDS
-from moefx.backends.kernels.fused_moe_kernels import GemmConfig, default_tiles, fused_moe, normalize_tiles
-from moefx.backends.kernels.gemv_kernels import GemvConfig, default_gemv_config, gemv_moe
+from moefx.kernels.moe_gemv import GemvConfig, default_gemv_config, gemv_moe
+from moefx.kernels.moe_grouped import GemmConfig, default_tiles, fused_moe, normalize_tiles
 from moefx.ops.quant import quant_weight_fp8_block
 
 E, H, I, K = 128, 2048, 768, 8

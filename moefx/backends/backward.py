@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from moefx.backends.activation import Activation, get_activation
 from moefx.backends.registry import dequant_block
 from moefx.backends.torch_grouped import cuda_grouped_mm_problem
+from moefx.kernels.activation import Activation, get_activation
 
 
 def grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:

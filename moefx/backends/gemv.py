@@ -3,7 +3,7 @@
 No sort: experts are indexed straight from topk_ids; gate and up rows are streamed together and
 the gate activation (SiLU, GELU, GELU-tanh) times up is applied before the down
 projection; the routing weight and the top-k sum are applied in
-registers (two Triton launches on CUDA, see kernels/gemv_kernels.py). Weights touched per call grow
+registers (two Triton launches on CUDA, see kernels/moe_gemv.py). Weights touched per call grow
 with M*k, so this backend is for M up to ~8; the policy picks it from measured crossovers.
 Contract (the dispatch op relies on it): on CUDA `__call__` launches only fixed-shape work, no host
 sync, CUDA-graph capturable. FP8 block-quant weights when `w13_scale` is given (block_shape scales);
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.activation import gate_up
-from moefx.backends.kernels.common import TritonMoEBackend
+from moefx.backends.common import TritonMoEBackend
 from moefx.backends.registry import dequant_block, register_backend
+from moefx.kernels.activation import gate_up
 
 CPU_PAIR_CHUNK = 16
 
@@ -61,6 +61,6 @@ class GemvBackend(TritonMoEBackend):
 
     def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None,
                     residual: torch.Tensor | None = None) -> torch.Tensor:
-        from moefx.backends.kernels.gemv_kernels import gemv_moe
+        from moefx.kernels.moe_gemv import gemv_moe
 
         return gemv_moe(*args, activation=activation, gate_limit=gate_limit, residual=residual)

@@ -15,13 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.activation import gate_up
-from moefx.backends.kernels.common import (
-    TritonMoEBackend,
-    moe_align_torch,
-    qdq_rows,
-)
+from moefx.backends.common import TritonMoEBackend, qdq_rows
 from moefx.backends.registry import dequant_block, register_backend
+from moefx.kernels.activation import gate_up
+from moefx.kernels.moe_align_ref import moe_align_torch
 
 CPU_BLOCK_M = 16
 
@@ -69,6 +66,6 @@ class GroupedBackend(TritonMoEBackend):
     fp8_min_block_k = 32
 
     def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
-        from moefx.backends.kernels.fused_moe_kernels import fused_moe
+        from moefx.kernels.moe_grouped import fused_moe
 
         return fused_moe(*args, activation=activation, gate_limit=gate_limit)

@@ -6,7 +6,7 @@ float8_e4m3fn with `w13_scale` [E, ceil(2I/bn), ceil(H/bk)] and `w2_scale` [E, c
 (dequantized weight = fp8 value * scale, the `weight_scale_inv` checkpoint convention) and
 `block_shape` (bn, bk), usually (128, 128). Output: [M, H] in hidden's dtype,
 sum_j topk_weights[m, j] * down(act(gate(x_m)) * up(x_m)) over expert topk_ids[m, j], where `activation` names act
-(moefx/backends/activation.py: silu, gelu, gelu_tanh) and `gate_limit`, when given, clamps gate to <= limit and up
+(moefx/kernels/activation.py: silu, gelu, gelu_tanh) and `gate_limit`, when given, clamps gate to <= limit and up
 to [-limit, limit] first.
 """
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.activation import gate_up
-from moefx.backends.kernels.common import shape_problem
+from moefx.backends.common import shape_problem
 from moefx.backends.registry import MoEBackend, MoeCall, register_backend
+from moefx.kernels.activation import gate_up
 
 
 def cuda_grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:

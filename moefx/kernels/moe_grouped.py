@@ -1,9 +1,9 @@
-"""Triton grouped MoE GEMMs over the padded expert blocks from `align.moe_align`.
+"""Triton grouped MoE GEMMs over the padded expert blocks from `moe_align.moe_align`.
 
 GEMM 1 (gate_up, activation-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
 I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
 projection never reaches memory: it writes act(gate) * up (SiLU, GELU or GELU-tanh: the ACT constexpr,
-epilogue.py). GEMM 2 (down): same blocks over H, scales
+moe_epilogue.py). GEMM 2 (down): same blocks over H, scales
 each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (`topk_sum`: fp32
 accumulation, one write in hidden's dtype; H200: 6.5 µs at M=1024 and 37.5 at 4096, torch's sum 12.4 and 52.4). The
 [pairs, I] intermediate is stored in the padded sorted order (row = position in `sorted_ids`, padding rows
@@ -45,12 +45,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moefx.backends.activation import get_activation
-from moefx.backends.kernels.align import moe_align
-from moefx.backends.kernels.common import max_padded_len
-from moefx.backends.kernels.epilogue import gate_up
-from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
+from moefx.kernels.activation import get_activation
 from moefx.kernels.memo import device_capability
+from moefx.kernels.moe_align import moe_align
+from moefx.kernels.moe_align_ref import max_padded_len
+from moefx.kernels.moe_epilogue import gate_up
+from moefx.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
 # RUNNING accumulators divide by scales: a weight scale is clamped here (an all-zero block has zero weights, so
@@ -492,7 +492,7 @@ def fused_moe(
     """Align, GEMM 1 (+act(gate) * up, +fp8 quant), GEMM 2 (+routing weight), top-k sum.
 
     `config` (GEMM 1, and GEMM 2 unless `config2` is given) overrides DEFAULT_TILES; GEMM 2 takes GEMM 1's BLOCK_M.
-    `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/backends/activation.py).
+    `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/kernels/activation.py).
     """
     m, h = hidden.shape
     top_k = topk_ids.shape[1]

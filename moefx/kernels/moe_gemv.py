@@ -2,7 +2,7 @@
 
 Stage 1, grid (M*k pairs, I/BLOCK_N): each program reads BLOCK_N gate rows and the matching BLOCK_N
 up rows of its pair's expert (indexed straight from topk_ids) over all of H, 16-byte loads, and
-writes act(gate) * up in fp32 (act: the ACT constexpr, epilogue.py). Stage 2, grid (M, H/BLOCK_N): each program
+writes act(gate) * up in fp32 (act: the ACT constexpr, moe_epilogue.py). Stage 2, grid (M, H/BLOCK_N): each program
 loads BLOCK_N rows of w2 for all k of the token's experts at once (one [k, BLOCK_N, BLOCK_K] tile per K step, so
 the loads of the k experts overlap), weights each expert's dot by its routing weight and sums the top-k in
 registers; it writes the output row slice once, in hidden's dtype.
@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefx.backends.activation import get_activation
-from moefx.backends.kernels.epilogue import gate_up
-from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
+from moefx.kernels.activation import get_activation
+from moefx.kernels.moe_epilogue import gate_up
+from moefx.kernels.pdl import pdl_launch, pdl_supported
 
 
 @triton.jit
