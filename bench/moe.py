@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import ceilings, input_sets, kernel_times, relerr, routing, time_graph
-from moefx.backends import BACKENDS
+from moefx.backends import BACKENDS, MoeCall
 from moefx.ops.quant import quant_weight_fp8_block
 
 MS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -135,7 +135,7 @@ def main() -> None:
                     err = relerr(make_peer(wt["w13"], wt["w2"], compile_=False)(x, ids, tw.to(x.dtype)), ref)
                 result["check"].append(dict(dtype=dt, M=m, backend="hf_grouped_mm", relerr=err, ok=err < BOUNDS[dt]))
             for name, be in BACKENDS.items():
-                if name == "legacy" or be.unsupported_reason(x, wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), bs):
+                if name == "legacy" or be.unsupported_reason(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"])):
                     continue
                 err = relerr(be(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]), ref)
                 ok = err < BOUNDS[dt]
@@ -167,7 +167,7 @@ def main() -> None:
                        peer_triton_us=PEER_TRITON_US.get(dt, (None,) * 7)[mi] if len(ms) == 7 else None)
             cands = {n: b for n, b in BACKENDS.items() if n != "legacy"}
             for name, be in cands.items():
-                if be.unsupported_reason(sets[0][0], wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), bs):
+                if be.unsupported_reason(MoeCall(*sets[0], wt["w13"], wt["w2"], **wt["kw"])):
                     continue
                 row[name] = run_timed(quick, lambda be=be, wt=wt, sets=sets: [
                     be(x, i, w, wt["w13"], wt["w2"], **wt["kw"]) for x, i, w in sets]) / nsets
@@ -436,11 +436,10 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
               f"share {share:.0f} s -> ~{min(len(cands), int(share / per_cand))} timed", flush=True)
 
         def call(tiles, wt=wt, kind=kind):
-            s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
             if kind == "grouped":
-                return lambda x, ids, tw: fused_moe(x, ids, tw, wt["w13"], wt["w2"], s13, s2, bs, config=tiles[0],
-                                                    config2=tiles[1])
-            return lambda x, ids, tw: gemv_moe(x, ids, tw, wt["w13"], wt["w2"], s13, s2, bs, config=tiles[0])
+                return lambda x, ids, tw: fused_moe(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]),
+                                                    config=tiles[0], config2=tiles[1])
+            return lambda x, ids, tw: gemv_moe(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]), config=tiles[0])
 
         us: list[dict] = []
         n_refs = sum(p == "ref" for p, _ in cands)
@@ -520,14 +519,13 @@ def print_sweep(res: dict) -> None:
 
 def profile_variants(dt: str, m: int, wt: dict) -> dict:
     """name -> call(x, ids, tw) for the backends worth a breakdown at this M, at their default tiles (a tile
-    experiment adds a variant here: `fused_moe(..., config=, config2=)`, `gemv_moe(..., config=)`)."""
+    experiment adds a variant here: `fused_moe(call, config=, config2=)`, `gemv_moe(call, config=)`)."""
     from moefx.kernels.moe_gemv import gemv_moe
     from moefx.kernels.moe_grouped import fused_moe
 
-    s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
-    out = {"grouped": lambda x, i, w: fused_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)}
+    out = {"grouped": lambda x, i, w: fused_moe(MoeCall(x, i, w, wt["w13"], wt["w2"], **wt["kw"]))}
     if m <= 16:
-        out["gemv"] = lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)
+        out["gemv"] = lambda x, i, w: gemv_moe(MoeCall(x, i, w, wt["w13"], wt["w2"], **wt["kw"]))
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out

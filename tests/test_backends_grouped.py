@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import BS, E, H, I, K, kernel_device, legacy_ref, make_inputs, relerr
+from backends_util import BS, E, H, I, K, kernel_device, legacy_ref, make_inputs, moe_call, relerr, unsupported
 
 from moefx.backends import BACKENDS
 from moefx.backends.common import qdq_rows
 from moefx.kernels.moe_align_ref import max_padded_len, moe_align_torch
+from moefx.kernels.moe_call import MoeCall
 
 # bf16: both sides round intermediates to bf16 at different points. fp8 w8a8 vs the oracle (dequantized
 # weights, unquantized activations): two activation quantizations (e4m3, 3 mantissa bits) at tiny K.
@@ -76,14 +77,14 @@ def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8:
 
     dev = kernel_device()
     inp = make_inputs(m, dtype, case, device=dev, fp8=fp8)
-    args = (inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
-    kw = inp["kw"]
-    out = fused_moe(*args, kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"),
-                    config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
+    call = moe_call(inp)
+    out = fused_moe(call, config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
     if fp8:
         assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
         # same w8a8 arithmetic in PyTorch; only fp32 summation order (-> rare e4m3 rounding flips) differs
-        emul = grouped_torch(*(a.cpu() for a in args), *(kw[n].cpu() for n in ("w13_scale", "w2_scale")), BS)
+        emul = grouped_torch(moe_call({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+                                      | {"kw": {**{n: inp["kw"][n].cpu() for n in ("w13_scale", "w2_scale")},
+                                                "block_shape": BS}}))
         assert relerr(out.cpu(), emul) < 0.06
     else:
         bound = 5e-3 if dev == "cuda" and dtype == torch.float32 else BOUNDS[dtype]
@@ -95,8 +96,7 @@ def test_triton_kernels_top_k_three() -> None:
 
     dev = kernel_device()
     inp = make_inputs(5, torch.float32, device=dev, k=3)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
+    out = fused_moe(moe_call(inp), config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
     assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
@@ -113,9 +113,9 @@ def test_fp8_activation_quant_matches_reference() -> None:
 def test_unsupported_reasons() -> None:
     be = BACKENDS["grouped"]
     x = torch.randn(2, H)
-    assert be.unsupported_reason(x, torch.randn(E, 2 * I, H), torch.randn(E, H, I)) is None
-    assert "int" in be.unsupported_reason(x.int(), torch.randn(E, 2 * I, H), torch.randn(E, H, I))
-    assert "contiguous" in be.unsupported_reason(x, torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
+    assert unsupported(be, x, torch.randn(E, 2 * I, H), torch.randn(E, H, I)) is None
+    assert "int" in unsupported(be, x.int(), torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    assert "contiguous" in unsupported(be, x, torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
 
 
 # (GEMM 1 tile, GEMM 2 tile or None for the same) as GemmConfig keyword arguments
@@ -137,13 +137,11 @@ def _fused_relerr_and_bound(m: int, case: str, fp8: bool, config, config2) -> tu
 
     dev = kernel_device()
     inp = make_inputs(m, torch.float32, case, device=dev)
-    kw: dict = {}
     if fp8:
         inp["w13"], s13 = quant_block(inp["w13"])
         inp["w2"], s2 = quant_block(inp["w2"])
-        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), config=config, config2=config2)
+        inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
+    out = fused_moe(moe_call(inp), config=config, config2=config2)
     return relerr(out, legacy_ref(inp)), FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
 
 
@@ -191,8 +189,8 @@ def test_fp8_running_scale_equals_per_step_scaling() -> None:
     e = int(inp["topk_ids"][0, 0])
     w13[e, : BS[0], : BS[1]] = 0  # zero weights with a zero scale (some quantizers write 0 for an all-zero block)
     s13[e, 0, 0] = 0
-    outs = [fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], w13, w2, s13, s2, BS,
-                      config=GemmConfig(16, 32, 32, 1, num_stages=2, running=running),
+    call = MoeCall(inp["hidden"], inp["topk_ids"], inp["topk_weights"], w13, w2, s13, s2, BS)
+    outs = [fused_moe(call, config=GemmConfig(16, 32, 32, 1, num_stages=2, running=running),
                       config2=GemmConfig(16, 64, 32, 4, num_stages=2, running=running)) for running in (False, True)]
     assert torch.isfinite(outs[1]).all()
     assert relerr(outs[1], outs[0]) < 1e-2  # fp32 rounding apart, then one e4m3 rounding of the intermediate
@@ -242,7 +240,7 @@ def test_fp8_at_large_m_takes_the_running_scale_tiles() -> None:
     dev = kernel_device()
     inp = make_inputs(300, torch.float32, device=dev, fp8=True)
     assert all(cfg.running and cfg.block_m == 128 for cfg in default_tiles(300, K, E, fp8=True))
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    out = fused_moe(moe_call(inp))
     assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
 
 
@@ -255,7 +253,7 @@ def test_default_tiles_between_32_and_128_rows_per_expert(fp8: bool) -> None:
     cfg1, cfg2 = default_tiles(100, K, E, fp8)
     assert (cfg1.block_m, cfg1.half, cfg2.block_m) == (128, True, 64)
     inp = make_inputs(100, torch.float32, device=dev, fp8=fp8)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    out = fused_moe(moe_call(inp))
     assert relerr(out, legacy_ref(inp)) < (FP8_VS_LEGACY if fp8 else 5e-3 if dev == "cuda" else 1e-5)
 
 
@@ -265,7 +263,7 @@ def test_fp32_weights_at_large_m_with_default_tiles() -> None:
 
     dev = kernel_device()
     inp = make_inputs(300, torch.float32, device=dev)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
+    out = fused_moe(moe_call(inp))
     assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from backends_util import kernel_device, legacy_ref, make_inputs, relerr
+from backends_util import kernel_device, legacy_ref, make_inputs, moe_call, relerr, unsupported
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
@@ -40,9 +40,8 @@ def test_kernel_epilogues_match_legacy(activation, limit):
     for m, kernel in ((3, gemv_moe), (20, fused_moe)):
         inp = make_inputs(m, torch.float32, device=dev)
         inp["hidden"] = inp["hidden"] * 2  # reach both tails of the activation
-        args = [inp[k] for k in ("hidden", "topk_ids", "topk_weights", "w13", "w2")]
-        ref = BACKENDS["legacy"](*args, activation=activation, gate_limit=limit)
-        out = kernel(*args, activation=activation, gate_limit=limit)
+        ref = BACKENDS["legacy"].apply(moe_call(inp, activation=activation, gate_limit=limit))
+        out = kernel(moe_call(inp, activation=activation, gate_limit=limit))
         assert relerr(out, ref) < (5e-3 if dev == "cuda" else 1e-5), kernel.__name__
         assert relerr(out, legacy_ref(inp)) > 1e-2  # not unclamped SiLU's result
 
@@ -54,7 +53,7 @@ def test_every_cpu_backend_takes_the_gate_or_says_why(activation, limit):
     gate = dict(activation=activation, gate_limit=limit)
     ref = BACKENDS["legacy"](*args, **gate)
     for name in available_backends("cpu"):
-        reason = BACKENDS[name].unsupported_reason(args[0], args[3], args[4], **gate)
+        reason = unsupported(BACKENDS[name], args[0], args[3], args[4], **gate)
         if name == "cpu":
             assert reason == f"cpu backend computes unclamped SiLU experts only, not {activation} (limit {limit})"
             with pytest.warns(UserWarning, match="computes unclamped SiLU experts only"):

@@ -158,7 +158,8 @@ def _decide(
         warning = f"MoE backend {name!r} (from {source}) is not registered here; running {plain}"
         name = plain
     else:
-        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs, activation, gate_limit)
+        reason = BACKENDS[name].unsupported_reason(MoeCall.unrouted(hidden, w13, w2, w13_scale, bs, activation,
+                                                                   gate_limit))
         if reason:
             warning = f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}"
             name = plain
@@ -236,20 +237,8 @@ def _run(args: tuple, residual: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @_moe_experts_op.register_fake
-def _(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: list[int] | None = None,
-    backend: str = "auto",
-    upstream: str = "legacy",
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+      *args: object, **kwargs: object) -> torch.Tensor:
     return hidden.new_empty(hidden.shape[0], w2.shape[1])
 
 

@@ -12,38 +12,11 @@ to [-limit, limit] first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-
-@dataclass(frozen=True, eq=False)
-class MoeCall:
-    """One MoE backend call: the data arguments of moefx::moe_experts, built once per op call (backends/op.py) or
-    per direct call of a backend (`MoEBackend.__call__`) and passed to `MoEBackend.run`. `block_shape` is a tuple.
-    Compared by identity (`eq=False`): it holds tensors."""
-
-    hidden: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    w13: torch.Tensor
-    w2: torch.Tensor
-    w13_scale: torch.Tensor | None = None
-    w2_scale: torch.Tensor | None = None
-    block_shape: tuple[int, int] | None = None
-    activation: str = "silu"
-    gate_limit: float | None = None
-
-    def kernel_args(self) -> tuple:
-        """(hidden made contiguous, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape): the positional
-        arguments of the Triton launchers and their PyTorch paths, which take `activation` and `gate_limit` by
-        keyword (`gate_kwargs`)."""
-        return (self.hidden.contiguous(), self.topk_ids, self.topk_weights, self.w13, self.w2, self.w13_scale,
-                self.w2_scale, self.block_shape)
-
-    def gate_kwargs(self) -> dict[str, object]:
-        return {"activation": self.activation, "gate_limit": self.gate_limit}
+from moefx.kernels.moe_call import MoeCall
 
 
 class MoEBackend:
@@ -57,19 +30,11 @@ class MoEBackend:
     # launch of its own.
     adds_residual: ClassVar[bool] = False
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> str | None:
-        """None when this backend can run these inputs, else a short reason (shown in the plan/log)."""
-        if hidden.device.type not in self.devices:
-            return f"{self.name} does not run on {hidden.device.type}"
+    def unsupported_reason(self, call: MoeCall) -> str | None:
+        """None when this backend can run `call` (its routing may be None: `MoeCall.unrouted`), else a short reason
+        (shown in the plan/log)."""
+        if call.hidden.device.type not in self.devices:
+            return f"{self.name} does not run on {call.hidden.device.type}"
         return None
 
     def __call__(

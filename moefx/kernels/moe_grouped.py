@@ -49,6 +49,7 @@ from moefx.kernels.activation import get_activation
 from moefx.kernels.memo import device_capability
 from moefx.kernels.moe_align import moe_align
 from moefx.kernels.moe_align_ref import max_padded_len
+from moefx.kernels.moe_call import MoeCall
 from moefx.kernels.moe_epilogue import gate_up
 from moefx.kernels.pdl import pdl_launch, pdl_supported
 
@@ -475,25 +476,16 @@ def normalize_tiles(
     return replace(cfg1, block_n=sbk, block_k=bk(cfg1)), replace(cfg2, block_k=bk(cfg2))  # GEMM 2: scales per column
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None,
-    config: GemmConfig | None = None,
-    config2: GemmConfig | None = None,
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
+def fused_moe(call: MoeCall, config: GemmConfig | None = None, config2: GemmConfig | None = None) -> torch.Tensor:
     """Align, GEMM 1 (+act(gate) * up, +fp8 quant), GEMM 2 (+routing weight), top-k sum.
 
     `config` (GEMM 1, and GEMM 2 unless `config2` is given) overrides DEFAULT_TILES; GEMM 2 takes GEMM 1's BLOCK_M.
-    `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/kernels/activation.py).
+    The call's `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/kernels/activation.py).
     """
+    hidden, topk_ids, topk_weights, w13, w2 = call.hidden.contiguous(), call.topk_ids, call.topk_weights, call.w13, \
+        call.w2
+    w13_scale, w2_scale, block_shape, activation, gate_limit = call.w13_scale, call.w2_scale, call.block_shape, \
+        call.activation, call.gate_limit
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]
