@@ -38,23 +38,14 @@ class MoEBackend:
         return None
 
     def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-        residual: torch.Tensor | None = None,
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+        w2: torch.Tensor, *, residual: torch.Tensor | None = None, **options: object,
     ) -> torch.Tensor:
-        bs = tuple(block_shape) if block_shape is not None else None
-        call = MoeCall(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, activation, gate_limit)
-        return self.apply(call, residual)
+        """The experts' sum of `MoeCall(hidden, topk_ids, topk_weights, w13, w2, **options)` (options: w13_scale,
+        w2_scale, block_shape, activation, gate_limit), plus `residual` when given."""
+        if options.get("block_shape") is not None:
+            options["block_shape"] = tuple(options["block_shape"])
+        return self.apply(MoeCall(hidden, topk_ids, topk_weights, w13, w2, **options), residual)
 
     def apply(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' sum for `call`, plus `residual` when given: added by the backend where it can
