@@ -28,8 +28,8 @@ from moefx.offload.cost import (
     switch_point,
 )
 from moefx.offload.cpu_experts import KERNEL_MAX_ROWS_PER_EXPERT, CpuMath, ExpertPool, ExpertStore, cpu_moe, route
+from moefx.offload.gpu_budget import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.hw import host_info
-from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
 from moefx.offload.plan import kv_reserve_sequences
 from moefx.offload.staging import StagingRing
