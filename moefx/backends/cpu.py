@@ -1,4 +1,4 @@
-"""cpu: the MoE expert sum computed on the host CPU for host-resident expert weights (SPEC §4/§5).
+"""cpu: the MoE expert sum computed on the host CPU for host-resident expert weights (docs/OFFLOAD.md).
 
 Inputs may live on the GPU (they are copied to the host and the result is copied back); the weights must be
 in host memory. Only routed experts are touched. SiLU experts and float weights only: FP8 block-quantized experts
