@@ -42,7 +42,7 @@ if __name__ == "__main__" and ("--quick" in sys.argv or not torch.cuda.is_availa
 
 from moefx.backends import dense as D
 from moefx.backends import router as _router  # noqa: F401  (registers moefx::add_rms_norm_route)
-from moefx.backends.kernels import dense_kernels as K
+from moefx.kernels import dense_gemm as K
 from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
 
 MS = (1, 2, 4, 8, 16, 32, 64)
@@ -196,7 +196,7 @@ class Form:
     def check(self, m: int, gen: torch.Generator) -> dict:
         """The kernel's outputs against the upstream path: linears and normed rows within the bf16 bound, the
         sum exact, the ids exactly fused_topk's of the kernel's own logits, the weights within 1e-5."""
-        from moefx.backends.kernels.routing import fused_topk_triton
+        from moefx.kernels.moe_routing import fused_topk_triton
 
         x, r = self.inputs(m, gen)
         got, want = self.call("gemv", x, r), self.call("upstream", x, r)

@@ -192,10 +192,9 @@ def cpu_stand_ins() -> Iterator[None]:
 
     from moefx.backends import calibration, dense, dense_policy
     from moefx.backends import routing as routing_op
-    from moefx.backends.kernels import align, dense_kernels, fused_moe_kernels, gemv_kernels, routing
     from moefx.backends.policy import UPSTREAM
     from moefx.backends.registry import BACKENDS
-    from moefx.kernels import availability
+    from moefx.kernels import availability, dense_gemm, moe_align, moe_gemv, moe_grouped, moe_routing
 
     saved: list[tuple[object, str, object]] = []
 
@@ -203,7 +202,7 @@ def cpu_stand_ins() -> Iterator[None]:
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
-    for mod in (align, fused_moe_kernels, gemv_kernels, dense_kernels, routing):
+    for mod in (moe_align, moe_grouped, moe_gemv, dense_gemm, moe_routing):
         for name in dir(mod):
             if name.startswith("_") and name.endswith("_kernel"):
                 patch(mod, name, _NoLaunch())
@@ -213,14 +212,14 @@ def cpu_stand_ins() -> Iterator[None]:
 
     def gemv_launch(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype):
         k = x.shape[-1]
-        outs = dense_kernels.dense_gemv(x.reshape(-1, k), list(weights), list(biases), None, None, None, out_dtype)
+        outs = dense_gemm.dense_gemv(x.reshape(-1, k), list(weights), list(biases), None, None, None, out_dtype)
         return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
 
     def no_linears(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype):  # CUDA: one mm launch each
         return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights]
 
     patch(dense, "RUNNERS", {dense_policy.GEMV: gemv_launch, UPSTREAM: no_linears})
-    patch(routing_op, "fused_topk_torch", routing.fused_topk_triton)
+    patch(routing_op, "fused_topk_torch", moe_routing.fused_topk_triton)
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "moefx" / "calibration" / "cpu.yaml"
         table.parent.mkdir(parents=True)

@@ -193,7 +193,7 @@ def exact_enough(c: dict, frac: float = 1e-3) -> bool:
 
 def check_kernels(device: str, quick: bool = False) -> list[dict]:
     """Every Triton quant kernel variant against the eager reference, plus the GEMMs (small shapes if quick)."""
-    from moefx.ops import triton_gemm
+    from moefx.kernels import fp8_gemm
 
     rows = []
     schemes = [QuantScheme("fp8_group", 128), QuantScheme("fp8_group", 64, scale_ue8m0=True, column_major_scales=True),
@@ -241,7 +241,7 @@ def check_kernels(device: str, quick: bool = False) -> list[dict]:
         wq, ws = quant.quant_weight_fp8_block(torch.randn(n, k, device=device) * 0.05)
         ref = block_gemm.ref_fp8_block_gemm(a_q, a_s, wq, ws, 128, 128, None, torch.float32)
         # fp8 tensor-core sums within a 128-wide K block are not full fp32 on Hopper: ~1e-4 relative
-        out = triton_gemm.fp8_block_gemm(a_q, a_s, wq, ws, 128, 128, None, torch.float32) if device == "cuda" \
+        out = fp8_gemm.fp8_block_gemm(a_q, a_s, wq, ws, 128, 128, None, torch.float32) if device == "cuda" \
             else ops.fp8_block_gemm(a_q, a_s, wq, ws, 128, 128, None, torch.float32)
         rel = ((out - ref).norm() / ref.norm()).item()
         rows.append({"kernel": f"fp8_block_gemm triton {m}x{n}x{k}", "scheme": "w8a8 128x128", "rel_err": rel,
@@ -339,7 +339,7 @@ def scaled_mm_blockwise(a, a_s, w, w_s):
 
 
 def gemm_rows(device: str) -> list[dict]:
-    from moefx.ops import triton_gemm
+    from moefx.kernels import fp8_gemm
 
     rows = []
     for m, n, k in [(16, 4096, 4096), (512, 4096, 4096), (8192, 4096, 4096)]:
@@ -351,7 +351,7 @@ def gemm_rows(device: str) -> list[dict]:
         row = {"M": m, "N": n, "K": k}
         operands = [(a, a_s, wq, ws)]
         row["triton_us"] = time_rotated(
-            lambda *o: triton_gemm.fp8_block_gemm(*o, 128, 128, None, torch.bfloat16), operands, 20)
+            lambda *o: fp8_gemm.fp8_block_gemm(*o, 128, 128, None, torch.bfloat16), operands, 20)
         row["bf16_mm_us"] = time_rotated(lambda xx, ww: xx @ ww.t(), [(x, wb)], 20)
         try:
             out = scaled_mm_blockwise(a, a_s, wq, ws).float()

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import ceilings, input_sets, kernel_times, relerr, routing, time_graph
-from moefx.backends import BACKENDS
+from moefx.backends import BACKENDS, MoeCall
 from moefx.ops.quant import quant_weight_fp8_block
 
 MS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -135,7 +135,7 @@ def main() -> None:
                     err = relerr(make_peer(wt["w13"], wt["w2"], compile_=False)(x, ids, tw.to(x.dtype)), ref)
                 result["check"].append(dict(dtype=dt, M=m, backend="hf_grouped_mm", relerr=err, ok=err < BOUNDS[dt]))
             for name, be in BACKENDS.items():
-                if name == "legacy" or be.unsupported_reason(x, wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), bs):
+                if name == "legacy" or be.unsupported_reason(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"])):
                     continue
                 err = relerr(be(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]), ref)
                 ok = err < BOUNDS[dt]
@@ -167,7 +167,7 @@ def main() -> None:
                        peer_triton_us=PEER_TRITON_US.get(dt, (None,) * 7)[mi] if len(ms) == 7 else None)
             cands = {n: b for n, b in BACKENDS.items() if n != "legacy"}
             for name, be in cands.items():
-                if be.unsupported_reason(sets[0][0], wt["w13"], wt["w2"], wt["kw"].get("w13_scale"), bs):
+                if be.unsupported_reason(MoeCall(*sets[0], wt["w13"], wt["w2"], **wt["kw"])):
                     continue
                 row[name] = run_timed(quick, lambda be=be, wt=wt, sets=sets: [
                     be(x, i, w, wt["w13"], wt["w2"], **wt["kw"]) for x, i, w in sets]) / nsets
@@ -248,7 +248,7 @@ GEMV_AXES = {1: {"block_k1": (1024, 2048, 512, 256), "block_n1": (4, 8, 16, 2, 3
 
 def grouped_fits(cfg, gemm: int, elem: int) -> bool:
     """Pipelined A + B tiles (GEMM 1 loads gate and up tiles) within shared memory, accumulators in registers."""
-    from moefx.backends.kernels.fused_moe_kernels import tile_smem_bytes
+    from moefx.kernels.moe_grouped import tile_smem_bytes
 
     nb = 2 if gemm == 1 else 1
     regs_ok = cfg.block_m * cfg.block_n * nb <= ACC_REGS * 32 * cfg.num_warps
@@ -260,7 +260,7 @@ def grouped_candidates(dt: str, ms: tuple[int, ...], e: int, k: int, block) -> l
     change at a time: part '1' varies GEMM 1, '2' GEMM 2. Tiles as they run (normalize_tiles), no repeats."""
     from dataclasses import replace
 
-    from moefx.backends.kernels.fused_moe_kernels import default_tiles, normalize_tiles
+    from moefx.kernels.moe_grouped import default_tiles, normalize_tiles
 
     fp8, elem = dt == "fp8", 1 if dt == "fp8" else 2
     refs = list(dict.fromkeys(normalize_tiles(*default_tiles(m, k, e, fp8), block) for m in ms))
@@ -293,7 +293,7 @@ def gemv_effective(cfg, h: int, inter: int, k: int, block):
     import math
     from dataclasses import replace
 
-    from moefx.backends.kernels.gemv_kernels import block_k_for
+    from moefx.kernels.moe_gemv import block_k_for
 
     fp8 = block is not None
     kp = 1 << (k - 1).bit_length()
@@ -310,7 +310,7 @@ def gemv_candidates(ms: tuple[int, ...], h: int, inter: int, k: int, block) -> l
     import itertools
     from dataclasses import replace
 
-    from moefx.backends.kernels.gemv_kernels import default_gemv_config
+    from moefx.kernels.moe_gemv import default_gemv_config
 
     fp8 = block is not None
     refs = list(dict.fromkeys(gemv_effective(default_gemv_config(m, fp8), h, inter, k, block) for m in ms))
@@ -333,7 +333,7 @@ def combine(kind: str, cands: list[tuple[str, tuple]], us: list[dict], m: int):
     """Best part-1 change + best part-2 change (same BLOCK_M for grouped) at M, or None when nothing new."""
     from dataclasses import replace
 
-    from moefx.backends.kernels.fused_moe_kernels import normalize_tiles
+    from moefx.kernels.moe_grouped import normalize_tiles
 
     timed = [(t[m], i) for i, t in enumerate(us) if isinstance(t.get(m), float)]
     if not timed:
@@ -403,8 +403,8 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
     out), then the best GEMM-1 change combined with the best GEMM-2 change. Every point is checked
     against legacy first. Adopt a result by editing DEFAULT_TILES in the kernel module.
     """
-    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe, normalize_tiles
-    from moefx.backends.kernels.gemv_kernels import default_gemv_config, gemv_moe
+    from moefx.kernels.moe_gemv import default_gemv_config, gemv_moe
+    from moefx.kernels.moe_grouped import default_tiles, fused_moe, normalize_tiles
 
     dev = "cpu" if quick else "cuda"
     nsets = 1 if quick else 4
@@ -436,11 +436,10 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
               f"share {share:.0f} s -> ~{min(len(cands), int(share / per_cand))} timed", flush=True)
 
         def call(tiles, wt=wt, kind=kind):
-            s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
             if kind == "grouped":
-                return lambda x, ids, tw: fused_moe(x, ids, tw, wt["w13"], wt["w2"], s13, s2, bs, config=tiles[0],
-                                                    config2=tiles[1])
-            return lambda x, ids, tw: gemv_moe(x, ids, tw, wt["w13"], wt["w2"], s13, s2, bs, config=tiles[0])
+                return lambda x, ids, tw: fused_moe(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]),
+                                                    config=tiles[0], config2=tiles[1])
+            return lambda x, ids, tw: gemv_moe(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]), config=tiles[0])
 
         us: list[dict] = []
         n_refs = sum(p == "ref" for p, _ in cands)
@@ -520,14 +519,13 @@ def print_sweep(res: dict) -> None:
 
 def profile_variants(dt: str, m: int, wt: dict) -> dict:
     """name -> call(x, ids, tw) for the backends worth a breakdown at this M, at their default tiles (a tile
-    experiment adds a variant here: `fused_moe(..., config=, config2=)`, `gemv_moe(..., config=)`)."""
-    from moefx.backends.kernels.fused_moe_kernels import fused_moe
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+    experiment adds a variant here: `fused_moe(call, config=, config2=)`, `gemv_moe(call, config=)`)."""
+    from moefx.kernels.moe_gemv import gemv_moe
+    from moefx.kernels.moe_grouped import fused_moe
 
-    s13, s2, bs = wt["kw"].get("w13_scale"), wt["kw"].get("w2_scale"), wt["kw"].get("block_shape")
-    out = {"grouped": lambda x, i, w: fused_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)}
+    out = {"grouped": lambda x, i, w: fused_moe(MoeCall(x, i, w, wt["w13"], wt["w2"], **wt["kw"]))}
     if m <= 16:
-        out["gemv"] = lambda x, i, w: gemv_moe(x, i, w, wt["w13"], wt["w2"], s13, s2, bs)
+        out["gemv"] = lambda x, i, w: gemv_moe(MoeCall(x, i, w, wt["w13"], wt["w2"], **wt["kw"]))
     if dt == "bf16" and m >= 1024:
         out["torch_grouped"] = lambda x, i, w: BACKENDS["torch_grouped"](x, i, w, wt["w13"], wt["w2"])
     return out
@@ -560,8 +558,8 @@ def profile(weights: dict, ms: tuple[int, ...], dtypes: list[str], e: int, h: in
 def profile_pieces(ms: tuple[int, ...], e: int, h: int, k: int, gen: torch.Generator) -> list[dict]:
     """CUDA-graph µs of the grouped path's small pieces on their own: the align (one program vs two launches) and
     the top-k sum (Triton vs torch's sum; max |difference| to an fp32 sum rounded once)."""
-    from moefx.backends.kernels.align import moe_align
-    from moefx.backends.kernels.fused_moe_kernels import default_tiles, topk_sum
+    from moefx.kernels.moe_align import moe_align
+    from moefx.kernels.moe_grouped import default_tiles, topk_sum
 
     rows = []
     for m in ms:

@@ -32,6 +32,7 @@ from bench.harness import ceilings, relerr, routing
 from bench.sections.moe_backward import BackwardRow
 from moefx.backends import moe_experts
 from moefx.backends.backward import backward_path, backward_reference
+from moefx.backends.registry import MoeCall
 
 MS = (1024, 4096)
 BOUND = 3e-2  # bf16 gradients vs the fp32 reference: ||g - ref|| / ||ref||
@@ -74,8 +75,8 @@ def check(fwd, sets: list[tuple], w13, w2) -> list[float]:
     for x, ids, w, grad in sets:
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         got = torch.autograd.grad(fwd(xs, ids, ws), (xs, ws, w13, w2), grad)
-        want = backward_reference(grad.float(), x.float(), ids, w.float(), w13.detach().float(),
-                                  w2.detach().float(), None, None, None, "silu", [True] * 4)
+        want = backward_reference(grad.float(), MoeCall(x.float(), ids, w.float(), w13.detach().float(),
+                                                        w2.detach().float()), [True] * 4)
         worst = [max(a, relerr(g, r)) for a, g, r in zip(worst, got, want)]
     return worst
 

@@ -21,7 +21,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import ceilings, kernel_times, routing, time_graph
-from moefx.backends.kernels.fused_moe_kernels import fused_moe
+from moefx.kernels.moe_call import MoeCall
+from moefx.kernels.moe_grouped import fused_moe
 from moefx.ops.quant import quant_weight_fp8_block
 
 E, H, I, K = 128, 2048, 768, 8
@@ -42,7 +43,7 @@ def ours(label: str, m: int, weights: dict, inputs: tuple, rows: list[dict]) -> 
     """Our GEMM 1 and GEMM 2 kernel times (profiler) for both weight kinds on one (hidden, ids, weights) input."""
     r = m * inputs[1].shape[1]
     for dt, args in weights.items():
-        kt = kernel_times(lambda x, i, w, args=args: fused_moe(x, i, w, *args), [inputs])
+        kt = kernel_times(lambda x, i, w, args=args: fused_moe(MoeCall(x, i, w, *args)), [inputs])
         for gemm, k, n in GEMMS:
             us = next(v for name, v in kt.items() if gemm in name)
             rows.append(dict(name=f"{label} {dt} {gemm}", M=m, us=round(us, 1),

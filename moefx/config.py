@@ -115,7 +115,8 @@ class CompilationConfig:
     dense_backend: str = field(default="auto", metadata=_choices(*DENSE_BACKENDS))
     # capture: compiled, with CUDA graphs where the device has them (compile and eager opt out of those steps).
     mode: str = field(default="capture", metadata=_choices(*MODES))
-    # Caps the decode engine's CUDA-graph batch buckets; None: a cap derived from free memory (SPEC §6).
+    # Caps the decode engine's CUDA-graph batch buckets; None: a cap derived from free memory (docs/SIGNATURES.md,
+    # "How a plan is resolved").
     max_batch_size: int | None = None
     # Memory all of the decode engine's slots (static caches, CUDA-graph pools) share: a fraction of the free
     # device memory when <= 1, else bytes; None: env MOEFX_MEMORY_BUDGET, else DEFAULT_MEMORY_BUDGET.
@@ -123,7 +124,7 @@ class CompilationConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     calibration: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
-    # Prefill token budget override; None lets the plan decide (SPEC §6).
+    # Prefill token budget override; None lets the plan decide (docs/SIGNATURES.md, "How a plan is resolved").
     prefill_token_budget: int | None = None
     # Cap on rows × prompt bucket of the prefill captured in CUDA graphs (mode capture on CUDA); 0 turns it off.
     prefill_capture_tokens: int = PREFILL_CAPTURE_TOKENS

@@ -5,7 +5,7 @@ default, meaning and legacy aliases, and the one list of on/off words. Every rea
 legacy alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
 for a bad value. Canonical and alias both set to different values is an error, never a silent choice.
 
-`settings()` (SPEC §1 `moefx.offload.settings()`) resolves the rows of SPEC §5's table (offload, the MoE and dense
+`settings()` (`moefx.offload.settings()`) resolves the rows of docs/OFFLOAD.md's knob table (offload, the MoE and dense
 backends, the decode engine's memory budget); the plan validates them all at once. The other rows are read where
 they are used: logging, graph dumps, the compile cache's folder, the vLLM config, pass switches and a legacy
 backend switch.
@@ -84,7 +84,7 @@ def _cache_folder(raw: str) -> bool | str:
 @dataclass(frozen=True)
 class EnvSetting:
     """One knob: canonical name, parser (its type), default (None = decided elsewhere, see `meaning`), aliases;
-    `in_settings`: one of the values `settings()` resolves (SPEC §5's table)."""
+    `in_settings`: one of the values `settings()` resolves (docs/OFFLOAD.md, "Environment knobs")."""
 
     name: str
     parse: Callable[[str], Any]
@@ -274,5 +274,5 @@ def setting_source(name: str, environ: Mapping[str, str] | None = None) -> str:
 
 
 def settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Every canonical name of SPEC §5's table -> its resolved value (SPEC §1 `moefx.offload.settings()`)."""
+    """Every canonical name of docs/OFFLOAD.md's knob table -> its resolved value (`moefx.offload.settings()`)."""
     return {s.name: get_setting(s.name, environ) for s in SETTINGS}

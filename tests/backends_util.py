@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from moefx.kernels.moe_call import MoeCall
+
 E, H, I, K = 4, 64, 32, 2
 BS = (32, 32)  # the FP8 tensor-core dot takes K >= 32 per step on a GPU
 
@@ -59,3 +61,14 @@ def legacy_ref(inp: dict) -> torch.Tensor:
     from moefx.backends import BACKENDS
 
     return BACKENDS["legacy"](inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+
+
+def moe_call(inp: dict, **gate: object) -> MoeCall:
+    """The `MoeCall` of `make_inputs`' dict (the launchers' and PyTorch paths' argument); `gate`: activation and
+    gate_limit."""
+    return MoeCall(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"], **gate)
+
+
+def unsupported(backend: object, *args: object, **kwargs: object) -> str | None:
+    """`backend.unsupported_reason` of the unrouted call of `MoeCall.unrouted(*args, **kwargs)`."""
+    return backend.unsupported_reason(MoeCall.unrouted(*args, **kwargs))

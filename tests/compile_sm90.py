@@ -24,11 +24,11 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from moefx.backends.activation import ACTIVATIONS
-from moefx.backends.kernels import dense_kernels as dense
-from moefx.backends.kernels import fused_moe_kernels as fmk
-from moefx.backends.kernels import gemv_kernels as gemv
-from moefx.backends.kernels.routing import constexprs as route_constexprs
+from moefx.kernels import dense_gemm as dense
+from moefx.kernels import moe_gemv as gemv
+from moefx.kernels import moe_grouped as fmk
+from moefx.kernels.activation import ACTIVATIONS
+from moefx.kernels.moe_routing import constexprs as route_constexprs
 
 # Qwen3-30B-A3B's expert shapes (the geometry the tiles were measured on)
 H, I, TOP_K, BLOCK_SHAPE = 2048, 768, 8, (128, 128)
@@ -117,7 +117,7 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0
 def compile_decode_attention() -> list[dict]:
     """moefx::decode_attention's kernels at Qwen3-30B-A3B's attention (8 query heads per KV head, head_dim 128, bf16,
     a bool mask), one slice and split, and the combine kernel; and moefx::qk_norm_rope_cache's kernel in front."""
-    from moefx.ops import triton_attention as ta
+    from moefx.kernels import decode_attn as ta
 
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr="*i1", out_ptr="*bf16", part_ptr="*fp32",
                  scale="fp32")
@@ -129,7 +129,7 @@ def compile_decode_attention() -> list[dict]:
                          gemm1=_compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES),
                          gemm2=_compile(ta._combine_kernel, dict(part_ptr="*fp32", out_ptr="*bf16"),
                                         dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16), 1, LAUNCH_DEFAULT_STAGES)))
-    from moefx.ops import triton_rope_cache as rc
+    from moefx.kernels import norm_rope_cache as rc
 
     bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "keys_ptr",
                                  "values_ptr", "out_ptr")}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import BS, E, H, I, K, kernel_device, legacy_ref, make_inputs, relerr
+from backends_util import BS, E, H, I, K, kernel_device, legacy_ref, make_inputs, moe_call, relerr, unsupported
 
 from moefx.backends import BACKENDS
-from moefx.backends.kernels.common import max_padded_len, moe_align_torch, qdq_rows
+from moefx.backends.common import qdq_rows
+from moefx.kernels.moe_align_ref import max_padded_len, moe_align_torch
+from moefx.kernels.moe_call import MoeCall
 
 # bf16: both sides round intermediates to bf16 at different points. fp8 w8a8 vs the oracle (dequantized
 # weights, unquantized activations): two activation quantizations (e4m3, 3 mantissa bits) at tiny K.
@@ -21,7 +23,7 @@ CASES = [(1, "random"), (5, "random"), (9, "zero_experts"), (7, "one_expert")]
 @pytest.mark.parametrize("one_program", [None, True, False])
 def test_align_triton_matches_torch_exactly(m: int, case: str, block_m: int, one_program: bool | None) -> None:
     """Both Triton paths (one program, two launches) give exactly the PyTorch layout: ascending pairs per expert."""
-    from moefx.backends.kernels.align import moe_align
+    from moefx.kernels.moe_align import moe_align
 
     ids = make_inputs(m, torch.float32, case, device=kernel_device())["topk_ids"]
     got = moe_align(ids, E, block_m, one_program=one_program)
@@ -36,7 +38,7 @@ def test_align_triton_matches_torch_exactly(m: int, case: str, block_m: int, one
 def test_align_at_model_expert_counts(m: int, k: int, experts: int, block_m: int, chunk: int) -> None:
     """Real expert counts (Qwen3 128, DeepSeek-V3 256): the default path against the PyTorch layout; from 40 x 8
     pairs the two-launch path, with several programs (and, at chunk 16 and 2200 pairs, two chunks each)."""
-    from moefx.backends.kernels.align import moe_align
+    from moefx.kernels.moe_align import moe_align
 
     gen = torch.Generator().manual_seed(m)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(m)]).to(kernel_device())
@@ -46,7 +48,7 @@ def test_align_at_model_expert_counts(m: int, k: int, experts: int, block_m: int
 
 @pytest.mark.parametrize("m,k,h", [(3, 8, 2048), (5, 6, 100), (1, 1, 64), (0, 8, 64)])
 def test_topk_sum_matches_an_fp32_sum_rounded_once(m: int, k: int, h: int) -> None:
-    from moefx.backends.kernels.fused_moe_kernels import topk_sum
+    from moefx.kernels.moe_grouped import topk_sum
 
     x = torch.randn(m * k, h, device=kernel_device()).bfloat16()
     out = topk_sum(x, k)
@@ -71,18 +73,18 @@ def test_cpu_path_matches_legacy(m: int, case: str, dtype: torch.dtype, fp8: boo
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8: bool) -> None:
     from moefx.backends.grouped import grouped_torch
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+    from moefx.kernels.moe_grouped import GemmConfig, fused_moe
 
     dev = kernel_device()
     inp = make_inputs(m, dtype, case, device=dev, fp8=fp8)
-    args = (inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
-    kw = inp["kw"]
-    out = fused_moe(*args, kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"),
-                    config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
+    call = moe_call(inp)
+    out = fused_moe(call, config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
     if fp8:
         assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
         # same w8a8 arithmetic in PyTorch; only fp32 summation order (-> rare e4m3 rounding flips) differs
-        emul = grouped_torch(*(a.cpu() for a in args), *(kw[n].cpu() for n in ("w13_scale", "w2_scale")), BS)
+        emul = grouped_torch(moe_call({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+                                      | {"kw": {**{n: inp["kw"][n].cpu() for n in ("w13_scale", "w2_scale")},
+                                                "block_shape": BS}}))
         assert relerr(out.cpu(), emul) < 0.06
     else:
         bound = 5e-3 if dev == "cuda" and dtype == torch.float32 else BOUNDS[dtype]
@@ -90,17 +92,16 @@ def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8:
 
 
 def test_triton_kernels_top_k_three() -> None:
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+    from moefx.kernels.moe_grouped import GemmConfig, fused_moe
 
     dev = kernel_device()
     inp = make_inputs(5, torch.float32, device=dev, k=3)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
+    out = fused_moe(moe_call(inp), config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
     assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
 def test_fp8_activation_quant_matches_reference() -> None:
-    from moefx.backends.kernels.fused_moe_kernels import quant_rows_fp8
+    from moefx.kernels.moe_grouped import quant_rows_fp8
 
     x = torch.randn(5, H, device=kernel_device()) * 3
     q, s = quant_rows_fp8(x, BS[1])
@@ -112,9 +113,9 @@ def test_fp8_activation_quant_matches_reference() -> None:
 def test_unsupported_reasons() -> None:
     be = BACKENDS["grouped"]
     x = torch.randn(2, H)
-    assert be.unsupported_reason(x, torch.randn(E, 2 * I, H), torch.randn(E, H, I)) is None
-    assert "int" in be.unsupported_reason(x.int(), torch.randn(E, 2 * I, H), torch.randn(E, H, I))
-    assert "contiguous" in be.unsupported_reason(x, torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
+    assert unsupported(be, x, torch.randn(E, 2 * I, H), torch.randn(E, H, I)) is None
+    assert "int" in unsupported(be, x.int(), torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    assert "contiguous" in unsupported(be, x, torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
 
 
 # (GEMM 1 tile, GEMM 2 tile or None for the same) as GemmConfig keyword arguments
@@ -132,17 +133,15 @@ def _fused_relerr_and_bound(m: int, case: str, fp8: bool, config, config2) -> tu
     """fused_moe at the given tiles vs legacy on fresh inputs (block-quantized weights when fp8), and its bound."""
     from backends_util import quant_block
 
-    from moefx.backends.kernels.fused_moe_kernels import fused_moe
+    from moefx.kernels.moe_grouped import fused_moe
 
     dev = kernel_device()
     inp = make_inputs(m, torch.float32, case, device=dev)
-    kw: dict = {}
     if fp8:
         inp["w13"], s13 = quant_block(inp["w13"])
         inp["w2"], s2 = quant_block(inp["w2"])
-        kw = inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
-                    kw.get("w13_scale"), kw.get("w2_scale"), kw.get("block_shape"), config=config, config2=config2)
+        inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
+    out = fused_moe(moe_call(inp), config=config, config2=config2)
     return relerr(out, legacy_ref(inp)), FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
 
 
@@ -151,7 +150,7 @@ def _fused_relerr_and_bound(m: int, case: str, fp8: bool, config, config2) -> tu
 def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
     """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it), and weight tiles through TMA
     descriptors or pointer loads: all match legacy."""
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig
+    from moefx.kernels.moe_grouped import GemmConfig
 
     tile1, tile2 = TILE_CASES[case]
     err, bound = _fused_relerr_and_bound(9, "zero_experts", fp8, GemmConfig(**tile1),
@@ -167,7 +166,7 @@ def test_half_tiles_and_gemm2_sub_blocks(fp8: bool, tile2: dict) -> None:
     other experts' ~13 rows half tiles. GEMM 2 either runs 16-row tiles inside the 32-row align blocks (skipping the
     all-padding ones), half tiles too, or full 32-row tiles that read the rows GEMM 1's half tiles never wrote (as
     padding only: their results are not stored). Every variant matches legacy."""
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig
+    from moefx.kernels.moe_grouped import GemmConfig
 
     base = dict(block_n=32, block_k=32, group_m=2, num_stages=2)
     err, bound = _fused_relerr_and_bound(40, "one_expert", fp8, GemmConfig(block_m=32, half=True, **base),
@@ -181,7 +180,7 @@ def test_fp8_running_scale_equals_per_step_scaling() -> None:
     the block (scales per column)."""
     from backends_util import quant_block
 
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fused_moe
+    from moefx.kernels.moe_grouped import GemmConfig, fused_moe
 
     dev = kernel_device()
     inp = make_inputs(9, torch.float32, "zero_experts", device=dev)
@@ -190,8 +189,8 @@ def test_fp8_running_scale_equals_per_step_scaling() -> None:
     e = int(inp["topk_ids"][0, 0])
     w13[e, : BS[0], : BS[1]] = 0  # zero weights with a zero scale (some quantizers write 0 for an all-zero block)
     s13[e, 0, 0] = 0
-    outs = [fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], w13, w2, s13, s2, BS,
-                      config=GemmConfig(16, 32, 32, 1, num_stages=2, running=running),
+    call = MoeCall(inp["hidden"], inp["topk_ids"], inp["topk_weights"], w13, w2, s13, s2, BS)
+    outs = [fused_moe(call, config=GemmConfig(16, 32, 32, 1, num_stages=2, running=running),
                       config2=GemmConfig(16, 64, 32, 4, num_stages=2, running=running)) for running in (False, True)]
     assert torch.isfinite(outs[1]).all()
     assert relerr(outs[1], outs[0]) < 1e-2  # fp32 rounding apart, then one e4m3 rounding of the intermediate
@@ -200,7 +199,7 @@ def test_fp8_running_scale_equals_per_step_scaling() -> None:
 def test_default_tiles_cover_every_m_and_fit_fp8_blocks() -> None:
     import math
 
-    from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES, default_tiles, normalize_tiles
+    from moefx.kernels.moe_grouped import DEFAULT_TILES, default_tiles, normalize_tiles
 
     for kind, rows in DEFAULT_TILES.items():
         assert rows[-1][0] == math.inf and [r[0] for r in rows] == sorted(r[0] for r in rows)
@@ -214,7 +213,7 @@ def test_default_tiles_cover_every_m_and_fit_fp8_blocks() -> None:
 
 
 def test_tma_problem_names_the_layout() -> None:
-    from moefx.backends.kernels.fused_moe_kernels import tma_problem
+    from moefx.kernels.moe_grouped import tma_problem
 
     assert tma_problem(torch.randn(E, 2 * I, H), torch.randn(E, H, I)) is None
     assert "contiguous" in tma_problem(torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, H, I))
@@ -222,7 +221,7 @@ def test_tma_problem_names_the_layout() -> None:
 
 
 def test_fit_shared_memory_trims_stages_then_block_k() -> None:
-    from moefx.backends.kernels.fused_moe_kernels import GemmConfig, fit_shared_memory, tile_smem_bytes
+    from moefx.kernels.moe_grouped import GemmConfig, fit_shared_memory, tile_smem_bytes
 
     big = GemmConfig(128, 128, 64, num_stages=3)
     assert tile_smem_bytes(big, 2, 4) == 3 * (128 * 64 + 2 * 64 * 128) * 4  # fp32 weights: 288 KiB
@@ -236,35 +235,35 @@ def test_fit_shared_memory_trims_stages_then_block_k() -> None:
 
 def test_fp8_at_large_m_takes_the_running_scale_tiles() -> None:
     """FP8 above 128 rows per expert runs the default BLOCK_M 128 running-scale tiles, and matches legacy."""
-    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe
+    from moefx.kernels.moe_grouped import default_tiles, fused_moe
 
     dev = kernel_device()
     inp = make_inputs(300, torch.float32, device=dev, fp8=True)
     assert all(cfg.running and cfg.block_m == 128 for cfg in default_tiles(300, K, E, fp8=True))
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    out = fused_moe(moe_call(inp))
     assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_default_tiles_between_32_and_128_rows_per_expert(fp8: bool) -> None:
     """~50 rows per expert: GEMM 1 aligns at 128 with half tiles, GEMM 2 runs 64-row tiles inside; matches legacy."""
-    from moefx.backends.kernels.fused_moe_kernels import default_tiles, fused_moe
+    from moefx.kernels.moe_grouped import default_tiles, fused_moe
 
     dev = kernel_device()
     cfg1, cfg2 = default_tiles(100, K, E, fp8)
     assert (cfg1.block_m, cfg1.half, cfg2.block_m) == (128, True, 64)
     inp = make_inputs(100, torch.float32, device=dev, fp8=fp8)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    out = fused_moe(moe_call(inp))
     assert relerr(out, legacy_ref(inp)) < (FP8_VS_LEGACY if fp8 else 5e-3 if dev == "cuda" else 1e-5)
 
 
 def test_fp32_weights_at_large_m_with_default_tiles() -> None:
     """fp32 rows at > 128 rows per expert take the widest default tiles (on a GPU: trimmed to its shared memory)."""
-    from moefx.backends.kernels.fused_moe_kernels import fused_moe
+    from moefx.kernels.moe_grouped import fused_moe
 
     dev = kernel_device()
     inp = make_inputs(300, torch.float32, device=dev)
-    out = fused_moe(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
+    out = fused_moe(moe_call(inp))
     assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
@@ -282,9 +281,9 @@ def test_default_tiles_compile_for_sm90(kind: str) -> None:
 
     import triton.backends
 
-    from moefx.backends.activation import ACTIVATIONS
-    from moefx.backends.kernels import gemv_kernels
-    from moefx.backends.kernels.fused_moe_kernels import DEFAULT_TILES
+    from moefx.kernels import moe_gemv as gemv_kernels
+    from moefx.kernels.activation import ACTIVATIONS
+    from moefx.kernels.moe_grouped import DEFAULT_TILES
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import BS, E, H, I, legacy_ref, make_inputs, relerr
+from backends_util import BS, E, H, I, legacy_ref, make_inputs, relerr, unsupported
 
 from moefx.backends import BACKENDS
 
@@ -18,7 +18,7 @@ def test_matches_legacy(m: int, case: str, dtype: torch.dtype) -> None:
     dev = "cuda" if torch.cuda.is_available() and dtype == torch.bfloat16 else "cpu"
     inp = make_inputs(m, dtype, case, device=dev)
     be = BACKENDS["torch_grouped"]
-    assert be.unsupported_reason(inp["hidden"], inp["w13"], inp["w2"]) is None
+    assert unsupported(be, inp["hidden"], inp["w13"], inp["w2"]) is None
     out = be(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
     assert out.shape == (m, H) and out.dtype == dtype
     assert relerr(out, legacy_ref(inp)) < BOUNDS[dtype]
@@ -27,9 +27,9 @@ def test_matches_legacy(m: int, case: str, dtype: torch.dtype) -> None:
 def test_refuses_fp8_and_fp16() -> None:
     be = BACKENDS["torch_grouped"]
     inp = make_inputs(2, torch.float32, fp8=True)
-    assert "FP8" in be.unsupported_reason(inp["hidden"], inp["w13"], inp["w2"], inp["kw"]["w13_scale"], BS)
+    assert "FP8" in unsupported(be, inp["hidden"], inp["w13"], inp["w2"], inp["kw"]["w13_scale"], BS)
     with pytest.raises(ValueError, match="FP8"):
         be(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
     x = torch.randn(2, H, dtype=torch.float16)
     w13, w2 = torch.randn(E, 2 * I, H, dtype=torch.float16), torch.randn(E, H, I, dtype=torch.float16)
-    assert "fp32" in be.unsupported_reason(x, w13, w2)
+    assert "fp32" in unsupported(be, x, w13, w2)

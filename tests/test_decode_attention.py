@@ -27,7 +27,7 @@ def _inputs(batch, hq, hkv, length, d, seed):
 
 
 def _run(case, mask_kind):
-    from moefx.ops.triton_attention import decode_attention_triton
+    from moefx.kernels.decode_attn import decode_attention_triton
 
     batch, hq, hkv, length, d, splits = case
     q, k, v = _inputs(batch, hq, hkv, length, d, seed=length)

@@ -1,4 +1,4 @@
-"""The dense-linear Triton kernel (kernels/dense_kernels.py) against torch: under TRITON_INTERPRET=1 on the CPU with
+"""The dense-linear Triton kernel (kernels/dense_gemm.py) against torch: under TRITON_INTERPRET=1 on the CPU with
 fp32 inputs (the interpreter gets bf16 dots and bf16 rounding wrong), on the GPU in bf16 (marked gpu). Bounds:
 fp32 and FP8-with-fp32-output 1e-5 relative (summation order only); bf16 outputs 5e-3 (one rounding, <= 2^-8
 relative per element, over an fp32 sum)."""
@@ -10,7 +10,7 @@ import torch
 
 import moefx.ops  # noqa: F401  (moefx::quant)
 from moefx.backends.dense import reference
-from moefx.backends.kernels import dense_kernels as K
+from moefx.kernels import dense_gemm as K
 from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
 
 ops = torch.ops.moefx

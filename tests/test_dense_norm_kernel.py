@@ -1,4 +1,4 @@
-"""The dense-linear Triton kernel's RMSNorm prologue (NORM, kernels/dense_kernels.py) against the norm then the fp32
+"""The dense-linear Triton kernel's RMSNorm prologue (NORM, kernels/dense_gemm.py) against the norm then the fp32
 product (`ref_rms_norm` + dense.py's `reference`): under TRITON_INTERPRET=1 on the CPU with fp32 inputs (the interpreter
 gets bf16 dots and bf16 rounding wrong), on the GPU in bf16 (marked gpu). Bounds: fp32 rtol = atol = 1e-5 per
 element (only the summation order differs: the variance's and the products'); bf16 outputs 5e-3 relative (one
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moefx.backends.dense import add_rms_norm_dense_linear, reference, rms_norm_dense_linear
-from moefx.backends.kernels import dense_kernels as K
+from moefx.kernels import dense_gemm as K
 from moefx.ops.quant import ref_rms_norm
 
 EPS = 1e-6

@@ -190,9 +190,9 @@ def _both_ways(args: list, launch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch,seq,with_weight", [(1, 1, True), (3, 1, True), (2, 2, False)])
 def test_kernel_matches_the_reference(dtype, batch, seq, with_weight):
-    """In the interpreter (its bf16 casts truncate; the kernel rounds bf16 on the bits, moefx/backends/kernels/
+    """In the interpreter (its bf16 casts truncate; the kernel rounds bf16 on the bits, moefx/kernels/
     rounding.py)."""
-    from moefx.ops.triton_rope_cache import qk_norm_rope_cache_triton
+    from moefx.kernels.norm_rope_cache import qk_norm_rope_cache_triton
 
     args = _op_inputs(dtype, batch, seq, with_weight=with_weight)
     assert unsupported_reason(*args[:5], *args[6:]) is None

@@ -187,7 +187,7 @@ def test_sampled_steps_replayed_or_called_directly_give_the_same_logits_and_toke
     from moefx.backends.calibration import parse_ranges
     from moefx.backends.capture_mode import as_captured
     from moefx.backends.dense import select_backend
-    from moefx.backends.kernels import dense_kernels
+    from moefx.kernels import dense_gemm as dense_kernels
     from moefx.sampling.sampler import SamplingParams
 
     monkeypatch.setattr(dense_kernels, "_COUNTERS", {})  # as in a fresh process: no gemv has run yet

@@ -9,14 +9,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from backends_util import kernel_device, legacy_ref, make_inputs, relerr
+from backends_util import kernel_device, legacy_ref, make_inputs, moe_call, relerr, unsupported
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
 from moefx.backends import BACKENDS, available_backends, moe_experts
-from moefx.backends.activation import ACTIVATIONS
+from moefx.kernels.activation import ACTIVATIONS
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 NON_SILU = [a for a in sorted(ACTIVATIONS) if a != "silu"]
@@ -33,16 +33,15 @@ def test_derivatives_match_autograd():
 def test_kernel_epilogues_match_legacy(activation, limit):
     """fused_moe's GEMM 1 and gemv_moe's stage 1 with the activation's ACT id and the clamp (fp32 inputs: the
     interpreter's dot); limit 1.0 clamps about half the gate and up values of these inputs."""
-    from moefx.backends.kernels.fused_moe_kernels import fused_moe
-    from moefx.backends.kernels.gemv_kernels import gemv_moe
+    from moefx.kernels.moe_gemv import gemv_moe
+    from moefx.kernels.moe_grouped import fused_moe
 
     dev = kernel_device()
     for m, kernel in ((3, gemv_moe), (20, fused_moe)):
         inp = make_inputs(m, torch.float32, device=dev)
         inp["hidden"] = inp["hidden"] * 2  # reach both tails of the activation
-        args = [inp[k] for k in ("hidden", "topk_ids", "topk_weights", "w13", "w2")]
-        ref = BACKENDS["legacy"](*args, activation=activation, gate_limit=limit)
-        out = kernel(*args, activation=activation, gate_limit=limit)
+        ref = BACKENDS["legacy"].apply(moe_call(inp, activation=activation, gate_limit=limit))
+        out = kernel(moe_call(inp, activation=activation, gate_limit=limit))
         assert relerr(out, ref) < (5e-3 if dev == "cuda" else 1e-5), kernel.__name__
         assert relerr(out, legacy_ref(inp)) > 1e-2  # not unclamped SiLU's result
 
@@ -54,7 +53,7 @@ def test_every_cpu_backend_takes_the_gate_or_says_why(activation, limit):
     gate = dict(activation=activation, gate_limit=limit)
     ref = BACKENDS["legacy"](*args, **gate)
     for name in available_backends("cpu"):
-        reason = BACKENDS[name].unsupported_reason(args[0], args[3], args[4], **gate)
+        reason = unsupported(BACKENDS[name], args[0], args[3], args[4], **gate)
         if name == "cpu":
             assert reason == f"cpu backend computes unclamped SiLU experts only, not {activation} (limit {limit})"
             with pytest.warns(UserWarning, match="computes unclamped SiLU experts only"):

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from moefx.backends import available_backends, moe_experts
-from moefx.backends.activation import ACTIVATIONS
 from moefx.backends.backward import backward_grouped_mm, backward_reference
+from moefx.backends.registry import MoeCall
+from moefx.kernels.activation import ACTIVATIONS
 
 pytestmark = pytest.mark.usefixtures("isolated_moe_tables")
 E, H, I, TOPK = 6, 16, 8, 2
@@ -122,9 +123,9 @@ def test_grouped_mm_backward_path_equals_the_reference(dtype, limit):
         pytest.skip("this torch has no _grouped_mm")
     hidden, ids, tw, w13, w2 = _inputs(9, seed=4, dtype=dtype, unused=2)
     grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
-    args = (grad, hidden, ids, tw, w13, w2, None, None, None, "gelu", [True] * 4, limit)
-    want = backward_reference(*args)
-    got = backward_grouped_mm(*args)
+    call = MoeCall(hidden, ids, tw, w13, w2, activation="gelu", gate_limit=limit)
+    want = backward_reference(grad, call, [True] * 4)
+    got = backward_grouped_mm(grad, call, [True] * 4)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert _rel(a, b) < (1e-5 if dtype == torch.float32 else 2e-2)

@@ -18,8 +18,8 @@ from moefx.offload.cost import (
     switch_point,
 )
 from moefx.offload.cpu_experts import ExpertStore
+from moefx.offload.gpu_budget import PRIORITY, plan_gpu_memory
 from moefx.offload.hw import host_info
-from moefx.offload.memory import PRIORITY, plan_gpu_memory
 
 QWEN3 = Geometry(num_experts=128, top_k=8, hidden=2048, inter=768, expert_bytes=9_437_184)
 H200 = MachineRates(cpu_gbps=45.0, cpu_tflops=3.0, h2d_gbps=55.0, gpu_tflops=600.0)
@@ -101,12 +101,10 @@ def test_machine_rates_measures_once(tmp_path, monkeypatch):
 
 def test_memory_priority_order_and_errors():
     gib = 1 << 30
-    b = plan_gpu_memory(free=10 * gib, kv_pool=4 * gib, staging=2 * gib, draft=3 * gib)
-    assert PRIORITY == ("kv_pool", "prefill_staging", "speculative_draft", "activation_workspace")
-    assert (b.kv_pool, b.prefill_staging, b.speculative_draft, b.activation_workspace) == (
-        4 * gib, 2 * gib, 3 * gib, 1 * gib)
-    # The draft never pushes staging out: it gets nothing when it does not fit after the ring.
-    assert plan_gpu_memory(free=10 * gib, kv_pool=4 * gib, staging=5 * gib, draft=3 * gib).speculative_draft == 0
+    b = plan_gpu_memory(free=10 * gib, kv_pool=4 * gib, staging=2 * gib)
+    assert PRIORITY == ("kv_pool", "prefill_staging", "activation_workspace")
+    assert (b.kv_pool, b.prefill_staging, b.activation_workspace) == (4 * gib, 2 * gib, 4 * gib)
+    assert b.explain_line().startswith("offload gpu memory (priority order) = kv_pool 4.00 GiB -> prefill_staging")
     with pytest.raises(ValueError, match="MOEFX_OFFLOAD_STAGE_TILE_E.*at most 2 experts"):
         plan_gpu_memory(free=10 * gib, kv_pool=6 * gib, staging=6 * gib, tile_e=96, expert_bytes=gib)
     with pytest.raises(ValueError, match="max_batch_size"):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from backends_util import unsupported
 
 from moefx.backends import BACKENDS
 from moefx.offload.cpu_experts import (
@@ -112,8 +113,8 @@ def test_int8_impl_knobs():
 def test_cpu_backend_contract():
     x, ids, wts, w13, w2 = _case(6, seed=5)
     backend = BACKENDS["cpu"]
-    assert backend.unsupported_reason(x, w13, w2) is None
-    assert "FP8" in backend.unsupported_reason(x, w13, w2, w13_scale=torch.ones(1))
+    assert unsupported(backend, x, w13, w2) is None
+    assert "FP8" in unsupported(backend, x, w13, w2, w13_scale=torch.ones(1))
     assert _rel(backend(x, ids, wts, w13, w2), BACKENDS["legacy"](x, ids, wts, w13, w2)) <= 1e-6
 
 

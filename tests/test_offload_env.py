@@ -1,4 +1,5 @@
-"""SPEC §5 env table: defaults, aliases (warn once, value kept), conflicts and bad values raise, settings()."""
+"""The env knob table (docs/OFFLOAD.md):
+defaults, aliases (warn once, value kept), conflicts and bad values raise, settings()."""
 
 import warnings
 

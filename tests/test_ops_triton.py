@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import moefx.ops  # noqa: F401
-from moefx.ops import block_gemm, triton_gemm
-from moefx.ops import triton_quant as T
+from moefx.kernels import act_quant as T
+from moefx.kernels import fp8_gemm
+from moefx.ops import block_gemm
 from moefx.ops.fused_quant import _outputs
-from moefx.ops.quant import QuantScheme, quant_weight_fp8_block, quant_weight_int8_channel
+from moefx.ops.quant import SCALINGS, QuantScheme, check_scheme, quant_weight_fp8_block, quant_weight_int8_channel
 
 ops = torch.ops.moefx
 # All-zero padding groups take log2(0) = -inf in the UE8M0 scale, as torch.log2 does in the reference.
@@ -39,8 +40,12 @@ def _assert_close_quant(q, s, q_ref, s_ref, max_frac=0.01):
 
 def _launch(mode, x, scheme, u=None, h=None, **kw):
     q, s = _outputs(x.shape[:-1], h or x.shape[-1], x.device, scheme.args())
-    T.launch(mode, q, s, scheme.args(), x, u, **kw)
+    T.launch(mode, q, s, scheme.args(), check_scheme(*scheme.args()), x, u, **kw)
     return q, s
+
+
+def test_the_kernel_has_a_code_for_every_scaling():
+    assert set(T.SCALING_CODES) == set(SCALINGS) and len(set(T.SCALING_CODES.values())) == len(SCALINGS)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.kind}{s.group_size}")
@@ -89,7 +94,7 @@ def test_fp8_block_gemm_kernel(m, n, k, bn, bk):
     w, w_s = quant_weight_fp8_block(torch.randn(n, k, device=DEV) * 0.05, bn, bk)
     bias = torch.randn(n, device=DEV)
     ref = block_gemm.ref_fp8_block_gemm(a, a_s, w, w_s, bn, bk, bias, torch.float32)
-    out = triton_gemm.fp8_block_gemm(a, a_s, w, w_s, bn, bk, bias, torch.float32)
+    out = fp8_gemm.fp8_block_gemm(a, a_s, w, w_s, bn, bk, bias, torch.float32)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
     # And the whole w8a8 path stays near the unquantized product (block quant error ~ a few %).
     exact = x @ (w.float() * w_s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]).t() + bias

@@ -65,7 +65,7 @@ def test_matches_transformers_router(model: str) -> None:
      dict(kind="sigmoid", renormalize=False, n_group=1)],
 )
 def test_triton_kernel_matches_torch_path(kw: dict) -> None:
-    from moefx.backends.kernels.routing import fused_topk_triton
+    from moefx.kernels.moe_routing import fused_topk_triton
 
     dev = kernel_device()
     # distinct bf16 values per row: with ties the kernel's lower-id rule and torch.topk may legally differ
@@ -103,7 +103,7 @@ def test_kernel_breaks_ties_to_the_lower_id_and_never_repeats_an_id(kind: str, e
     """Adversarial rows: a handful of distinct values (exact ties everywhere) and -inf logits; non-power-of-two
     E and k. The kernel's ids equal the torch path's exactly, both equal the stable ranking, and stay distinct
     when -inf scores are among the k, up to 256 experts."""
-    from moefx.backends.kernels.routing import fused_topk_triton
+    from moefx.kernels.moe_routing import fused_topk_triton
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(e * 10 + k)
@@ -122,7 +122,7 @@ def test_kernel_breaks_ties_to_the_lower_id_and_never_repeats_an_id(kind: str, e
 
 
 def test_kernel_reads_strided_logits() -> None:
-    from moefx.backends.kernels.routing import fused_topk_triton
+    from moefx.kernels.moe_routing import fused_topk_triton
 
     dev = kernel_device()
     base = torch.randn(6, 64)

@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench.harness import kernel_times, relerr, routing, time_graph
-from moefx.backends import BACKENDS
-from moefx.backends.kernels.fused_moe_kernels import GemmConfig, default_tiles, fused_moe, normalize_tiles
-from moefx.backends.kernels.gemv_kernels import GemvConfig, default_gemv_config, gemv_moe
+from moefx.backends import BACKENDS, MoeCall
+from moefx.kernels.moe_gemv import GemvConfig, default_gemv_config, gemv_moe
+from moefx.kernels.moe_grouped import GemmConfig, default_tiles, fused_moe, normalize_tiles
 from moefx.ops.quant import quant_weight_fp8_block
 
 E, H, I, K = 128, 2048, 768, 8
@@ -65,7 +65,7 @@ def main() -> None:
             vs = calls(kind, m, dt == "fp8", bs)
             for name in [n for _ in range(2) for n in vs]:
                 def call(x, ids, tw, kw=vs[name], a13=a13, a2=a2, sc13=sc13, sc2=sc2, bs=bs, fn=fn):
-                    return fn(x, ids, tw, a13, a2, sc13, sc2, bs, **kw)
+                    return fn(MoeCall(x, ids, tw, a13, a2, sc13, sc2, bs), **kw)
                 row = dict(M=m, dtype=dt, variant=name)
                 try:
                     row["relerr"] = relerr(call(*sets[0]), ref)

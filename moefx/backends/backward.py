@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from moefx.backends.activation import Activation, get_activation
-from moefx.backends.registry import dequant_block
+from moefx.backends.registry import MoeCall, dequant_block
 from moefx.backends.torch_grouped import cuda_grouped_mm_problem
+from moefx.kernels.activation import Activation, get_activation
 
 
 def grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:
@@ -66,22 +66,13 @@ def _gate_grads(
 
 
 def backward_reference(
-    grad_out: torch.Tensor,
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    block_shape: Sequence[int] | None,
-    activation: str,
-    needs: Sequence[bool],
-    gate_limit: float | None = None,
+    grad_out: torch.Tensor, call: MoeCall, needs: Sequence[bool]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d hidden, d topk_weights, d w13, d w2) by a loop over the experts hit; `needs` says which to compute."""
+    """(d hidden, d topk_weights, d w13, d w2) of `call` by a loop over the experts hit; `needs` says which."""
+    hidden, topk_ids, topk_weights, w13, w2 = call.hidden, call.topk_ids, call.topk_weights, call.w13, call.w2
+    w13_scale, w2_scale, block_shape = call.w13_scale, call.w2_scale, call.block_shape
     need_x, need_w, need_w13, need_w2 = needs
-    act = get_activation(activation)
+    act = get_activation(call.activation)
     c = torch.promote_types(hidden.dtype, torch.float32)
     m, k = topk_ids.shape
     dx = torch.zeros(m, hidden.shape[1], dtype=c, device=hidden.device)
@@ -97,7 +88,7 @@ def backward_reference(
         go = grad_out[token].to(c)
         w = topk_weights[token, slot].to(c)[:, None]
         d_a = go @ w2_e  # dout^T W2[e]: the unweighted gradient of a
-        a, dgu = _gate_grads(g, u, d_a * w, act, gate_limit)
+        a, dgu = _gate_grads(g, u, d_a * w, act, call.gate_limit)
         if need_w:
             dtw[token, slot] = (d_a * a).sum(dim=-1)
         if need_w2:
@@ -115,18 +106,7 @@ def backward_reference(
 
 
 def backward_grouped_mm(
-    grad_out: torch.Tensor,
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    block_shape: Sequence[int] | None,
-    activation: str,
-    needs: Sequence[bool],
-    gate_limit: float | None = None,
+    grad_out: torch.Tensor, call: MoeCall, needs: Sequence[bool]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same gradients as `backward_reference`, each GEMM one `torch._grouped_mm` over the pairs sorted by expert.
 
@@ -134,8 +114,10 @@ def backward_grouped_mm(
     along K) is then never asked for a K = 0 group, whose output a grouped GEMM kernel may leave unwritten (CUTLASS
     issue 2674); the zero rows add nothing to any gradient.
     """
+    hidden, topk_ids, topk_weights, w13, w2 = call.hidden, call.topk_ids, call.topk_weights, call.w13, call.w2
+    w13_scale, w2_scale, block_shape = call.w13_scale, call.w2_scale, call.block_shape
     need_x, need_w, need_w13, need_w2 = needs
-    act = get_activation(activation)
+    act = get_activation(call.activation)
     dt, dev = hidden.dtype, hidden.device
     w13_in, w2_in = w13, w2
     w13 = _weights(w13, w13_scale, block_shape).to(dt)
@@ -156,7 +138,7 @@ def backward_grouped_mm(
     w = torch.cat([topk_weights.reshape(-1).float(), topk_weights.new_zeros(1, dtype=torch.float32)])[pair][:, None]
     g, u = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).float().chunk(2, dim=-1)
     d_a = torch._grouped_mm(go, w2, offs=offs).float()  # dout W2[e]: the unweighted gradient of a
-    a, dgu = _gate_grads(g, u, d_a * w, act, gate_limit)
+    a, dgu = _gate_grads(g, u, d_a * w, act, call.gate_limit)
     dgu = dgu.to(dt)
     dtw = _empty(topk_weights)
     if need_w:
@@ -192,25 +174,16 @@ def _moe_experts_backward_op(
     # no pairs: zeros from the reference (grouped_mm would sort an empty tensor)
     grouped = hidden.shape[0] and backward_path(hidden, w2) == "grouped_mm"
     fn = backward_grouped_mm if grouped else backward_reference
-    return fn(grad_out, hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape, activation, needs,
-              gate_limit)
+    bs = tuple(block_shape) if block_shape is not None else None
+    return fn(grad_out, MoeCall(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, activation,
+                                gate_limit), needs)
 
 
 @_moe_experts_backward_op.register_fake
-def _(
-    grad_out: torch.Tensor,
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-    block_shape: list[int] | None,
-    activation: str,
-    needs: list[bool],
-    gate_limit: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(grad_out: torch.Tensor, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+      w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+      block_shape: list[int] | None, activation: str, needs: list[bool], gate_limit: float | None = None,
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     like = (hidden, topk_weights, w13, w2)
     return tuple(torch.empty_like(t) if need else _empty(t) for t, need in zip(like, needs))  # type: ignore[return-value]
 

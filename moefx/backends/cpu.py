@@ -1,4 +1,4 @@
-"""cpu: the MoE expert sum computed on the host CPU for host-resident expert weights (SPEC §4/§5).
+"""cpu: the MoE expert sum computed on the host CPU for host-resident expert weights (docs/OFFLOAD.md).
 
 Inputs may live on the GPU (they are copied to the host and the result is copied back); the weights must be
 in host memory. Only routed experts are touched. SiLU experts and float weights only: FP8 block-quantized experts
@@ -18,29 +18,20 @@ class CpuBackend(MoEBackend):
     name = "cpu"
     devices = ("cpu", "cuda")
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> str | None:
+    def unsupported_reason(self, call: MoeCall) -> str | None:
+        activation, gate_limit, w13, w2 = call.activation, call.gate_limit, call.w13, call.w2
         if activation != "silu" or gate_limit is not None:
             return f"cpu backend computes unclamped SiLU experts only, not {activation} (limit {gate_limit})"
         if w13.device.type != "cpu" or w2.device.type != "cpu":
             return "cpu backend needs expert weights in host memory"
-        if w13_scale is not None:
+        if call.w13_scale is not None:
             return "cpu backend does not compute FP8 block-quantized experts"
         if not w13.dtype.is_floating_point:
             return f"cpu backend takes float expert weights, got {w13.dtype}"
-        return super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
+        return super().unsupported_reason(call)
 
     def run(self, call: MoeCall) -> torch.Tensor:
-        reason = self.unsupported_reason(call.hidden, call.w13, call.w2, call.w13_scale, call.block_shape,
-                                         call.activation, call.gate_limit)
+        reason = self.unsupported_reason(call)
         if reason:
             raise ValueError(reason)
         out = cpu_moe(ExpertStore(call.w13, call.w2), call.hidden.cpu(), call.topk_ids.cpu(), call.topk_weights.cpu())

@@ -14,7 +14,7 @@ Backends, chosen per call by M (rows of x) through the dense policy (dense_polic
 "gemv" or "upstream"):
 - `upstream`: each linear as the unfused graph computes it (`F.linear`, or `moefx::fp8_block_gemm` for FP8):
   bit for bit the computation the passes replaced. Every call the policy has no row for runs this.
-- `gemv`: on CUDA the Triton kernel (kernels/dense_kernels.py: one launch for up to four weights, bandwidth-bound
+- `gemv`: on CUDA the Triton kernel (kernels/dense_gemm.py: one launch for up to four weights, bandwidth-bound
   at M = 1..16); on CPU the same math in PyTorch (fp32 accumulation, one rounding per output), which is also the
   reference the kernel is tested against.
 The choice depends on shapes only, and a call inside CUDA-graph capture uses the capture rows; neither backend
@@ -51,8 +51,8 @@ import torch.nn.functional as F
 
 from moefx.backends import calibration
 from moefx.backends.capture_mode import decides_as_captured
+from moefx.backends.common import FLOAT_DTYPES
 from moefx.backends.dense_policy import GEMV, dense_key, env_token, requested
-from moefx.backends.kernels.common import FLOAT_DTYPES
 from moefx.backends.policy import UPSTREAM
 from moefx.config import DENSE_BACKENDS
 from moefx.kernels.availability import triton_missing
@@ -174,7 +174,7 @@ def _kernel(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, 
     """The Triton kernel over x's rows (with its RMSNorm prologue when norm_eps is given, after the residual add
     when residual is: then the sum and the normed sum follow the outputs; with `route`, its routing weights and ids
     after those, `dense_gemv`'s contract)."""
-    from moefx.backends.kernels.dense_kernels import dense_gemv
+    from moefx.kernels.dense_gemm import dense_gemv
 
     k = x.shape[-1]
     lead = x.shape[:-1]

@@ -15,31 +15,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.activation import gate_up
-from moefx.backends.kernels.common import (
-    TritonMoEBackend,
-    moe_align_torch,
-    qdq_rows,
-)
-from moefx.backends.registry import dequant_block, register_backend
+from moefx.backends.common import TritonMoEBackend, qdq_rows
+from moefx.backends.registry import MoeCall, dequant_block, register_backend
+from moefx.kernels.activation import gate_up
+from moefx.kernels.moe_align_ref import moe_align_torch
 
 CPU_BLOCK_M = 16
 
 
-def grouped_torch(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None,
-    block_m: int = CPU_BLOCK_M,
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
+def grouped_torch(call: MoeCall, block_m: int = CPU_BLOCK_M) -> torch.Tensor:
     """PyTorch version of the grouped algorithm, over the same padded block layout as the kernels."""
+    hidden, topk_ids, w13, w2, w13_scale, w2_scale = call.hidden, call.topk_ids, call.w13, call.w2, call.w13_scale, \
+        call.w2_scale
+    block_shape = call.block_shape
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     num_pairs = m * top_k
@@ -49,14 +37,14 @@ def grouped_torch(
     pairs = sorted_ids[:n].long()
     block_expert = expert_ids[: n // block_m].long().repeat_interleave(block_m)
     x = qdq_rows(hidden, block_shape[1]) if fp8 else hidden.float()
-    tw = topk_weights.reshape(-1).float()
+    tw = call.topk_weights.reshape(-1).float()
     pair_out = torch.zeros(num_pairs, h, dtype=torch.float32, device=hidden.device)
     for e in torch.unique_consecutive(block_expert).tolist():
         sel = pairs[(block_expert == e) & (pairs < num_pairs)]
         w_gu = dequant_block(w13[e], w13_scale[e], block_shape) if fp8 else w13[e].float()
         w_d = dequant_block(w2[e], w2_scale[e], block_shape) if fp8 else w2[e].float()
         gate, up = F.linear(x[sel // top_k], w_gu).chunk(2, dim=-1)
-        act = gate_up(gate, up, activation, gate_limit)
+        act = gate_up(gate, up, call.activation, call.gate_limit)
         act = qdq_rows(act, block_shape[1]) if fp8 else act.to(hidden.dtype).float()
         pair_out[sel] = F.linear(act, w_d) * tw[sel, None]
     return pair_out.to(hidden.dtype).view(m, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
@@ -68,7 +56,7 @@ class GroupedBackend(TritonMoEBackend):
     torch_path = staticmethod(grouped_torch)
     fp8_min_block_k = 32
 
-    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
-        from moefx.backends.kernels.fused_moe_kernels import fused_moe
+    def cuda_kernel(self, call: MoeCall) -> torch.Tensor:
+        from moefx.kernels.moe_grouped import fused_moe
 
-        return fused_moe(*args, activation=activation, gate_limit=gate_limit)
+        return fused_moe(call)

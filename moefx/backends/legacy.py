@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moefx.backends.activation import gate_up
 from moefx.backends.registry import MoEBackend, MoeCall, dequant_block, register_backend
+from moefx.kernels.activation import gate_up
 
 
 @register_backend

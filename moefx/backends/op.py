@@ -6,7 +6,7 @@ backend on data. `backend` is "auto" (environment override, else the exact calib
 upstream), a backend name (forced; still subject to the backend's own support check) or a policy spec
 from a plan ("eager=gemv@1-16,grouped@17-;capture=..."). `upstream` names the plain path: "legacy"
 (the reference loop) for direct calls, "transformers" (transformers' own grouped_mm experts path) for
-HF experts modules. `activation` names the gate activation (moefx/backends/activation.py: silu, gelu, gelu_tanh);
+HF experts modules. `activation` names the gate activation (moefx/kernels/activation.py: silu, gelu, gelu_tanh);
 `gate_limit` (None: off) clamps gate and up before it (the clamped SwiGLU of DeepSeek-V4, GLM-5-Next, HY-V4).
 The op is differentiable (`torch.library.register_autograd`, formula and paths in backward.py): gradients for
 hidden, topk_weights and unquantized w13 / w2, whichever backend ran the forward; under `torch.compile` the
@@ -21,7 +21,6 @@ import torch
 
 from moefx.backends import backward as _backward
 from moefx.backends import calibration
-from moefx.backends.activation import check_limit, gate_up, get_activation
 from moefx.backends.calibration import find_row, key_for_tensors
 from moefx.backends.capture_mode import decides_as_captured
 from moefx.backends.policy import (
@@ -34,6 +33,7 @@ from moefx.backends.policy import (
     parse_policy_spec,
 )
 from moefx.backends.registry import BACKENDS, MoeCall
+from moefx.kernels.activation import check_limit, gate_up, get_activation
 from moefx.kernels.memo import ShapeMemo, tensor_meta
 from moefx.log import get_logger, warn_once
 
@@ -158,7 +158,8 @@ def _decide(
         warning = f"MoE backend {name!r} (from {source}) is not registered here; running {plain}"
         name = plain
     else:
-        reason = BACKENDS[name].unsupported_reason(hidden, w13, w2, w13_scale, bs, activation, gate_limit)
+        reason = BACKENDS[name].unsupported_reason(MoeCall.unrouted(hidden, w13, w2, w13_scale, bs, activation,
+                                                                   gate_limit))
         if reason:
             warning = f"MoE backend {name!r} (from {source}) cannot run these inputs: {reason}; running {plain}"
             name = plain
@@ -236,20 +237,8 @@ def _run(args: tuple, residual: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @_moe_experts_op.register_fake
-def _(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: list[int] | None = None,
-    backend: str = "auto",
-    upstream: str = "legacy",
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+      *args: object, **kwargs: object) -> torch.Tensor:
     return hidden.new_empty(hidden.shape[0], w2.shape[1])
 
 
@@ -296,7 +285,7 @@ def moe_experts(
     """Routed experts: sum_j w[m, j] * down(act(gate(x_m)) * up(x_m)) over experts topk_ids[m, j].
 
     Shapes and the FP8 block convention are the `MoEBackend` contract (moefx/backends/registry.py); `activation` is
-    a name in moefx/backends/activation.py, `gate_limit` the clamped-SwiGLU limit. Differentiable (backward.py).
+    a name in moefx/kernels/activation.py, `gate_limit` the clamped-SwiGLU limit. Differentiable (backward.py).
     """
     _validate_backend_arg(backend, upstream, activation, gate_limit)
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or topk_ids.shape != topk_weights.shape:

@@ -6,44 +6,17 @@ float8_e4m3fn with `w13_scale` [E, ceil(2I/bn), ceil(H/bk)] and `w2_scale` [E, c
 (dequantized weight = fp8 value * scale, the `weight_scale_inv` checkpoint convention) and
 `block_shape` (bn, bk), usually (128, 128). Output: [M, H] in hidden's dtype,
 sum_j topk_weights[m, j] * down(act(gate(x_m)) * up(x_m)) over expert topk_ids[m, j], where `activation` names act
-(moefx/backends/activation.py: silu, gelu, gelu_tanh) and `gate_limit`, when given, clamps gate to <= limit and up
+(moefx/kernels/activation.py: silu, gelu, gelu_tanh) and `gate_limit`, when given, clamps gate to <= limit and up
 to [-limit, limit] first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-
-@dataclass(frozen=True, eq=False)
-class MoeCall:
-    """One MoE backend call: the data arguments of moefx::moe_experts, built once per op call (backends/op.py) or
-    per direct call of a backend (`MoEBackend.__call__`) and passed to `MoEBackend.run`. `block_shape` is a tuple.
-    Compared by identity (`eq=False`): it holds tensors."""
-
-    hidden: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    w13: torch.Tensor
-    w2: torch.Tensor
-    w13_scale: torch.Tensor | None = None
-    w2_scale: torch.Tensor | None = None
-    block_shape: tuple[int, int] | None = None
-    activation: str = "silu"
-    gate_limit: float | None = None
-
-    def kernel_args(self) -> tuple:
-        """(hidden made contiguous, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, block_shape): the positional
-        arguments of the Triton launchers and their PyTorch paths, which take `activation` and `gate_limit` by
-        keyword (`gate_kwargs`)."""
-        return (self.hidden.contiguous(), self.topk_ids, self.topk_weights, self.w13, self.w2, self.w13_scale,
-                self.w2_scale, self.block_shape)
-
-    def gate_kwargs(self) -> dict[str, object]:
-        return {"activation": self.activation, "gate_limit": self.gate_limit}
+from moefx.kernels.moe_call import MoeCall
 
 
 class MoEBackend:
@@ -57,39 +30,22 @@ class MoEBackend:
     # launch of its own.
     adds_residual: ClassVar[bool] = False
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> str | None:
-        """None when this backend can run these inputs, else a short reason (shown in the plan/log)."""
-        if hidden.device.type not in self.devices:
-            return f"{self.name} does not run on {hidden.device.type}"
+    def unsupported_reason(self, call: MoeCall) -> str | None:
+        """None when this backend can run `call` (its routing may be None: `MoeCall.unrouted`), else a short reason
+        (shown in the plan/log)."""
+        if call.hidden.device.type not in self.devices:
+            return f"{self.name} does not run on {call.hidden.device.type}"
         return None
 
     def __call__(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        *,
-        w13_scale: torch.Tensor | None = None,
-        w2_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-        residual: torch.Tensor | None = None,
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+        w2: torch.Tensor, *, residual: torch.Tensor | None = None, **options: object,
     ) -> torch.Tensor:
-        bs = tuple(block_shape) if block_shape is not None else None
-        call = MoeCall(hidden, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, bs, activation, gate_limit)
-        return self.apply(call, residual)
+        """The experts' sum of `MoeCall(hidden, topk_ids, topk_weights, w13, w2, **options)` (options: w13_scale,
+        w2_scale, block_shape, activation, gate_limit), plus `residual` when given."""
+        if options.get("block_shape") is not None:
+            options["block_shape"] = tuple(options["block_shape"])
+        return self.apply(MoeCall(hidden, topk_ids, topk_weights, w13, w2, **options), residual)
 
     def apply(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' sum for `call`, plus `residual` when given: added by the backend where it can

@@ -8,7 +8,7 @@
 returns [logits, h, rms_norm(h), topk_weights, topk_ids]: `moefx::add_rms_norm_dense_linear(x, residual, norm_weight,
 norm_eps, [weight], [None], backend)` (backends/dense.py) followed by `moefx::fused_topk` of its logits with the
 routing arguments (backends/routing.py), which is what fuse_router_topk replaces. Where the dense call runs the
-gemv kernel on CUDA, one launch does both: the kernel's ROUTE epilogue (kernels/dense_kernels.py) routes the logits
+gemv kernel on CUDA, one launch does both: the kernel's ROUTE epilogue (kernels/dense_gemm.py) routes the logits
 in the program that writes the last tile of them, so the top-k is no kernel of its own in a decode step. The logits
 it routes are the ones it stores, read back, so the ids and weights are fused_topk's of the same logits. Elsewhere the
 two ops run one after the other. Inference only.

@@ -29,11 +29,11 @@ import torch
 
 from moefx.kernels.availability import triton_missing
 from moefx.kernels.memo import ShapeMemo, on_device
+from moefx.kernels.routing_limits import kernel_supports
 
 KINDS = ("softmax", "topk_softmax", "sigmoid")
 # transformers' DeepSeek-V3 / GLM4-MoE renormalization denominator (+ this); the Triton kernel adds the same literal
 SIGMOID_RENORM_EPS = 1e-20
-MAX_KERNEL_EXPERTS = 4096  # one program holds a row of E scores in registers
 
 
 def _check(
@@ -58,19 +58,6 @@ def _check(
             f"E % n_group == 0, 1 <= topk_group <= n_group, top_k <= topk_group * E / n_group"
         )
     return groups, kept
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def kernel_supports(num_experts: int, n_group: int = 1) -> str | None:
-    """None when the Triton kernel takes this routing shape, else why not (any top_k is taken)."""
-    if num_experts > MAX_KERNEL_EXPERTS:
-        return f"E={num_experts} exceeds the kernel's {MAX_KERNEL_EXPERTS}"
-    if n_group > 1 and not (_pow2(n_group) and _pow2(num_experts // n_group)):
-        return f"n_group={n_group} with {num_experts // n_group} experts per group: the kernel needs powers of two"
-    return None
 
 
 def _top(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,7 +134,7 @@ def _fused_topk_op(
     weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_kernel(router_logits, top_k, kind, n_group, topk_group):
-        from moefx.backends.kernels.routing import fused_topk_triton
+        from moefx.kernels.moe_routing import fused_topk_triton
 
         with on_device(router_logits.device):
             return fused_topk_triton(

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from moefx.backends.activation import gate_up
-from moefx.backends.kernels.common import shape_problem
+from moefx.backends.common import shape_problem
 from moefx.backends.registry import MoEBackend, MoeCall, register_backend
+from moefx.kernels.activation import gate_up
 
 
 def cuda_grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | None:
@@ -30,15 +30,8 @@ def cuda_grouped_mm_problem(hidden: torch.Tensor, w2: torch.Tensor) -> str | Non
     return None
 
 
-def torch_grouped_moe(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
+def torch_grouped_moe(call: MoeCall) -> torch.Tensor:
+    hidden, topk_ids, w13, w2 = call.hidden.contiguous(), call.topk_ids, call.w13, call.w2
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
@@ -48,8 +41,8 @@ def torch_grouped_moe(
     offs = torch.searchsorted(sorted_e, bounds).to(torch.int32)
     x = hidden[order // top_k]
     gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(gate_up(gate, up, activation, gate_limit), w2.transpose(1, 2), offs=offs)
-    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    y = torch._grouped_mm(gate_up(gate, up, call.activation, call.gate_limit), w2.transpose(1, 2), offs=offs)
+    y = y * call.topk_weights.reshape(-1)[order, None].to(y.dtype)
     pair_out = torch.empty_like(y).index_copy_(0, order, y)
     return pair_out.view(m, top_k, h).sum(dim=1)
 
@@ -58,26 +51,17 @@ def torch_grouped_moe(
 class TorchGroupedBackend(MoEBackend):
     name = "torch_grouped"
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
-        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
+    def unsupported_reason(self, call: MoeCall) -> str | None:
+        reason = super().unsupported_reason(call) or shape_problem(call)
         if reason:
             return reason
+        hidden = call.hidden
         if not hasattr(torch, "_grouped_mm"):
             return f"torch {torch.__version__} has no _grouped_mm"
-        if w13_scale is not None:
+        if call.w13_scale is not None:
             return "torch_grouped has no FP8 block-quant path"
         if hidden.is_cuda:
-            return cuda_grouped_mm_problem(hidden, w2)
+            return cuda_grouped_mm_problem(hidden, call.w2)
         if hidden.dtype == torch.float16:
             return "torch._grouped_mm on CPU takes bf16/fp32"
         return None
@@ -85,5 +69,4 @@ class TorchGroupedBackend(MoEBackend):
     def run(self, call: MoeCall) -> torch.Tensor:
         if call.w13_scale is not None:
             raise ValueError("torch_grouped has no FP8 path (w13_scale given); valid backends: grouped, gemv, legacy")
-        return torch_grouped_moe(call.hidden.contiguous(), call.topk_ids, call.topk_weights, call.w13, call.w2,
-                                 call.activation, call.gate_limit)
+        return torch_grouped_moe(call)

@@ -14,7 +14,7 @@ import torch
 
 from moefx.backends import moe_experts
 from moefx.backends.policy import HOST_SYNCING_BACKENDS
-from moefx.backends.registry import BACKENDS
+from moefx.backends.registry import BACKENDS, MoeCall
 from moefx.calibrate.sweep import UPSTREAM, match_reference
 from moefx.ops.quant import quant_weight_fp8_block
 
@@ -78,10 +78,10 @@ def check(problem: MoeProblem, names: list[str]) -> tuple[list[str], dict[str, s
     """Contenders whose output matches the legacy oracle on fresh inputs; the rest with the reason."""
     bound = {torch.float32: 1e-4}.get(problem.dtype, 3e-2) if problem.block is None else 6e-2
     rejected: dict[str, str] = {}
-    hidden, _, _ = problem.inputs(1)
+    call = MoeCall(*problem.inputs(1), problem.w13, problem.w2, problem.s13, problem.s2, problem.block)
     for name in names:
         if name != UPSTREAM:  # a backend that would fall back must not be timed under its own name
-            reason = BACKENDS[name].unsupported_reason(hidden, problem.w13, problem.w2, problem.s13, problem.block)
+            reason = BACKENDS[name].unsupported_reason(call)
             if reason:
                 rejected[name] = f"unsupported: {reason}"
 

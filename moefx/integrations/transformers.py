@@ -3,7 +3,7 @@
 With `from_pretrained(..., experts_implementation="moefx")` or `model.set_experts_implementation("moefx")`,
 every experts module decorated with transformers' `use_experts_implementation` runs `moefx::moe_experts`
 (backend chosen per call by M). The gate activation is read from the module's `act_fn` by type (SiLU, exact
-GELU, GELU's tanh approximation: moefx/backends/activation.py). What the op cannot take — biases, interleaved
+GELU, GELU's tanh approximation: moefx/kernels/activation.py). What the op cannot take — biases, interleaved
 gate/up rows, a custom gate other than a clamped SwiGLU (recognised by running it: `custom_gate_activation`),
 another activation, experts without a gate, a post-expert norm — runs transformers' default experts path
 (grouped_mm) with a one-time warning naming the reason (issued while tracing under `torch.compile`, without a
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moefx.backends.activation import ACTIVATIONS, function_names, gate_up, gelu_name, module_types
 from moefx.backends.op import moe_experts
+from moefx.kernels.activation import ACTIVATIONS, function_names, gate_up, gelu_name, module_types
 from moefx.log import warn_once
 
 NAME = "moefx"

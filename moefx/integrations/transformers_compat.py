@@ -315,7 +315,7 @@ def _experts_inputs(experts: nn.Module, seed: int = 13) -> tuple[torch.Tensor, t
 
 def _plain_path_reason(experts: nn.Module) -> str | None:
     """Why the op, under MOE_POLICY, runs its plain path (grouped_mm) for this module, or None (moefx's kernels)."""
-    from moefx.backends import BACKENDS
+    from moefx.backends import BACKENDS, MoeCall
     from moefx.backends.policy import parse_policy_spec
     from moefx.integrations.transformers import gate_of
 
@@ -327,7 +327,8 @@ def _plain_path_reason(experts: nn.Module) -> str | None:
     reasons = []
     for m in (2, 9):  # a decode-sized and a prefill-sized call
         name = parse_policy_spec(MOE_POLICY)["eager"].backend_for(m)
-        why = BACKENDS[name].unsupported_reason(x[:m], w13, w2, activation=activation, gate_limit=limit)
+        why = BACKENDS[name].unsupported_reason(MoeCall.unrouted(x[:m], w13, w2, activation=activation,
+                                                                 gate_limit=limit))
         if why:
             reasons.append(f"{name}: {why}")
     return "; ".join(reasons) or None

@@ -75,7 +75,7 @@ class ExpertStore:
 
 
 def int8_impl(align: bool, vnni: bool) -> str:
-    """Which int8 GEMM the INT8 activation path uses (SPEC §5 knobs INT8_VNNI and INT8_ALIGN)."""
+    """Which int8 GEMM the INT8 activation path uses (MOEFX_OFFLOAD_INT8_VNNI and _INT8_ALIGN: docs/OFFLOAD.md)."""
     if vnni:
         return "vnni"  # torch._int_mm on the rows as they are
     if align:

@@ -28,8 +28,8 @@ from moefx.offload.cost import (
     switch_point,
 )
 from moefx.offload.cpu_experts import KERNEL_MAX_ROWS_PER_EXPERT, CpuMath, ExpertPool, ExpertStore, cpu_moe, route
+from moefx.offload.gpu_budget import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.hw import host_info
-from moefx.offload.memory import kv_bytes_per_token, plan_gpu_memory
 from moefx.offload.placement import to_host
 from moefx.offload.plan import kv_reserve_sequences
 from moefx.offload.staging import StagingRing
@@ -86,7 +86,7 @@ def pick_tile_backend() -> str:
 
 def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     """(backend, note): the picked tile backend if it matches `legacy` on a small slice of this layer, else legacy."""
-    from moefx.backends import BACKENDS
+    from moefx.backends import BACKENDS, MoeCall
 
     name = pick_tile_backend()
     if name == "legacy":
@@ -101,9 +101,10 @@ def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torc
     x = torch.randn(16, w13.shape[2], generator=gen).to(device, dtype)
     ids = torch.randint(0, n, (16, 1), generator=gen).to(device)
     wts = torch.rand(16, 1, generator=gen).to(device)
+    call = MoeCall(x, ids, wts, w13, w2)
     try:
-        ref = BACKENDS["legacy"](x, ids, wts, w13, w2).float()
-        out = BACKENDS[name](x, ids, wts, w13, w2).float()
+        ref = BACKENDS["legacy"].apply(call).float()
+        out = BACKENDS[name].apply(call).float()
         err = ((out - ref).norm() / ref.norm()).item()
     except Exception as exc:  # a backend that cannot run these tiles is not used for them
         return "legacy", f"legacy ({name} failed on a tile check: {type(exc).__name__}: {exc})"
@@ -142,9 +143,9 @@ class OffloadRuntime:
             self.decode_pool = ExpertPool(self.host, workers)
 
     def tile_compute(self, x, ids, weights, w13, w2) -> torch.Tensor:
-        from moefx.backends import BACKENDS
+        from moefx.backends import BACKENDS, MoeCall
 
-        return BACKENDS[self.tile_backend](x, ids, weights, w13, w2)
+        return BACKENDS[self.tile_backend].apply(MoeCall(x, ids, weights, w13, w2))
 
 
 class OffloadedExperts:

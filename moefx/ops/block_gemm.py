@@ -11,7 +11,7 @@ Ops (`torch.ops.moefx.*`, fake impls registered):
       a: int8 [..., K]; a_scale: fp32 [..., 1]; w: int8 [N, K]; w_scale: fp32 [N] (per output channel).
       out = ((a @ w^T in exact int32) * a_scale * w_scale) + bias, rounded once to out_dtype.
 CPU runs the reference (fp32 dequant + matmul; `torch._int_mm` for INT8); CUDA runs, for FP8, the Triton
-kernel (moefx/ops/triton_gemm.py) at M <= 16 and torch._scaled_mm's blockwise scaling above, where this torch
+kernel (moefx/kernels/fp8_gemm.py) at M <= 16 and torch._scaled_mm's blockwise scaling above, where this torch
 has it (measured faster there; see SCALED_MM_MIN_M), and for INT8 `torch._int_mm` + an fp32 epilogue.
 """
 
@@ -119,8 +119,8 @@ def _fp8_block_gemm_impl(a, a_scale, w, w_scale, block_n, block_k, bias, out_dty
     _check_fp8(a, a_scale, w, w_scale, block_n, block_k, out_dtype)
     if not a.is_cuda or triton_missing():
         return ref_fp8_block_gemm(a, a_scale, w, w_scale, block_n, block_k, bias, out_dtype)
+    from moefx.kernels import fp8_gemm
     from moefx.log import warn_once
-    from moefx.ops import triton_gemm
 
     a2 = a.reshape(-1, a.shape[-1]).contiguous()
     a_s2 = a_scale.reshape(-1, a_scale.shape[-1])
@@ -130,8 +130,8 @@ def _fp8_block_gemm_impl(a, a_scale, w, w_scale, block_n, block_k, bias, out_dty
         except (RuntimeError, TypeError) as e:  # this torch/cuBLAS lacks blockwise scaling: Triton from now on
             _scaled_mm_state["broken"] = f"torch._scaled_mm blockwise failed: {e}"[:200]
             warn_once(f"moefx fp8_block_gemm: {_scaled_mm_state['broken']}; using the Triton kernel")
-    if triton_gemm.supported(block_n, block_k):
-        return triton_gemm.fp8_block_gemm(a, a_scale, w, w_scale, block_n, block_k, bias, out_dtype)
+    if fp8_gemm.supported(block_n, block_k):
+        return fp8_gemm.fp8_block_gemm(a, a_scale, w, w_scale, block_n, block_k, bias, out_dtype)
     warn_once(f"moefx fp8_block_gemm: block ({block_n}, {block_k}) has no Triton kernel; CUDA runs the reference")
     return ref_fp8_block_gemm(a, a_scale, w, w_scale, block_n, block_k, bias, out_dtype)
 

@@ -5,7 +5,7 @@
 
 What it replaces in a decode step (H200, Qwen3-30B-A3B widths, B=1, a 256-position static cache, compiled): the
 cuDNN SDPA kernel (7.9 us per layer) plus the kernels that expand K/V to every query head and lay the inputs out
-for it (about 6 us per layer). CUDA runs the Triton kernels of `moefx/ops/triton_attention.py` (fp32 accumulation;
+for it (about 6 us per layer). CUDA runs the Triton kernels of `moefx/kernels/decode_attn.py` (fp32 accumulation;
 bf16/fp16 probabilities for the value product, as flash attention does); the CPU, and shapes the kernel does not
 take, run the reference: torch's SDPA over the expanded heads.
 """
@@ -78,7 +78,7 @@ def _use_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
     if _use_kernel(q, k, v, mask):
-        from moefx.ops.triton_attention import decode_attention_triton
+        from moefx.kernels.decode_attn import decode_attention_triton
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         decode_attention_triton(q, k, v, mask, scale, out, splits_for(q.shape[0], k.shape[1], k.shape[2]))

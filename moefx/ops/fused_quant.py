@@ -1,7 +1,7 @@
 """moefx quant custom ops: dynamic activation quant, alone or fused into the SiLU-mul / RMSNorm producing it.
 
 Op signatures (all `torch.ops.moefx.*`, functional, fake impls registered; CPU runs the reference in
-`moefx/ops/quant.py`, CUDA runs the Triton kernels in `moefx/ops/triton_quant.py`):
+`moefx/ops/quant.py`, CUDA runs the Triton kernels in `moefx/kernels/act_quant.py`):
 
 Scheme arguments, shared by every quant op, always last and in this order (`QuantScheme.args()` builds them):
   kind: str            "fp8_group" | "fp8_token" | "int8_token" | "int8_group"
@@ -138,6 +138,12 @@ def _ref_quant_into(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scheme: t
     s.copy_(sv)
 
 
+def _resolved(scheme: tuple) -> tuple[tuple, float]:
+    """(the whole scheme tuple, its effective qmax): what the Triton launcher takes."""
+    full = R.full_scheme(scheme)
+    return full, R.check_scheme(*full)
+
+
 def _triton_ok(t: torch.Tensor, scheme: tuple) -> bool:
     """CUDA tensors run the Triton kernels; anything they do not cover runs the reference, with a warning."""
     if t.device.type != "cuda" or triton_missing():
@@ -155,9 +161,9 @@ def _quant_impl(x: torch.Tensor, *scheme) -> tuple[torch.Tensor, torch.Tensor]:
     _check_float("x", x)
     q, s = _outputs(x.shape[:-1], x.shape[-1], x.device, scheme)
     if _triton_ok(x, scheme):
-        from moefx.ops import triton_quant as T
+        from moefx.kernels import act_quant as T
 
-        T.launch(T.MODE_PLAIN, q, s, scheme, x)
+        T.launch(T.MODE_PLAIN, q, s, *_resolved(scheme), x)
     else:
         _ref_quant_into(x, q, s, scheme)
     return q, s
@@ -168,9 +174,9 @@ def _silu_mul_quant_impl(x: torch.Tensor, *scheme) -> tuple[torch.Tensor, torch.
     n = x.shape[-1] // 2
     q, s = _outputs(x.shape[:-1], n, x.device, scheme)
     if _triton_ok(x, scheme):
-        from moefx.ops import triton_quant as T
+        from moefx.kernels import act_quant as T
 
-        T.launch(T.MODE_SILU, q, s, scheme, x[..., :n], x[..., n:])
+        T.launch(T.MODE_SILU, q, s, *_resolved(scheme), x[..., :n], x[..., n:])
     else:
         _ref_quant_into(R.ref_silu_mul(x), q, s, scheme)
     return q, s
@@ -180,9 +186,9 @@ def _silu_mul_quant_split_impl(gate: torch.Tensor, up: torch.Tensor, *scheme) ->
     _check_split(gate, up)
     q, s = _outputs(gate.shape[:-1], gate.shape[-1], gate.device, scheme)
     if _triton_ok(gate, scheme):
-        from moefx.ops import triton_quant as T
+        from moefx.kernels import act_quant as T
 
-        T.launch(T.MODE_SILU, q, s, scheme, gate, up)
+        T.launch(T.MODE_SILU, q, s, *_resolved(scheme), gate, up)
     else:
         _ref_quant_into(R.ref_silu_mul_split(gate, up), q, s, scheme)
     return q, s
@@ -194,10 +200,10 @@ def _rms_norm_quant_impl(
     _check_norm(x, weight)
     q, s = _outputs(x.shape[:-1], x.shape[-1], x.device, scheme)
     if _triton_ok(x, scheme):
-        from moefx.ops import triton_quant as T
+        from moefx.kernels import act_quant as T
 
-        T.launch(T.MODE_NORM, q, s, scheme, x, weight=weight, norm_eps=norm_eps, weight_in_fp32=weight_in_fp32,
-                 y_dtype=_norm_out_dtype(x, weight, weight_in_fp32))
+        T.launch(T.MODE_NORM, q, s, *_resolved(scheme), x, weight=weight, norm_eps=norm_eps,
+                 weight_in_fp32=weight_in_fp32, y_dtype=_norm_out_dtype(x, weight, weight_in_fp32))
     else:
         _ref_quant_into(R.ref_rms_norm(x, weight, norm_eps, weight_in_fp32), q, s, scheme)
     return q, s
@@ -216,9 +222,9 @@ def _add_rms_norm_quant_impl(
     q, s = _outputs(x.shape[:-1], x.shape[-1], x.device, scheme)
     new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
     if _triton_ok(x, scheme):
-        from moefx.ops import triton_quant as T
+        from moefx.kernels import act_quant as T
 
-        T.launch(T.MODE_ADD_NORM, q, s, scheme, x, residual, weight=weight, norm_eps=norm_eps,
+        T.launch(T.MODE_ADD_NORM, q, s, *_resolved(scheme), x, residual, weight=weight, norm_eps=norm_eps,
                  weight_in_fp32=weight_in_fp32, y_dtype=_norm_out_dtype(x, weight, weight_in_fp32),
                  fp32_residual_sum=fp32_residual_sum, new_residual=new_res)
     else:

@@ -7,7 +7,7 @@ This is what a Qwen3-style attention computes between its q/k/v projections and 
 (transformers' `q_norm`/`k_norm`, `apply_rotary_pos_emb` with `rotate_half`, then `StaticLayer.update`'s
 `index_copy_`); the `fuse_qk_norm_rope` pass puts it in place of those ops. Compiled unfused, inductor makes three
 kernels of it per layer (q norm + RoPE; k norm + RoPE + key write; value write: 48 layers, B=1 on the H200,
-docs/FINDINGS.md); CUDA runs one Triton kernel (`moefx/ops/triton_rope_cache.py`), other devices and shapes the
+docs/FINDINGS.md); CUDA runs one Triton kernel (`moefx/kernels/norm_rope_cache.py`), other devices and shapes the
 reference below.
 
 Rounding is the eager code's: the norm in fp32 (`x * rsqrt(mean(x^2) + eps)`), rounded to the input dtype, times
@@ -90,7 +90,7 @@ def qk_norm_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
                        k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     if _use_kernel(q, k, v, q_weight, k_weight, cos, sin, keys, values, positions):
-        from moefx.ops.triton_rope_cache import qk_norm_rope_cache_triton
+        from moefx.kernels.norm_rope_cache import qk_norm_rope_cache_triton
 
         out = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype, device=q.device)
         qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, out)

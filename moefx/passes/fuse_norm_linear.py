@@ -3,7 +3,7 @@
 Every decoder layer starts with its input norm, then q/k/v (one dense_linear call after fuse_sibling_linears); its
 MoE block starts with the post-attention residual add and norm, then the router. Unfused each is a kernel of its own
 per layer in the decode step; the fused call computes it in the GEMV kernel's prologue instead (backends/dense.py,
-kernels/dense_kernels.py):
+kernels/dense_gemm.py):
 - `moefx::rms_norm_dense_linear` for a plain norm whose output only the linear reads (the input norm);
 - `moefx::add_rms_norm_dense_linear` for a residual add + norm, whose sum (the next residual) and normed rows (the
   experts read them too) become outputs of the call: the kernel writes both, so other readers keep theirs.
@@ -112,7 +112,7 @@ def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
     missing = triton_missing()
     if missing:
         return missing
-    from moefx.backends.kernels.dense_kernels import default_config
+    from moefx.kernels.dense_gemm import default_config
 
     if default_config(m, False).dot:
         return f"M={m} runs the tensor-core tiles, where the prologue costs more than the norm kernel it saves"

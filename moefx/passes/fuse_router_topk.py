@@ -7,7 +7,7 @@ kernel's last program instead (backends/router.py), so the top-k is no kernel of
 fused_topk's code on the logits the GEMV stored, so the ids and weights are the unfused graph's.
 Matched: a fused_topk call whose logits are output 0 of an add_rms_norm_dense_linear call with one weight and no
 bias (the call fuse_norm_linear writes only where the gemv kernel runs it), a router the routing epilogue takes
-(`dense_kernels.route_supported`), a correction bias defined before the router call. The other readers of the
+(`dense_gemm.route_supported`), a correction bias defined before the router call. The other readers of the
 call's outputs read the fused call's.
 """
 
@@ -48,7 +48,7 @@ def _problem(dense: torch.fx.Node, route: list) -> str | None:
     missing = triton_missing()
     if missing:
         return missing
-    from moefx.backends.kernels.dense_kernels import route_supported
+    from moefx.kernels.dense_gemm import route_supported
 
     if len(weights) != 1 or any(b is not None for b in biases):
         return f"the router call has {len(weights)} weights or a bias"
@@ -65,8 +65,8 @@ def _problem(dense: torch.fx.Node, route: list) -> str | None:
 
 class FuseRouterTopk(MoefxPass):
     name = "fuse_router_topk"
-    uuid_files = (_router.__file__, module_file("moefx.backends.kernels.dense_kernels"),
-                  module_file("moefx.backends.kernels.routing"), _routing_op.__file__, fnl.__file__)
+    uuid_files = (_router.__file__, module_file("moefx.kernels.dense_gemm"),
+                  module_file("moefx.kernels.moe_routing"), _routing_op.__file__, fnl.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         done = 0

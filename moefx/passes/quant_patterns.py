@@ -53,7 +53,7 @@ DEPENDENCY_FILES = (
     str(Path(__file__).resolve()),
     str(_OPS_DIR / "fused_quant.py"),
     str(_OPS_DIR / "quant.py"),
-    str(_OPS_DIR / "triton_quant.py"),
+    str(_OPS_DIR.parent / "kernels" / "act_quant.py"),
     _fx.__file__,
 )
 

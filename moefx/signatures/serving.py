@@ -1,4 +1,5 @@
-"""Serving hints (SPEC §6): CUDA-graph capture sizes, prefill token budget, vocab-parallel LM head.
+"""Serving hints (docs/SIGNATURES.md, "How a plan is resolved"):
+CUDA-graph capture sizes, prefill token budget, vocab-parallel LM head.
 
 Each hint comes with the source that decided it, so `Plan.explain()` can say why. Capture sizes are a geometric
 set of batch buckets (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ...: powers of two, and above 16 also 1.5x each) up to

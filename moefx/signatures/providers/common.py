@@ -6,7 +6,7 @@ from moefx.signatures.execution import ExecutionSignature
 from moefx.signatures.model import ModelSignature
 from moefx.signatures.registry import PlanFragment
 
-# Activation formats the fused quant kernels produce (SPEC §2), with dynamic (per-call) scales.
+# Activation formats the fused quant kernels produce (docs/FUSIONS.md), with dynamic (per-call) scales.
 FUSED_QUANT_ACT_DTYPES = ("float8_e4m3fn", "int8")
 
 

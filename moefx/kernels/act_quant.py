@@ -22,6 +22,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 MODE_PLAIN, MODE_SILU, MODE_NORM, MODE_ADD_NORM = 0, 1, 2, 3
+# The SCALING constexpr of each way moefx/ops/quant.py's `SCALINGS` forms q from y and the scale
+SCALING_CODES = {"divide": 0, "reciprocal": 1, "qmax_over_amax": 2}
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # an fp8 qmax below it needs the CLAMP
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -245,6 +248,7 @@ def launch(
     q: torch.Tensor,
     s: torch.Tensor,
     scheme: tuple,
+    qmax: float,
     x: torch.Tensor,
     u: torch.Tensor | None = None,
     *,
@@ -257,14 +261,10 @@ def launch(
     cuda_semantics: bool | None = None,
 ) -> None:
     """Fill q [..., H] and s [..., G] (any layout) from x (and up / residual `u`). Tensors may live on CPU
-    (interpreter) or CUDA. `scheme` is the tuple of `QuantScheme.args()`; it must already be validated.
-    `cuda_semantics` (default: x.is_cuda) computes scale = amax * fl32(1/qmax) as eager CUDA does; else IEEE
-    amax / qmax as eager CPU does."""
-    from moefx.ops.quant import FP8_MAX, SCALINGS, check_scheme, full_scheme
-
-    scheme = full_scheme(scheme)
+    (interpreter) or CUDA. `scheme` is the whole tuple of `QuantScheme.args()`, validated, and `qmax` its effective
+    qmax (moefx/ops/quant.py: `full_scheme`, `check_scheme`). `cuda_semantics` (default: x.is_cuda) computes
+    scale = amax * fl32(1/qmax) as eager CUDA does; else IEEE amax / qmax as eager CPU does."""
     kind, group_size, eps, min_scale, _, ue8m0, _, _, scaling, ue8m0_late = scheme
-    qmax = check_scheme(*scheme)
     h = x.shape[-1]
     x2 = _rows(x)
     m = x2.shape[0]
@@ -291,9 +291,9 @@ def launch(
         float(eps), float(min_scale), qmax, inv_qmax, float(norm_eps), 1.0 / h,
         MODE=mode, IN_DT=in_dt, Y_DT=_TL_DTYPES[y_dtype or x.dtype], IS_FP8=kind.startswith("fp8"),
         HAS_W=weight is not None, W_FP32=weight_in_fp32, FP32_SUM=fp32_residual_sum, UE8M0=ue8m0,
-        UE8M0_LATE=ue8m0_late, SCALING=SCALINGS.index(scaling),
+        UE8M0_LATE=ue8m0_late, SCALING=SCALING_CODES[scaling],
         RECIP_SCALE=x.is_cuda if cuda_semantics is None else cuda_semantics,
-        CLAMP=not (kind.startswith("fp8") and qmax == FP8_MAX),
+        CLAMP=not (kind.startswith("fp8") and qmax == E4M3_MAX),
         GROUP=group, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=warps,
         enable_fp_fusion=False,  # eager rounds mean(x^2) before + eps and x*x before summing: no FMA contraction
     )

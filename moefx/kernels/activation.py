@@ -2,7 +2,7 @@
 
 Each entry gives the PyTorch function (the reference paths, in the caller's dtype), its derivative (the backward,
 in fp32 or fp64) and the integer the Triton kernels take as their `ACT` constexpr (one epilogue variant each:
-`kernels/epilogue.py`). transformers' activation modules map onto these names by type (`module_types`), so an
+`kernels/moe_epilogue.py`). transformers' activation modules map onto these names by type (`module_types`), so an
 experts module with any of them runs the op; one with another activation falls back, naming it.
 `gate_limit` (the op's other gate argument) clamps before the activation, as DeepSeek-V4, GLM-5-Next and HY-V4
 do: gate <= limit, -limit <= up <= limit ("clamped SwiGLU"); the kernels' LIMIT constexpr (0: none).

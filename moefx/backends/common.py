@@ -12,14 +12,9 @@ FP8_MAX = 448.0
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def shape_problem(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    block_shape: tuple[int, int] | None,
-) -> str | None:
+def shape_problem(call: MoeCall) -> str | None:
     """Why these weights/activations don't follow the registry layout, or None."""
+    hidden, w13, w2, w13_scale, block_shape = call.hidden, call.w13, call.w2, call.w13_scale, call.block_shape
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         return f"expected hidden [M, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, " \
                f"{tuple(w13.shape)}, {tuple(w2.shape)}"
@@ -48,61 +43,48 @@ def shape_problem(
     return None
 
 
-def cuda_fp8_problem(
-    hidden: torch.Tensor, w13_scale: torch.Tensor | None, block_shape: tuple[int, int] | None, min_block_k: int = 0
-) -> str | None:
-    if w13_scale is None or not hidden.is_cuda:
+def cuda_fp8_problem(call: MoeCall, min_block_k: int = 0) -> str | None:
+    if call.w13_scale is None or not call.hidden.is_cuda:
         return None
-    if device_capability(hidden.device) < (8, 9):
+    if device_capability(call.hidden.device) < (8, 9):
         return "FP8 tensor-core dot needs compute capability >= 8.9"
-    if block_shape[1] < min_block_k:
-        return f"FP8 tensor-core dot needs a quant block k >= {min_block_k} on CUDA, got {block_shape}"
+    if call.block_shape[1] < min_block_k:
+        return f"FP8 tensor-core dot needs a quant block k >= {min_block_k} on CUDA, got {call.block_shape}"
     return None
 
 
 class TritonMoEBackend(MoEBackend):
     """A backend that runs a Triton kernel on CUDA and the same algorithm in PyTorch elsewhere.
 
-    Subclasses give `cuda_kernel` and `torch_path`, both taking `MoeCall.kernel_args()` and `gate_kwargs()`, and
+    Subclasses give `cuda_kernel` and `torch_path`, both taking the `MoeCall`, and
     `fp8_min_block_k` when their CUDA kernel feeds FP8 quant blocks to a tensor-core dot (Triton's e4m3 dot on
     Hopper takes K >= 32 per step)."""
 
     fp8_min_block_k = 0
 
-    def unsupported_reason(
-        self,
-        hidden: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor | None = None,
-        block_shape: tuple[int, int] | None = None,
-        activation: str = "silu",
-        gate_limit: float | None = None,
-    ) -> str | None:
-        reason = super().unsupported_reason(hidden, w13, w2, w13_scale, block_shape, activation, gate_limit)
-        reason = reason or shape_problem(hidden, w13, w2, w13_scale, block_shape)
-        if reason is None and hidden.is_cuda:
+    def unsupported_reason(self, call: MoeCall) -> str | None:
+        reason = super().unsupported_reason(call) or shape_problem(call)
+        if reason is None and call.hidden.is_cuda:
             missing = triton_missing()
             if missing:
                 return f"{self.name} needs Triton on CUDA: {missing}"
-            reason = cuda_fp8_problem(hidden, w13_scale, block_shape, self.fp8_min_block_k)
+            reason = cuda_fp8_problem(call, self.fp8_min_block_k)
         return reason
 
     def run(self, call: MoeCall, residual: torch.Tensor | None = None) -> torch.Tensor:
-        args, gate = call.kernel_args(), call.gate_kwargs()
         if call.hidden.is_cuda:
             with on_device(call.hidden.device):  # Triton launches on the current device
                 if residual is not None:  # only where adds_residual (MoEBackend.apply)
-                    return self.cuda_kernel(*args, **gate, residual=residual)
-                out = self.cuda_kernel(*args, **gate)
+                    return self.cuda_kernel(call, residual=residual)
+                out = self.cuda_kernel(call)
         else:
-            out = self.torch_path(*args, **gate)
+            out = self.torch_path(call)
         return out if residual is None else residual + out
 
-    def cuda_kernel(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
+    def cuda_kernel(self, call: MoeCall) -> torch.Tensor:
         raise NotImplementedError
 
-    def torch_path(self, *args: object, activation: str = "silu", gate_limit: float | None = None) -> torch.Tensor:
+    def torch_path(self, call: MoeCall) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -113,32 +95,3 @@ def qdq_rows(x: torch.Tensor, group: int) -> torch.Tensor:
     scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).reshape(m, k)
-
-
-def max_padded_len(numel: int, num_experts: int, block_m: int) -> int:
-    """Worst case of the padded sorted length, so every buffer is sized without looking at the ids."""
-    return -(-(numel + num_experts * (block_m - 1)) // block_m) * block_m
-
-
-def moe_align_torch(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PyTorch version of `align.moe_align` (same layout, pairs in ascending order inside each expert)."""
-    ids = topk_ids.reshape(-1).long()
-    numel = ids.numel()
-    dev = ids.device
-    max_padded = max_padded_len(numel, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded
-    order = torch.argsort(ids, stable=True)
-    sorted_e = ids[order]
-    rank = torch.arange(numel, device=dev) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=dev)
-    sorted_ids[starts[sorted_e] + rank] = order.to(torch.int32)
-    block_start = torch.arange(max_padded // block_m, device=dev) * block_m
-    ends = torch.cumsum(padded, 0)
-    expert_ids = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
-    total = padded.sum()
-    expert_ids = torch.where(block_start < total, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids, total.reshape(1).to(torch.int32)

@@ -1,9 +1,9 @@
-"""Triton grouped MoE GEMMs over the padded expert blocks from `align.moe_align`.
+"""Triton grouped MoE GEMMs over the padded expert blocks from `moe_align.moe_align`.
 
 GEMM 1 (gate_up, activation-mul fused): program = (block of BLOCK_M pairs of one expert, BLOCK_N columns of
 I); it loads the gate tile and the up tile of w13 and keeps two accumulators, so the [pairs, 2I]
 projection never reaches memory: it writes act(gate) * up (SiLU, GELU or GELU-tanh: the ACT constexpr,
-epilogue.py). GEMM 2 (down): same blocks over H, scales
+moe_epilogue.py). GEMM 2 (down): same blocks over H, scales
 each row by its routing weight and writes [M*k, H]; the top-k sum is one reduction after (`topk_sum`: fp32
 accumulation, one write in hidden's dtype; H200: 6.5 µs at M=1024 and 37.5 at 4096, torch's sum 12.4 and 52.4). The
 [pairs, I] intermediate is stored in the padded sorted order (row = position in `sorted_ids`, padding rows
@@ -45,12 +45,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moefx.backends.activation import get_activation
-from moefx.backends.kernels.align import moe_align
-from moefx.backends.kernels.common import max_padded_len
-from moefx.backends.kernels.epilogue import gate_up
-from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
+from moefx.kernels.activation import get_activation
 from moefx.kernels.memo import device_capability
+from moefx.kernels.moe_align import moe_align
+from moefx.kernels.moe_align_ref import max_padded_len
+from moefx.kernels.moe_call import MoeCall
+from moefx.kernels.moe_epilogue import gate_up
+from moefx.kernels.pdl import pdl_launch, pdl_supported
 
 FP8_MAX = tl.constexpr(448.0)
 # RUNNING accumulators divide by scales: a weight scale is clamped here (an all-zero block has zero weights, so
@@ -475,25 +476,16 @@ def normalize_tiles(
     return replace(cfg1, block_n=sbk, block_k=bk(cfg1)), replace(cfg2, block_k=bk(cfg2))  # GEMM 2: scales per column
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None,
-    config: GemmConfig | None = None,
-    config2: GemmConfig | None = None,
-    activation: str = "silu",
-    gate_limit: float | None = None,
-) -> torch.Tensor:
+def fused_moe(call: MoeCall, config: GemmConfig | None = None, config2: GemmConfig | None = None) -> torch.Tensor:
     """Align, GEMM 1 (+act(gate) * up, +fp8 quant), GEMM 2 (+routing weight), top-k sum.
 
     `config` (GEMM 1, and GEMM 2 unless `config2` is given) overrides DEFAULT_TILES; GEMM 2 takes GEMM 1's BLOCK_M.
-    `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/backends/activation.py).
+    The call's `activation` and `gate_limit` pick GEMM 1's epilogue (moefx/kernels/activation.py).
     """
+    hidden, topk_ids, topk_weights, w13, w2 = call.hidden.contiguous(), call.topk_ids, call.topk_weights, call.w13, \
+        call.w2
+    w13_scale, w2_scale, block_shape, activation, gate_limit = call.w13_scale, call.w2_scale, call.block_shape, \
+        call.activation, call.gate_limit
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w2.shape[0], w2.shape[2]

@@ -1,6 +1,6 @@
 """The gate activation of the GEMM-1 epilogues (grouped GEMM 1, gemv stage 1): one `ACT` constexpr per activation.
 
-ACT ids are `moefx.backends.activation.ACTIVATIONS[name].kernel_id`: 0 SiLU, 1 exact GELU (erf), 2 GELU's tanh
+ACT ids are `moefx.kernels.activation.ACTIVATIONS[name].kernel_id`: 0 SiLU, 1 exact GELU (erf), 2 GELU's tanh
 approximation, computed as x * sigmoid(2 k (x + 0.044715 x^3)) (equal to 0.5 x (1 + tanh(k (...))), no tanh).
 Every variant is elementwise on the fp32 accumulators, so a variant costs the same loads as SiLU; LIMIT > 0 (a
 constexpr) clamps gate and up first, the clamped SwiGLU of DeepSeek-V4, GLM-5-Next and HY-V4.

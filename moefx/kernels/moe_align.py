@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moefx.backends.kernels.common import max_padded_len
+from moefx.kernels.moe_align_ref import max_padded_len
 
 SMALL_ALIGN_PAIRS = 128  # up to this many pairs (M*k) one program aligns them all
 SMALL_ALIGN_ELEMS = 32768  # largest 2-D tile a program holds (8 warps: 128 values per thread)

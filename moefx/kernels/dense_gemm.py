@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moefx.backends.kernels.routing import constexprs as route_constexprs
-from moefx.backends.kernels.routing import route_row
+from moefx.kernels.moe_routing import constexprs as route_constexprs
+from moefx.kernels.moe_routing import route_row
 from moefx.kernels.rounding import round_as
+from moefx.kernels.routing_limits import kernel_supports
 
 MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched in groups of this many
 # Largest automatic block_m (CUDA-core product, tensor-core tile): more rows are more M tiles, so a prefill of
@@ -371,9 +372,7 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs per split suffice to test the split-K path
-    from moefx.backends.calibration import device_identity  # cached per device
-
-    return device_identity(device)[2]
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def dense_gemv(
@@ -435,7 +434,7 @@ def dense_gemv(
         fused = _launch_group(x, weights[sl], biases[sl], x_scale, weight_scales[sl] if fp8 else None, block_shape,
                               outs[sl], cfg, sms, norm_weight, norm_eps, residual, sums, route, routed)
     if route is not None and not fused:  # no counters for the epilogue: the routing kernel of its own
-        from moefx.backends.kernels.routing import fused_topk_triton
+        from moefx.kernels.moe_routing import fused_topk_triton
 
         routed = list(fused_topk_triton(outs[0], *route))
     return outs + sums + routed
@@ -492,8 +491,6 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
 @functools.lru_cache(maxsize=64)  # pure in its arguments; asked per launch
 def route_supported(num_experts: int, n_group: int) -> bool:
     """Whether the ROUTE epilogue takes this router: the routing kernel's shapes, one row of scores in registers."""
-    from moefx.backends.routing import kernel_supports
-
     return num_experts <= MAX_ROUTE_EXPERTS and kernel_supports(num_experts, n_group) is None
 
 

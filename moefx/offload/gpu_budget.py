@@ -1,15 +1,15 @@
-"""GPU memory priority with experts offloaded (SPEC §5), fixed: KV pool -> prefill staging -> draft -> workspace.
+"""GPU memory priority with experts offloaded (docs/OFFLOAD.md, "GPU memory priority"), fixed: KV pool -> prefill
+staging -> activation workspace.
 
 Each consumer gets its bytes only from what the ones before it left. The KV pool and the staging ring are
-requirements (a clear error names the knob when they do not fit); the speculative draft and the activation
-workspace take what is left, in that order.
+requirements (a clear error names the knob when they do not fit); the activation workspace takes what is left.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIORITY = ("kv_pool", "prefill_staging", "speculative_draft", "activation_workspace")
+PRIORITY = ("kv_pool", "prefill_staging", "activation_workspace")
 
 _GIB = float(1 << 30)
 
@@ -19,7 +19,6 @@ class GpuMemoryBudget:
     free: int
     kv_pool: int
     prefill_staging: int
-    speculative_draft: int
     activation_workspace: int
 
     def explain_line(self) -> str:
@@ -32,7 +31,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 
 def plan_gpu_memory(
-    free: int, kv_pool: int, staging: int, draft: int = 0, tile_e: int | None = None, expert_bytes: int | None = None
+    free: int, kv_pool: int, staging: int, tile_e: int | None = None, expert_bytes: int | None = None
 ) -> GpuMemoryBudget:
     """Split `free` GPU bytes in priority order; ValueError naming the knob when KV or staging cannot fit."""
     if kv_pool > free:
@@ -51,7 +50,4 @@ def plan_gpu_memory(
             f"KV pool; lower MOEFX_OFFLOAD_STAGE_TILE_E (now {tile_e}){hint}, or set "
             "MOEFX_OFFLOAD_GPU_PREFILL_MIN_TOKENS=0 to never stream experts to the GPU"
         )
-    left -= staging
-    draft_got = draft if draft <= left else 0
-    left -= draft_got
-    return GpuMemoryBudget(free, kv_pool, staging, draft_got, left)
+    return GpuMemoryBudget(free, kv_pool, staging, left - staging)

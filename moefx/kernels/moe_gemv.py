@@ -2,7 +2,7 @@
 
 Stage 1, grid (M*k pairs, I/BLOCK_N): each program reads BLOCK_N gate rows and the matching BLOCK_N
 up rows of its pair's expert (indexed straight from topk_ids) over all of H, 16-byte loads, and
-writes act(gate) * up in fp32 (act: the ACT constexpr, epilogue.py). Stage 2, grid (M, H/BLOCK_N): each program
+writes act(gate) * up in fp32 (act: the ACT constexpr, moe_epilogue.py). Stage 2, grid (M, H/BLOCK_N): each program
 loads BLOCK_N rows of w2 for all k of the token's experts at once (one [k, BLOCK_N, BLOCK_K] tile per K step, so
 the loads of the k experts overlap), weights each expert's dot by its routing weight and sums the top-k in
 registers; it writes the output row slice once, in hidden's dtype.
@@ -37,9 +37,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moefx.backends.activation import get_activation
-from moefx.backends.kernels.epilogue import gate_up
-from moefx.backends.kernels.pdl import pdl_launch, pdl_supported
+from moefx.kernels.activation import get_activation
+from moefx.kernels.moe_call import MoeCall
+from moefx.kernels.moe_epilogue import gate_up
+from moefx.kernels.pdl import pdl_launch, pdl_supported
 
 
 @triton.jit
@@ -184,28 +185,18 @@ def stage_tiles(
     return bn1, block_k_for(h, cfg.block_k1), bn2, block_k_for(inter, cfg.block_k2), kp
 
 
-def gemv_moe(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None,
-    config: GemvConfig | None = None,
-    activation: str = "silu",
-    gate_limit: float | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Launch both stages; `config` overrides DEFAULT_TILES; `activation` and `gate_limit` pick stage 1's epilogue;
-    a `residual` [M, H] is added to the result in stage 2's epilogue."""
+def gemv_moe(call: MoeCall, config: GemvConfig | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch both stages; `config` overrides DEFAULT_TILES; the call's `activation` and `gate_limit` pick stage 1's
+    epilogue; a `residual` [M, H] is added to the result in stage 2's epilogue."""
+    hidden, topk_ids, topk_weights, w13, w2 = call.hidden.contiguous(), call.topk_ids, call.topk_weights, call.w13, \
+        call.w2
+    w13_scale, w2_scale, block_shape = call.w13_scale, call.w2_scale, call.block_shape
     m, h = hidden.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
     fp8 = w13_scale is not None
     grid1, kw1, grid2, kw2 = _launch_plan(m, h, inter, top_k, tuple(block_shape) if fp8 else None, config,
-                                          activation, gate_limit, pdl_supported(hidden.device))
+                                          call.activation, call.gate_limit, pdl_supported(hidden.device))
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)

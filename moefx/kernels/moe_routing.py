@@ -24,7 +24,7 @@ def route_row(
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
     """One row's routing: x the fp32 logits [BLOCK_E] (-inf past E, `valid`), `cols` their ids; (weights before
-    the scaling factor, ids), each [K_BLOCK]. Also the dense kernel's ROUTE epilogue (kernels/dense_kernels.py)."""
+    the scaling factor, ids), each [K_BLOCK]. Also the dense kernel's ROUTE epilogue (kernels/dense_gemm.py)."""
     if KIND == 2:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = scores
