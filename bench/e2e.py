@@ -124,6 +124,10 @@ def prefill_flops(model: torch.nn.Module, tokens: int, batch: int = 1) -> float:
     return batch * (2 * linear * tokens + causal)
 
 
+# --step-pdl settings: set_step_pdl's arguments (moefx/kernels/pdl.py)
+STEP_PDL = {"off": dict(chain=False), "chain": dict(chain=True, prefetch=False), "prefetch": dict(chain=True)}
+
+
 def greedy_kwargs(n: int) -> dict:
     return dict(max_new_tokens=n, min_new_tokens=None, do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -255,6 +259,9 @@ def main() -> int:
     ap.add_argument("--prefill-peers", default="hf_eager,hf_compiled",
                     help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
+    ap.add_argument("--step-pdl", default="", help="before/after of the decode step's PDL chain on each moefx arm's "
+                    "model, same process: a comma list of off, chain, prefetch (the default); each recaptures the "
+                    "graphs and times the smallest batch (rows `<arm>_pdl_<setting>`; with --profile, each profiled)")
     ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
     ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
@@ -449,6 +456,29 @@ def main() -> int:
     if args.mode:
         config["mode"] = args.mode
 
+    def step_pdl_rows(name: str, opt, dtype: str) -> None:
+        """The smallest batch's decode rate (and kernel profile) under each --step-pdl setting, on this arm's model
+        and compiled steps: only the captured graphs change (kernels/pdl.py)."""
+        from moefx.kernels.pdl import set_step_pdl
+
+        b = min(batches)
+        fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
+        engine = opt.moefx_generate.engine
+        for setting in args.step_pdl.split(","):
+            if setting not in STEP_PDL:
+                raise SystemExit(f"--step-pdl: {setting!r} is not one of {sorted(STEP_PDL)}")
+            set_step_pdl(**STEP_PDL[setting])
+            engine.slots.drop_graphs()
+            print(f"  step PDL: {setting}", flush=True)
+            row, _ = decode_row(f"{name}_pdl_{setting}", fn, inputs[b], args.n1, args.n2, args.runs,
+                                b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            decode.append(row)
+            if args.profile:
+                extra[f"profile_B{b}_{name}_pdl_{setting}"] = profile_step(opt, inputs[b])
+            save()
+        set_step_pdl()
+        engine.slots.drop_graphs()
+
     def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int]) -> None:
         print(name, flush=True)
         start = time.perf_counter()
@@ -471,6 +501,8 @@ def main() -> int:
         print(f"  {front.describe()}; passes {extra[f'{name}_matches']}", flush=True)
         if args.profile and name == "moefx" and batches:
             extra["profile_B1"] = profile_step(opt, inputs[min(batches)])
+        if args.step_pdl and batches:
+            step_pdl_rows(name, opt, dtype)
         if ptoks is not None and name == "moefx":
             prefill_row("moefx", lambda: opt.generate(ptoks, **greedy_kwargs(1)))
         if shapes and name == "moefx" and "moefx" in ttft_arms:

@@ -101,7 +101,9 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0
     fp8 = kind == "fp8"
     bn1, bk1, bn2, bk2, kp = gemv.stage_tiles(cfg, H, I, TOP_K, BLOCK_SHAPE if fp8 else None)
     w = "*fp8e4nv" if fp8 else "*bf16"
-    common = dict(H=H, I=I, TOP_K=TOP_K, FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], PDL=cfg.pdl)
+    # CHAIN: as a decode step launches them, in the PDL chain between ops (kernels/pdl.py)
+    common = dict(H=H, I=I, TOP_K=TOP_K, FP8=fp8, SBN=BLOCK_SHAPE[0], SBK=BLOCK_SHAPE[1], PDL=cfg.pdl,
+                  CHAIN=cfg.pdl)
     stage1 = _compile(gemv._gemv_gate_up_kernel,
                       dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, ws_ptr="*fp32", act_ptr="*fp32"),
                       common | dict(BLOCK_N=bn1, BLOCK_K=bk1, ACT=act, LIMIT=limit), cfg.num_warps1,
@@ -124,17 +126,18 @@ def compile_decode_attention() -> list[dict]:
     rows = []
     for split in (False, True):
         consts = dict(PER_SPLIT=512, G=8, G_PAD=16, D=128, BLOCK=ta.BLOCK_L, MASK=True, MASK_BOOL=True, SPLIT=split,
-                      IEEE=False)
+                      IEEE=False, PDL=True)
         rows.append(dict(kind="decode_attention", max_rows=f"split={split}",
                          gemm1=_compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES),
                          gemm2=_compile(ta._combine_kernel, dict(part_ptr="*fp32", out_ptr="*bf16"),
-                                        dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16), 1, LAUNCH_DEFAULT_STAGES)))
+                                        dict(G=8, G_PAD=16, D=128, SPLITS_PAD=16, PDL=True), 1,
+                                        LAUNCH_DEFAULT_STAGES)))
     from moefx.kernels import norm_rope_cache as rc
 
     bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "keys_ptr",
                                  "values_ptr", "out_ptr")}
     rope = _compile(rc._qk_norm_rope_cache_kernel, bf16 | dict(pos_ptr="*i64", eps="fp32"),
-                    dict(HQ=32, D=128, HAS_W=True), 1, LAUNCH_DEFAULT_STAGES)
+                    dict(HQ=32, D=128, HAS_W=True, PDL=True), 1, LAUNCH_DEFAULT_STAGES)
     rows.append(dict(kind="qk_norm_rope_cache", max_rows="-", gemm1=rope, gemm2=rope))
     return rows
 
@@ -160,10 +163,14 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
                   SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, NORM=False, HAS_NORM_W=False,
                   NORM_BLOCK=1, RESID=False, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
-                  DOT=cfg.dot, IEEE=False, ROUTE=False, SLOT=dense.COUNTER_SLOTS - 1, **dense.NO_ROUTE)
+                  DOT=cfg.dot, IEEE=False, ROUTE=False, SLOT=dense.COUNTER_SLOTS - 1, **dense.NO_ROUTE,
+                  PDL=False, PREFETCH=False)
     divisible = re.compile(r"_ptr$|^stride_(xm|wn\d)$")
     row = dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k,
                kernel=_compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages, divisible))
+    # as a decode step launches it (kernels/pdl.py): a PDL dependent, its one-step weight tile loaded before the wait
+    chain = dict(PDL=True, PREFETCH=lp.k_per_split <= lp.block_k)
+    row["pdl_kernel"] = _compile(dense._dense_kernel, types, consts | chain, cfg.num_warps, cfg.num_stages, divisible)
     if not fp8:
         norm = dict(NORM=True, HAS_NORM_W=True, NORM_BLOCK=dense.norm_block(lp, H, cfg.dot))
         row["norm_kernel"] = _compile(dense._dense_kernel, types, consts | norm, cfg.num_warps, cfg.num_stages,
@@ -177,7 +184,7 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
                       SPLIT_K=rp.split_k, K_PER_SPLIT=rp.k_per_split, NORM_BLOCK=dense.norm_block(rp, H, cfg.dot),
                       ROUTE=True, **route_constexprs(128, 8, "softmax", True, False, 1, 1))
         rtypes = types | dict(part_ptr="*fp32" if rp.split_k > 1 else "*bf16", cnt_ptr="*i32")
-        row["route_kernel"] = _compile(dense._dense_kernel, rtypes, consts | norm | {"RESID": True} | router,
+        row["route_kernel"] = _compile(dense._dense_kernel, rtypes, consts | norm | {"RESID": True} | router | chain,
                                        cfg.num_warps, cfg.num_stages, divisible)
     return row
 

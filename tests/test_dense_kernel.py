@@ -196,3 +196,54 @@ def test_gpu_kernel_replays_from_a_cuda_graph():
     graph.replay()
     fresh = K.dense_gemv(x, ws, bs)
     assert all(torch.equal(a, b) for a, b in zip(outs, fresh)) and not torch.equal(outs[0], eager[0])
+
+
+def test_step_pdl_is_off_where_pdl_is_not_supported_and_the_switch_restores():
+    from moefx.kernels.pdl import set_step_pdl, step_pdl
+
+    cpu = torch.device("cpu")
+    assert step_pdl(cpu) == (False, False)
+    set_step_pdl(chain=False)
+    try:
+        assert step_pdl(cpu) == (False, False)
+    finally:
+        set_step_pdl()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("setting", [dict(chain=True, prefetch=False), dict(chain=True)])
+def test_gpu_step_pdl_chain_reads_what_the_kernel_before_wrote(setting):
+    """A chain of the step's kernels, each reading the one before's output: q/k/v from a GEMV whose input the GEMV
+    before it wrote, with an RMSNorm prologue (as a decode step has them). Chained by PDL (each lets the next launch
+    once its programs run; the GEMV prefetching its weights before its wait) the outputs equal the unchained launch's
+    bit for bit, eager and replayed from a CUDA graph with fresh inputs."""
+    from moefx.kernels.pdl import pdl_supported, set_step_pdl
+
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs capability 9.0")
+    x, ws, _ = _float_case(1, (2048,), 2048, torch.bfloat16, "cuda", bias=False)
+    _, qkv, _ = _float_case(1, (4096, 512, 512), 2048, torch.bfloat16, "cuda", bias=False, seed=1)
+    norm_w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain():
+        h = K.dense_gemv(x, ws, [None])[0]
+        h = K.dense_gemv(h, ws, [None])[0]
+        return K.dense_gemv(h, qkv, [None] * 3, norm_weight=norm_w, norm_eps=1e-6)
+
+    try:
+        set_step_pdl(chain=False)
+        plain = chain()
+        set_step_pdl(**setting)
+        chained = chain()
+        assert all(torch.equal(a, b) for a, b in zip(plain, chained))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        set_step_pdl(chain=False)
+        fresh = chain()
+        assert all(torch.equal(a, b) for a, b in zip(outs, fresh)) and not torch.equal(outs[0], plain[0])
+    finally:
+        set_step_pdl()

@@ -156,6 +156,14 @@ class SlotPool(MemoryBudget):
         self.stats.slot_allocations += 1
         self._sync_stats()
 
+    def drop_graphs(self) -> None:
+        """Drop every slot's captured decode and prefill graphs; the next steps capture again. What a kernel decides
+        at launch time (kernels/pdl.py's step chain) is recorded by a capture, so a before/after of such a setting
+        in one process (bench/e2e.py --step-pdl) recaptures through this."""
+        for slot in self._slots.values():
+            slot.graphs.clear()
+            slot.prefill.clear()
+
     def _evict_oldest(self, keep: Any = None) -> bool:
         key = next((k for k, slot in self._slots.items() if slot is not keep), None)
         if key is None:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moefx.kernels.pdl import pdl_launch, step_pdl
 
 BLOCK_L = 64
 
@@ -25,8 +28,11 @@ def _decode_attn_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb, stride_ml,
     stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the decode step's chain (kernels/pdl.py): q and the cache rows are the previous kernel's writes
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // kv_heads
@@ -91,8 +97,11 @@ def _decode_attn_kernel(
 @triton.jit
 def _combine_kernel(
     part_ptr, out_ptr, kv_heads, splits, stride_ob, stride_oh,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the partials are the attention kernel's writes
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     row = tl.program_id(1)
     b = pid // kv_heads
@@ -120,7 +129,8 @@ def decode_attention_triton(q, k, v, mask, scale: float, out, splits: int) -> No
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
-    p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32)
+    p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32,
+                     step_pdl(q.device)[0])
     part = (torch.empty(p.part_numel, dtype=torch.float32, device=q.device) if p.splits > 1 else out)
     mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
     _decode_attn_kernel[p.grid](
@@ -144,15 +154,17 @@ class _Plan:
 
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
-                 ieee: bool) -> _Plan:
-    """Slices, buffer size, grids and constexpr arguments of one call shape (mask_bool None: no mask)."""
+                 ieee: bool, pdl: bool = False) -> _Plan:
+    """Slices, buffer size, grids and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: both
+    kernels as programmatic dependents, kernels/pdl.py)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = -(-length // splits)
     per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
     splits = -(-length // per_split)
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
-              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, IEEE=ieee, num_warps=4)
-    combine_kw = dict(G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
+              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    combine_kw = dict(G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl, num_warps=1,
+                      **pdl_launch(pdl))
     return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw,
                  (batch * kv_heads, g), combine_kw)

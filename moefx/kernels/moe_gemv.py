@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefx.kernels.activation import get_activation
 from moefx.kernels.moe_call import MoeCall
 from moefx.kernels.moe_epilogue import gate_up
-from moefx.kernels.pdl import pdl_launch, pdl_supported
+from moefx.kernels.pdl import pdl_launch, pdl_supported, step_pdl
 
 
 @triton.jit
@@ -50,7 +50,10 @@ def _gemv_gate_up_kernel(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
+    CHAIN: tl.constexpr,
 ):
+    if CHAIN:  # the decode step's chain (kernels/pdl.py): the ids and the hidden rows are the router's writes
+        gdc_wait()
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pair // TOP_K
@@ -89,7 +92,7 @@ def _gemv_down_kernel(
     stride_om, stride_rm, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, RESIDUAL: tl.constexpr, CHAIN: tl.constexpr,
 ):
     # One [KP experts, BLOCK_N rows, BLOCK_K] tile per K step: the k experts' loads are in flight together
     # (a loop over experts would chain k * I/BLOCK_K dependent HBM round trips per program).
@@ -108,6 +111,8 @@ def _gemv_down_kernel(
     w_ptrs = w_ptr + rows[:, :, None] + offs_k[None, None, :]
     if PDL:
         gdc_wait()  # stage 1's activations are visible from here on
+        if CHAIN:
+            gdc_launch_dependents()  # the next layer's first kernel may launch and prefetch its weights
     acc = tl.zeros([KP, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
@@ -196,7 +201,8 @@ def gemv_moe(call: MoeCall, config: GemvConfig | None = None, residual: torch.Te
     inter = w2.shape[2]
     fp8 = w13_scale is not None
     grid1, kw1, grid2, kw2 = _launch_plan(m, h, inter, top_k, tuple(block_shape) if fp8 else None, config,
-                                          call.activation, call.gate_limit, pdl_supported(hidden.device))
+                                          call.activation, call.gate_limit, pdl_supported(hidden.device),
+                                          step_pdl(hidden.device)[0])
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)
@@ -221,7 +227,7 @@ def gemv_moe(call: MoeCall, config: GemvConfig | None = None, residual: torch.Te
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes, config, device facts); asked per call
 def _launch_plan(
     m: int, h: int, inter: int, top_k: int, block_shape: tuple[int, int] | None, config: GemvConfig | None,
-    activation: str, gate_limit: float | None, pdl_ok: bool,
+    activation: str, gate_limit: float | None, pdl_ok: bool, chain: bool = False,
 ) -> tuple[tuple[int, int], dict, tuple[int, int], dict]:
     """(stage 1 grid, its constexpr/launch arguments, stage 2 grid, its arguments) for one gemv_moe shape."""
     fp8 = block_shape is not None
@@ -229,8 +235,10 @@ def _launch_plan(
     cfg = config or default_gemv_config(m, fp8)
     bn1, bk1, bn2, bk2, kp = stage_tiles(cfg, h, inter, top_k, block_shape)
     pdl = cfg.pdl and pdl_ok
+    chain = chain and pdl  # stage 1 a dependent of the kernel before the op, stage 2 letting the next one launch
     kw1 = dict(H=h, I=inter, TOP_K=top_k, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn1, BLOCK_K=bk1, PDL=pdl,
-               ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), num_warps=cfg.num_warps1)
+               ACT=get_activation(activation).kernel_id, LIMIT=float(gate_limit or 0.0), CHAIN=chain,
+               num_warps=cfg.num_warps1, **pdl_launch(chain))
     kw2 = dict(H=h, I=inter, TOP_K=top_k, KP=kp, FP8=fp8, SBN=sbn, SBK=sbk, BLOCK_N=bn2, BLOCK_K=bk2, PDL=pdl,
-               num_warps=cfg.num_warps2, **pdl_launch(pdl))
+               CHAIN=chain, num_warps=cfg.num_warps2, **pdl_launch(pdl))
     return (m * top_k, triton.cdiv(inter, bn1)), kw1, (m, triton.cdiv(h, bn2)), kw2

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moefx.kernels.pdl import pdl_launch, step_pdl
 from moefx.kernels.rounding import round_as
 
 
@@ -22,8 +24,11 @@ def _qk_norm_rope_cache_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_cb, stride_cs, stride_sb, stride_ss,
     stride_kcb, stride_kch, stride_kcl, stride_vcb, stride_vch, stride_vcl, stride_ob, stride_oh, stride_os,
-    HQ: tl.constexpr, D: tl.constexpr, HAS_W: tl.constexpr,
+    HQ: tl.constexpr, D: tl.constexpr, HAS_W: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the decode step's chain (kernels/pdl.py): q/k/v are the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     b = row // seq
@@ -69,6 +74,7 @@ def qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps: float, cos, sin,
     bc = 0 if cos.shape[0] == 1 else cos.stride(0)
     bs = 0 if sin.shape[0] == 1 else sin.stride(0)
     has_w = q_weight is not None
+    pdl = step_pdl(q.device)[0]
     _qk_norm_rope_cache_kernel[(batch * seq, hq + hkv)](
         q, k, v, q_weight if has_w else q, k_weight if has_w else k, cos, sin, keys, values, positions, out,
         seq, eps,
@@ -76,5 +82,5 @@ def qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps: float, cos, sin,
         v.stride(2), bc, cos.stride(1), bs, sin.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        HQ=hq, D=d, HAS_W=has_w, num_warps=1,
+        HQ=hq, D=d, HAS_W=has_w, PDL=pdl, num_warps=1, **pdl_launch(pdl),
     )

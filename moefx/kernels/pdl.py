@@ -3,7 +3,18 @@
 A kernel launched this way runs its independent prologue (indices, weight tiles) while the previous kernel
 finishes, then calls `gdc_wait()` before it reads that kernel's output; the previous kernel may call
 `gdc_launch_dependents()` to let it start early. CUDA-graph capture keeps the edge as a programmatic one.
+`gdc_wait()` waits for the whole previous grid and its memory, so a kernel that calls it before its first read of
+anything that kernel may have written is correct whatever the kernel before it is (a kernel not launched this way
+is simply ordered as usual, and a kernel that never triggers lets its dependent start when its programs exit).
 Off under the Triton interpreter (the wait is inline PTX) and below capability 9.0.
+
+Two uses:
+- inside one op (the MoE experts' stage 2 after stage 1, grouped GEMM 2 after GEMM 1): always on where supported;
+- between ops, the decode step's chain (`step_pdl`): the dense GEMV, q/k norm + RoPE + cache write, decode
+  attention and its combine, and the experts' first stage each launch as a programmatic dependent of the kernel
+  before them, let their own dependents launch once all their programs run, and (the dense GEMV, whose weights no
+  kernel of the step writes) issue their first weight loads before the wait. `set_step_pdl` turns the chain, or
+  only its weight prefetch, off: the before/after switch of bench/e2e.py's `--step-pdl` arms.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from moefx.kernels.memo import device_capability
 
 # Read once, as Triton does: whether a kernel runs in the interpreter is fixed when its module defines it.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_STEP = {"chain": True, "prefetch": True}
 
 
 @functools.cache  # launchers ask per call
@@ -24,6 +36,19 @@ def pdl_supported(device: torch.device) -> bool:
     if _INTERPRET or device.type != "cuda":
         return False
     return device_capability(device) >= (9, 0)
+
+
+def set_step_pdl(chain: bool = True, prefetch: bool = True) -> None:
+    """Whether the decode step's kernels chain by PDL (and the dense GEMV prefetches its weights before the wait).
+    Read at each launch: graphs captured before a change keep the launches they recorded."""
+    _STEP.update(chain=bool(chain), prefetch=bool(chain and prefetch))
+
+
+def step_pdl(device: torch.device) -> tuple[bool, bool]:
+    """(chain, prefetch) for a launch on `device`: both False where PDL is not supported."""
+    if not pdl_supported(device):
+        return False, False
+    return _STEP["chain"], _STEP["prefetch"]
 
 
 def pdl_launch(enabled: bool) -> dict[str, bool]:
