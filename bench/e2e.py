@@ -16,7 +16,12 @@ Floor = weight bytes one decode step reads (every non-expert weight, in each lay
 batch's top-k hit, B embedding rows) / the measured HBM copy rate; the distinct experts are counted on the plain
 model over two decode steps of the measured batch before any arm runs (`experts_hit`: their mean per layer).
 Greedy agreement = share of the first 8 new tokens equal to hf_eager's (bf16: near-tied logits of random weights
-flip some; reported, not required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager
+flip some; reported, not required). Correctness (`--score-batches`, default 1,16): every token of each arm's first
+n2-token request at those batches is scored with an fp32 eager forward of the weights the arm ran (bench/scorer.py:
+the model's own module tree, one decoder layer's weights in fp32 at a time; FP8: the FP8 weights dequantized):
+`argmax_share` = share of steps whose token is the scorer's argmax, `max_gap_std` = the largest (best - chosen
+logit) / std of the scorer's logits; hf_eager (where it runs) generates n2 tokens once more, untimed, to be scored.
+Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager
 forward, hf_compiled (`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor =
 (2 x active parameters x T + causal attention) / the measured bf16 matmul rate.
 TTFT (`--ttft 256,1024,4096` at B=1, `--ttft-batch 8x512`): time to the first token, median of `--runs` after one
@@ -59,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.scorer import Fp32Scorer, fp8_block_weights
 from bench.sections.e2e import DecodeRow
 from moefx.config import LAYER_REGIONS
 from moefx.integrations.transformers import is_experts_module
@@ -158,6 +164,17 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
     return row, new
 
 
+def score_row(row: dict, scorer: Fp32Scorer | None, ids: torch.Tensor, new: torch.Tensor) -> None:
+    """Add the fp32 scorer's verdict on `new` (the arm's tokens after prompt `ids`) to `row`."""
+    if scorer is None:
+        return
+    score = scorer.score(torch.cat([ids, new.to(ids.device)], dim=1), ids.shape[1])
+    row.update(scored_steps=score.steps, argmax_share=round(score.argmax_share, 4),
+               max_gap_std=round(score.max_gap_std, 4))
+    print(f"  {row['arm']:10s} B={row['B']:3d}: fp32 scorer argmax at {100 * score.argmax_share:.1f}% of "
+          f"{score.steps} steps, largest gap {score.max_gap_std:.3f} std", flush=True)
+
+
 def profile_run(fn) -> dict:
     """One call of `fn` under torch.profiler: its wall time, the summed time of the GPU activity (kernels, copies,
     memsets) it ran, how many there were, and the ten that took longest (name, ms, count)."""
@@ -255,6 +272,8 @@ def main() -> int:
     ap.add_argument("--prefill-peers", default="hf_eager,hf_compiled",
                     help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
     ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
+    ap.add_argument("--score-batches", default="1,16", help="decode batches whose tokens the fp32 scorer checks, every "
+                    "arm ('' for none)")
     ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
     ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
@@ -282,6 +301,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     fp8_batches = [int(b) for b in args.fp8_batches.split(",")] if args.fp8_batches else batches
     eager_batches = [int(b) for b in args.eager_batches.split(",")] if args.eager_batches else batches
+    score_batches = {int(b) for b in args.score_batches.split(",") if b}
     calibration = args.calibration or str(out_dir / "dense_calibration.yaml")
     tables = [calibration] if Path(calibration).is_file() else []
     if tables:  # where `moefx calibrate` puts a user's rows: the plan then prefers what they enable, as for a user
@@ -324,6 +344,12 @@ def main() -> int:
     decode, prefill, ttft, refs, extra = [], [], [], {}, {}
     forward, train, fwd_logits = [], [], {}
     stock_generate = type(model).generate.__get__(model)
+    # the plain model's tree and tensors, taken before `optimize` rewrites the model in place
+    scorer = Fp32Scorer(model) if score_batches & {*batches, *eager_batches, *fp8_batches} else None
+    if scorer is not None:
+        extra["scorer"] = ("fp32 eager transformers forward (eager attention and experts) of the arm's weights, one "
+                           "decoder layer in fp32 at a time; FP8: its weights dequantized; every token of the arm's "
+                           f"first {args.n2}-token request (hf_eager: one more request of {args.n2} tokens)")
 
     def save() -> Path:
         device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)"
@@ -357,8 +383,10 @@ def main() -> int:
         for b in eager_batches:
             row, new = decode_row("hf_eager", lambda x, n: stock_generate(x, **greedy_kwargs(n)),
                                   inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None, routing[b])
-            decode.append(row)
             refs[b] = new
+            if b in score_batches:
+                score_row(row, scorer, inputs[b], stock_generate(inputs[b], **greedy_kwargs(args.n2))[:, args.prompt:])
+            decode.append(row)
         with torch.no_grad():
             out = stock_generate(inputs[eager_batches[0]], output_logits=True, return_dict_in_generate=True,
                                  **greedy_kwargs(2))
@@ -433,8 +461,10 @@ def main() -> int:
         def hf_static() -> None:
             for b in batches:
                 fn = lambda x, n: stock_generate(x, cache_implementation="static", **greedy_kwargs(n))  # noqa: E731
-                row, _ = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
-                                    args.layers, "bf16", refs.get(b), routing[b])
+                row, new = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
+                                      args.layers, "bf16", refs.get(b), routing[b])
+                if b in score_batches:
+                    score_row(row, scorer, inputs[b], new)
                 decode.append(row)
                 save()
 
@@ -457,8 +487,10 @@ def main() -> int:
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         for b in arm_batches:
-            row, _ = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs,
-                                b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            row, new = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs,
+                                  b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            if b in score_batches:
+                score_row(row, scorer, inputs[b], new)
             decode.append(row)
             save()  # a stage stopped at its limit keeps the rows measured so far
         front = opt.moefx_generate
@@ -549,14 +581,25 @@ def main() -> int:
     if "moefx" in arms:
         guarded("moefx", lambda: moefx_arm("moefx", model, "bf16", batches))
     if args.fp8:
-        del model
+        # Nothing may keep the bf16 model alive while the FP8 one is built (two 48-layer models do not fit 80 GB):
+        # the scorer's weights and transformers' bound generate() go with it.
+        if scorer is not None:
+            scorer.fetch = None
+        del model, stock_generate
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
         def fp8_arm() -> None:
             fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
             fp8.generation_config.eos_token_id = None
+            start = time.perf_counter()
             moefx.quantize(fp8, "fp8_block128")
+            extra["moefx_fp8_quantize_s"] = round(time.perf_counter() - start, 1)
+            if fp8.device.type == "cuda":
+                extra["moefx_fp8_quantize_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            if scorer is not None:
+                scorer.fetch = fp8_block_weights(fp8, fp8.moefx_quantization.block_shape)
             moefx_arm("moefx_fp8", fp8, "fp8_block128", fp8_batches)
 
         guarded("moefx_fp8", fp8_arm)

@@ -27,6 +27,10 @@ class DecodeRow:
     agree_with_eager: float | None  # share of greedy tokens equal to eager's; None where no eager reference ran
     routing: str
     experts_hit: float  # distinct experts per layer the batch routed to, counted on the plain model
+    # the fp32 scorer's verdict on the arm's tokens (bench/scorer.py); None where the batch was not scored
+    scored_steps: int | None = None
+    argmax_share: float | None = None  # share of steps whose token is the scorer's argmax
+    max_gap_std: float | None = None  # largest (best - chosen logit) / std of the scorer's logits
 
 E2E_ARMS = {
     "hf_eager": "transformers `generate()`, eager, dynamic cache",
@@ -87,6 +91,7 @@ def render_e2e(r: dict[str, Any]) -> str:
     decode = sorted(r.get("decode") or [], key=lambda x: (x["layers"], x["B"], _arm_order(x["arm"])))
     peers = e2e_peers(decode)
     hit = any("experts_hit" in row for row in decode)  # rows of runs before routing was counted have none
+    scored = any(row.get("argmax_share") is not None for row in decode)  # runs before the scorer have none
     rows = []
     for row in decode:
         peer = peers.get((row["layers"], row["B"]))
@@ -96,11 +101,15 @@ def render_e2e(r: dict[str, Any]) -> str:
                      num(row.get("pct_floor"), 1) + ("%" if row.get("pct_floor") is not None else ""),
                      ratio(row.get("tok_s"), peer) if row["arm"] != "hf_static" and peer else "–",
                      num(row.get("first_call_s"), 1), num(row.get("peak_mem_gib"), 1),
-                     "–" if agree is None else f"{agree:.2f}") + ((routing_cell(row),) if hit else ()))
+                     "–" if agree is None else f"{agree:.2f}") + ((routing_cell(row),) if hit else ())
+                    + (score_cells(row) if scored else ()))
     body = [table(["layers", "B", "dtype", "arm", "tok/s", "floor tok/s", "% of floor", "× peer", "first call s",
-                   "peak GiB", "tokens = eager"] + (["experts hit / layer"] if hit else []), rows)]
+                   "peak GiB", "tokens = eager"] + (["experts hit / layer"] if hit else [])
+                  + (["fp32 argmax %", "largest gap (std)"] if scored else []), rows)]
     if hit:
         body.append(ROUTING_NOTE)
+    if scored:
+        body.append(score_note(r, decode))
     errors = (r.get("extra") or {}).get("errors") or {}
     if errors:  # an arm that failed has no row: say so under the table
         body.append("Failed arms: " + "; ".join(f"`{arm}`: {why.splitlines()[0]}" for arm, why in errors.items()))
@@ -200,6 +209,33 @@ ROUTING_NOTE = ("Experts hit / layer: the mean over layers of the distinct exper
                 "(counted on the plain model before any arm ran; the floor reads those experts); `balanced` = "
                 "`build_model(..., routing=\"balanced\")`, `as built` = transformers' initialisation (rows without "
                 "a count: the floor assumed uniform routing).")
+
+
+def score_cells(row: dict[str, Any]) -> tuple[str, str]:
+    if row.get("argmax_share") is None:
+        return "–", "–"
+    return f"{100 * row['argmax_share']:.1f} of {row.get('scored_steps', '?')}", num(row.get("max_gap_std"), 3)
+
+
+def score_note(r: dict[str, Any], decode: list[dict[str, Any]]) -> str:
+    """What the scorer columns mean, and how each scored arm compares with transformers' eager loop."""
+    how = (r.get("extra") or {}).get("scorer") or "fp32 eager forward of the arm's weights"
+    eager = {(x["layers"], x["B"]): x["argmax_share"] for x in decode
+             if x["arm"] == "hf_eager" and x.get("argmax_share") is not None}
+    lines = [f"fp32 argmax % / largest gap: each arm's generated tokens scored by an {how}: the share of steps whose "
+             "token is the scorer's argmax, and the largest gap between the scorer's best logit and its logit of the "
+             "chosen token, in units of the std of its logits (the bar: argmax share at least the eager loop's "
+             "minus 2 points, gap at most 0.1 std)."]
+    for x in decode:
+        ref = eager.get((x["layers"], x["B"]))
+        if x.get("argmax_share") is None or x["arm"] == "hf_eager":
+            continue
+        verdict = [] if ref is None else [f"{100 * (x['argmax_share'] - ref):+.1f} points against `hf_eager`"]
+        ok = (ref is None or x["argmax_share"] >= ref - 0.02) and x["max_gap_std"] <= 0.1
+        lines.append(f"- {x['layers']} layers B={x['B']} `{x['arm']}`: "
+                     + ", ".join(verdict + [f"gap {x['max_gap_std']:.3f} std"]) + (": within" if ok else ": OUT OF")
+                     + " the bound" + ("" if ref is not None else " (no eager loop in this run: gap only)"))
+    return "\n".join(lines)
 
 
 def routing_cell(row: dict[str, Any]) -> str:
