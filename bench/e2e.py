@@ -36,7 +36,10 @@ hf_compiled `torch.compile(model.forward, dynamic=True)` on the plain model (bef
 moefx_forward `model(input_ids=ids, logits_to_keep=1)` after `optimize` (the engine's padded prefill,
 moefx/engine/forward.py), moefx_ttft `generate(ids, max_new_tokens=1)` on the same optimized model. The moefx
 forward's logits are checked against the peer's (relative error, `extra.forward_logits_rel_err`) and the forward
-front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks).
+front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks). `--prefill-table`: each moefx forward
+row gets one more profiled call (`extra.prefill_profile_<layers>[arm][BxT]`: every kernel's time and count, the
+gaps between kernels, the host time from the call's start to the first kernel), the prefill step table of the
+forward section (kernels by kind, bench/sections/kernel_kinds.py, against their bytes and FLOP floors).
 Training step (`--train`, `--train-shape 4x512`): a model of its own per arm (same seed), bf16, AdamW on the experts'
 weights only (the rest frozen), `loss = forward(input_ids, labels=input_ids).loss; loss.backward(); step`; arms
 (`--train-arms`): hf_compiled `torch.compile(model.forward, dynamic=True)`, moefx `moefx.optimize(model)` then the
@@ -191,6 +194,50 @@ def profile_run(fn) -> dict:
                 top_kernels=[[e.key[:80], round(e.device_time_total / 1e3, 2), e.count] for e in top])
 
 
+PREFILL_MARK = "e2e_prefill_call"
+
+
+def prefill_profile(fn) -> dict:
+    """One call of `fn` under torch.profiler (CPU and CUDA activity): each GPU activity's summed time and count, the
+    GPU's busy time (the union of the kernels' intervals) and span (first kernel start to last kernel end; span -
+    busy = the gaps between kernels), and the host time before the first kernel (the call's start on the host to
+    the first kernel's start on the GPU). Times in µs; no kernels (a CPU run): kernel figures None."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.no_grad(), profile(activities=acts) as prof:
+        sync()
+        with record_function(PREFILL_MARK):
+            fn()
+        sync()
+    events = list(prof.events())
+    call = next(e for e in events if e.name == PREFILL_MARK)
+    gpu = [(e.name, e.time_range.start, e.time_range.end) for e in events
+           if e.device_type is not None and "CUDA" in str(e.device_type)]
+    return kernel_timeline(gpu, call.time_range.start, call.time_range.end)
+
+
+def kernel_timeline(kernels: list[tuple[str, float, float]], call_start: float, call_end: float) -> dict:
+    """prefill_profile's figures from (name, start µs, end µs) of each GPU activity and the call's host interval."""
+    per: dict[str, list] = {}
+    for name, a, b in kernels:
+        d = per.setdefault(name[:160], [0.0, 0])
+        d[0] += b - a
+        d[1] += 1
+    busy, end = 0.0, None
+    for _, a, b in sorted(kernels, key=lambda k: k[1]):  # the union of the intervals (two streams may overlap)
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    first = min((a for _, a, _ in kernels), default=None)
+    return dict(host_us=round(call_end - call_start, 1),
+                host_before_first_kernel_us=None if first is None else round(first - call_start, 1),
+                kernel_span_us=None if first is None else round(end - first, 1),
+                kernel_busy_us=None if first is None else round(busy, 1),
+                kernels=sorted(([k, round(us, 2), n] for k, (us, n) in per.items()), key=lambda x: -x[1]))
+
+
 def ttft_row(arm: str, fn, layers: int, batch: int, tokens: int, runs: int, floors: tuple[float, float],
              routing: dict) -> dict:
     """Time to first token of `fn` (one warm-up call, then the median of `runs`), then one profiled call."""
@@ -271,7 +318,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="prompt length of the prefill arms (0: none)")
     ap.add_argument("--prefill-peers", default="hf_eager,hf_compiled",
                     help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
-    ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
+    ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx (and moefx_fp8) decode step at "
+                    "the arm's smallest batch")
     ap.add_argument("--score-batches", default="1,16", help="decode batches whose tokens the fp32 scorer checks, every "
                     "arm ('' for none)")
     ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
@@ -282,6 +330,8 @@ def main() -> int:
     ap.add_argument("--forward", default="", help="B=1 prompt lengths of the forward rows, e.g. 256,1024,4096")
     ap.add_argument("--forward-batch", default="", help="BxT forward rows, e.g. 8x512")
     ap.add_argument("--forward-arms", default="hf_compiled,moefx_forward,moefx_ttft")
+    ap.add_argument("--prefill-table", action="store_true", help="one more profiled call of each moefx forward row "
+                    "(every kernel, the gaps, the host time before the first kernel): the prefill step table")
     ap.add_argument("--train", action="store_true", help="training-step rows (AdamW on the experts)")
     ap.add_argument("--train-shape", default="4x512", help="BxT of the training step")
     ap.add_argument("--train-arms", default="hf_compiled,moefx")
@@ -436,8 +486,16 @@ def main() -> int:
         torch._dynamo.reset()
     def forward_rows(arm: str, make) -> None:
         for bt in fwd_shapes:
-            forward.append(ttft_row(arm, make(ttft_ids[bt]), args.layers, *bt, args.runs, ttft_floors[bt],
-                                    routing[bt]))
+            fn = make(ttft_ids[bt])
+            forward.append(ttft_row(arm, fn, args.layers, *bt, args.runs, ttft_floors[bt], routing[bt]))
+            if args.prefill_table and arm.startswith("moefx"):
+                table = extra.setdefault(f"prefill_profile_{args.layers}", {}).setdefault(arm, {})
+                table[f"{bt[0]}x{bt[1]}"] = dict(prefill_profile(fn), experts_hit=routing[bt]["experts_hit"],
+                                                 ms=forward[-1]["ms"])
+                p = table[f"{bt[0]}x{bt[1]}"]
+                print(f"  prefill table {arm} {bt[0]}x{bt[1]}: host before the first kernel "
+                      f"{p['host_before_first_kernel_us']} us, kernels busy {p['kernel_busy_us']} us of a "
+                      f"{p['kernel_span_us']} us span", flush=True)
             save()
 
     def logits_of(fn, bt) -> torch.Tensor:
@@ -501,8 +559,14 @@ def main() -> int:
                                        uncaptured=front.engine.stats.uncaptured, fallbacks=front.fallbacks)
         extra[f"{name}_matches"] = _pass_matches()
         print(f"  {front.describe()}; passes {extra[f'{name}_matches']}", flush=True)
-        if args.profile and name == "moefx" and batches:
-            extra["profile_B1"] = profile_step(opt, inputs[min(batches)])
+        if args.profile and arm_batches:
+            # per depth (`profile_B1_48`: what the step table reads, and what keeps runs of two depths apart when
+            # their results are merged); `profile_B1` as well for the bf16 arm, the key older runs wrote
+            prof = profile_step(opt, inputs[min(arm_batches)])
+            key = "profile_B1" if name == "moefx" else "profile_fp8_B1"
+            extra[f"{key}_{args.layers}"] = prof
+            if name == "moefx":
+                extra[key] = prof
         if ptoks is not None and name == "moefx":
             prefill_row("moefx", lambda: opt.generate(ptoks, **greedy_kwargs(1)))
         if shapes and name == "moefx" and "moefx" in ttft_arms:

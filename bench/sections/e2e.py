@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench.sections import kernel_kinds as kinds
 from bench.sections.markdown import Section, num, ratio, section, sig, span, table
 
 
@@ -150,58 +151,58 @@ def render_e2e(r: dict[str, Any]) -> str:
     return decode_md + "\n" + prefill_md + ttft_md
 
 
-# Kernel name -> part of a decoder layer (the first match wins); inductor's generated kernels are the rest.
-STEP_PARTS = (("dense projections (q/k/v, o, router; the norms and routing they fuse)", ("_dense_kernel",)),
-              ("MoE experts (gate/up, down + residual add)", ("_gemv_gate_up_kernel", "_gemv_down_kernel")),
-              ("attention (decode kernel, combine)", ("_decode_attn_kernel", "_combine_kernel")),
-              ("routing top-k", ("_fused_topk_kernel",)),
-              ("q/k norm + RoPE + KV-cache write", ("_qk_norm_rope_cache_kernel",)),
-              ("inductor: norms, residual add (and what the fusions above left)", ("triton_",)))
+# The decode step tables: (profile key in `extra`, the decode row's arm, what the table is called); the profile key
+# carries the depth (`profile_B1_48`), as bench/e2e.py --profile writes it.
+STEP_TABLES = (("profile_B1", "moefx", "step"), ("profile_fp8_B1", "moefx_fp8", "FP8 step"))
+CACHE_POSITIONS = 256  # the engine's first cache length: what a decode step's attention reads at these prompts
 
 
-# Qwen3-30B-A3B widths (moefx.models.qwen3_moe_config): hidden, head dim, query and KV heads, experts, expert width.
-QWEN3_30B = {"hidden": 2048, "head_dim": 128, "heads": 32, "kv_heads": 4, "experts": 128, "moe_intermediate": 768}
-
-
-def _part_floors_us(layers: int, hit: float, copy_tbps: float) -> dict[str, float]:
-    """Bytes floor per layer of the parts that read weights or the cache (Qwen3-30B-A3B widths, bf16, the
-    engine's first cache length of 256 positions)."""
-    c = QWEN3_30B
-    h, d, q, kv = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"]
-    dense = h * (q + 2 * kv) * d + q * d * h + h * c["experts"]
-    moe = hit * 3 * c["moe_intermediate"] * h
-    attention = 2 * kv * d * 256
-    return {name: 2 * n / (copy_tbps * 1e6) for name, n in zip([p for p, _ in STEP_PARTS], (dense, moe, attention))}
+def _part_floors_us(hit: float, copy_tbps: float, dtype: str) -> dict[str, float]:
+    """Bytes floor per layer of the parts that read weights or the cache (Qwen3-30B-A3B widths, `dtype` weights --
+    the router stays bf16 --, a bf16 cache of CACHE_POSITIONS positions)."""
+    c, w = kinds.QWEN3_30B, kinds.layer_weights()
+    wb = kinds.WEIGHT_BYTES.get(dtype, 2.0)
+    nbytes = {"dense": w["attn"] * wb + w["router"] * 2, "moe": hit * w["expert"] * wb,
+              "attention": 2 * 2 * c["kv_heads"] * c["head_dim"] * CACHE_POSITIONS}
+    return {key: n / (copy_tbps * 1e6) for key, n in nbytes.items()}
 
 
 def render_step_parts(r: dict[str, Any], decode: list[dict[str, Any]]) -> str:
-    """Where the captured 48-layer B=1 step's time goes, per layer (the run's kernel profile)."""
-    profile = (r.get("extra") or {}).get("profile_B1_48")
-    row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1 and d["arm"] == "moefx"), None)
-    if not profile or row is None:
-        return ""
-    layers, parts = 48, {name: [0.0, 0.0] for name, _ in STEP_PARTS}
+    """Where each captured 48-layer B=1 step's time goes, per layer (the run's kernel profile of `moefx`, and of
+    `moefx_fp8` where it ran)."""
+    out = []
+    for key, arm, what in STEP_TABLES:
+        profile = (r.get("extra") or {}).get(f"{key}_48")
+        row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1 and d["arm"] == arm), None)
+        if profile and row is not None:
+            out.append(_step_table(r, profile, row, what))
+    return "\n\n".join(out)
+
+
+def _step_table(r: dict[str, Any], profile: list[dict[str, Any]], row: dict[str, Any], what: str) -> str:
+    layers = 48
+    parts = {key: [0.0, 0.0] for key in kinds.DECODE_ROWS}
     other = [0.0, 0.0]
     for k in profile:
         per_layer = k["calls_per_step"] >= layers and k["calls_per_step"] % layers == 0
-        name = next((p for p, prefixes in STEP_PARTS if k["kernel"].startswith(prefixes)), None)
-        bucket = parts[name] if per_layer and name else other
+        kind = kinds.classify(k["kernel"])
+        bucket = parts.setdefault(kind, [0.0, 0.0]) if per_layer and kind != kinds.OTHER else other
         bucket[0] += k["us_per_step"] / (layers if bucket is not other else 1)
         bucket[1] += k["calls_per_step"] / (layers if bucket is not other else 1)
-    floors = _part_floors_us(layers, float(row.get("experts_hit") or 8.0),
-                             (r.get("ceilings") or {}).get("hbm_copy_TBps") or 4.26)
+    floors = _part_floors_us(float(row.get("experts_hit") or 8.0),
+                             (r.get("ceilings") or {}).get("hbm_copy_TBps") or 4.26, row.get("dtype") or "bf16")
     step_us = 1e6 / row["tok_s"]
     kernel_us = sum(k["us_per_step"] for k in profile)
-    rows = [(name, num(us, 2), num(n, 1), num(floors.get(name), 1) if name in floors else "–")
-            for name, (us, n) in parts.items()]
+    rows = [(kinds.BY_KEY[key].label, num(us, 2), num(n, 1), num(floors[key], 1) if key in floors else "–")
+            for key, (us, n) in parts.items()]
     rows.append(("per layer, all parts", num(sum(us for us, _ in parts.values()), 1),
                  num(sum(n for _, n in parts.values()), 1), num(sum(floors.values()), 1)))
     rows.append(("once per step (LM head, embedding, sampler)", f"{num(other[0], 0)} per step",
                  f"{num(other[1], 0)} per step", "–"))
     rows.append(("gaps between kernels", num((step_us - kernel_us) / layers, 1), "–", "–"))
-    return ("Where the 48-layer B=1 step goes (the same run's `moefx` row, one captured step under torch.profiler: "
-            f"{num(kernel_us, 0)} µs of kernels in a {num(step_us, 0)} µs step; floors: the bytes each part reads "
-            "/ the copy rate):\n\n"
+    return (f"Where the 48-layer B=1 {what} goes (the same run's `{row['arm']}` row, one captured step under "
+            f"torch.profiler: {num(kernel_us, 0)} µs of kernels in a {num(step_us, 0)} µs step; floors: the bytes each "
+            "part reads / the copy rate):\n\n"
             + table(["part", "µs per layer", "kernels per layer", "floor µs per layer"], rows))
 
 
