@@ -657,11 +657,19 @@ def main() -> int:
         def fp8_arm() -> None:
             fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
             fp8.generation_config.eos_token_id = None
+            cuda = fp8.device.type == "cuda"
+            if cuda:  # the bf16 model as built, then the peak while it is quantized in place
+                torch.cuda.reset_peak_memory_stats()
+                extra["moefx_fp8_bf16_model_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             start = time.perf_counter()
             moefx.quantize(fp8, "fp8_block128")
             extra["moefx_fp8_quantize_s"] = round(time.perf_counter() - start, 1)
-            if fp8.device.type == "cuda":
-                extra["moefx_fp8_quantize_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            if cuda:
+                extra["moefx_fp8_quantize_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                extra["moefx_fp8_model_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                print(f"  quantized in place in {extra['moefx_fp8_quantize_s']} s: bf16 model "
+                      f"{extra['moefx_fp8_bf16_model_gib']} GiB, peak {extra['moefx_fp8_quantize_peak_gib']} GiB, "
+                      f"FP8 model {extra['moefx_fp8_model_gib']} GiB", flush=True)
             if scorer is not None:
                 scorer.fetch = fp8_block_weights(fp8, fp8.moefx_quantization.block_shape)
             moefx_arm("moefx_fp8", fp8, "fp8_block128", fp8_batches)

@@ -49,7 +49,7 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
            "--batches", "", "--arms", "moefx", "--mode", "eager", "--runs", "1", "--forward", "16",
            "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft", "--train", "--train-shape", "2x8",
-           "--train-arms", "moefx", "--tag", "_forward"]
+           "--train-arms", "moefx", "--prefill-table", "--tag", "_forward"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "e2e_2l_forward.json").read_text())
@@ -64,3 +64,8 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
 
     page = forward_section.render_forward({**r, "_file": "forward.json"})
     assert "### Forward" in page and "Training step" in page and "`moefx_forward`" in page
+    # the prefill table's profiled calls (no GPU here: no kernels, only the host time)
+    table = r["extra"]["prefill_profile_2"]
+    assert set(table) == {"moefx_forward", "moefx_ttft"} and set(table["moefx_forward"]) == {"1x16", "2x8"}
+    assert all(p["host_us"] > 0 and p["kernels"] == [] for shapes in table.values() for p in shapes.values())
+    assert "Where the 2-layer prefill goes (`moefx_forward`" in page
