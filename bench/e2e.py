@@ -167,11 +167,19 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
     return row, new
 
 
-def score_row(row: dict, scorer: Fp32Scorer | None, ids: torch.Tensor, new: torch.Tensor) -> None:
-    """Add the fp32 scorer's verdict on `new` (the arm's tokens after prompt `ids`) to `row`."""
+def score_row(row: dict, scorer: Fp32Scorer | None, ids: torch.Tensor, new: torch.Tensor, extra: dict) -> None:
+    """Add the fp32 scorer's verdict on `new` (the arm's tokens after prompt `ids`) to `row`; a scorer that fails
+    is recorded in `extra["errors"]` and leaves the arm's timed rows standing."""
     if scorer is None:
         return
-    score = scorer.score(torch.cat([ids, new.to(ids.device)], dim=1), ids.shape[1])
+    try:
+        score = scorer.score(torch.cat([ids, new.to(ids.device)], dim=1), ids.shape[1])
+    except Exception as exc:  # the check is reported, the measurement kept
+        import traceback
+
+        traceback.print_exc()
+        extra.setdefault("errors", {})[f"scorer_{row['arm']}_B{row['B']}"] = f"{type(exc).__name__}: {exc}"[:2000]
+        return
     row.update(scored_steps=score.steps, argmax_share=round(score.argmax_share, 4),
                max_gap_std=round(score.max_gap_std, 4))
     print(f"  {row['arm']:10s} B={row['B']:3d}: fp32 scorer argmax at {100 * score.argmax_share:.1f}% of "
@@ -435,7 +443,8 @@ def main() -> int:
                                   inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None, routing[b])
             refs[b] = new
             if b in score_batches:
-                score_row(row, scorer, inputs[b], stock_generate(inputs[b], **greedy_kwargs(args.n2))[:, args.prompt:])
+                scored = stock_generate(inputs[b], **greedy_kwargs(args.n2))[:, args.prompt:]  # n2 tokens, as others
+                score_row(row, scorer, inputs[b], scored, extra)
             decode.append(row)
         with torch.no_grad():
             out = stock_generate(inputs[eager_batches[0]], output_logits=True, return_dict_in_generate=True,
@@ -522,7 +531,7 @@ def main() -> int:
                 row, new = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
                                       args.layers, "bf16", refs.get(b), routing[b])
                 if b in score_batches:
-                    score_row(row, scorer, inputs[b], new)
+                    score_row(row, scorer, inputs[b], new, extra)
                 decode.append(row)
                 save()
 
@@ -548,7 +557,7 @@ def main() -> int:
             row, new = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs,
                                   b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
             if b in score_batches:
-                score_row(row, scorer, inputs[b], new)
+                score_row(row, scorer, inputs[b], new, extra)
             decode.append(row)
             save()  # a stage stopped at its limit keeps the rows measured so far
         front = opt.moefx_generate
