@@ -16,7 +16,12 @@ Floor = weight bytes one decode step reads (every non-expert weight, in each lay
 batch's top-k hit, B embedding rows) / the measured HBM copy rate; the distinct experts are counted on the plain
 model over two decode steps of the measured batch before any arm runs (`experts_hit`: their mean per layer).
 Greedy agreement = share of the first 8 new tokens equal to hf_eager's (bf16: near-tied logits of random weights
-flip some; reported, not required). Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager
+flip some; reported, not required). Correctness (`--score-batches`, default 1,16): every token of each arm's first
+n2-token request at those batches is scored with an fp32 eager forward of the weights the arm ran (bench/scorer.py:
+the model's own module tree, one decoder layer's weights in fp32 at a time; FP8: the FP8 weights dequantized):
+`argmax_share` = share of steps whose token is the scorer's argmax, `max_gap_std` = the largest (best - chosen
+logit) / std of the scorer's logits; hf_eager (where it runs) generates n2 tokens once more, untimed, to be scored.
+Prefill (`--prefill T`): one T-token prompt, last-position logits: hf_eager
 forward, hf_compiled (`torch.compile(model.forward)`), moefx (generate(max_new_tokens=1) on the engine); FLOP floor =
 (2 x active parameters x T + causal attention) / the measured bf16 matmul rate.
 TTFT (`--ttft 256,1024,4096` at B=1, `--ttft-batch 8x512`): time to the first token, median of `--runs` after one
@@ -31,7 +36,10 @@ hf_compiled `torch.compile(model.forward, dynamic=True)` on the plain model (bef
 moefx_forward `model(input_ids=ids, logits_to_keep=1)` after `optimize` (the engine's padded prefill,
 moefx/engine/forward.py), moefx_ttft `generate(ids, max_new_tokens=1)` on the same optimized model. The moefx
 forward's logits are checked against the peer's (relative error, `extra.forward_logits_rel_err`) and the forward
-front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks).
+front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks). `--prefill-table`: each moefx forward
+row gets one more profiled call (`extra.prefill_profile_<layers>[arm][BxT]`: every kernel's time and count, the
+gaps between kernels, the host time from the call's start to the first kernel), the prefill step table of the
+forward section (kernels by kind, bench/sections/kernel_kinds.py, against their bytes and FLOP floors).
 Training step (`--train`, `--train-shape 4x512`): a model of its own per arm (same seed), bf16, AdamW on the experts'
 weights only (the rest frozen), `loss = forward(input_ids, labels=input_ids).loss; loss.backward(); step`; arms
 (`--train-arms`): hf_compiled `torch.compile(model.forward, dynamic=True)`, moefx `moefx.optimize(model)` then the
@@ -59,6 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.scorer import Fp32Scorer, fp8_block_weights
 from bench.sections.e2e import DecodeRow
 from moefx.config import LAYER_REGIONS
 from moefx.integrations.transformers import is_experts_module
@@ -162,6 +171,25 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
     return row, new
 
 
+def score_row(row: dict, scorer: Fp32Scorer | None, ids: torch.Tensor, new: torch.Tensor, extra: dict) -> None:
+    """Add the fp32 scorer's verdict on `new` (the arm's tokens after prompt `ids`) to `row`; a scorer that fails
+    is recorded in `extra["errors"]` and leaves the arm's timed rows standing."""
+    if scorer is None:
+        return
+    try:
+        score = scorer.score(torch.cat([ids, new.to(ids.device)], dim=1), ids.shape[1])
+    except Exception as exc:  # the check is reported, the measurement kept
+        import traceback
+
+        traceback.print_exc()
+        extra.setdefault("errors", {})[f"scorer_{row['arm']}_B{row['B']}"] = f"{type(exc).__name__}: {exc}"[:2000]
+        return
+    row.update(scored_steps=score.steps, argmax_share=round(score.argmax_share, 4),
+               max_gap_std=round(score.max_gap_std, 4))
+    print(f"  {row['arm']:10s} B={row['B']:3d}: fp32 scorer argmax at {100 * score.argmax_share:.1f}% of "
+          f"{score.steps} steps, largest gap {score.max_gap_std:.3f} std", flush=True)
+
+
 def profile_run(fn) -> dict:
     """One call of `fn` under torch.profiler: its wall time, the summed time of the GPU activity (kernels, copies,
     memsets) it ran, how many there were, and the ten that took longest (name, ms, count)."""
@@ -176,6 +204,50 @@ def profile_run(fn) -> dict:
     return dict(prof_wall_ms=round(1e3 * seconds, 2), kernel_ms=round(kernel_ms, 2), kernels=sum(e.count for e in kern),
                 kernel_pct=round(100 * kernel_ms / (1e3 * seconds), 1),
                 top_kernels=[[e.key[:80], round(e.device_time_total / 1e3, 2), e.count] for e in top])
+
+
+PREFILL_MARK = "e2e_prefill_call"
+
+
+def prefill_profile(fn) -> dict:
+    """One call of `fn` under torch.profiler (CPU and CUDA activity): each GPU activity's summed time and count, the
+    GPU's busy time (the union of the kernels' intervals) and span (first kernel start to last kernel end; span -
+    busy = the gaps between kernels), and the host time before the first kernel (the call's start on the host to
+    the first kernel's start on the GPU). Times in µs; no kernels (a CPU run): kernel figures None."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.no_grad(), profile(activities=acts) as prof:
+        sync()
+        with record_function(PREFILL_MARK):
+            fn()
+        sync()
+    events = list(prof.events())
+    call = next(e for e in events if e.name == PREFILL_MARK)
+    gpu = [(e.name, e.time_range.start, e.time_range.end) for e in events
+           if e.device_type is not None and "CUDA" in str(e.device_type)]
+    return kernel_timeline(gpu, call.time_range.start, call.time_range.end)
+
+
+def kernel_timeline(kernels: list[tuple[str, float, float]], call_start: float, call_end: float) -> dict:
+    """prefill_profile's figures from (name, start µs, end µs) of each GPU activity and the call's host interval."""
+    per: dict[str, list] = {}
+    for name, a, b in kernels:
+        d = per.setdefault(name[:160], [0.0, 0])
+        d[0] += b - a
+        d[1] += 1
+    busy, end = 0.0, None
+    for _, a, b in sorted(kernels, key=lambda k: k[1]):  # the union of the intervals (two streams may overlap)
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    first = min((a for _, a, _ in kernels), default=None)
+    return dict(host_us=round(call_end - call_start, 1),
+                host_before_first_kernel_us=None if first is None else round(first - call_start, 1),
+                kernel_span_us=None if first is None else round(end - first, 1),
+                kernel_busy_us=None if first is None else round(busy, 1),
+                kernels=sorted(([k, round(us, 2), n] for k, (us, n) in per.items()), key=lambda x: -x[1]))
 
 
 def ttft_row(arm: str, fn, layers: int, batch: int, tokens: int, runs: int, floors: tuple[float, float],
@@ -258,7 +330,10 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="prompt length of the prefill arms (0: none)")
     ap.add_argument("--prefill-peers", default="hf_eager,hf_compiled",
                     help="transformers prefill arms (hf_compiled compiles the whole forward once more)")
-    ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx decode step at B=1")
+    ap.add_argument("--profile", action="store_true", help="kernel profile of the moefx (and moefx_fp8) decode step at "
+                    "the arm's smallest batch")
+    ap.add_argument("--score-batches", default="1,16", help="decode batches whose tokens the fp32 scorer checks, every "
+                    "arm ('' for none)")
     ap.add_argument("--step-pdl", default="", help="before/after of the decode step's PDL chain on each moefx arm's "
                     "model, same process: a comma list of off, chain, prefetch (the default); each recaptures the "
                     "graphs and times the smallest batch (rows `<arm>_pdl_<setting>`; with --profile, each profiled)")
@@ -270,6 +345,8 @@ def main() -> int:
     ap.add_argument("--forward", default="", help="B=1 prompt lengths of the forward rows, e.g. 256,1024,4096")
     ap.add_argument("--forward-batch", default="", help="BxT forward rows, e.g. 8x512")
     ap.add_argument("--forward-arms", default="hf_compiled,moefx_forward,moefx_ttft")
+    ap.add_argument("--prefill-table", action="store_true", help="one more profiled call of each moefx forward row "
+                    "(every kernel, the gaps, the host time before the first kernel): the prefill step table")
     ap.add_argument("--train", action="store_true", help="training-step rows (AdamW on the experts)")
     ap.add_argument("--train-shape", default="4x512", help="BxT of the training step")
     ap.add_argument("--train-arms", default="hf_compiled,moefx")
@@ -289,6 +366,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     fp8_batches = [int(b) for b in args.fp8_batches.split(",")] if args.fp8_batches else batches
     eager_batches = [int(b) for b in args.eager_batches.split(",")] if args.eager_batches else batches
+    score_batches = {int(b) for b in args.score_batches.split(",") if b}
     calibration = args.calibration or str(out_dir / "dense_calibration.yaml")
     tables = [calibration] if Path(calibration).is_file() else []
     if tables:  # where `moefx calibrate` puts a user's rows: the plan then prefers what they enable, as for a user
@@ -331,6 +409,12 @@ def main() -> int:
     decode, prefill, ttft, refs, extra = [], [], [], {}, {}
     forward, train, fwd_logits = [], [], {}
     stock_generate = type(model).generate.__get__(model)
+    # the plain model's tree and tensors, taken before `optimize` rewrites the model in place
+    scorer = Fp32Scorer(model) if score_batches & {*batches, *eager_batches, *fp8_batches} else None
+    if scorer is not None:
+        extra["scorer"] = ("fp32 eager transformers forward (eager attention and experts) of the arm's weights, one "
+                           "decoder layer in fp32 at a time; FP8: its weights dequantized; every token of the arm's "
+                           f"first {args.n2}-token request (hf_eager: one more request of {args.n2} tokens)")
 
     def save() -> Path:
         device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke run)"
@@ -364,8 +448,11 @@ def main() -> int:
         for b in eager_batches:
             row, new = decode_row("hf_eager", lambda x, n: stock_generate(x, **greedy_kwargs(n)),
                                   inputs[b], e1, e2, args.runs, floors[b], args.layers, "bf16", None, routing[b])
-            decode.append(row)
             refs[b] = new
+            if b in score_batches:
+                scored = stock_generate(inputs[b], **greedy_kwargs(args.n2))[:, args.prompt:]  # n2 tokens, as others
+                score_row(row, scorer, inputs[b], scored, extra)
+            decode.append(row)
         with torch.no_grad():
             out = stock_generate(inputs[eager_batches[0]], output_logits=True, return_dict_in_generate=True,
                                  **greedy_kwargs(2))
@@ -415,8 +502,16 @@ def main() -> int:
         torch._dynamo.reset()
     def forward_rows(arm: str, make) -> None:
         for bt in fwd_shapes:
-            forward.append(ttft_row(arm, make(ttft_ids[bt]), args.layers, *bt, args.runs, ttft_floors[bt],
-                                    routing[bt]))
+            fn = make(ttft_ids[bt])
+            forward.append(ttft_row(arm, fn, args.layers, *bt, args.runs, ttft_floors[bt], routing[bt]))
+            if args.prefill_table and arm.startswith("moefx"):
+                table = extra.setdefault(f"prefill_profile_{args.layers}", {}).setdefault(arm, {})
+                table[f"{bt[0]}x{bt[1]}"] = dict(prefill_profile(fn), experts_hit=routing[bt]["experts_hit"],
+                                                 ms=forward[-1]["ms"])
+                p = table[f"{bt[0]}x{bt[1]}"]
+                print(f"  prefill table {arm} {bt[0]}x{bt[1]}: host before the first kernel "
+                      f"{p['host_before_first_kernel_us']} us, kernels busy {p['kernel_busy_us']} us of a "
+                      f"{p['kernel_span_us']} us span", flush=True)
             save()
 
     def logits_of(fn, bt) -> torch.Tensor:
@@ -440,8 +535,10 @@ def main() -> int:
         def hf_static() -> None:
             for b in batches:
                 fn = lambda x, n: stock_generate(x, cache_implementation="static", **greedy_kwargs(n))  # noqa: E731
-                row, _ = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
-                                    args.layers, "bf16", refs.get(b), routing[b])
+                row, new = decode_row("hf_static", fn, inputs[b], args.n1, args.n2, args.runs, floors[b],
+                                      args.layers, "bf16", refs.get(b), routing[b])
+                if b in score_batches:
+                    score_row(row, scorer, inputs[b], new, extra)
                 decode.append(row)
                 save()
 
@@ -456,22 +553,24 @@ def main() -> int:
     if args.mode:
         config["mode"] = args.mode
 
-    def step_pdl_rows(name: str, opt, dtype: str) -> None:
-        """The smallest batch's decode rate (and kernel profile) under each --step-pdl setting, on this arm's model
-        and compiled steps: only the captured graphs change (kernels/pdl.py)."""
+    def step_pdl_rows(name: str, opt, dtype: str, b: int) -> None:
+        """Batch b's decode rate (and kernel profile) under each --step-pdl setting, on this arm's model and compiled
+        steps: only the captured graphs change (kernels/pdl.py). Each row says whether its greedy tokens equal the
+        default setting's (the chain changes when kernels start, not what they compute)."""
         from moefx.kernels.pdl import set_step_pdl
 
-        b = min(batches)
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         engine = opt.moefx_generate.engine
+        base = fn(inputs[b], args.n2)
         for setting in args.step_pdl.split(","):
             if setting not in STEP_PDL:
                 raise SystemExit(f"--step-pdl: {setting!r} is not one of {sorted(STEP_PDL)}")
             set_step_pdl(**STEP_PDL[setting])
             engine.slots.drop_graphs()
             print(f"  step PDL: {setting}", flush=True)
-            row, _ = decode_row(f"{name}_pdl_{setting}", fn, inputs[b], args.n1, args.n2, args.runs,
-                                b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            row, new = decode_row(f"{name}_pdl_{setting}", fn, inputs[b], args.n1, args.n2, args.runs,
+                                  b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            row["tokens_equal_default"] = bool(torch.equal(new, base[:, inputs[b].shape[1]:]))
             decode.append(row)
             if args.profile:
                 extra[f"profile_B{b}_{name}_pdl_{setting}"] = profile_step(opt, inputs[b])
@@ -487,8 +586,10 @@ def main() -> int:
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         for b in arm_batches:
-            row, _ = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs,
-                                b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            row, new = decode_row(name, fn, inputs[b], args.n1, args.n2, args.runs,
+                                  b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
+            if b in score_batches:
+                score_row(row, scorer, inputs[b], new, extra)
             decode.append(row)
             save()  # a stage stopped at its limit keeps the rows measured so far
         front = opt.moefx_generate
@@ -499,10 +600,16 @@ def main() -> int:
                                        uncaptured=front.engine.stats.uncaptured, fallbacks=front.fallbacks)
         extra[f"{name}_matches"] = _pass_matches()
         print(f"  {front.describe()}; passes {extra[f'{name}_matches']}", flush=True)
-        if args.profile and name == "moefx" and batches:
-            extra["profile_B1"] = profile_step(opt, inputs[min(batches)])
-        if args.step_pdl and batches:
-            step_pdl_rows(name, opt, dtype)
+        if args.profile and arm_batches:
+            # per depth (`profile_B1_48`: what the step table reads, and what keeps runs of two depths apart when
+            # their results are merged); `profile_B1` as well for the bf16 arm, the key older runs wrote
+            prof = profile_step(opt, inputs[min(arm_batches)])
+            key = "profile_B1" if name == "moefx" else "profile_fp8_B1"
+            extra[f"{key}_{args.layers}"] = prof
+            if name == "moefx":
+                extra[key] = prof
+        if args.step_pdl and arm_batches:
+            step_pdl_rows(name, opt, dtype, min(arm_batches))
         if ptoks is not None and name == "moefx":
             prefill_row("moefx", lambda: opt.generate(ptoks, **greedy_kwargs(1)))
         if shapes and name == "moefx" and "moefx" in ttft_arms:
@@ -581,14 +688,33 @@ def main() -> int:
     if "moefx" in arms:
         guarded("moefx", lambda: moefx_arm("moefx", model, "bf16", batches))
     if args.fp8:
-        del model
+        # Nothing may keep the bf16 model alive while the FP8 one is built (two 48-layer models do not fit 80 GB):
+        # the scorer's weights and transformers' bound generate() go with it.
+        if scorer is not None:
+            scorer.fetch = None
+        del model, stock_generate
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
         def fp8_arm() -> None:
             fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
             fp8.generation_config.eos_token_id = None
+            cuda = fp8.device.type == "cuda"
+            if cuda:  # the bf16 model as built, then the peak while it is quantized in place
+                torch.cuda.reset_peak_memory_stats()
+                extra["moefx_fp8_bf16_model_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+            start = time.perf_counter()
             moefx.quantize(fp8, "fp8_block128")
+            extra["moefx_fp8_quantize_s"] = round(time.perf_counter() - start, 1)
+            if cuda:
+                extra["moefx_fp8_quantize_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                extra["moefx_fp8_model_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                print(f"  quantized in place in {extra['moefx_fp8_quantize_s']} s: bf16 model "
+                      f"{extra['moefx_fp8_bf16_model_gib']} GiB, peak {extra['moefx_fp8_quantize_peak_gib']} GiB, "
+                      f"FP8 model {extra['moefx_fp8_model_gib']} GiB", flush=True)
+            if scorer is not None:
+                scorer.fetch = fp8_block_weights(fp8, fp8.moefx_quantization.block_shape)
             moefx_arm("moefx_fp8", fp8, "fp8_block128", fp8_batches)
 
         guarded("moefx_fp8", fp8_arm)

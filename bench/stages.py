@@ -98,8 +98,11 @@ STAGES: tuple[Stage, ...] = (
           "batch 1: 8 layers bf16 and FP8 with the peer", section="e2e"),
     Stage("e2e-8-b1", 200, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --runs 3 --tag _b1",
           "8 layers B=1, the README path (no config) with the peer", section="e2e"),
-    Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --arms moefx --fp8 --profile "
-          "--tag _fp8_b1", "48 layers B=1, FP8 against bf16 in one process", section="e2e"),
+    Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 --arms hf_eager,moefx "
+          "--fp8 --profile --tag _fp8_b1", "48 layers B=1, bf16 then FP8 in one process: the FP8 model quantized in "
+          "place from the bf16 one on the GPU (its peak memory kept), each arm's decode step profile (the step "
+          "tables), every arm's tokens scored by the fp32 forward with transformers' eager loop as the reference",
+          section="e2e"),
     Stage("e2e-48a", 560, "python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 "
           "--profile --tag _b1_16 --prefill-peers hf_eager", "48 layers B=1/16 and a 4096-token prefill",
           section="e2e"),
@@ -131,6 +134,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("forward-48", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward 256,1024,4096 '
           "--tag _forward48", "the optimized model's forward vs torch.compile(forward) and the engine's TTFT, 48 "
           "layers, B=1", section="forward"),
+    Stage("prefill-table-48", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward '
+          "256,1024,4096 --forward-batch 8x512 --forward-arms moefx_forward,moefx_ttft --prefill-table "
+          "--tag _forward48_table", "the prefill step table, 48 layers, 1 x 256/1024/4096 and 8 x 512: the optimized "
+          "forward's and the engine's TTFT kernels by kind against their floors, the gaps, the host time before the "
+          "first kernel (no torch.compile peer: forward-48 runs it)", section="forward"),
     Stage("forward-48-b8", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward-batch 8x512 '
           "--tag _forward48_b8", "the same at 48 layers, 8 x 512 (a process of its own: torch.compile's first "
           "compile there is its batch-8 compile)", section="forward"),

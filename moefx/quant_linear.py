@@ -4,7 +4,9 @@ Their forwards are plain PyTorch over moefx custom ops: a dynamic activation qua
 then a quantized GEMM (`moefx::fp8_block_gemm` / `moefx::int8_gemm`). Keeping the quant a separate op
 is what lets `fuse_act_quant` / `fuse_norm_quant` fold it into the SiLU-mul or RMSNorm producing it.
 Parameter names follow the DeepSeek-V3 / Qwen3-FP8 checkpoint layout: `weight` (float8_e4m3fn [N, K])
-and `weight_scale_inv` (fp32 [ceil(N/bn), ceil(K/bk)], dequantized weight = weight * scale).
+and `weight_scale_inv` (fp32 [ceil(N/bn), ceil(K/bk)], dequantized weight = weight * scale). `from_linear` /
+`from_experts` quantize straight into the new module's parameters, a bounded slice at a time, so making one
+costs its quantized bytes and no more.
 """
 
 from __future__ import annotations
@@ -42,10 +44,9 @@ class Fp8BlockLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, block_shape: tuple[int, int], act_scheme: QuantScheme) -> Fp8BlockLinear:
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, block_shape, act_scheme, w.device)
-        q, s = quant_weight_fp8_block(w, *block_shape)
-        mod.weight.data, mod.weight_scale_inv.data = q, s
+        quant_weight_fp8_block(w, *block_shape, out=(mod.weight.data, mod.weight_scale_inv.data))
         if linear.bias is not None:
-            mod.bias.data = linear.bias.detach().clone()
+            mod.bias.data = linear.bias.detach()  # shared: the original module is released
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +73,9 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device)
-        mod.weight.data, mod.weight_scale.data = quant_weight_int8_channel(linear.weight.detach())
+        quant_weight_int8_channel(linear.weight.detach(), out=(mod.weight.data, mod.weight_scale.data))
         if linear.bias is not None:
-            mod.bias.data = linear.bias.detach().clone()
+            mod.bias.data = linear.bias.detach()  # shared: the original module is released
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,17 +114,18 @@ class Fp8BlockExperts(nn.Module):
         e, h, i = num_experts, hidden, intermediate
         fp8 = torch.float8_e4m3fn
         self.gate_up_proj = _frozen(torch.empty(e, 2 * i, h, dtype=fp8, device=device))
-        self.gate_up_proj_scale_inv = _frozen(torch.ones(e, -(-2 * i // bn), -(-h // bk), device=device))
+        f32 = torch.float32
+        self.gate_up_proj_scale_inv = _frozen(torch.ones(e, -(-2 * i // bn), -(-h // bk), dtype=f32, device=device))
         self.down_proj = _frozen(torch.empty(e, h, i, dtype=fp8, device=device))
-        self.down_proj_scale_inv = _frozen(torch.ones(e, -(-h // bn), -(-i // bk), device=device))
+        self.down_proj_scale_inv = _frozen(torch.ones(e, -(-h // bn), -(-i // bk), dtype=f32, device=device))
 
     @classmethod
     def from_experts(cls, module: nn.Module, block_shape: tuple[int, int]) -> Fp8BlockExperts:
         gu, down = module.gate_up_proj.detach(), module.down_proj.detach()
         e, two_i, h = gu.shape
         mod = cls(e, h, two_i // 2, block_shape, gu.device)
-        mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = quant_weight_fp8_block(gu, *block_shape)
-        mod.down_proj.data, mod.down_proj_scale_inv.data = quant_weight_fp8_block(down, *block_shape)
+        quant_weight_fp8_block(gu, *block_shape, out=(mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data))
+        quant_weight_fp8_block(down, *block_shape, out=(mod.down_proj.data, mod.down_proj_scale_inv.data))
         return mod
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -150,17 +152,17 @@ class Int8Experts(nn.Module):
         self.num_experts = e
         self.act_scheme = QuantScheme("int8_token", 0)
         self.gate_up_proj = _frozen(torch.zeros(e, 2 * i, h, dtype=torch.int8, device=device))
-        self.gate_up_proj_scale = _frozen(torch.ones(e, 2 * i, device=device))
+        self.gate_up_proj_scale = _frozen(torch.ones(e, 2 * i, dtype=torch.float32, device=device))
         self.down_proj = _frozen(torch.zeros(e, h, i, dtype=torch.int8, device=device))
-        self.down_proj_scale = _frozen(torch.ones(e, h, device=device))
+        self.down_proj_scale = _frozen(torch.ones(e, h, dtype=torch.float32, device=device))
 
     @classmethod
     def from_experts(cls, module: nn.Module) -> Int8Experts:
         gu, down = module.gate_up_proj.detach(), module.down_proj.detach()
         e, two_i, h = gu.shape
         mod = cls(e, h, two_i // 2, gu.device)
-        mod.gate_up_proj.data, mod.gate_up_proj_scale.data = quant_weight_int8_channel(gu)
-        mod.down_proj.data, mod.down_proj_scale.data = quant_weight_int8_channel(down)
+        quant_weight_int8_channel(gu, out=(mod.gate_up_proj.data, mod.gate_up_proj_scale.data))
+        quant_weight_int8_channel(down, out=(mod.down_proj.data, mod.down_proj_scale.data))
         return mod
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -152,10 +153,68 @@ def _scheme_name(cfg: QuantizeConfig) -> str:
     return next((repr(name) for name, make in SCHEMES.items() if make() == cfg), repr(cfg))
 
 
+StorageKey = tuple[str, int]
+
+
+def _storage(t: torch.Tensor) -> StorageKey | None:
+    """Where a tensor's memory lives (device, storage address), or None for one without its own memory."""
+    if t.numel() == 0 or t.is_meta:
+        return None
+    try:
+        return str(t.device), t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage: never released
+        return None
+
+
+def _slots(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every parameter and buffer of `module`'s subtree as (owner, name, tensor), each module once."""
+    return [(m, name, t) for m in module.modules()
+            for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
+
+
+def _release(t: torch.Tensor) -> None:
+    """Drop `t`'s memory now: it becomes an empty tensor of its dtype and device, whoever still holds it."""
+    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _replace(model: nn.Module, places: list[str], module: nn.Module, new: nn.Module,
+             owners: Counter[StorageKey | None], used_elsewhere: bool) -> None:
+    """Put `new` at every place `module` sat, then release the memory of `module`'s tensors that nothing left in
+    the model holds (not a tied weight kept by another module, not reused by `new`)."""
+    for name in places:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    kept = Counter(_storage(t) for *_, t in _slots(new))
+    old = _slots(module)
+    owners.subtract(_storage(t) for *_, t in old)
+    owners.update(kept)
+    if used_elsewhere:  # a submodule also sits outside `module`: its tensors stay where it is used
+        return
+    for *_, t in old:
+        key = _storage(t)
+        if key is not None and owners[key] <= 0 and key not in kept:
+            _release(t)
+
+
+def _used_elsewhere(module: nn.Module, names: list[str], places: dict[int, list[str]]) -> bool:
+    """Whether a submodule of `module` (sitting at `names`) also sits in the model outside it (`places`: every
+    module's names, by id, taken before anything was replaced)."""
+    inside = tuple(f"{n}." for n in names)
+    return any(not place.startswith(inside) for m in module.modules() if m is not module
+               for place in places.get(id(m), ()))
+
+
 def quantize(model: nn.Module, config: str | QuantizeConfig = "fp8_block128") -> nn.Module:
     """Replace, in place, every linear and experts module the config's handler takes (except skipped
     names); returns the model with `moefx_quantization` set to the config and, for a transformers model
     without one, `config.quantization_config` describing the result (so signatures and plans see it).
+
+    One module at a time: its weights are quantized a bounded slice at a time straight into the replacement,
+    the replacement takes the module's place (every place, where one module sits under several names), and the
+    replaced module's float tensors are released at once -- emptied to size 0, so that a reference held
+    elsewhere (a hook, a variable, a list of modules) cannot keep them. A tensor the rest of the model still
+    uses (a weight tied to an unquantized module) is kept. Peak memory is the float model plus one module's
+    quantized copy and the slices' temporaries, never the float model plus the whole quantized one.
 
     A model is quantized once: the same config again returns it unchanged, another one raises (its modules
     already hold the first format, which a second pass would neither convert nor describe)."""
@@ -168,19 +227,33 @@ def quantize(model: nn.Module, config: str | QuantizeConfig = "fp8_block128") ->
         raise ValueError(f"moefx.quantize: the model is already quantized with {_scheme_name(previous)}; it cannot "
                          f"be re-quantized to {_scheme_name(cfg)} (quantize a fresh copy of the unquantized model)")
     handler = _HANDLERS[type(cfg)]
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if not name or _skipped(name, cfg) or isinstance(module, QUANTIZED_MODULES):
+    # Names only from here on: a list of the modules themselves would keep every replaced original alive.
+    places: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name:
+            places.setdefault(id(m), []).append(name)
+    owners = Counter(_storage(t) for *_, t in _slots(model))
+    replaced: set[str] = set()
+    count = 0
+    for names in list(places.values()):
+        name = names[0]
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in replaced for i in range(1, len(parts))) or _skipped(name, cfg):
+            continue  # inside a module replaced already, or skipped
+        module = model.get_submodule(name)
+        if isinstance(module, QUANTIZED_MODULES):
             continue
         new = handler(name, module, cfg)
-        if new is not None:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-            replaced += 1
-    log.info("quantize: %d module(s) replaced with %s", replaced, type(cfg).__name__)
+        if new is None:
+            continue
+        _replace(model, names, module, new, owners, _used_elsewhere(module, names, places))
+        replaced.update(names)
+        count += 1
+        del module, new
+    log.info("quantize: %d module(s) replaced with %s", count, type(cfg).__name__)
     model.moefx_quantization = cfg
     config = getattr(model, "config", None)
-    if replaced and config is not None and getattr(config, "quantization_config", None) is None:
+    if count and config is not None and getattr(config, "quantization_config", None) is None:
         # What the signatures read: the plan then knows activations are quantized dynamically.
         config.quantization_config = cfg.quantization_config()
     return model

@@ -17,14 +17,16 @@ def test_e2e_tiny_cpu_writes_decode_and_ttft_rows(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
            "--batches", "2", "--arms", "hf_eager,moefx", "--mode", "eager", "--prompt", "8", "--n1", "2", "--n2", "4",
            "--eager-n", "2,4", "--runs", "1", "--ttft", "8", "--ttft-batch", "2x8", "--ttft-arms", "hf_eager,moefx",
-           "--ttft-batch-arms", "moefx"]
+           "--ttft-batch-arms", "moefx", "--fp8", "--score-batches", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "e2e_2l.json").read_text())
     assert r["routing"] == "balanced" and not (r["extra"].get("errors"))
-    assert {x["arm"] for x in r["decode"]} == {"hf_eager", "moefx"}
+    assert {x["arm"] for x in r["decode"]} == {"hf_eager", "moefx", "moefx_fp8"}
     for row in r["decode"]:
         assert row["routing"] == "balanced" and 1 <= row["experts_hit"] <= 8  # the tiny model: 8 experts, top-2
+        # every arm scored by the fp32 forward of its own weights (fp32 on the CPU: the same math, up to rounding)
+        assert row["scored_steps"] == 2 * 4 and row["argmax_share"] >= 0.85 and row["max_gap_std"] < 0.1, row
     ttft = {(t["arm"], t["B"], t["tokens"]): t for t in r["ttft"]}
     assert set(ttft) == {("hf_eager", 1, 8), ("moefx", 1, 8), ("moefx", 2, 8)}  # 2x8 only in --ttft-batch-arms
     for t in ttft.values():
@@ -37,6 +39,7 @@ def test_e2e_tiny_cpu_writes_decode_and_ttft_rows(tmp_path):
 
     page = e2e_section.render_e2e({**r, "_file": "e2e.json"})
     assert "### Time to first token" in page and "experts hit / layer" in page and "(balanced)" in page
+    assert "fp32 argmax %" in page and "`moefx_fp8`: +" in page and "within the bound" in page
 
 
 def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
@@ -46,7 +49,7 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
            "--batches", "", "--arms", "moefx", "--mode", "eager", "--runs", "1", "--forward", "16",
            "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft", "--train", "--train-shape", "2x8",
-           "--train-arms", "moefx", "--tag", "_forward"]
+           "--train-arms", "moefx", "--prefill-table", "--tag", "_forward"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "e2e_2l_forward.json").read_text())
@@ -61,3 +64,8 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
 
     page = forward_section.render_forward({**r, "_file": "forward.json"})
     assert "### Forward" in page and "Training step" in page and "`moefx_forward`" in page
+    # the prefill table's profiled calls (no GPU here: no kernels, only the host time)
+    table = r["extra"]["prefill_profile_2"]
+    assert set(table) == {"moefx_forward", "moefx_ttft"} and set(table["moefx_forward"]) == {"1x16", "2x8"}
+    assert all(p["host_us"] > 0 and p["kernels"] == [] for shapes in table.values() for p in shapes.values())
+    assert "Where the 2-layer prefill goes (`moefx_forward`" in page

@@ -154,3 +154,157 @@ def test_a_second_scheme_is_refused_and_the_model_stays_consistent():
     assert isinstance(model.model.layers[1].mlp.experts, Fp8BlockExperts)
     assert isinstance(model.moefx_quantization, Fp8BlockConfig)  # what the attribute says is what the modules are
     assert model.config.quantization_config["quant_method"] == "fp8"
+
+
+# ------------------------------------------------------------------ in place, a module at a time, bounded memory
+
+
+def _one_shot_fp8(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole-tensor block quantization (every block at once, in fp32): what the sliced one must equal."""
+    *lead, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
+    blocks = wp.reshape(*lead, nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-12) / 448.0
+    q = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale.reshape(*lead, nb, kb)
+
+
+def _one_shot_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+    return torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale.squeeze(-1)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (float8 has no CPU comparison kernels: compare the bytes)."""
+    as_bytes = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
+
+
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((3, 260, 130), (128, 128)),
+                                         ((2, 2, 96, 64), (32, 32)), ((5, 64, 48), (32, 16))])
+@pytest.mark.parametrize("chunk_bytes", [1, 4096, 40_000, 1 << 40])
+def test_sliced_weight_quant_equals_one_shot(shape, block, chunk_bytes):
+    from moefx.ops.quant import quant_weight_fp8_block, quant_weight_int8_channel
+
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, shape[-1])
+         ).to(torch.bfloat16)
+    q, s = quant_weight_fp8_block(w, *block, chunk_bytes=chunk_bytes)
+    rq, rs = _one_shot_fp8(w, *block)
+    assert _same(q, rq) and _same(s, rs)
+    q8, s8 = quant_weight_int8_channel(w, chunk_bytes=chunk_bytes)
+    rq8, rs8 = _one_shot_int8(w)
+    assert _same(q8, rq8) and _same(s8, rs8)
+
+
+def test_sliced_weight_quant_writes_into_out_and_checks_it():
+    from moefx.ops.quant import quant_weight_fp8_block
+
+    w = torch.randn(2, 256, 128, dtype=torch.bfloat16)
+    out = (torch.empty(2, 256, 128, dtype=torch.float8_e4m3fn), torch.empty(2, 2, 1))
+    q, s = quant_weight_fp8_block(w, out=out, chunk_bytes=1)
+    assert q is out[0] and s is out[1] and _same(q, _one_shot_fp8(w, 128, 128)[0])
+    with pytest.raises(ValueError, match=r"out scale is \(2, 1, 1\).*expected a contiguous \(2, 2, 1\)"):
+        quant_weight_fp8_block(w, out=(out[0], torch.empty(2, 1, 1)))
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block128", "int8"])
+def test_quantize_equals_the_one_shot_quantization(scheme, monkeypatch):
+    import moefx.ops.quant as quant
+
+    monkeypatch.setattr(quant.quant_weight_fp8_block, "__defaults__", (128, 128, None, 4096))
+    monkeypatch.setattr(quant.quant_weight_int8_channel, "__defaults__", (None, 4096))
+    model = _tiny_moe()
+    originals = {name: p.detach().clone() for name, p in model.named_parameters()}
+    moefx.quantize(model, scheme)
+    sd = model.state_dict()
+    checked = 0
+    for name, w in originals.items():
+        prefix, _, leaf = name.rpartition(".")
+        if scheme == "fp8_block128" and sd[name].dtype == torch.float8_e4m3fn:
+            scale = sd[f"{name}_scale_inv" if leaf != "weight" else f"{prefix}.weight_scale_inv"]
+            rq, rs = _one_shot_fp8(w, 128, 128)
+        elif scheme == "int8" and sd[name].dtype == torch.int8:
+            scale = sd[f"{name}_scale" if leaf != "weight" else f"{prefix}.weight_scale"]
+            rq, rs = _one_shot_int8(w)
+        else:
+            assert _same(sd[name], w), name  # left alone (norms, embedding, router, lm_head)
+            continue
+        assert _same(sd[name], rq) and _same(scale, rs), name
+        checked += 1
+    assert checked == 2 * 4 + 3 + 2  # q/k/v/o of both layers, layer 0's dense MLP, layer 1's two expert tensors
+
+
+def test_quantize_releases_each_original_even_where_a_hook_holds_it():
+    import gc
+    import weakref
+
+    model = _tiny_moe()
+    experts = model.model.layers[1].mlp.experts
+    held = [experts, model.model.layers[0].self_attn.q_proj]  # a user's variable
+    model.model.layers[1].register_forward_hook(lambda mod, args, out, held=held: out)  # a hook's closure
+    originals = [(name, p) for name, p in model.named_parameters()
+                 if name.endswith(("proj.weight", "gate_up_proj", "down_proj")) and "mlp.gate." not in name]
+    kept = {name: p.detach().clone() for name, p in model.named_parameters()}
+    moefx.quantize(model, "fp8_block128")
+    for name, p in originals:  # the replaced float tensors: emptied, whoever still holds them
+        assert p.numel() == 0 and p.dtype == torch.bfloat16, name
+    assert held[0].gate_up_proj.numel() == 0 and held[1].weight.numel() == 0
+    for name, p in model.named_parameters():  # what the model keeps is intact
+        if name in kept and p.dtype == torch.bfloat16:
+            assert torch.equal(p, kept[name]), name
+
+    plain = _tiny_moe()  # with no outside reference, the replaced modules themselves are freed
+    refs = [weakref.ref(m) for name, m in plain.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
+    refs.append(weakref.ref(plain.model.layers[1].mlp.experts))
+    moefx.quantize(plain, "int8")
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
+def test_quantize_keeps_tied_weights_and_replaces_a_shared_module_everywhere():
+    torch.manual_seed(0)
+    embed = nn.Embedding(16, 256)
+    head = nn.Linear(256, 16, bias=False)
+    head.weight = embed.weight  # tied, as transformers ties the LM head to the embedding
+    shared = nn.Linear(256, 256)
+    model = nn.ModuleDict({"embed": embed, "lm_head": head, "a": nn.ModuleDict({"proj": shared}),
+                           "b": nn.ModuleDict({"proj": shared})})
+    tied = embed.weight.detach().clone()
+    shared_w = shared.weight
+    moefx.quantize(model, Int8Config(skip=()))
+    assert isinstance(model["lm_head"], Int8Linear) and torch.equal(model["embed"].weight, tied)  # still in use
+    assert model["a"]["proj"] is model["b"]["proj"] and isinstance(model["a"]["proj"], Int8Linear)
+    assert shared_w.numel() == 0  # the shared original was replaced at both places: released
+
+
+@pytest.mark.gpu
+def test_quantize_peak_memory_on_cuda_is_the_float_model_plus_2gib():
+    """8 layers at Qwen3-30B-A3B widths (about 10 GiB in bf16): keeping the originals while the FP8 copies are made
+    would peak at about 1.5x the model; in place, one module at a time, the peak stays within the model + 2 GiB."""
+    import gc
+
+    from moefx.models import qwen3_moe_config
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = build_model(qwen3_moe_config(8), dtype=torch.bfloat16, device="cuda").eval()
+    float_bytes = torch.cuda.memory_allocated() - base
+    ref = {name: _one_shot_fp8(p.detach(), 128, 128)
+           for name, p in model.model.layers[3].named_parameters() if name.endswith(("gate_up_proj", "q_proj.weight"))}
+    ref_bytes = sum(q.numel() + s.numel() * 4 for q, s in ref.values())
+    torch.cuda.reset_peak_memory_stats()
+    moefx.quantize(model, "fp8_block128")
+    peak = torch.cuda.max_memory_allocated() - base - ref_bytes
+    assert float_bytes > 8 * 2**30
+    assert peak <= float_bytes + 2 * 2**30, f"peak {peak / 2**30:.2f} GiB over a {float_bytes / 2**30:.2f} GiB model"
+    layer = model.model.layers[3]
+    q, s = ref["mlp.experts.gate_up_proj"]
+    assert _same(layer.mlp.experts.gate_up_proj, q) and _same(layer.mlp.experts.gate_up_proj_scale_inv, s)
+    q, s = ref["self_attn.q_proj.weight"]
+    assert _same(layer.self_attn.q_proj.weight, q) and _same(layer.self_attn.q_proj.weight_scale_inv, s)
+    del model, ref
+    gc.collect()
+    torch.cuda.empty_cache()

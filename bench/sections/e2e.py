@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench.sections import kernel_kinds as kinds
 from bench.sections.markdown import Section, num, ratio, section, sig, span, table
 
 
@@ -27,6 +28,10 @@ class DecodeRow:
     agree_with_eager: float | None  # share of greedy tokens equal to eager's; None where no eager reference ran
     routing: str
     experts_hit: float  # distinct experts per layer the batch routed to, counted on the plain model
+    # the fp32 scorer's verdict on the arm's tokens (bench/scorer.py); None where the batch was not scored
+    scored_steps: int | None = None
+    argmax_share: float | None = None  # share of steps whose token is the scorer's argmax
+    max_gap_std: float | None = None  # largest (best - chosen logit) / std of the scorer's logits
 
 E2E_ARMS = {
     "hf_eager": "transformers `generate()`, eager, dynamic cache",
@@ -87,6 +92,7 @@ def render_e2e(r: dict[str, Any]) -> str:
     decode = sorted(r.get("decode") or [], key=lambda x: (x["layers"], x["B"], _arm_order(x["arm"])))
     peers = e2e_peers(decode)
     hit = any("experts_hit" in row for row in decode)  # rows of runs before routing was counted have none
+    scored = any(row.get("argmax_share") is not None for row in decode)  # runs before the scorer have none
     rows = []
     for row in decode:
         peer = peers.get((row["layers"], row["B"]))
@@ -96,11 +102,15 @@ def render_e2e(r: dict[str, Any]) -> str:
                      num(row.get("pct_floor"), 1) + ("%" if row.get("pct_floor") is not None else ""),
                      ratio(row.get("tok_s"), peer) if row["arm"] != "hf_static" and peer else "–",
                      num(row.get("first_call_s"), 1), num(row.get("peak_mem_gib"), 1),
-                     "–" if agree is None else f"{agree:.2f}") + ((routing_cell(row),) if hit else ()))
+                     "–" if agree is None else f"{agree:.2f}") + ((routing_cell(row),) if hit else ())
+                    + (score_cells(row) if scored else ()))
     body = [table(["layers", "B", "dtype", "arm", "tok/s", "floor tok/s", "% of floor", "× peer", "first call s",
-                   "peak GiB", "tokens = eager"] + (["experts hit / layer"] if hit else []), rows)]
+                   "peak GiB", "tokens = eager"] + (["experts hit / layer"] if hit else [])
+                  + (["fp32 argmax %", "largest gap (std)"] if scored else []), rows)]
     if hit:
         body.append(ROUTING_NOTE)
+    if scored:
+        body.append(score_note(r, decode))
     errors = (r.get("extra") or {}).get("errors") or {}
     if errors:  # an arm that failed has no row: say so under the table
         body.append("Failed arms: " + "; ".join(f"`{arm}`: {why.splitlines()[0]}" for arm, why in errors.items()))
@@ -141,58 +151,58 @@ def render_e2e(r: dict[str, Any]) -> str:
     return decode_md + "\n" + prefill_md + ttft_md
 
 
-# Kernel name -> part of a decoder layer (the first match wins); inductor's generated kernels are the rest.
-STEP_PARTS = (("dense projections (q/k/v, o, router; the norms and routing they fuse)", ("_dense_kernel",)),
-              ("MoE experts (gate/up, down + residual add)", ("_gemv_gate_up_kernel", "_gemv_down_kernel")),
-              ("attention (decode kernel, combine)", ("_decode_attn_kernel", "_combine_kernel")),
-              ("routing top-k", ("_fused_topk_kernel",)),
-              ("q/k norm + RoPE + KV-cache write", ("_qk_norm_rope_cache_kernel",)),
-              ("inductor: norms, residual add (and what the fusions above left)", ("triton_",)))
+# The decode step tables: (profile key in `extra`, the decode row's arm, what the table is called); the profile key
+# carries the depth (`profile_B1_48`), as bench/e2e.py --profile writes it.
+STEP_TABLES = (("profile_B1", "moefx", "step"), ("profile_fp8_B1", "moefx_fp8", "FP8 step"))
+CACHE_POSITIONS = 256  # the engine's first cache length: what a decode step's attention reads at these prompts
 
 
-# Qwen3-30B-A3B widths (moefx.models.qwen3_moe_config): hidden, head dim, query and KV heads, experts, expert width.
-QWEN3_30B = {"hidden": 2048, "head_dim": 128, "heads": 32, "kv_heads": 4, "experts": 128, "moe_intermediate": 768}
-
-
-def _part_floors_us(layers: int, hit: float, copy_tbps: float) -> dict[str, float]:
-    """Bytes floor per layer of the parts that read weights or the cache (Qwen3-30B-A3B widths, bf16, the
-    engine's first cache length of 256 positions)."""
-    c = QWEN3_30B
-    h, d, q, kv = c["hidden"], c["head_dim"], c["heads"], c["kv_heads"]
-    dense = h * (q + 2 * kv) * d + q * d * h + h * c["experts"]
-    moe = hit * 3 * c["moe_intermediate"] * h
-    attention = 2 * kv * d * 256
-    return {name: 2 * n / (copy_tbps * 1e6) for name, n in zip([p for p, _ in STEP_PARTS], (dense, moe, attention))}
+def _part_floors_us(hit: float, copy_tbps: float, dtype: str) -> dict[str, float]:
+    """Bytes floor per layer of the parts that read weights or the cache (Qwen3-30B-A3B widths, `dtype` weights --
+    the router stays bf16 --, a bf16 cache of CACHE_POSITIONS positions)."""
+    c, w = kinds.QWEN3_30B, kinds.layer_weights()
+    wb = kinds.WEIGHT_BYTES.get(dtype, 2.0)
+    nbytes = {"dense": w["attn"] * wb + w["router"] * 2, "moe": hit * w["expert"] * wb,
+              "attention": 2 * 2 * c["kv_heads"] * c["head_dim"] * CACHE_POSITIONS}
+    return {key: n / (copy_tbps * 1e6) for key, n in nbytes.items()}
 
 
 def render_step_parts(r: dict[str, Any], decode: list[dict[str, Any]]) -> str:
-    """Where the captured 48-layer B=1 step's time goes, per layer (the run's kernel profile)."""
-    profile = (r.get("extra") or {}).get("profile_B1_48")
-    row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1 and d["arm"] == "moefx"), None)
-    if not profile or row is None:
-        return ""
-    layers, parts = 48, {name: [0.0, 0.0] for name, _ in STEP_PARTS}
+    """Where each captured 48-layer B=1 step's time goes, per layer (the run's kernel profile of `moefx`, and of
+    `moefx_fp8` where it ran)."""
+    out = []
+    for key, arm, what in STEP_TABLES:
+        profile = (r.get("extra") or {}).get(f"{key}_48")
+        row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1 and d["arm"] == arm), None)
+        if profile and row is not None:
+            out.append(_step_table(r, profile, row, what))
+    return "\n\n".join(out)
+
+
+def _step_table(r: dict[str, Any], profile: list[dict[str, Any]], row: dict[str, Any], what: str) -> str:
+    layers = 48
+    parts = {key: [0.0, 0.0] for key in kinds.DECODE_ROWS}
     other = [0.0, 0.0]
     for k in profile:
         per_layer = k["calls_per_step"] >= layers and k["calls_per_step"] % layers == 0
-        name = next((p for p, prefixes in STEP_PARTS if k["kernel"].startswith(prefixes)), None)
-        bucket = parts[name] if per_layer and name else other
+        kind = kinds.classify(k["kernel"])
+        bucket = parts.setdefault(kind, [0.0, 0.0]) if per_layer and kind != kinds.OTHER else other
         bucket[0] += k["us_per_step"] / (layers if bucket is not other else 1)
         bucket[1] += k["calls_per_step"] / (layers if bucket is not other else 1)
-    floors = _part_floors_us(layers, float(row.get("experts_hit") or 8.0),
-                             (r.get("ceilings") or {}).get("hbm_copy_TBps") or 4.26)
+    floors = _part_floors_us(float(row.get("experts_hit") or 8.0),
+                             (r.get("ceilings") or {}).get("hbm_copy_TBps") or 4.26, row.get("dtype") or "bf16")
     step_us = 1e6 / row["tok_s"]
     kernel_us = sum(k["us_per_step"] for k in profile)
-    rows = [(name, num(us, 2), num(n, 1), num(floors.get(name), 1) if name in floors else "–")
-            for name, (us, n) in parts.items()]
+    rows = [(kinds.BY_KEY[key].label, num(us, 2), num(n, 1), num(floors[key], 1) if key in floors else "–")
+            for key, (us, n) in parts.items()]
     rows.append(("per layer, all parts", num(sum(us for us, _ in parts.values()), 1),
                  num(sum(n for _, n in parts.values()), 1), num(sum(floors.values()), 1)))
     rows.append(("once per step (LM head, embedding, sampler)", f"{num(other[0], 0)} per step",
                  f"{num(other[1], 0)} per step", "–"))
     rows.append(("gaps between kernels", num((step_us - kernel_us) / layers, 1), "–", "–"))
-    return ("Where the 48-layer B=1 step goes (the same run's `moefx` row, one captured step under torch.profiler: "
-            f"{num(kernel_us, 0)} µs of kernels in a {num(step_us, 0)} µs step; floors: the bytes each part reads "
-            "/ the copy rate):\n\n"
+    return (f"Where the 48-layer B=1 {what} goes (the same run's `{row['arm']}` row, one captured step under "
+            f"torch.profiler: {num(kernel_us, 0)} µs of kernels in a {num(step_us, 0)} µs step; floors: the bytes each "
+            "part reads / the copy rate):\n\n"
             + table(["part", "µs per layer", "kernels per layer", "floor µs per layer"], rows))
 
 
@@ -200,6 +210,33 @@ ROUTING_NOTE = ("Experts hit / layer: the mean over layers of the distinct exper
                 "(counted on the plain model before any arm ran; the floor reads those experts); `balanced` = "
                 "`build_model(..., routing=\"balanced\")`, `as built` = transformers' initialisation (rows without "
                 "a count: the floor assumed uniform routing).")
+
+
+def score_cells(row: dict[str, Any]) -> tuple[str, str]:
+    if row.get("argmax_share") is None:
+        return "–", "–"
+    return f"{100 * row['argmax_share']:.1f} of {row.get('scored_steps', '?')}", num(row.get("max_gap_std"), 3)
+
+
+def score_note(r: dict[str, Any], decode: list[dict[str, Any]]) -> str:
+    """What the scorer columns mean, and how each scored arm compares with transformers' eager loop."""
+    how = (r.get("extra") or {}).get("scorer") or "fp32 eager forward of the arm's weights"
+    eager = {(x["layers"], x["B"]): x["argmax_share"] for x in decode
+             if x["arm"] == "hf_eager" and x.get("argmax_share") is not None}
+    lines = [f"fp32 argmax % / largest gap: each arm's generated tokens scored by an {how}: the share of steps whose "
+             "token is the scorer's argmax, and the largest gap between the scorer's best logit and its logit of the "
+             "chosen token, in units of the std of its logits (the bar: argmax share at least the eager loop's "
+             "minus 2 points, gap at most 0.1 std)."]
+    for x in decode:
+        ref = eager.get((x["layers"], x["B"]))
+        if x.get("argmax_share") is None or x["arm"] == "hf_eager":
+            continue
+        verdict = [] if ref is None else [f"{100 * (x['argmax_share'] - ref):+.1f} points against `hf_eager`"]
+        ok = (ref is None or x["argmax_share"] >= ref - 0.02) and x["max_gap_std"] <= 0.1
+        lines.append(f"- {x['layers']} layers B={x['B']} `{x['arm']}`: "
+                     + ", ".join(verdict + [f"gap {x['max_gap_std']:.3f} std"]) + (": within" if ok else ": OUT OF")
+                     + " the bound" + ("" if ref is not None else " (no eager loop in this run: gap only)"))
+    return "\n".join(lines)
 
 
 def routing_cell(row: dict[str, Any]) -> str:

@@ -251,23 +251,88 @@ def ref_add_rms_norm(
     return (n if weight is None else weight * n), new_res
 
 
-def quant_weight_fp8_block(
-    w: torch.Tensor, block_n: int = 128, block_k: int = 128
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [..., N, K] -> (float8_e4m3fn [..., N, K], `weight_scale_inv` fp32 [..., ceil(N/bn), ceil(K/bk)]),
-    dequantized w = q * scale per block; works for dense [N, K] and expert [E, N, K] weights."""
+# fp32 bytes of the slice of a weight quantized at a time: the float32 temporaries of quantizing a weight stay a
+# few times this, whatever the weight's size (a 48-layer model's experts are quantized on the GPU they sit on).
+WEIGHT_CHUNK_BYTES = 64 << 20
+
+
+def _chunks(w: torch.Tensor, row_align: int, pad_k: int, chunk_bytes: int):
+    """(w3 [L, N, K] view of w, slices (experts, rows)) covering w in pieces whose padded fp32 copy is about
+    `chunk_bytes`: whole experts where one fits, else row ranges in multiples of `row_align`."""
+    n, k = w.shape[-2:]
+    w3 = w.reshape(1, n, k) if w.dim() == 2 else w if w.dim() == 3 else w.flatten(0, -3)
+    rows_pad = -(-n // row_align) * row_align
+    per_row = pad_k * 4
+    per_expert = rows_pad * per_row
+    if per_expert <= chunk_bytes:
+        step = max(1, chunk_bytes // per_expert)
+        return w3, [(slice(e, min(e + step, w3.shape[0])), slice(0, n)) for e in range(0, w3.shape[0], step)]
+    rows = max(1, chunk_bytes // (per_row * row_align)) * row_align
+    return w3, [(slice(e, e + 1), slice(r, min(r + rows, n))) for e in range(w3.shape[0]) for r in range(0, n, rows)]
+
+
+def _out(w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None, q_dtype: torch.dtype,
+         scale_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    if out is None:
+        return (torch.empty(w.shape, dtype=q_dtype, device=w.device),
+                torch.empty(scale_shape, dtype=torch.float32, device=w.device))
+    q, scale = out
+    for name, t, shape, dtype in (("q", q, tuple(w.shape), q_dtype), ("scale", scale, scale_shape, torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != w.device:
+            raise ValueError(f"out {name} is {tuple(t.shape)}/{t.dtype} on {t.device} (contiguous: "
+                             f"{t.is_contiguous()}); expected a contiguous {shape}/{dtype} on {w.device}")
+    return q, scale
+
+
+def _fp8_block(w: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block quantization of one slice [L, n, k] (n a multiple of block_n except at the weight's end)."""
     *lead, n, k = w.shape
     nb, kb = -(-n // block_n), -(-k // block_k)
     wp = F.pad(w.float(), (0, kb * block_k - k, 0, nb * block_n - n))
     blocks = wp.reshape(*lead, nb, block_n, kb, block_k)
     scale = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-12) / FP8_MAX
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    q = q.reshape(*lead, nb * block_n, kb * block_k)[..., :n, :k].contiguous()
-    return q, scale.reshape(*lead, nb, kb)
+    return q.reshape(*lead, nb * block_n, kb * block_k)[..., :n, :k], scale.reshape(*lead, nb, kb)
 
 
-def quant_weight_int8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight [..., N, K] -> (int8 [..., N, K], fp32 per-output-channel scale [..., N]); w ~= q * scale."""
-    scale = w.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
-    q = torch.round(w.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale.squeeze(-1)
+def quant_weight_fp8_block(
+    w: torch.Tensor, block_n: int = 128, block_k: int = 128, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunk_bytes: int = WEIGHT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., N, K] -> (float8_e4m3fn [..., N, K], `weight_scale_inv` fp32 [..., ceil(N/bn), ceil(K/bk)]),
+    dequantized w = q * scale per block; works for dense [N, K] and expert [E, N, K] weights.
+
+    Per (bn x bk) block: scale = max(amax|w|, 1e-12) / 448 (fp32), q = clamp(w / scale).to(e4m3fn); a partial
+    block at the end of N or K behaves as zero-padded. Blocks are independent, so the weight is quantized a slice
+    of whole experts or whole block rows at a time (`chunk_bytes` of fp32 each) into `out` (preallocated
+    contiguous q and scale, e.g. the quantized module's parameters) or new tensors: the result is the same for
+    every chunk size, and the temporaries stay bounded."""
+    *lead, n, k = w.shape
+    nb, kb = -(-n // block_n), -(-k // block_k)
+    q, scale = _out(w, out, FP8_DTYPE, (*lead, nb, kb))
+    w3, chunks = _chunks(w, block_n, kb * block_k, chunk_bytes)
+    q3, s3 = q.view(w3.shape), scale.view(w3.shape[0], nb, kb)
+    for experts, rows in chunks:
+        qc, sc = _fp8_block(w3[experts, rows], block_n, block_k)
+        q3[experts, rows] = qc
+        s3[experts, rows.start // block_n:-(-rows.stop // block_n)] = sc
+    return q, scale
+
+
+def quant_weight_int8_channel(
+    w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None, chunk_bytes: int = WEIGHT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., N, K] -> (int8 [..., N, K], fp32 per-output-channel scale [..., N]); w ~= q * scale.
+
+    Per row: scale = max(amax|w|, 1e-12) / 127 (fp32), q = clamp(round(w / scale)).to(int8), round half to even;
+    rows are independent, so it runs a slice at a time into `out` as `quant_weight_fp8_block` does."""
+    *lead, n, k = w.shape
+    q, scale = _out(w, out, torch.int8, (*lead, n))
+    w3, chunks = _chunks(w, 1, k, chunk_bytes)
+    q3, s3 = q.view(w3.shape), scale.view(w3.shape[:2])
+    for experts, rows in chunks:
+        wf = w3[experts, rows].float()
+        sc = wf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+        q3[experts, rows] = torch.round(wf / sc).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        s3[experts, rows] = sc.squeeze(-1)
+    return q, scale
