@@ -10,7 +10,8 @@ Kernel timers (µs, medians; each warms its function up before timing, so compil
   `--tiny` smoke runs and steps that cannot be captured;
 - `time_host(fn, calls)`: the host's share of one call (the GPU idle before each), for dispatch overhead.
 Whole-call timers (seconds, the GPU synchronized before and after each call): `wall_s(fn)` for one call (a first
-call, a request, a prefill), `median_wall_s(fn, runs)` for the median of `runs` calls; `sync()` is their barrier.
+call, a request, a prefill), `timed_call(fn)` for one call and its result, `median_wall_s(fn, runs)` for the median
+of `runs` calls; `sync()` is their barrier.
 
 Ceilings: `copy_ceiling_Bps` is the copy rate every floor divides bytes by: an SM copy kernel
 (`torch.mul(src, 1, out=dst)` over 1 GiB), as moefx's kernels stream. A `copy_` of the same bytes inside a CUDA
@@ -34,7 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +44,7 @@ CPU_COPY_BYTES = 1 << 24  # smoke runs on the CPU: nominal numbers, the floors m
 PROFILE_REPS = 10  # eager calls per rotating set under the profiler (`kernel_times`)
 GRAPH_WARMUPS = 3  # replays `time_graph` runs before it times
 HOST_BATCH = 20  # calls per batch of `time_host` on the CPU
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------- timers
@@ -151,13 +153,18 @@ def sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def wall_s(fn: Callable[[], object], device: torch.device | str | None = None) -> float:
-    """Seconds of one call of `fn`, the GPU (`sync(device)`) synchronized before and after it."""
+def timed_call(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[float, T]:
+    """(seconds, result) of one call of `fn`, the GPU (`sync(device)`) synchronized before and after it."""
     sync(device)
     start = time.perf_counter()
-    fn()
+    out = fn()
     sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, out
+
+
+def wall_s(fn: Callable[[], object], device: torch.device | str | None = None) -> float:
+    """Seconds of one call of `fn`, the GPU (`sync(device)`) synchronized before and after it."""
+    return timed_call(fn, device)[0]
 
 
 def median_wall_s(fn: Callable[[], object], runs: int, device: torch.device | str | None = None) -> float:
