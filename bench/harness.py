@@ -11,7 +11,7 @@ Kernel timers (µs, medians; each warms its function up before timing, so compil
 - `time_host(fn, calls)`: the host's share of one call (the GPU idle before each), for dispatch overhead.
 Whole-call timers (seconds, the GPU synchronized before and after each call): `wall_s(fn)` for one call (a first
 call, a request, a prefill), `timed_call(fn)` for one call and its result, `median_wall_s(fn, runs)` for the median
-of `runs` calls; `sync()` is their barrier.
+of `runs` calls and `timed_calls(fn, runs)` for that median and the last call's result; `sync()` is their barrier.
 
 Ceilings: `copy_ceiling_Bps` is the copy rate every floor divides bytes by: an SM copy kernel
 (`torch.mul(src, 1, out=dst)` over 1 GiB), as moefx's kernels stream. A `copy_` of the same bytes inside a CUDA
@@ -167,9 +167,19 @@ def wall_s(fn: Callable[[], object], device: torch.device | str | None = None) -
     return timed_call(fn, device)[0]
 
 
+def timed_calls(fn: Callable[[], T], runs: int, device: torch.device | str | None = None) -> tuple[float, T]:
+    """(median seconds, last result) of `runs` calls of `fn`, each timed by `timed_call` (no warm-up: call `fn`
+    first if it compiles)."""
+    times, out = [], None
+    for _ in range(runs):
+        seconds, out = timed_call(fn, device)
+        times.append(seconds)
+    return statistics.median(times), out
+
+
 def median_wall_s(fn: Callable[[], object], runs: int, device: torch.device | str | None = None) -> float:
-    """Median seconds of `runs` calls of `fn`, each timed by `wall_s` (no warm-up: call `fn` first if it compiles)."""
-    return statistics.median(wall_s(fn, device) for _ in range(runs))
+    """Median seconds of `runs` calls of `fn` (`timed_calls` without the result)."""
+    return timed_calls(fn, runs, device)[0]
 
 
 # ----------------------------------------------------------------------------------------------- ceilings
