@@ -6,6 +6,7 @@ Kernel timers (µs, medians; each warms its function up before timing, so compil
   (`time_graph_calls` says how often it runs `fn`, for a step that advances state of its own, e.g. a decode step);
 - `time_rotated(fn, arg_sets, calls)`: one graph of `calls` calls cycling through `arg_sets` (inputs rotate, so a
   call's weights or activations do not stay in L2), µs per call;
+- `time_eager(fn, reps)`: CUDA events around eager calls `fn(i)`, for work a graph cannot hold (autograd);
 - `time_wall(fn, arg_sets, calls)`: the wall clock (the GPU synchronized around each trial), for the `--quick` /
   `--tiny` smoke runs and steps that cannot be captured;
 - `time_host(fn, calls)`: the host's share of one call (the GPU idle before each), for dispatch overhead.
@@ -101,6 +102,25 @@ def time_rotated(fn: Callable[..., object], arg_sets: Sequence[tuple], calls: in
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0 / calls)
     del graph
+    return statistics.median(times)
+
+
+def time_eager(fn: Callable[[int], object], reps: int, trials: int = 5) -> float:
+    """Median µs per call of eager calls `fn(i)` (i = 0, 1, ...: the call picks its inputs, e.g. a rotating set),
+    CUDA events around `reps` calls, median of `trials`, after three warm-up calls: for work a CUDA graph cannot
+    hold (autograd's backward)."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(reps):
+            fn(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
     return statistics.median(times)
 
 
