@@ -34,6 +34,7 @@ from bench.sections.offload import OffloadRow
 from moefx.backends import BACKENDS
 from moefx.machine import host_memory_available
 from moefx.models import qwen3_moe_config, tiny_qwen3_moe_config
+from moefx.models.routing_stats import expected_distinct
 from moefx.offload.transform import OffloadedExperts
 
 TARGETS = {"decode_vs_floor": 0.60, "prefill8192_vs_floor": 0.70, "vs_accelerate": 50.0}
@@ -544,7 +545,7 @@ def main() -> int:
             log(f"ERROR {what}: {exc!r}\n{traceback.format_exc()}")
         write_json("offload.partial.json", {**result, "rows": rows})  # rows so far survive a crash
 
-    decode_floor = {b: b / (layers * e * (1 - (1 - k / e) ** b) * expert_bytes / bw_host) for b in (1, 4)}
+    decode_floor = {b: b / (layers * expected_distinct(e, k, b) * expert_bytes / bw_host) for b in (1, 4)}
     step_times = result["decode_step_times"] = {}
     for batch in (1, 4):
         measure(f"decode B={batch}", lambda b=batch: decode_tps(

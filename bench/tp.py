@@ -61,6 +61,7 @@ from bench.harness import (  # noqa: E402
     write_json,
 )
 from bench.sections.markdown import table as markdown_table  # noqa: E402
+from moefx.models.routing_stats import expected_distinct  # noqa: E402
 
 BATCHES = (1, 16, 64)
 PROMPT = 16
@@ -70,18 +71,13 @@ TARGET_GREEDY_GAIN = 0.03
 
 # --- what a step must read and send (pure functions, tested on the CPU) -------------------------------------
 
-def distinct_experts(experts: int, top_k: int, batch: int) -> float:
-    """Expected number of distinct experts B rows hit, each picking top_k of `experts` uniformly."""
-    return experts * (1 - (1 - top_k / experts) ** batch)
-
-
 def step_bytes(cfg: Any, tp: int, batch: int, context: int, elem: int = 2, hit: float | None = None) -> float:
     """Bytes one decode step reads on one GPU of a TP group (experts split on their intermediate dim); `hit`: the
     distinct experts per layer the batch routes to (None: the uniform-routing expectation)."""
     h, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     attn = h * hd * (2 * heads + 2 * kv) / tp
     if hit is None:
-        hit = distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+        hit = expected_distinct(cfg.num_experts, cfg.num_experts_per_tok, batch)
     experts = hit * 3 * h * cfg.moe_intermediate_size
     router = h * cfg.num_experts
     kv_cache = batch * context * 2 * kv * hd / tp

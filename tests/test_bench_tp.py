@@ -30,8 +30,6 @@ def test_bench_sets_no_multicast(tp):
 
 def test_floors_and_gather_bytes(tp):
     cfg = qwen3_moe_config(48)
-    assert tp.distinct_experts(128, 8, 1) == pytest.approx(8)
-    assert 120 < tp.distinct_experts(128, 8, 64) < 128
     one = tp.step_bytes(cfg, 1, 1, context=0)
     assert 5.8e9 < one < 6.4e9  # ~3 B active parameters (attention, 8 experts, router, LM head) in bf16
     two = tp.step_bytes(cfg, 2, 1, context=0)
