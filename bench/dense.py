@@ -4,12 +4,12 @@ Shapes (bf16, and FP8 block-128 w8a8 where moefx.quantize makes them): q/k/v as 
 (one gemv launch vs three cuBLAS calls), o K=4096 N=2048, router gate K=2048 N=128 (bf16 only: moefx.quantize
 leaves routers alone). The FP8 peer is `moefx::fp8_block_gemm` per weight (its Triton kernel at M <= 16, blockwise
 torch._scaled_mm above), both arms fed the same e4m3 activation and group scales.
-Order: the HBM copy rate (an SM copy kernel, read + write counted); correctness of every shape against torch on
-fresh random inputs (bf16: fp32 reference, bound 5e-3 relative; FP8: ref_fp8_block_gemm, bound 1e-5 with fp32
-output and 5e-3 with bf16), incl. shapes that are not multiples of any tile, a forced split-K, and CUDA-graph replay
-against eager; then time, at M = 1, 2, 4, 8, 16, 32, 64, CUDA-graph replays whose graph holds one call per weight
-set of a rotation larger than 3x L2 (so weights come from HBM), median of trials, and eager calls (CUDA events,
-launch overhead included). Floor = bytes moved (weights, scales, x, outputs) / copy rate.
+Order: the HBM copy rate (bench/harness.py's copy ceiling: an SM copy kernel, read + write counted); correctness
+of every shape against torch on fresh random inputs (bf16: fp32 reference, bound 5e-3 relative; FP8:
+ref_fp8_block_gemm, bound 1e-5 with fp32 output and 5e-3 with bf16), incl. shapes that are not multiples of any tile,
+a forced split-K, and CUDA-graph replay against eager; then time, at M = 1, 2, 4, 8, 16, 32, 64, CUDA-graph replays
+(the harness's `time_graph`) whose graph holds one call per weight set of a rotation larger than 3x L2 (so weights
+come from HBM), median of trials. Floor = bytes moved (weights, scales, x, outputs) / copy rate.
 Calibration rows are `moefx calibrate --model M` (moefx/calibrate/dense.py); this benchmark reports the floors and
 the decode-layer forms. `--sweep`: a budgeted tile sweep at M = 1, 4, 16 (best DenseConfig per point vs the default).
 Decode-layer forms (`FORMS`, bf16, M = 1, 2, 4, the M <= 4 range fuse_norm_linear takes): q/k/v with the input
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -40,12 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if __name__ == "__main__" and ("--quick" in sys.argv or not torch.cuda.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before moefx's kernels are defined: the smoke run interprets them
 
+from bench.harness import copy_ceiling_Bps, relerr, time_graph, write_json
 from moefx.backends import dense as D
 from moefx.backends import router as _router  # noqa: F401  (registers moefx::add_rms_norm_route)
 from moefx.kernels import dense_gemm as K
 from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
 
 MS = (1, 2, 4, 8, 16, 32, 64)
+REPS = 10  # graph replays per timing trial
 SHAPES = {  # name: (N per weight, K, quantized by moefx.quantize)
     "qkv": ((4096, 512, 512), 2048, True),
     "o": ((2048,), 4096, True),
@@ -64,12 +65,6 @@ BOUND_BF16, BOUND_FP8_F32, BOUND_FP8_BF16 = 5e-3, 1e-5, 5e-3
 # fp32 output above M=4 (tensor-core tiles): 9.9e-5 from the fp32 reference at M=33 on the H200, as far as cuBLAS's
 # block-FP8 GEMM (the upstream path) is from it, 2026-12-01; the cause is not isolated
 BOUND_FP8_F32_MMA = 2e-4
-
-
-def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
 
 
 class Problem:
@@ -218,24 +213,10 @@ class Form:
         xs = [self.inputs(m, gen) for _ in range(n)]
         row = {}
         for arm, backend in (("gemv", "gemv"), ("upstream", "upstream")):
-            row[arm] = time_graph(lambda backend=backend: [self.call(backend, *xs[i], i) for i in range(n)]) / n
-        row["plain"] = time_graph(lambda: [self.prob.call("gemv", xs[i][0], None, i) for i in range(n)]) / n
+            row[arm] = time_graph(lambda backend=backend: [self.call(backend, *xs[i], i) for i in range(n)],
+                                  reps=REPS) / n
+        row["plain"] = time_graph(lambda: [self.prob.call("gemv", xs[i][0], None, i) for i in range(n)], reps=REPS) / n
         return dict(form=self.name, M=m, **row)
-
-
-def time_graph(fn, reps: int = 10, trials: int = 5) -> float:
-    """Median µs of one replay of a CUDA graph of `fn()` (the harness's timer)."""
-    from bench.harness import time_graph as replayed
-
-    return replayed(fn, reps=reps, trials=trials)
-
-
-def copy_rate() -> float:
-    n = 1 << 30
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    us = min(time_graph(lambda: torch.mul(src, 1.0, out=dst), reps=10) for _ in range(3))
-    return 2 * n / (us * 1e-6)
 
 
 def rotation(bytes_per_set: int) -> int:
@@ -251,7 +232,7 @@ def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float) -> dic
         def graph_fn(backend=backend):
             for i in range(n):
                 prob.call(backend, *xs[i], i)
-        per_call[backend] = time_graph(graph_fn) / n
+        per_call[backend] = time_graph(graph_fn, reps=REPS) / n
     x_bytes = m * prob.k * (1 if prob.fp8 else 2) + (m * (-(-prob.k // BLOCK[1])) * 4 if prob.fp8 else 0)
     out_bytes = m * sum(prob.ns) * 2
     floor = (prob.weight_bytes() + x_bytes + out_bytes) / copy_bps * 1e6
@@ -305,8 +286,6 @@ def main() -> None:
     args = ap.parse_args()
     quick = args.quick or not torch.cuda.is_available()
     dev = "cpu" if quick else "cuda"
-    out_dir = Path(os.environ.get("OUT", "."))
-    out_dir.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes = QUICK_SHAPES if quick else {s: SHAPES[s] for s in args.shapes.split(",")}
     result = dict(device=torch.cuda.get_device_name() if not quick else "cpu", torch=torch.__version__,
@@ -320,9 +299,9 @@ def main() -> None:
                   f"relerr {r['relerr']:.1e} (bound {r['bound']:.0e}) {'ok' if r['ok'] else 'FAIL'}", flush=True)
         print(f"correctness: {len(result['check']) - len(bad)}/{len(result['check'])} ok ({time.time() - t0:.0f} s)")
         if quick or bad:
-            (out_dir / "dense.json").write_text(json.dumps(result, indent=1, default=str))
+            write_json("dense.json", result)
             sys.exit(1 if bad else 0)
-    copy_bps = copy_rate()
+    copy_bps = copy_ceiling_Bps("cuda")
     result["copy_TBps"] = copy_bps / 1e12
     print(f"copy rate {copy_bps / 1e12:.2f} TB/s", flush=True)
     ms = [int(m) for m in args.ms.split(",")]
@@ -338,7 +317,7 @@ def main() -> None:
             for r in rows:
                 print(f"sweep {label:12} M={r['M']:3d} default {r['default_us']:7.2f} best {r['best_us']:7.2f} "
                       f"{r['best']}", flush=True)
-        (out_dir / "dense_sweep.json").write_text(json.dumps(result, indent=1, default=str))
+        write_json("dense_sweep.json", result)
         return
     result["rows"] = []
     for name, fp8 in kinds:
@@ -362,7 +341,7 @@ def main() -> None:
             print(f"{name:22} M={m} gemv {r['gemv']:6.2f} upstream {r['upstream']:6.2f} plain {r['plain']:6.2f} us",
                   flush=True)
     result["elapsed_s"] = time.time() - t0
-    (out_dir / "dense.json").write_text(json.dumps(result, indent=1, default=str))
+    write_json("dense.json", result)
     print_table(result)
 
 

@@ -14,13 +14,13 @@ Every call goes through `torch.ops.moefx.<op>.default`, as a compiled graph call
     python bench/dispatch.py --device cpu # this CPU: the same Python with every Triton launch a no-op
     python bench/dispatch.py --device cpu --cprofile grouped:256   # where one case's host time goes
 
-CUDA: host µs per call = perf_counter around one call with the GPU synchronized before it (the launch queue is
-empty, so the call returns when its launches are queued), median of CALLS; plus torch.profiler's CPU self time
-per call of each moefx:: op (the issue's measure; the profiler adds its own cost) and the kernel launches per call,
-next to one `aten::mm`. Floors, measured the same way: a no-op op defined as the moefx ops are
-(torch.library.custom_op with an autograd formula), the same no-op through torch.library.Library, and (CUDA) one
-launch of an empty Triton kernel with GEMM 1's argument count (bench/probes/triton_floor.py): the part of an op's host
-time that no moefx-side memo removes.
+CUDA: host µs per call = bench/harness.py's `time_host`: perf_counter around one call with the GPU synchronized
+before it (the launch queue is empty, so the call returns when its launches are queued), median of CALLS; plus
+torch.profiler's CPU self time per call of each moefx:: op (the issue's measure; the profiler adds its own cost)
+and the kernel launches per call, next to one `aten::mm`. Floors, measured the same way: a no-op op defined as the
+moefx ops are (torch.library.custom_op with an autograd formula), the same no-op through torch.library.Library, and
+(CUDA) one launch of an empty Triton kernel with GEMM 1's argument count (bench/probes/triton_floor.py): the part of
+an op's host time that no moefx-side memo removes. CPU: `time_host`'s fastest batch of 20 calls, per call.
 CPU: the ops' CUDA paths run on CPU tensors of the same shapes with each Triton kernel object replaced by one whose
 launch does nothing, upstream linears returning empty outputs (CUDA: one mm launch each), and the calibration
 tables replaced by a temporary one with rows for this CPU (so `auto` finds a row as on the H200); CUDA-only queries
@@ -33,19 +33,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import json
 import os
 import pstats
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import time_host, write_json
 
 E, H, I, TOP_K = 128, 2048, 768, 8
 QKV = (4096, 512, 512)
@@ -130,28 +129,6 @@ def floor_cases(inp: dict[str, torch.Tensor], cuda: bool) -> dict[str, Callable[
 
         out["floor/Triton launch (30 args)"] = lambda: empty_launch(x)
     return out
-
-
-def host_us(fn: Callable[[], object], calls: int, cuda: bool) -> float:
-    """CUDA: median perf_counter µs of one call, the GPU idle before each. CPU (no launches to wait for): the fastest
-    of batches of 20 calls, per call (a shared CPU's other work only ever adds time)."""
-    for _ in range(3):
-        fn()
-    if not cuda:
-        batches = []
-        for _ in range(max(calls // 20, 1)):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            batches.append((time.perf_counter() - t0) * 1e6 / 20)
-        return min(batches)
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def profiler_self_us(fn: Callable[[], object], calls: int) -> dict[str, float]:
@@ -254,7 +231,7 @@ def cpu_stand_ins() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def run(device: str, ms: tuple[int, ...], calls: int, profile_calls: int, out: Path) -> dict:
+def run(device: str, ms: tuple[int, ...], calls: int, profile_calls: int) -> dict:
     """Every case at every M; the JSON is rewritten after each row, so a run stopped at its limit keeps what it has
     (the first call of each shape compiles its Triton kernels)."""
     cuda = device == "cuda"
@@ -265,12 +242,12 @@ def run(device: str, ms: tuple[int, ...], calls: int, profile_calls: int, out: P
         inp = make_inputs(m, device, weights)
         every = {**(floor_cases(inp, cuda) if m == ms[0] else {}), **cases(inp, m, cuda)}
         for name, fn in every.items():
-            row = {"op": name, "M": m, "host_us": round(host_us(fn, calls, cuda), 2)}
+            row = {"op": name, "M": m, "host_us": round(time_host(fn, calls, cuda), 2)}
             if cuda and profile_calls:
                 row["profiler_self_us"] = {k: round(v, 2) for k, v in profiler_self_us(fn, profile_calls).items()}
             row["ok"] = name.startswith(("aten::", "floor/")) or row["host_us"] <= TARGET_US
             result["rows"].append(row)
-            (out / "dispatch.json").write_text(json.dumps(result, indent=1))
+            write_json("dispatch.json", result)
             extra = "  ".join(f"{k} {v}" for k, v in row.get("profiler_self_us", {}).items())
             print(f"{name:28s} M={m:5d}  host {row['host_us']:8.2f} us  {'ok' if row['ok'] else 'OVER'}  {extra}",
                   flush=True)
@@ -289,8 +266,6 @@ def main() -> None:
     import moefx.backends
     import moefx.ops.decode_attention  # noqa: F401
 
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(parents=True, exist_ok=True)
     stand_ins = cpu_stand_ins() if args.device == "cpu" else contextlib.nullcontext()
     with torch.no_grad(), stand_ins:
         if args.cprofile:
@@ -307,7 +282,7 @@ def main() -> None:
             print(f"{name} M={m}: {args.calls} calls")
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             return
-        result = run(args.device, ms, args.calls, args.profile_calls, out)
+        result = run(args.device, ms, args.calls, args.profile_calls)
     over = [f"{r['op']} M={r['M']}" for r in result["rows"] if not r["ok"]]
     print(f"target {TARGET_US} us per call: {'all within' if not over else 'over: ' + ', '.join(over)}")
 

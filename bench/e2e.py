@@ -53,12 +53,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import shutil
-import statistics
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -67,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import ceilings, median_wall_s, results_dir, sync, timed_call, wall_s, write_json
 from bench.scorer import Fp32Scorer, fp8_block_weights
 from bench.sections.e2e import DecodeRow
 from moefx.config import LAYER_REGIONS
@@ -79,19 +77,6 @@ AGREE_TOKENS = 8
 # moefx's first two steps' logits against transformers' eager ones (bf16 through every layer: fusion and kernel
 # rounding move them by ~1e-2; a wrong kernel or a broken rewrite is O(1))
 LOGITS_BOUND = 0.1
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall(fn) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 def step_bytes(model: torch.nn.Module, tokens: int, hit: dict[str, float]) -> float:
@@ -152,10 +137,10 @@ def decode_row(arm: str, generate, ids, n1: int, n2: int, runs: int, floor_tok_s
         nonlocal out
         out = generate(ids, n2)
 
-    first_s = wall(first)
+    first_s = wall_s(first)
     generate(ids, n1)  # warm n1 too (a shorter request may recapture nothing, but keep both warm)
-    t1 = statistics.median(wall(lambda: generate(ids, n1)) for _ in range(runs))
-    t2 = statistics.median(wall(lambda: generate(ids, n2)) for _ in range(runs))
+    t1 = median_wall_s(lambda: generate(ids, n1), runs)
+    t2 = median_wall_s(lambda: generate(ids, n2), runs)
     tok_s = batch * (n2 - n1) / max(t2 - t1, 1e-9)
     new = out[:, ids.shape[1]:]
     agree = None
@@ -197,7 +182,7 @@ def profile_run(fn) -> dict:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        seconds = wall(fn)
+        seconds = wall_s(fn)
     kern = [e for e in prof.key_averages() if e.device_type is not None and "CUDA" in str(e.device_type)]
     kernel_ms = sum(e.device_time_total for e in kern) / 1e3
     top = sorted(kern, key=lambda e: -e.device_time_total)[:10]
@@ -254,8 +239,8 @@ def ttft_row(arm: str, fn, layers: int, batch: int, tokens: int, runs: int, floo
              routing: dict) -> dict:
     """Time to first token of `fn` (one warm-up call, then the median of `runs`), then one profiled call."""
     with torch.no_grad():
-        first = wall(fn)
-        ms = 1e3 * statistics.median(wall(fn) for _ in range(runs))
+        first = wall_s(fn)
+        ms = 1e3 * median_wall_s(fn, runs)
         prof = profile_run(fn)
     flop_ms, bytes_ms = floors
     floor = max(flop_ms, bytes_ms)
@@ -361,8 +346,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the embedded tiny model (smoke run, e.g. on the CPU)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    out_dir = Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = results_dir()
     batches = [int(b) for b in args.batches.split(",") if b]
     fp8_batches = [int(b) for b in args.fp8_batches.split(",")] if args.fp8_batches else batches
     eager_batches = [int(b) for b in args.eager_batches.split(",")] if args.eager_batches else batches
@@ -426,9 +410,7 @@ def main() -> int:
                                     bf16_matmul_TFLOPs=round(ceil["bf16_flops"] / 1e12, 1)),
                       routing=args.routing, decode=decode, prefill=prefill, ttft=ttft, forward=forward, train=train,
                       extra=extra)
-        path = out_dir / f"e2e_{args.layers}l{args.tag}.json"
-        path.write_text(json.dumps(result, indent=1))
-        return path
+        return write_json(f"e2e_{args.layers}l{args.tag}.json", result)
 
     def guarded(name: str, fn) -> None:
         """One arm; its failure is recorded and the next arm still runs (and the JSON so far is written)."""
@@ -461,8 +443,8 @@ def main() -> int:
 
     def prefill_row(arm: str, fn) -> None:
         with torch.no_grad():
-            first = wall(fn)
-            ms = 1e3 * statistics.median(wall(fn) for _ in range(args.runs))
+            first = wall_s(fn)
+            ms = 1e3 * median_wall_s(fn, args.runs)
         prefill.append(dict(layers=args.layers, tokens=args.prefill, arm=arm, ms=round(ms, 1),
                             floor_ms=round(fl_ms, 1), x_floor=round(ms / fl_ms, 2), first_call_s=round(first, 1)))
         print(f"  prefill {arm:11s}: {ms:.1f} ms ({ms / fl_ms:.2f}x floor), first call {first:.1f} s", flush=True)
@@ -580,9 +562,8 @@ def main() -> int:
 
     def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int]) -> None:
         print(name, flush=True)
-        start = time.perf_counter()
-        opt = moefx.optimize(mdl, config=config)
-        extra[f"{name}_optimize_s"] = round(time.perf_counter() - start, 1)
+        optimize_s, opt = timed_call(lambda: moefx.optimize(mdl, config=config))
+        extra[f"{name}_optimize_s"] = round(optimize_s, 1)
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         for b in arm_batches:
@@ -671,8 +652,8 @@ def main() -> int:
             nonlocal first_loss
             first_loss = float(step(keep_norms=True))
 
-        first = wall(warm)
-        ms = 1e3 * statistics.median(wall(step) for _ in range(args.runs))
+        first = wall_s(warm)
+        ms = 1e3 * median_wall_s(step, args.runs)
         row = dict(layers=args.layers, B=b, tokens=t, arm=arm, ms=round(ms, 2), first_call_s=round(first, 1),
                    loss=round(first_loss, 5), grad_norms=[round(n, 6) for n in grad_norms],
                    trainable=f"experts ({sum(p.numel() for p in experts.values())} weights), AdamW",
@@ -704,9 +685,8 @@ def main() -> int:
             if cuda:  # the bf16 model as built, then the peak while it is quantized in place
                 torch.cuda.reset_peak_memory_stats()
                 extra["moefx_fp8_bf16_model_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-            start = time.perf_counter()
-            moefx.quantize(fp8, "fp8_block128")
-            extra["moefx_fp8_quantize_s"] = round(time.perf_counter() - start, 1)
+            seconds, _ = timed_call(lambda: moefx.quantize(fp8, "fp8_block128"))
+            extra["moefx_fp8_quantize_s"] = round(seconds, 1)
             if cuda:
                 extra["moefx_fp8_quantize_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 extra["moefx_fp8_model_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
@@ -781,8 +761,6 @@ def _peak_gib(t: torch.Tensor) -> float:
 def _ceilings(device: str) -> dict[str, float]:
     if device == "cpu":  # --tiny smoke runs: nominal numbers, the floors mean nothing there
         return {"copy_Bps": 1e10, "bf16_flops": 1e11}
-    from bench.harness import ceilings
-
     return ceilings()
 
 

@@ -17,9 +17,7 @@ Also measured: the FP8 block-scaled GEMM (Triton) against `torch._scaled_mm` blo
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
-from bench.harness import copy_ceiling_Bps, time_rotated, time_wall
+from bench.harness import copy_ceiling_Bps, time_rotated, time_wall, write_json
 from moefx.ops import block_gemm, quant
 from moefx.ops.quant import QuantScheme
 
@@ -426,9 +424,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "copy_bw_Bps": copy_bw, "read_bw_Bps": read_bw, "fp8_flops": FP8_RATE, "seconds": time.time() - t0,
             "date": time.strftime("%Y-%m-%d")}
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "fusions.json").write_text(
-            json.dumps({"meta": meta, "checks": checks, "gemm": gemms, "fusions": rows}, indent=1, default=str))
+    write_json("fusions.json", {"meta": meta, "checks": checks, "gemm": gemms, "fusions": rows})
     if gemms:
         print("\nFP8 block GEMM (bf16 out), µs")
         print(f"{'M':>6} {'N':>6} {'K':>6} {'triton':>8} {'_scaled_mm':>10} {'bf16 mm':>8} {'floor':>7}")

@@ -18,8 +18,6 @@ variant at `--ms`, next to its CUDA-graph time, so the gap between the two is la
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import ceilings, input_sets, kernel_times, relerr, routing, time_graph
+from bench.harness import ceilings, input_sets, kernel_times, relerr, routing, time_graph, wall_s, write_json
 from moefx.backends import BACKENDS, MoeCall
 from moefx.ops.quant import quant_weight_fp8_block
 
@@ -97,8 +95,7 @@ def main() -> None:
         if not quick:
             result["pieces"] = profile_pieces(ms, e, h, k, gen)
         result["profile"] = profile(weights, ms, dtypes, e, h, inter, k, gen, quick)
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "moe_profile.json").write_text(json.dumps(result, indent=1))
+        write_json("moe_profile.json", result)
         print_profile(result["profile"])
         return
     sweep_ms = dict(SWEEP_MS)
@@ -109,8 +106,7 @@ def main() -> None:
         sweep_ms[kind] = tuple(int(v) for v in vals.split(",") if v)  # "grouped=" leaves grouped out
     if args.sweep_only:
         def save(res: dict) -> None:
-            if os.environ.get("OUT"):
-                Path(os.environ["OUT"], "moe_sweep.json").write_text(json.dumps({**result, "sweep": res}, indent=1))
+            write_json("moe_sweep.json", {**result, "sweep": res})
 
         result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick,
                                 checkpoint=save, sweep_ms=sweep_ms)
@@ -194,8 +190,7 @@ def main() -> None:
     if args.sweep:
         result["sweep"] = sweep({d: weights[d] for d in dtypes}, e, h, inter, k, gen, ceil, args.sweep_budget, quick,
                                 sweep_ms=sweep_ms)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "moe.json").write_text(json.dumps(result, indent=1))
+    write_json("moe.json", result)
     if args.sweep:
         print_sweep(result["sweep"])
     print_table(result, dtypes)
@@ -219,11 +214,7 @@ def calibrate(dtypes: list[str], e: int, h: int, inter: int, k: int) -> None:
 
 def run_timed(quick: bool, fn) -> float:
     """CUDA-graph replay time; --quick (no timing claims) times one eager call, without a warm-up."""
-    if not quick:
-        return time_graph(fn)
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e6
+    return wall_s(fn) * 1e6 if quick else time_graph(fn)
 
 
 SWEEP_BUDGET_S = 150.0

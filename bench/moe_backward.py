@@ -17,9 +17,6 @@ Prints a table last; JSON to $OUT/moe_backward.json. `--quick`: tiny CPU smoke r
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import ceilings, relerr, routing
+from bench.harness import ceilings, relerr, routing, time_eager, write_json
 from bench.sections.moe_backward import BackwardRow
 from moefx.backends import moe_experts
 from moefx.backends.backward import backward_path, backward_reference
@@ -93,7 +90,7 @@ def time_backward(fwd, sets: list[tuple], leaves: tuple, reps: int, trials: int)
         out, inputs, grad = graphs[i % len(graphs)]
         torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
-    return _median_us(one, reps, trials)
+    return time_eager(one, reps, trials)
 
 
 def time_fwd_bwd(fwd, sets: list[tuple], leaves: tuple, reps: int, trials: int) -> float:
@@ -102,23 +99,7 @@ def time_fwd_bwd(fwd, sets: list[tuple], leaves: tuple, reps: int, trials: int) 
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         torch.autograd.grad(fwd(xs, ids, ws), (xs, ws, *leaves), grad)
 
-    return _median_us(one, reps, trials)
-
-
-def _median_us(one, reps: int, trials: int) -> float:
-    for i in range(3):
-        one(i)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for i in range(reps):
-            one(i)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    return time_eager(one, reps, trials)
 
 
 def floors(m: int, e: int, h: int, inter: int, k: int, ceil: dict) -> dict[str, float]:
@@ -177,9 +158,7 @@ def main() -> None:
                           grouped_mm=us.get("grouped_mm"))
         result["rows"].append(row.to_json())
     result["failures"], result["seconds"] = failures, round(time.time() - t0, 1)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-    Path(os.environ["OUT"], "moe_backward.json").write_text(json.dumps(result, indent=1))
+    write_json("moe_backward.json", result)
     print_table(result, quick)
     if failures:
         raise SystemExit("gradient check failed: " + "; ".join(failures))

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -30,10 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import h2d_Bps, host_copy_Bps, median_wall_s, timed_call, wall_s, write_json
 from bench.sections.offload import OffloadRow
 from moefx.backends import BACKENDS
 from moefx.machine import host_memory_available
 from moefx.models import qwen3_moe_config, tiny_qwen3_moe_config
+from moefx.models.routing_stats import expected_distinct
 from moefx.offload.transform import OffloadedExperts
 
 TARGETS = {"decode_vs_floor": 0.60, "prefill8192_vs_floor": 0.70, "vs_accelerate": 50.0}
@@ -42,32 +43,6 @@ BF16_BOUND = 2e-2  # ||offloaded - legacy on GPU|| / ||legacy||, bf16 weights an
 
 def log(msg: str) -> None:
     print(f"[offload bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def host_copy_gbps(nbytes: int) -> float:
-    """All-thread host memcpy, read + write bytes counted (as in PERF-NOTES)."""
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
-
-
-def h2d_gbps(nbytes: int) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return 5 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def build(config, device: str) -> torch.nn.Module:
@@ -89,11 +64,6 @@ def build(config, device: str) -> torch.nn.Module:
     return model.eval()
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 @torch.no_grad()
 def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: int, record: dict | None = None
                ) -> float:
@@ -106,16 +76,17 @@ def decode_tps(model, batch: int, prompt: int, steps: int, device: str, vocab: i
     for _ in range(3):  # warm-up: under torch.compile the first decode steps compile (static, then dynamic length)
         out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1:].argmax(-1)
-    stamps = []
+    seconds = []
     for _ in range(steps):
-        out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+        secs, out = timed_call(lambda out=out, tok=tok: model(input_ids=tok, past_key_values=out.past_key_values,
+                                                              use_cache=True, logits_to_keep=1), device)
         tok = out.logits[:, -1:].argmax(-1)
-        sync(device)
-        stamps.append(time.perf_counter())
+        seconds.append(secs)
+    seconds = seconds[1:]  # the first step's time stays out, as the first of `steps` timestamps did
     if record is not None:
-        ms = sorted((b - a) * 1e3 for a, b in zip(stamps, stamps[1:]))
+        ms = sorted(s * 1e3 for s in seconds)
         record.update(step_ms_min=ms[0], step_ms_median=ms[len(ms) // 2], step_ms_max=ms[-1])
-    return batch * (steps - 1) / (stamps[-1] - stamps[0])
+    return batch * (steps - 1) / sum(seconds)
 
 
 @torch.no_grad()
@@ -123,14 +94,7 @@ def prefill_tps(model, tokens: int, reps: int, device: str, vocab: int) -> float
     gen = torch.Generator(device="cpu").manual_seed(tokens)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
     model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return tokens / sorted(times)[len(times) // 2]
+    return tokens / median_wall_s(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), reps, device)
 
 
 def accelerate_peer(num_layers: int, steps: int) -> dict:
@@ -202,15 +166,9 @@ def check_layer(expert: OffloadedExperts, device: str, ms: tuple[int, ...]) -> d
 
 
 def _median_ms(fn, reps: int, device: str) -> float:
+    """Median ms of `reps` calls of `fn` after one warm-up call (the harness's wall clock)."""
     fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2] * 1e3
+    return median_wall_s(fn, reps, device) * 1e3
 
 
 def _profile_call(layers: list[OffloadedExperts], m: int, device: str, gen: torch.Generator) -> dict:
@@ -233,13 +191,14 @@ def _profile_call(layers: list[OffloadedExperts], m: int, device: str, gen: torc
     host("host kernel", CpuMath())
     host("torch ops", CpuMath(host_kernel=False))
     fresh = [torch.stack([torch.randperm(e, generator=gen)[:8] for _ in range(m)]) for _ in range(64)]
-    t0 = time.perf_counter()
-    moved = 0
-    for j, ids_j in enumerate(fresh):  # other experts and layers every call: DRAM, not cache
-        other = layers[j % len(layers)].store
-        cpu_moe(other, x, ids_j, w, rt.decode_pool, CpuMath())
-        moved += len(set(ids_j.flatten().tolist())) * other.expert_bytes
-    ms = (time.perf_counter() - t0) / len(fresh) * 1e3
+    moved = sum(len(set(ids_j.flatten().tolist())) * layers[j % len(layers)].store.expert_bytes
+                for j, ids_j in enumerate(fresh))
+
+    def fresh_calls() -> None:  # other experts and layers every call: DRAM, not cache
+        for j, ids_j in enumerate(fresh):
+            cpu_moe(layers[j % len(layers)].store, x, ids_j, w, rt.decode_pool, CpuMath())
+
+    ms = wall_s(fresh_calls, "cpu") / len(fresh) * 1e3
     row["host kernel, fresh experts each call"] = {"ms": ms, "gbps": moved / len(fresh) / ms / 1e6}
     threads = torch.get_num_threads()
     for t in sorted({4, 8, threads // 2, threads}):
@@ -294,10 +253,8 @@ def memory_probe(device: str) -> dict:
         w = torch.full((1, 8), 1 / 8)
         for pf in (0, 1024, 4096):
             ids = [torch.randperm(e, generator=gen)[:8].view(1, 8) for _ in range(48)]
-            t0 = time.perf_counter()
-            for i in ids:
-                cpu_moe(store, x, i, w, math=CpuMath(prefetch_bytes=pf))
-            secs = (time.perf_counter() - t0) / len(ids)
+            secs = wall_s(lambda ids=ids, store=store, x=x, w=w, pf=pf: [
+                cpu_moe(store, x, i, w, math=CpuMath(prefetch_bytes=pf)) for i in ids], "cpu") / len(ids)
             out[f"host kernel {label} prefetch {pf}"] = 8 * store.expert_bytes / secs / 1e9
     log("memory probe: " + "; ".join(f"{k_} {v:.1f}" if isinstance(v, float) else f"{k_} {v}" for k_, v in out.items()))
     return out
@@ -332,10 +289,8 @@ def kernel_rate_by_span(experts: list[OffloadedExperts], calls: int = 96) -> dic
     for label, span in (("first 8 layers", experts[:8]), (f"all {len(experts)} layers", experts)):
         picks = [(span[int(torch.randint(len(span), (1,), generator=gen))].store,
                   torch.randperm(e, generator=gen)[:8].view(1, 8)) for _ in range(calls)]
-        t0 = time.perf_counter()
-        for store, ids in picks:
-            cpu_moe(store, x, ids, w, rt.decode_pool, rt.math(1))
-        secs = (time.perf_counter() - t0) / calls
+        secs = wall_s(lambda picks=picks: [cpu_moe(store, x, ids, w, rt.decode_pool, rt.math(1))
+                                           for store, ids in picks], "cpu") / calls
         out[label] = 8 * experts[0].store.expert_bytes / secs / 1e9
     return out
 
@@ -449,16 +404,7 @@ def decode_loop_tps(model, batch: int, prompt: int, steps: int, vocab: int) -> f
     ids = torch.randint(0, vocab, (batch, prompt), generator=gen).cuda()
     greedy = SamplingParams(temperature=0)
     loop.generate(ids, 3, greedy)  # captures the step graph
-    median = {}
-    for n in (1, steps + 1):
-        times = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loop.generate(ids, n, greedy)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        median[n] = sorted(times)[1]
+    median = {n: median_wall_s(lambda n=n: loop.generate(ids, n, greedy), 3, "cuda") for n in (1, steps + 1)}
     return batch * steps / (median[steps + 1] - median[1])
 
 
@@ -529,8 +475,8 @@ def main() -> int:
     result.update(layers=layers, expert_bytes=expert_bytes)
 
     log("measuring host memory and H2D bandwidth")
-    result["host_copy_gbps"] = host_copy_gbps((64 << 20) if quick else (2 << 30))
-    result["h2d_gbps"] = h2d_gbps(1 << 30) if device == "cuda" else None
+    result["host_copy_gbps"] = host_copy_Bps((64 << 20) if quick else (2 << 30)) / 1e9
+    result["h2d_gbps"] = h2d_Bps(1 << 30) / 1e9 if device == "cuda" else None
     if args.probe:
         result["memory_probe"] = memory_probe(device)
 
@@ -544,11 +490,9 @@ def main() -> int:
 
     log(f"building the moefx model: {layers} layers, experts {layers * e * expert_bytes / 2**30:.1f} GiB")
     model = build(config, device) if not quick else build(config, "cpu")
-    t0 = time.perf_counter()
-    model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": args.mode})
+    result["offload_seconds"], model = timed_call(
+        lambda: moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": args.mode}), device)
     result["mode"] = args.mode
-    result["offload_seconds"] = time.perf_counter() - t0
-    sync(device)
     if device == "cuda":
         torch.cuda.empty_cache()
         result["gpu_allocated_gib_after_offload"] = torch.cuda.memory_allocated() / 2**30
@@ -585,8 +529,7 @@ def main() -> int:
     vocab = config.vocab_size
     if args.profile:
         result["profile"] = profile(model, experts, device, vocab)
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "offload_profile.json").write_text(json.dumps(result, indent=1))
+        write_json("offload_profile.json", result)
         return 0
     steps = 6 if quick else 16
     rows = []
@@ -600,10 +543,9 @@ def main() -> int:
         except Exception as exc:
             result["errors"].append(f"{what} failed: {exc!r}")
             log(f"ERROR {what}: {exc!r}\n{traceback.format_exc()}")
-        if os.environ.get("OUT"):  # rows so far survive a crash that takes the process down
-            Path(os.environ["OUT"], "offload.partial.json").write_text(json.dumps({**result, "rows": rows}, indent=1))
+        write_json("offload.partial.json", {**result, "rows": rows})  # rows so far survive a crash
 
-    decode_floor = {b: b / (layers * e * (1 - (1 - k / e) ** b) * expert_bytes / bw_host) for b in (1, 4)}
+    decode_floor = {b: b / (layers * expected_distinct(e, k, b) * expert_bytes / bw_host) for b in (1, 4)}
     step_times = result["decode_step_times"] = {}
     for batch in (1, 4):
         measure(f"decode B={batch}", lambda b=batch: decode_tps(
@@ -657,8 +599,7 @@ def main() -> int:
         print("targets: " + "; ".join(f"{k_} {v}" for k_, v in verdicts.items()))
     if result["errors"]:
         print("errors:", *result["errors"], sep="\n  ")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "offload.json").write_text(json.dumps(result, indent=1))
+    write_json("offload.json", result)
     return 0
 
 

@@ -10,7 +10,6 @@ at these shapes. Usage: python3 bench/probe_ceilings.py [Ms]; JSON to $OUT/probe
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -20,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import ceilings, kernel_times, routing, time_graph
+from bench.harness import ceilings, kernel_times, routing, time_graph, write_json
 from moefx.kernels.moe_call import MoeCall
 from moefx.kernels.moe_grouped import fused_moe
 from moefx.ops.quant import quant_weight_fp8_block
@@ -168,8 +167,7 @@ def main() -> None:
         dense(m, gen, rows)
         grouped(m, gen, weights, rows)
         dense_like(m, gen, rows)
-    with open(os.path.join(os.environ.get("OUT", "."), "probe_ceilings.json"), "w") as f:
-        json.dump(dict(ceilings=ceil, rows=rows), f, indent=1)
+    write_json("probe_ceilings.json", dict(ceilings=ceil, rows=rows))
     print(f"\nceilings: bf16 {ceil['bf16_flops'] / 1e12:.0f}, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3)")
     print(f"{'M':>5} {'name':34} {'us':>8} {'TFLOP/s':>8}")
     for r in rows:

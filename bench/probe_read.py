@@ -9,7 +9,6 @@ $OUT/probe_read.json."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import ceilings, time_graph
+from bench.harness import ceilings, time_graph, write_json
 
 EXPERT_FP8 = 3 * 2048 * 768  # bytes of one expert's w13 + w2 in FP8 (bf16: twice)
 L2_BYTES = 60 << 20  # more than the H200's 50 MB L2
@@ -92,8 +91,7 @@ def main() -> None:
         b1, b2 = 16 * per_expert // 3, 8 * per_expert // 3
         us = two_reads(b1, b2, grids[s1], grids[s2])
         record(f"{dt} M=1 two dependent reads", b1 + b2, us, "each stage at its best grid")
-    with open(os.path.join(os.environ.get("OUT", "."), "probe_read.json"), "w") as f:
-        json.dump(dict(ceilings=ceil, rows=rows), f, indent=1)
+    write_json("probe_read.json", dict(ceilings=ceil, rows=rows))
     print(f"\ncopy ceiling {ceil['copy_Bps'] / 1e12:.2f} TB/s (1 GiB)")
     print(f"{'what':38} {'MB':>7} {'us':>8} {'floor':>8} {'x floor':>7}")
     for r in rows:

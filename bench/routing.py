@@ -23,8 +23,6 @@ hidden + logits + outputs). Compiles: M=1 static, then one graph dynamic in M (a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +34,7 @@ import torch._inductor.config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
-from bench.harness import copy_ceiling_Bps, time_rotated, time_wall
+from bench.harness import copy_ceiling_Bps, time_rotated, time_wall, write_json
 from moefx.backends.routing import fused_topk
 
 MS = (1, 16, 64, 1024)
@@ -220,9 +218,7 @@ def main() -> None:
     import triton
 
     meta |= {"transformers": transformers.__version__, "triton": triton.__version__}
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "routing.json").write_text(
-            json.dumps({"meta": meta, "checks": checks, "rewrites": rewrites, "rows": rows}, indent=1, default=str))
+    write_json("routing.json", {"meta": meta, "checks": checks, "rewrites": rewrites, "rows": rows})
     print(f"\nchecks: {len(checks)} op/compiled comparisons, fx rewrites per compiled graph {rewrites}; "
           f"{'all pass' if not bad else 'FAILURES:'}" + "".join(f"\n  FAIL {c}" for c in bad))
     print(f"\nMoE routing on {meta['device']} (torch {meta['torch']}, transformers {meta['transformers']}), "

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import statistics
 import sys
 import time
 import warnings
@@ -35,7 +32,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
-from bench.harness import copy_ceiling_Bps
+from bench.harness import copy_ceiling_Bps, median_wall_s, sync, timed_calls, write_json
+from bench.sections.markdown import table as markdown
 from bench.sections.sampler import DecodeRow
 from moefx.cli.common import progress
 from moefx.engine.engine import DecodeLoop
@@ -55,11 +53,6 @@ DECODE_CFG = {
     "mode": "capture",
     "pass_config": {"rewrite_sampler_syncs": True, "sampler_exponential_race": True, "last_token_logits": True},
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class SyncCounter:
@@ -82,22 +75,6 @@ class SyncCounter:
             torch.cuda.set_sync_debug_mode("default")
             self._rec.__exit__(*exc)
             self.count = sum("synchroniz" in str(w.message) for w in self._log)
-
-
-def markdown(headers: list[str], rows: list[list[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
-def timed(fn, device: torch.device, runs: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(runs):
-        sync(device)
-        start = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
 
 
 class StopAfter(StoppingCriteria):
@@ -127,8 +104,8 @@ def hf_generate(model, ids, params: SamplingParams, n: int, stop_after: int | No
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    timed(lambda: a @ b, device, 2)
-    t, _ = timed(lambda: a @ b, device, 5)
+    median_wall_s(lambda: a @ b, 2, device)
+    t = median_wall_s(lambda: a @ b, 5, device)
     return 2 * n**3 / t
 
 
@@ -199,8 +176,8 @@ def run_decode(model, cfg, device, dtype, batches, n, runs, prompt) -> tuple[lis
                 with progress(f"{name} {label} B={batch} (compile + warm-up)"):
                     fn(params, n, None)
                     fn(params, n, 1)
-                t_n, out = timed(lambda fn=fn, params=params: fn(params, n, None), device, runs)
-                t_1, _ = timed(lambda fn=fn, params=params: fn(params, n, 1), device, runs)
+                t_n, out = timed_calls(lambda fn=fn, params=params: fn(params, n, None), runs, device)
+                t_1 = median_wall_s(lambda fn=fn, params=params: fn(params, n, 1), runs, device)
                 with SyncCounter(device) as full:
                     fn(params, n, None)
                 sync(device)
@@ -261,16 +238,14 @@ def run_prefill(model, cfg, device, tokens, runs) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         with torch.no_grad():
-            t, _ = timed(lambda fn=fn: fn(ids), device, runs)
+            t = median_wall_s(lambda fn=fn: fn(ids), runs, device)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
         rows.append(dict(last_token_logits=on, rewrites=moved, ms=1e3 * t, peak_extra_mib=peak, rel_err=rel))
     return rows
 
 
 def save(result: dict) -> None:
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "sampler.json").write_text(json.dumps(result, indent=2))
+    write_json("sampler.json", result)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import random
@@ -41,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
+from bench.harness import timed_call, write_json
 from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 
 WARMUP = 50
@@ -113,11 +113,6 @@ def build_kwargs(r: dict, device: str, vocab: int, last_tokens: list[int]) -> tu
     return ids.to(device), kwargs
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _peak(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
@@ -156,8 +151,6 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    out_dir = Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     from moefx.config import parse_memory_budget
 
     budget = parse_memory_budget(args.memory_budget)
@@ -193,12 +186,8 @@ def main() -> int:
         ids, kwargs = build_kwargs(r, args.device, cfg.vocab_size, last_tokens)
         try:
             torch.manual_seed(r["seed"])
-            _sync()
             before = _first_uses(engine.stats)
-            t0 = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            _sync()
-            seconds = time.perf_counter() - t0
+            seconds, out = timed_call(lambda ids=ids, kwargs=kwargs: model.generate(ids, **kwargs))
         except Exception as exc:  # a stream reports every request it can
             errors.append(f"request {r['i']} (B={r['batch']} T={r['prompt']} n={r['new']}): {exc!r}")
             traceback.print_exc()
@@ -213,14 +202,12 @@ def main() -> int:
         last_tokens = [t for t in out[0, ids.shape[1]:].tolist() if t != 0]  # 0 is the pad id
         if args.check_every and r["i"] % args.check_every == 0:
             engine.cuda_graphs = False
-            t0 = time.perf_counter()
             try:
                 torch.manual_seed(r["seed"])
-                ref = model.generate(ids, **kwargs)
+                rerun_s, ref = timed_call(lambda ids=ids, kwargs=kwargs: model.generate(ids, **kwargs))
             finally:
                 engine.cuda_graphs = graphs_on
-                _sync()
-                check_s += time.perf_counter() - t0
+            check_s += rerun_s
             checked[kind] += 1
             if not torch.equal(out, ref):
                 same = out.shape == ref.shape
@@ -272,8 +259,7 @@ def main() -> int:
         peak_growth=round(growth, 4), time_split=where, checked=checked, mismatches=mismatches[:20], errors=errors[:20],
         fallbacks=sorted(set(front.fallbacks)), checks=checks,
     )
-    path = out_dir / f"stream_{args.layers}l{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(f"stream_{args.layers}l{args.tag}.json", result)
     print("| class | requests | p50 s | p99 s | tok/s |")
     print("|---|---|---|---|---|")
     for name, c in classes.items():

@@ -11,9 +11,9 @@ NVSHMEM_DISABLE_NVLS=1 are forced for every process).
 Arms, per TP size and decode batch B (1, 16, 64):
   full      a decode step is the model forward (full logits: one all-gather of B x V/tp) + argmax
   greedy    the decoder + `greedy()` of the head (one all-gather of B x 2 int32); TP > 1 only
-Each step (forward, pick, next-token and position update) is captured in one CUDA graph and replayed; the
-time is CUDA events over `--steps` replays, the median of `--runs`. Peak memory is the allocator's peak above
-the resident weights while the arm runs (prefill, capture, replays).
+Each step (forward, pick, next-token and position update) is captured in one CUDA graph and replayed by
+bench/harness.py's `time_graph`: CUDA events over `--steps` replays, the median of `--runs`. Peak memory is the
+allocator's peak above the resident weights while the arm runs (prefill, capture, replays).
 Checks first: greedy() equals argmax of the full logits on the prefill's last hidden states (exactly), and
 the tokens of every arm are compared with TP=1's (bf16: reported, not required; tests/test_parallel.py proves
 them identical in fp32 on CPUs).
@@ -35,10 +35,8 @@ Prints a table last and writes $OUT/tp.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
-import statistics
 import sys
 import time
 import traceback
@@ -54,7 +52,16 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import copy_ceiling_Bps  # noqa: E402
+from bench.harness import (  # noqa: E402
+    copy_ceiling_Bps,
+    median_wall_s,
+    time_graph,
+    time_graph_calls,
+    time_wall,
+    write_json,
+)
+from bench.sections.markdown import table as markdown_table  # noqa: E402
+from moefx.models.routing_stats import expected_distinct  # noqa: E402
 
 BATCHES = (1, 16, 64)
 PROMPT = 16
@@ -64,18 +71,13 @@ TARGET_GREEDY_GAIN = 0.03
 
 # --- what a step must read and send (pure functions, tested on the CPU) -------------------------------------
 
-def distinct_experts(experts: int, top_k: int, batch: int) -> float:
-    """Expected number of distinct experts B rows hit, each picking top_k of `experts` uniformly."""
-    return experts * (1 - (1 - top_k / experts) ** batch)
-
-
 def step_bytes(cfg: Any, tp: int, batch: int, context: int, elem: int = 2, hit: float | None = None) -> float:
     """Bytes one decode step reads on one GPU of a TP group (experts split on their intermediate dim); `hit`: the
     distinct experts per layer the batch routes to (None: the uniform-routing expectation)."""
     h, heads, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     attn = h * hd * (2 * heads + 2 * kv) / tp
     if hit is None:
-        hit = distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+        hit = expected_distinct(cfg.num_experts, cfg.num_experts_per_tok, batch)
     experts = hit * 3 * h * cfg.moe_intermediate_size
     router = h * cfg.num_experts
     kv_cache = batch * context * 2 * kv * hd / tp
@@ -109,11 +111,6 @@ def speedups(rows: list[dict]) -> dict[str, Any]:
     return out
 
 
-def markdown(headers: list[str], rows: list[list[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
 def table(rows: list[dict]) -> str:
     def fmt(v: Any, spec: str) -> str:
         return "n/a" if v is None else format(v, spec)
@@ -121,20 +118,17 @@ def table(rows: list[dict]) -> str:
     body = [[r["tp"], r["arm"], r["batch"], fmt(r.get("tok_s"), ".0f"), fmt(r.get("step_ms"), ".3f"),
              fmt(r.get("floor_ms"), ".3f"), fmt(r.get("comm_ms"), ".3f"), fmt(r.get("peak_mib"), ".0f"),
              r.get("tokens_vs_tp1", "n/a"), r.get("note", "")] for r in rows]
-    return markdown(["TP", "arm", "B", "tok/s", "step ms", "floor ms", "comm ms", "peak MiB", "tokens = TP1", "note"],
-                    body)
+    return markdown_table(["TP", "arm", "B", "tok/s", "step ms", "floor ms", "comm ms", "peak MiB", "tokens = TP1",
+                           "note"], body)
 
 
 # --- one rank ----------------------------------------------------------------------------------------------
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Decoder:
-    """One decode step (forward or greedy head, then next token and position written in place) for batch B,
-    captured in a CUDA graph on CUDA, run eagerly on the CPU. Replays advance the sequence on the device."""
+class DecodeState:
+    """Greedy decode of one batch after its prefill, one step per `step()` call: the forward (full logits + argmax,
+    or with `greedy` the decoder + the vocab-parallel head's `greedy()`), then the next token and position written
+    in place, so that replays of a CUDA graph of `step()` advance the sequence on the device (`max_steps` steps at
+    most: the token buffer's length)."""
 
     def __init__(self, model: Any, ids: torch.Tensor, max_len: int, greedy: bool, max_steps: int) -> None:
         from transformers import StaticCache
@@ -144,77 +138,58 @@ class Decoder:
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         pos = torch.arange(prompt, device=self.device).expand(batch, prompt)
         with torch.no_grad():
-            first = self._pick(ids, pos, self.cache)
+            first = self._pick(ids, pos)
         self.tok = first[:, None].clone()
         self.pos = torch.full((batch, 1), prompt, dtype=torch.long, device=self.device)
         self.out = torch.zeros(batch, max_steps + 1, dtype=torch.long, device=self.device)
         self.out[:, 0] = first
         self.index = torch.ones(1, dtype=torch.long, device=self.device)
-        self.note = "" if self.device.type == "cuda" else "eager steps (no CUDA)"
-        self.graph = None
-        if self.device.type == "cuda":
-            try:
-                self.graph = self._capture(max_len)
-            except RuntimeError as exc:  # timed eagerly instead, and the row says why
-                self.note = f"not captured ({type(exc).__name__}: {str(exc)[:120]}): eager steps"
 
-    def _pick(self, tok: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _pick(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         from moefx.parallel import greedy_step
 
-        kwargs = dict(input_ids=tok, position_ids=pos, cache_position=pos[0], past_key_values=cache, use_cache=True)
+        kwargs = dict(input_ids=tok, position_ids=pos, cache_position=pos[0], past_key_values=self.cache,
+                      use_cache=True)
         if self.greedy:
             return greedy_step(self.model, **kwargs)
         return self.model(**kwargs, logits_to_keep=1).logits[:, -1].argmax(-1)
 
-    def _step(self, cache: Any) -> None:
-        nxt = self._pick(self.tok, self.pos, cache)
+    @torch.no_grad()
+    def step(self) -> None:
+        nxt = self._pick(self.tok, self.pos)
         self.out.index_copy_(1, self.index, nxt[:, None])
         self.tok.copy_(nxt[:, None])
         self.pos.add_(1)
         self.index.add_(1)
 
-    def _capture(self, max_len: int) -> torch.cuda.CUDAGraph:
-        from transformers import StaticCache
-
-        saved = [t.clone() for t in (self.tok, self.pos, self.index, self.out)]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            scratch = StaticCache(config=self.model.config, max_cache_len=max_len)
-            for _ in range(2):  # warm-up on a cache of its own (a static layer advances on the device)
-                self._step(scratch)
-            del scratch
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for t, s in zip((self.tok, self.pos, self.index, self.out), saved):
-            t.copy_(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            self._step(self.cache)
-        return graph
-
-    def run(self, steps: int) -> float:
-        """Seconds for `steps` decode steps."""
-        _sync(self.device)
-        if self.graph is None:
-            start = time.perf_counter()
-            with torch.no_grad():
-                for _ in range(steps):
-                    self._step(self.cache)
-            return time.perf_counter() - start
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(steps):
-            self.graph.replay()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
-
     def tokens(self, n: int) -> torch.Tensor:
+        """The first `n` tokens decoded (the prefill's pick first)."""
         return self.out[:, :n].clone()
 
 
-def comm_seconds(cfg: Any, batch: int, tp: int, greedy: bool, device: torch.device, reps: int) -> float | None:
-    """One step's collectives alone (all-reduces of B x H bf16, the head's gather), per step."""
+def decode_steps(steps: int, runs: int) -> int:
+    """Steps one arm decodes at most: `time_graph`'s calls (its eager warm-ups and replays), which also cover the
+    eager fallback (one warm-up, then `steps` x `runs`)."""
+    return time_graph_calls(steps, runs)
+
+
+def step_seconds(state: DecodeState, steps: int, runs: int) -> tuple[float, str]:
+    """Seconds per decode step and a note: on CUDA the harness's `time_graph` (a CUDA graph of one step, CUDA
+    events over `steps` replays, the median of `runs`); where the step cannot be captured, and on the CPU, the
+    harness's wall clock over `steps` eager steps, the median of `runs`, and the note says so."""
+    if state.device.type != "cuda":
+        return time_wall(state.step, [()], steps, runs) * 1e-6, "eager steps (no CUDA)"
+    try:
+        return time_graph(state.step, reps=steps, trials=runs) * 1e-6, ""
+    except RuntimeError as exc:  # timed eagerly instead, and the row says why
+        note = f"not captured ({type(exc).__name__}: {str(exc)[:120]}): eager steps"
+        return time_wall(state.step, [()], steps, runs) * 1e-6, note
+
+
+def comm_seconds(cfg: Any, batch: int, tp: int, greedy: bool, device: torch.device, reps: int,
+                 trials: int) -> float | None:
+    """One step's collectives alone (all-reduces of B x H bf16, the head's gather), per step: timed as a decode
+    step is (`step_seconds`: a CUDA graph of them where they can be captured, else eager launches)."""
     if tp == 1:
         return None
     from moefx.parallel.comm import all_gather, all_reduce, group_name
@@ -229,23 +204,12 @@ def comm_seconds(cfg: Any, batch: int, tp: int, greedy: bool, device: torch.devi
             all_reduce(hidden, group)
         all_gather(head, tp, group)
 
-    step()
-    _sync(device)
-    graph = None
     if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                step()
+            return time_graph(step, reps=reps, trials=trials) * 1e-6
         except RuntimeError:  # timed as eager launches instead
-            graph = None
-    run = graph.replay if graph is not None else step
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        run()
-    _sync(device)
-    return (time.perf_counter() - start) / reps
+            pass
+    return time_wall(step, [()], reps, trials) * 1e-6
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -305,7 +269,7 @@ def moefx_arms(args: argparse.Namespace, cfg: Any, tp: int, device: torch.device
     head = greedy_head(model)
     rows = []
     arms = ("full", "greedy") if head is not None else ("full",)
-    max_len = PROMPT + args.runs * args.steps + 4
+    max_len = PROMPT + decode_steps(args.steps, args.runs) + 4
     for batch in args.batches:
         ids = prompts[batch].to(device)
         if head is not None:
@@ -318,18 +282,17 @@ def moefx_arms(args: argparse.Namespace, cfg: Any, tp: int, device: torch.device
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            decoder = Decoder(model, ids, max_len, arm == "greedy", args.runs * args.steps)
-            times = [decoder.run(args.steps) for _ in range(args.runs)]
-            step_s = statistics.median(times) / args.steps
+            state = DecodeState(model, ids, max_len, arm == "greedy", decode_steps(args.steps, args.runs))
+            step_s, note = step_seconds(state, args.steps, args.runs)
             peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-            comm = comm_seconds(cfg, batch, tp, arm == "greedy", device, args.steps)
+            comm = comm_seconds(cfg, batch, tp, arm == "greedy", device, args.steps, args.runs)
             rows.append(dict(tp=tp, arm=arm, batch=batch, tok_s=batch / step_s, step_ms=1e3 * step_s,
                              floor_ms=1e3 * step_bytes(cfg, tp, batch, max_len, hit=hits[batch]) / rate,
                              experts_hit=round(hits[batch], 1), routing="balanced",
                              comm_ms=None if comm is None else 1e3 * comm, peak_mib=peak,
                              head_bytes=head_gather_bytes(cfg, tp, batch, arm == "greedy") if tp > 1 else 0,
-                             tokens=decoder.tokens(args.check_tokens).cpu(), note=decoder.note))
-            del decoder
+                             tokens=state.tokens(args.check_tokens).cpu(), note=note))
+            del state
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -352,26 +315,19 @@ def peer_arms(args: argparse.Namespace, cfg: Any, tp: int, device: torch.device)
     for batch in args.batches:
         ids = torch.randint(1, cfg.vocab_size, (batch, PROMPT), generator=g).to(device)
 
-        def gen(n: int, ids: torch.Tensor = ids) -> torch.Tensor:
-            return model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static",
-                                  pad_token_id=0)
+        outs: dict[int, torch.Tensor] = {}
+
+        def gen(n: int, ids: torch.Tensor = ids, outs: dict[int, torch.Tensor] = outs) -> torch.Tensor:
+            outs[n] = model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                                     pad_token_id=0)
+            return outs[n]
 
         try:
             with torch.no_grad():
                 gen(args.steps)  # compile + warm-up
                 gen(1)
-                t = {}
-                for n in (args.steps, 1):
-                    runs = []
-                    for _ in range(args.runs):
-                        _sync(device)
-                        start = time.perf_counter()
-                        out = gen(n)
-                        _sync(device)
-                        runs.append(time.perf_counter() - start)
-                    t[n] = statistics.median(runs)
-                    if n == args.steps:
-                        tokens = out[:, PROMPT:PROMPT + args.check_tokens].cpu()
+                t = {n: median_wall_s(lambda n=n: gen(n), args.runs, device) for n in (args.steps, 1)}
+                tokens = outs[args.steps][:, PROMPT:PROMPT + args.check_tokens].cpu()
             step_s = (t[args.steps] - t[1]) / (args.steps - 1)
             rows.append(dict(tp=tp, arm="transformers", batch=batch, tok_s=batch / step_s, step_ms=1e3 * step_s,
                              tokens=tokens))
@@ -492,9 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     compare_tokens(rows)
     result["rows"] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
     result["targets"] = speedups(rows)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "tp.json").write_text(json.dumps(result, indent=2, default=str))
+    write_json("tp.json", result)
     print(f"\n{result['model']} on {result['device']}, torch {result['torch']}, transformers "
           f"{result['transformers']}, {result['date']}")
     for world, facts in result["worlds"].items():

@@ -4,7 +4,6 @@ Usage: python3 bench/probes/probe_variants.py [Ms] [dtypes] [grouped|gemv]"""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import replace
@@ -12,7 +11,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.harness import kernel_times, relerr, routing, time_graph
+from bench.harness import kernel_times, relerr, routing, time_graph, write_json
 from moefx.backends import BACKENDS, MoeCall
 from moefx.kernels.moe_gemv import GemvConfig, default_gemv_config, gemv_moe
 from moefx.kernels.moe_grouped import GemmConfig, default_tiles, fused_moe, normalize_tiles
@@ -75,8 +74,7 @@ def main() -> None:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 rows.append(row)
                 print(row, flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "probe_variants.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json("probe_variants.json", rows)
     print(f"\n{'M':>5} {'dtype':5} {'variant':18} {'us':>7} {'k1':>7} {'k2':>7} {'relerr':>8}")
     for r in rows:
         g1 = next((v for k, v in r.items() if "gemm1" in k or "gate_up" in k), 0)
