@@ -178,7 +178,7 @@ TABLE: tuple[EnvSetting, ...] = (
         str,
         "",
         "pass switches between the user's config and the plan's defaults, NAME=on|off separated by commas "
-        "(moefx/signatures/env.py checks the names against the pass toggles)",
+        "(moefx/planner/pass_overrides.py checks the names against the pass toggles)",
         in_settings=False,
     ),
     EnvSetting(

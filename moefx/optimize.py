@@ -15,8 +15,9 @@ import torch
 
 from moefx.compile import backend, with_exact_floats
 from moefx.config import CompilationConfig
+from moefx.facts import ExecutionSignature, ModelSignature
 from moefx.log import get_logger, warn_once
-from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+from moefx.planner import resolve
 
 log = get_logger("moefx.optimize")
 

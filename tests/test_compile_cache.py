@@ -360,8 +360,8 @@ def test_without_aot_compile_one_line_says_traces_are_off_and_tokens_are_eagers(
 # gets the reading here.
 READING = r"""
 import os, sys
-import moefx.signatures.resolve
-_resolve = sys.modules["moefx.signatures.resolve"]  # the package's `resolve` is the function
+import moefx.planner.resolve
+_resolve = sys.modules["moefx.planner.resolve"]  # the package's `resolve` is the function
 _hints = _resolve.serving_hints
 def _quoting(*args, **kwargs):
     values, sources = _hints(*args, **kwargs)

@@ -59,7 +59,7 @@ def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
 
 def _model_shape(spec: str) -> tuple[int, int, int, int]:
     from moefx.cli.common import model_config
-    from moefx.signatures import ModelSignature
+    from moefx.facts import ModelSignature
 
     ms = ModelSignature.from_config(model_config(spec))
     values = (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size, ms.top_k)
@@ -153,7 +153,7 @@ def _grid(grid: tuple[int, ...], max_m: int) -> tuple[int, ...]:
 def _projections(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...], int, bool]]:
     """The dense shapes the plan reads for --model at --tp (dense_policy.model_projections)."""
     from moefx.cli.common import model_config
-    from moefx.signatures import ModelSignature
+    from moefx.facts import ModelSignature
 
     ms = ModelSignature.from_config(model_config(args.model))
     found, why = model_projections(ms, argparse.Namespace(tp_size=args.tp))

@@ -18,7 +18,7 @@ from moefx.machine import DEVICE_PRESETS
 from moefx.models.catalog import catalog_names
 
 if TYPE_CHECKING:
-    from moefx.signatures import ExecutionSignature, ModelSignature
+    from moefx.facts import ExecutionSignature, ModelSignature
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_spec(spec: str) -> tuple[ModelSignature, dict[str, Any]]:
     """(model signature, execution fields from a YAML `execution:` section)."""
-    from moefx.signatures import ModelSignature
+    from moefx.facts import ModelSignature
     path = Path(spec)
     if path.is_file() and path.suffix.lower() in (".yaml", ".yml"):
         data = load_data_file(path, "model signature file")
@@ -58,7 +58,7 @@ def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, A
         "max_batch_size": args.max_batch_size,
         "dtype": args.dtype,
     }
-    from moefx.signatures import ExecutionSignature
+    from moefx.facts import ExecutionSignature
 
     defaults = {"mode": cfg.mode, "max_batch_size": cfg.max_batch_size, "dtype": ms.dtype}
     chosen = {**defaults, **fields, **{k: v for k, v in flags.items() if v is not None}}
@@ -72,7 +72,7 @@ def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
-    from moefx.signatures import resolve
+    from moefx.planner import resolve
 
     cfg = load_config(args)
     ms, fields = _load_spec(args.model)

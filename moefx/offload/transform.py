@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from moefx.facts.weights import is_stacked_experts
 from moefx.log import get_logger
 from moefx.offload import cpu_kernel
 from moefx.offload.cost import (
@@ -34,7 +35,6 @@ from moefx.offload.placement import to_host
 from moefx.offload.plan import kv_reserve_sequences
 from moefx.offload.staging import StagingRing
 from moefx.offload.stream_host import StreamHost, build_stream_host
-from moefx.signatures.weights import is_stacked_experts
 
 log = get_logger("moefx.offload")
 
