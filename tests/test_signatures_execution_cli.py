@@ -10,10 +10,10 @@ import yaml
 
 import moefx.log
 from moefx.cli import main
+from moefx.facts import execution as execution_mod
 from moefx.models.catalog import catalog_config
 from moefx.planner.registry import PROVIDERS
 from moefx.signatures import ExecutionSignature, ModelSignature, Provider, register_provider, resolve
-from moefx.facts import execution as execution_mod
 
 
 @pytest.fixture(autouse=True)
