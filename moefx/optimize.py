@@ -33,6 +33,7 @@ class ModelTransform:
 def model_transforms() -> tuple[ModelTransform, ...]:
     """Every model transform, in the order `optimize` applies them (their modules load on first use, as the engine
     and the transformers integrations are not needed to import moefx)."""
+    from moefx.backends import BACKENDS
     from moefx.engine.install import sampling_transform
     from moefx.engine.layers.regions import layer_regions_transform
     from moefx.integrations.attention import use_moefx_attention
@@ -41,7 +42,7 @@ def model_transforms() -> tuple[ModelTransform, ...]:
     from moefx.parallel.transform import install_vocab_parallel_head
 
     return (
-        ModelTransform("offload", apply_offload),
+        ModelTransform("offload", functools.partial(apply_offload, backends=BACKENDS)),
         ModelTransform("moe_experts", use_moefx_experts),
         ModelTransform("attention", use_moefx_attention),
         ModelTransform("vocab_parallel_lm_head", install_vocab_parallel_head),

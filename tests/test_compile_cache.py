@@ -221,7 +221,7 @@ import json, os
 import torch
 import moefx
 from torch._dynamo.utils import counters
-from moefx.cli.common import build_model_from_spec
+from moefx.models.spec import build_model_from_spec
 if os.environ.get("FAKE_MOEFX_VERSION"):
     moefx.__version__ = os.environ["FAKE_MOEFX_VERSION"]
 model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", "1")), torch.device("cpu"),

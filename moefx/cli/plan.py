@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moefx.cli.common import add_config_arg, load_config, model_config
+from moefx.cli.common import add_config_arg, load_config
 from moefx.config import MODES, load_data_file
 from moefx.machine import DEVICE_PRESETS
 from moefx.models.catalog import catalog_names
+from moefx.models.spec import model_config
 
 if TYPE_CHECKING:
     from moefx.facts import ExecutionSignature, ModelSignature
