@@ -28,13 +28,14 @@ TransformFn = Callable[[Any, Any, Any], list[str]]
 class ModelTransform:
     name: str  # the prefix of its provenance lines
     fn: TransformFn
+    after: tuple[str, ...] = ()  # transforms that must run before this one (each with its reason at the tuple)
 
 
 def model_transforms() -> tuple[ModelTransform, ...]:
     """Every model transform, in the order `optimize` applies them (their modules load on first use, as the engine
     and the transformers integrations are not needed to import moefx)."""
     from moefx.backends import BACKENDS
-    from moefx.engine.install import sampling_transform
+    from moefx.engine.install import install_engine
     from moefx.engine.layers.regions import layer_regions_transform
     from moefx.integrations.attention import use_moefx_attention
     from moefx.integrations.transformers import use_moefx_experts
@@ -47,8 +48,9 @@ def model_transforms() -> tuple[ModelTransform, ...]:
         ModelTransform("attention", use_moefx_attention),
         ModelTransform("vocab_parallel_lm_head", install_vocab_parallel_head),
         ModelTransform("layer_regions", layer_regions_transform),
-        # after layer_regions: the engine binds the compiled-frame hook that transform leaves on the model
-        ModelTransform("sampling", sampling_transform),
+        # after layer_regions: the engine binds the compiled-frame hook that transform leaves on the model; last, as
+        # it takes the model's forward as the other transforms leave it (`optimize` compiles that forward after)
+        ModelTransform("engine", install_engine, after=("layer_regions",)),
     )
 
 
