@@ -5,7 +5,7 @@ Model: 8-layer Qwen3-MoE at Qwen3-30B-A3B widths, seeded random weights with bal
 Decode arms (B=1 and B=16, top-k=50, top-p=0.9, temperature 0.8, and greedy):
   hf          transformers' generate(), static cache, its own torch.compile (reduce-overhead)
   hf+stop     the same, with moefx's deferred stop check (what moefx.optimize turns on for CUDA)
-  moefx       moefx.sampling.DecodeLoop: forward and sampler compiled with moefx.backend, each step one CUDA graph,
+  moefx       moefx.engine.engine.DecodeLoop: forward and sampler compiled with moefx.backend, each step one CUDA graph,
               rewrite_sampler_syncs + last_token_logits on, sync-free sampler, no per-step host read
 All arms run the same transformers model forward; what differs is the loop and the sampler.
 Decode throughput = (n - 1) / (t(n tokens) - t(1 token)), medians of runs; host syncs per decode step are

@@ -212,7 +212,7 @@ def _why_kept(source: str, what: str, skipped: list[str]) -> str:
 def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs: Any) -> AuditReport:
     """Audit `fn(*args, **kwargs)` (a decode step and/or sampler). `config` as for `moefx.backend`;
     by default `rewrite_sampler_syncs` and `sampler_exponential_race` are on."""
-    import moefx
+    from moefx.compile import backend as moefx_backend
 
     cfg = CompilationConfig.from_any(config or {})
     if config is None:
@@ -235,7 +235,7 @@ def audit_syncs(fn: Callable[..., Any], *args: Any, config: Any = None, **kwargs
             why = f"remains a graph break: {reason}"
         report.findings.append(Finding("graph break", where, reason, fixed, why))
 
-    backend = moefx.backend(cfg)
+    backend = moefx_backend(cfg)
     recorder = _Recorder(backend.pass_manager)
     torch._dynamo.reset()
     flags = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}

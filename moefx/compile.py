@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from moefx.config import CompilationConfig
+from moefx.facts import ExecutionSignature, ModelSignature
 from moefx.passes import PassManager
-from moefx.signatures import ExecutionSignature, ModelSignature, Plan, resolve
+from moefx.planner import Plan, resolve
 
 
 def with_exact_floats(compiled: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,6 +17,7 @@ Importing this module imports neither torch nor another moefx package but `moefx
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,7 +179,7 @@ TABLE: tuple[EnvSetting, ...] = (
         str,
         "",
         "pass switches between the user's config and the plan's defaults, NAME=on|off separated by commas "
-        "(moefx/signatures/env.py checks the names against the pass toggles)",
+        "(moefx/planner/pass_overrides.py checks the names against the pass toggles)",
         in_settings=False,
     ),
     EnvSetting(
@@ -232,6 +233,18 @@ def _parse(var: str, raw: str, setting: EnvSetting) -> Any:
         raise ValueError(f"environment variable {var}={raw!r} is invalid{sep}{exc}") from None
 
 
+_aliases_warned: set[str] = set()
+
+
+def _warn_alias(alias: str, name: str) -> None:
+    """The one-time warning for a legacy alias, here rather than through `moefx.log.warn_once`: moefx.log reads
+    MOEFX_LOG from this table, so this module stays below it (and free of torch)."""
+    if alias not in _aliases_warned:
+        _aliases_warned.add(alias)
+        warnings.warn(f"environment variable {alias} is a legacy alias; use {name} (value kept)", UserWarning,
+                      stacklevel=4)
+
+
 def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """Resolved value of canonical setting `name` (env > alias > table default)."""
     setting = _lookup(name)
@@ -242,9 +255,7 @@ def get_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
     for alias in setting.aliases:
         if env.get(alias, "").strip():
             found.append((alias, _parse(alias, env[alias], setting)))
-            from moefx.log import warn_once  # here, not at the top: moefx.log imports this table, warn_once torch
-
-            warn_once(f"environment variable {alias} is a legacy alias; use {setting.name} (value kept)")
+            _warn_alias(alias, setting.name)
     if not found:
         return setting.default
     values = {value for _, value in found}

@@ -58,10 +58,11 @@ def explain_fusions(fn: Callable[..., Any], *args: Any, dynamic_rows: bool = Fal
     takes is listed once). `dynamic_rows`: make dim 0 of every input with 2+ dims symbolic, as in serving.
     """
     from moefx.passes import PassManager
-    from moefx.passes.quant_patterns import post_grad_graph, quant_passes
+    from moefx.passes.quant_fusion import PRODUCERS
+    from moefx.passes.quant_patterns import post_grad_graph
 
     graph = post_grad_graph(fn, list(args), dynamic_rows=dynamic_rows)
-    manager = PassManager(CompilationConfig(), [cls.name for cls in quant_passes()])
+    manager = PassManager(CompilationConfig(), [producer.pass_name for producer in PRODUCERS])
     report = manager.run_passes(graph)
     out = FusionExplanation()
     for name in manager.enabled:

@@ -15,8 +15,9 @@ import torch
 
 from moefx.compile import backend, with_exact_floats
 from moefx.config import CompilationConfig
+from moefx.facts import ExecutionSignature, ModelSignature
 from moefx.log import get_logger, warn_once
-from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+from moefx.planner import resolve
 
 log = get_logger("moefx.optimize")
 
@@ -27,12 +28,14 @@ TransformFn = Callable[[Any, Any, Any], list[str]]
 class ModelTransform:
     name: str  # the prefix of its provenance lines
     fn: TransformFn
+    after: tuple[str, ...] = ()  # transforms that must run before this one (each with its reason at the tuple)
 
 
 def model_transforms() -> tuple[ModelTransform, ...]:
     """Every model transform, in the order `optimize` applies them (their modules load on first use, as the engine
     and the transformers integrations are not needed to import moefx)."""
-    from moefx.engine.install import sampling_transform
+    from moefx.backends import BACKENDS
+    from moefx.engine.install import install_engine
     from moefx.engine.layers.regions import layer_regions_transform
     from moefx.integrations.attention import use_moefx_attention
     from moefx.integrations.transformers import use_moefx_experts
@@ -40,13 +43,14 @@ def model_transforms() -> tuple[ModelTransform, ...]:
     from moefx.parallel.transform import install_vocab_parallel_head
 
     return (
-        ModelTransform("offload", apply_offload),
+        ModelTransform("offload", functools.partial(apply_offload, backends=BACKENDS)),
         ModelTransform("moe_experts", use_moefx_experts),
         ModelTransform("attention", use_moefx_attention),
         ModelTransform("vocab_parallel_lm_head", install_vocab_parallel_head),
         ModelTransform("layer_regions", layer_regions_transform),
-        # after layer_regions: the engine binds the compiled-frame hook that transform leaves on the model
-        ModelTransform("sampling", sampling_transform),
+        # after layer_regions: the engine binds the compiled-frame hook that transform leaves on the model; last, as
+        # it takes the model's forward as the other transforms leave it (`optimize` compiles that forward after)
+        ModelTransform("engine", install_engine, after=("layer_regions",)),
     )
 
 

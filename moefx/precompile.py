@@ -41,7 +41,7 @@ class PrecompileResult:
 
 
 def _build(spec: str, layers: int | None, device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
-    from moefx.cli.common import build_model_from_spec, model_config
+    from moefx.models.spec import build_model_from_spec, model_config
 
     depth = layers if layers is not None else model_config(spec).get("num_hidden_layers")
     return build_model_from_spec(spec, depth if isinstance(depth, int) else None, device, dtype)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moefx.facts.weights import is_stacked_experts
 from moefx.log import get_logger, warn_once
 from moefx.ops.quant import QuantScheme
 from moefx.quant_linear import (
@@ -28,7 +29,6 @@ from moefx.quant_linear import (
     Int8Linear,
     experts_unsupported_reason,
 )
-from moefx.signatures.weights import is_stacked_experts
 
 log = get_logger("moefx.quantize")
 DEFAULT_SKIP = ("lm_head", "gate", "router")

@@ -69,9 +69,9 @@ def _calibrated(config: dict, preset: str) -> str:
 def supported_table() -> str:
     """Catalog models × what the plan turns on, per device (H200 and H100 with their calibration tables, other GPU
     presets, the CPU), resolved from the registries exactly as `moefx plan NAME --device ...` does."""
+    from moefx.facts.execution import DEVICE_PRESETS
     from moefx.models.catalog import catalog_config, catalog_names
     from moefx.signatures import PROVIDERS, ExecutionSignature, ModelSignature, resolve
-    from moefx.signatures.execution import DEVICE_PRESETS
 
     cpu = ExecutionSignature(device_type="cpu", mode="compile")
     measured = ("h200", "h100")  # the devices with shipped calibration tables
@@ -99,7 +99,7 @@ def supported_table() -> str:
     head += [f"MoE on {', '.join(others)}", "passes on CPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    builtin = {n for n, cls in PROVIDERS.items() if cls.__module__.startswith("moefx.signatures.providers.")}
+    builtin = {n for n, cls in PROVIDERS.items() if cls.__module__.startswith("moefx.planner.providers.")}
     missing = sorted(builtin - covered)
     if missing:
         lines.append("")

@@ -93,20 +93,20 @@ def test_plan_for_a_config_without_dtype_says_how_to_fix(tmp_path: Path, capsys)
 
 
 def test_models_are_built_at_a_reduced_depth_and_refused_when_too_big(tmp_path: Path, monkeypatch, capsys) -> None:
-    from moefx.cli import common
+    from moefx.models import spec
 
     small = {**catalog_config("tiny-qwen3-moe"), "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}
     (tmp_path / "config.json").write_text(json.dumps(small))
-    model, what = common.build_model_from_spec(str(tmp_path), None, torch.device("cpu"), torch.float32)
+    model, what = spec.build_model_from_spec(str(tmp_path), None, torch.device("cpu"), torch.float32)
     assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2 and "2 of 4 layers" in what
     assert model.lm_head.weight.dtype == torch.float32
-    model, _ = common.build_model_from_spec(str(tmp_path), 3, torch.device("cpu"), torch.bfloat16)
+    model, _ = spec.build_model_from_spec(str(tmp_path), 3, torch.device("cpu"), torch.bfloat16)
     assert len(model.model.layers) == 3 and model.lm_head.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="between 1 and 4"):
-        common.build_model_from_spec(str(tmp_path), 5, torch.device("cpu"), torch.float32)
+        spec.build_model_from_spec(str(tmp_path), 5, torch.device("cpu"), torch.float32)
     # A catalog model whose reduced depth would not fit is refused before anything is allocated.
-    monkeypatch.setattr(common, "free_memory_bytes", lambda device: 2 * 2**30)
-    assert common.default_layers(catalog_config("deepseek-v3")) == 4  # three dense layers, then one MoE layer
+    monkeypatch.setattr(spec, "free_memory_bytes", lambda device: 2 * 2**30)
+    assert spec.default_layers(catalog_config("deepseek-v3")) == 4  # three dense layers, then one MoE layer
     assert cli_main(["audit-syncs", "deepseek-v3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "needs about 56.3 GiB of float32 weights" in err and "not even one layer fits" in err

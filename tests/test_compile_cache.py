@@ -221,7 +221,7 @@ import json, os
 import torch
 import moefx
 from torch._dynamo.utils import counters
-from moefx.cli.common import build_model_from_spec
+from moefx.models.spec import build_model_from_spec
 if os.environ.get("FAKE_MOEFX_VERSION"):
     moefx.__version__ = os.environ["FAKE_MOEFX_VERSION"]
 model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", "1")), torch.device("cpu"),
@@ -360,8 +360,8 @@ def test_without_aot_compile_one_line_says_traces_are_off_and_tokens_are_eagers(
 # gets the reading here.
 READING = r"""
 import os, sys
-import moefx.signatures.resolve
-_resolve = sys.modules["moefx.signatures.resolve"]  # the package's `resolve` is the function
+import moefx.planner.resolve
+_resolve = sys.modules["moefx.planner.resolve"]  # the package's `resolve` is the function
 _hints = _resolve.serving_hints
 def _quoting(*args, **kwargs):
     values, sources = _hints(*args, **kwargs)

@@ -19,7 +19,8 @@ from test_fuse_act_quant import (
     vllm_group_quant,
 )
 
-from moefx.passes.fuse_norm_quant import _TORCH_BELOW_2_13, FuseNormQuant
+from moefx.passes.fuse_norm_quant import FuseNormQuant
+from moefx.passes.quant_fusion import _TORCH_BELOW_2_13
 from moefx.passes.quant_patterns import post_grad_graph
 from moefx.testing import count_ops, run_passes
 
@@ -182,3 +183,12 @@ def test_registered_and_toggle_named():
 
     assert PASS_REGISTRY["fuse_norm_quant"] is FuseNormQuant
     assert PASS_REGISTRY["fuse_act_quant"].name == "fuse_act_quant"
+
+
+def test_producers_in_pipeline_order():
+    from moefx.passes.manager import PIPELINE
+    from moefx.passes.quant_fusion import PRODUCERS, QuantFusionPass
+
+    quant_passes = [cls for cls in PIPELINE if issubclass(cls, QuantFusionPass)]
+    assert [p.pass_name for p in PRODUCERS] == [cls.name for cls in quant_passes]
+    assert [cls.producer for cls in quant_passes] == list(PRODUCERS)

@@ -1,8 +1,11 @@
-"""Every moefx module imports, and the module-level imports between moefx's packages form no cycle.
+"""Every moefx module imports; moefx's packages form no import cycle, and none imports a layer above its own.
 
-A node is a subpackage of moefx (`moefx.backends`) or a top-level module (`moefx.config`); an edge is an import
-statement a module runs when it is imported (the module body, including its `if`/`try`/`with` blocks, but not
-`if TYPE_CHECKING:` blocks or imports inside functions and classes, which run later, on call).
+A node is a subpackage of moefx (`moefx.backends`) or a top-level module (`moefx.config`); an edge is any import
+statement in a module: in its body (with its `if`/`try`/`with` blocks) and inside functions and classes, which run
+later, on call, but are dependencies all the same. Only `if TYPE_CHECKING:` blocks are left out, and imports of the
+package root `moefx` (every module runs it anyway; it defines `__version__` and hands the public names on
+lazily). The layers are the block under "## Layers" in docs/ARCHITECTURE.md, read here, so the page and the
+test cannot drift apart.
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import moefx
 
 ROOT = Path(moefx.__file__).parent
+ARCHITECTURE = ROOT.parent / "docs" / "ARCHITECTURE.md"
 
 
 def _modules() -> list[str]:
@@ -26,22 +31,27 @@ def _modules() -> list[str]:
 
 def _node(module: str) -> str:
     """The package-level node of a dotted moefx module name: moefx.<first part>, or moefx itself."""
-    return ".".join(module.split(".")[:2])
+    parts = module.split(".")
+    if len(parts) < 2 or not ((ROOT / parts[1]).is_dir() or (ROOT / f"{parts[1]}.py").is_file()):
+        return "moefx"  # the root, or a name it defines (`from moefx import __version__`)
+    return ".".join(parts[:2])
 
 
-def _module_level(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
-    for stmt in body:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            yield stmt
-        elif isinstance(stmt, ast.If):
-            if not (isinstance(stmt.test, ast.Name) and stmt.test.id == "TYPE_CHECKING"):
-                yield from _module_level(stmt.body)
-            yield from _module_level(stmt.orelse)
-        elif isinstance(stmt, ast.Try):
-            for block in (stmt.body, *(h.body for h in stmt.handlers), stmt.orelse, stmt.finalbody):
-                yield from _module_level(block)
-        elif isinstance(stmt, ast.With):
-            yield from _module_level(stmt.body)
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under `node`, at any depth, but those of `if TYPE_CHECKING:` blocks."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _imports(ast.Module(body=[stmt], type_ignores=[]))
+        else:
+            yield from _imports(child)
 
 
 def _imported(module: str, path: Path, stmt: ast.Import | ast.ImportFrom) -> list[str]:
@@ -53,22 +63,45 @@ def _imported(module: str, path: Path, stmt: ast.Import | ast.ImportFrom) -> lis
         target = ".".join([*base, stmt.module] if stmt.module else base)
     else:
         target = stmt.module or ""
-    # `from moefx import passes` imports the subpackage moefx.passes, not only moefx itself.
-    return [target] + [f"{target}.{alias.name}" for alias in stmt.names if target == "moefx"]
+    # `from moefx.passes import fx` imports the module moefx.passes.fx, not only the package.
+    return [target] + [f"{target}.{alias.name}" for alias in stmt.names]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports() -> dict[str, set[str]]:
+    """module -> the moefx modules (or packages) it imports, anywhere but under TYPE_CHECKING."""
+    out: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        module = _module_name(path)
+        for stmt in _imports(ast.parse(path.read_text())):
+            for target in _imported(module, path, stmt):
+                if target.split(".")[0] == "moefx":
+                    out.setdefault(module, set()).add(target)
+    return out
 
 
 def package_graph() -> dict[str, dict[str, set[str]]]:
-    """node -> imported node -> the modules whose module-level imports make that edge."""
+    """node -> imported node -> the modules whose imports make that edge (the root `moefx` left out)."""
     graph: dict[str, dict[str, set[str]]] = {}
-    for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        for stmt in _module_level(ast.parse(path.read_text()).body):
-            for target in _imported(module, path, stmt):
-                if target.split(".")[0] != "moefx" or _node(target) == _node(module):
-                    continue
-                graph.setdefault(_node(module), {}).setdefault(_node(target), set()).add(module)
+    for module, targets in module_imports().items():
+        for target in targets:
+            if "moefx" in (_node(target), _node(module)) or _node(target) == _node(module):
+                continue
+            graph.setdefault(_node(module), {}).setdefault(_node(target), set()).add(module)
     return graph
+
+
+def layers() -> list[list[str]]:
+    """The layers docs/ARCHITECTURE.md names, bottom first: each a list of nodes."""
+    text = ARCHITECTURE.read_text()
+    block = re.search(r"^## Layers\n.*?^```text\n(.*?)^```", text, re.S | re.M)
+    assert block, f"{ARCHITECTURE}: no ```text block under '## Layers'"
+    rows = [line.split("  ")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    return [[f"moefx.{name.strip()}" for name in row.split("·")] for row in reversed(rows)]
 
 
 def _cycle(graph: dict[str, dict[str, set[str]]]) -> list[str] | None:
@@ -101,7 +134,13 @@ def test_every_module_imports() -> None:
         importlib.import_module(name)
 
 
-def test_no_package_cycle_at_module_level() -> None:
+def test_function_level_imports_are_counted() -> None:
+    graph = package_graph()
+    # moefx.planner.resolve imports the backends' policies inside resolve(), and nowhere at module level.
+    assert "moefx.planner.resolve" in graph["moefx.planner"]["moefx.backends"]
+
+
+def test_no_package_cycle() -> None:
     graph = package_graph()
     assert "moefx.backends" in graph and "moefx.kernels" in graph["moefx.backends"]
     cycle = _cycle(graph)
@@ -114,5 +153,29 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b": {"a.x"}}, "b": {}}) is None
 
 
-def test_kernels_is_the_bottom_layer() -> None:
-    assert set(package_graph().get("moefx.kernels", {})) == set()
+def test_every_package_has_one_layer() -> None:
+    named = [node for layer in layers() for node in layer]
+    assert len(named) == len(set(named)), f"a package is named in two layers: {sorted(named)}"
+    present = {_node(m) for m in (*_modules(), "moefx.__main__")} - {"moefx"}
+    assert present - set(named) == set(), "packages without a layer in docs/ARCHITECTURE.md"
+    assert set(named) - present == set(), "layers in docs/ARCHITECTURE.md name packages that do not exist"
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    level = {node: i for i, layer in enumerate(layers()) for node in layer}
+    upward = [f"{a} (layer {level[a]}) -> {b} (layer {level[b]}): {', '.join(sorted(modules))}"
+              for a, targets in package_graph().items() for b, modules in targets.items() if level[b] > level[a]]
+    assert upward == [], "imports that run up the layers of docs/ARCHITECTURE.md:\n" + "\n".join(upward)
+
+
+def test_no_pass_imports_another_pass_or_the_pipeline() -> None:
+    from moefx.passes.manager import PIPELINE
+
+    passes = {cls.__module__ for cls in PIPELINE}
+    imports = module_imports()
+    for module in passes:
+        others = {t for t in imports.get(module, set()) if t in passes | {"moefx.passes.manager"} and t != module}
+        assert others == set(), f"{module} imports {sorted(others)}"
+    for module, targets in imports.items():
+        if module.startswith("moefx.passes.") and module not in passes and module != "moefx.passes.manager":
+            assert "moefx.passes.manager" not in targets, f"{module} reads the pipeline"

@@ -97,11 +97,12 @@ def test_ring_real_copies_on_gpu():
 
 def _hybrid_experts(w13: torch.Tensor, w2: torch.Tensor):
     """An offloaded layer on CPU tensors with a ring and rates that make the cost model split calls."""
+    from moefx.backends import BACKENDS
     from moefx.offload.cost import Geometry, MachineRates
     from moefx.offload.transform import OffloadedExperts, OffloadRuntime
 
     store = ExpertStore(w13, w2)
-    rt = OffloadRuntime(torch.device("cpu"), torch.float32, False, 160, "align")
+    rt = OffloadRuntime(torch.device("cpu"), torch.float32, False, 160, "align", BACKENDS)
     rt.ring = StagingRing(store, 2, torch.device("cpu"))
     rt.geom = Geometry(w13.shape[0], 2, w13.shape[2], w2.shape[2], store.expert_bytes, act_bytes=4)
     rt.rates = MachineRates(cpu_gbps=50.0, cpu_tflops=1.0, h2d_gbps=50.0, gpu_tflops=100.0)

@@ -111,3 +111,12 @@ def test_demo_comparison_says_why_moefx_is_not_faster():
     swallowed = _metrics([0.02] * 3, [0.01] * 3, 1, 8)
     assert not swallowed["decode_measured"] and comparison(hf, swallowed, "capture", None, 0.5, 2, 2).startswith(
         "decode speed not compared")
+
+
+def test_model_transforms_run_after_what_they_need():
+    from moefx.optimize import model_transforms
+
+    names = [t.name for t in model_transforms()]
+    assert len(set(names)) == len(names) and names[-1] == "engine"
+    for i, transform in enumerate(model_transforms()):
+        assert set(transform.after) <= set(names[:i]), (transform.name, transform.after)

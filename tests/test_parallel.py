@@ -261,8 +261,8 @@ def test_detect_parallel_reads_transformers_mesh_and_expert_layout():
 
     from torch.distributed.tensor.placement_types import Replicate, Shard
 
+    from moefx.facts.parallel import _dtensor_layout
     from moefx.parallel import detect_parallel
-    from moefx.parallel.info import _dtensor_layout
 
     model = torch.nn.Module()
     model._device_mesh = _Mesh(("pp", "fsdp", "tp"), (1, 1, 4), (0, 0, 3))
@@ -315,8 +315,8 @@ def test_calibration_key_per_rank_for_tp_ep_and_replicated_experts():
 
 
 def test_signature_of_a_moefx_shard_reports_the_model_geometry():
+    from moefx.facts.weights import infer_from_module
     from moefx.parallel.shard import ShardSpec
-    from moefx.signatures.weights import infer_from_module
 
     model = torch.nn.Module()
     model.experts = torch.nn.Module()

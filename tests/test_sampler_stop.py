@@ -67,18 +67,18 @@ def test_transform_turns_it_on_for_cuda_only(models):
     from types import SimpleNamespace
 
     from moefx.config import CompilationConfig
-    from moefx.engine.install import sampling_transform
+    from moefx.engine.install import install_engine
 
     stock, _ = models
     model = copy.deepcopy(stock)
     eager = CompilationConfig.from_any({"mode": "eager"})
     cpu_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cpu"), serving={})
-    assert "off" in sampling_transform(model, cpu_plan, eager)[0]
+    assert "off" in install_engine(model, cpu_plan, eager)[-1]
     assert getattr(model, "_moefx_deferred_stop", None) is None
     cuda_plan = SimpleNamespace(execution=SimpleNamespace(device_type="cuda"), serving={})
-    assert "on" in sampling_transform(model, cuda_plan, eager)[0]
+    assert "on" in install_engine(model, cuda_plan, eager)[-1]
     assert model._moefx_deferred_stop == ("cuda",)
-    assert "no transformers generate" in sampling_transform(torch.nn.Linear(2, 2), cuda_plan, eager)[0]
+    assert "no transformers generate" in install_engine(torch.nn.Linear(2, 2), cuda_plan, eager)[-1]
 
 
 def test_decode_loop_stops_one_step_late_with_stock_outputs(models):
@@ -127,12 +127,13 @@ def test_only_static_layers_are_captured(models):
     assert "unknown" in _uncapturable_cache(object())
 
 
-def test_optimize_records_the_sampling_decision(models):
+def test_optimize_records_the_engine_decisions(models):
     import moefx
 
     stock, _ = models
     model = moefx.optimize(copy.deepcopy(stock), config={"mode": "eager"})
-    lines = [p for p in model.moefx_plan.provenance if p.startswith("sampling:")]
-    assert lines[0] == "sampling: deferred stop check off: device cpu (on for cuda only)"
-    assert "generate() on moefx's engine" in lines[1] and len(lines) == 3
-    assert lines[2].startswith("sampling: decode engine memory: cache lengths 256, 384, 512"), lines[2]
+    lines = [p for p in model.moefx_plan.provenance if p.startswith("engine:")]
+    assert "generate() on moefx's engine" in lines[0] and len(lines) == 4
+    assert lines[1].startswith("engine: decode engine memory: cache lengths 256, 384, 512"), lines[1]
+    assert lines[2] == "engine: forward: the plain forward (mode eager)"
+    assert lines[3] == "engine: deferred stop check off: device cpu (on for cuda only)"

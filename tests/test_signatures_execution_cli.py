@@ -10,10 +10,10 @@ import yaml
 
 import moefx.log
 from moefx.cli import main
+from moefx.facts import execution as execution_mod
 from moefx.models.catalog import catalog_config
+from moefx.planner.registry import PROVIDERS
 from moefx.signatures import ExecutionSignature, ModelSignature, Provider, register_provider, resolve
-from moefx.signatures import execution as execution_mod
-from moefx.signatures.registry import PROVIDERS
 
 
 @pytest.fixture(autouse=True)
@@ -65,10 +65,11 @@ def test_presets_and_hand_set_fields_plan_for_another_machine() -> None:
 
 
 def test_register_provider_in_one_class(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moefx.signatures import registry
+    from moefx.facts import architectures
+    from moefx.planner import registry
 
-    registry.load_builtin_providers()
     monkeypatch.setattr(registry, "PROVIDERS", dict(PROVIDERS))
+    monkeypatch.setattr(architectures, "ARCHITECTURES", dict(architectures.ARCHITECTURES))
 
     @register_provider
     class MixtralNext(Provider):
@@ -150,3 +151,16 @@ def test_cli_plan_bad_device_or_dtype_is_one_line_exit_2(argv: list[str], fragme
     assert err.count("\n") == 1 and err.startswith("moefx plan: error: "), err
     assert all(f in err for f in fragments), err
     assert ExecutionSignature(dtype="bf16").dtype == "bfloat16"  # aliases still read
+
+
+def test_architecture_facts_agree_with_the_providers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moefx.facts import architectures
+    from moefx.planner import registry
+
+    for provider in PROVIDERS.values():
+        for model_type in provider.model_types:
+            assert architectures.architecture_for(model_type).family == provider.family, model_type
+    monkeypatch.setattr(registry, "PROVIDERS", {})
+    monkeypatch.setattr(architectures, "ARCHITECTURES", dict(architectures.ARCHITECTURES))
+    with pytest.raises(ValueError, match="model_type 'mixtral' is of family 'mixtral', not 'other'"):
+        register_provider(type("Other", (Provider,), {"name": "o", "family": "other", "model_types": ("mixtral",)}))

@@ -12,8 +12,8 @@ import yaml
 
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.models.catalog import catalog_config, catalog_hf_config, catalog_names
+from moefx.planner.registry import PROVIDERS, match
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
-from moefx.signatures.registry import PROVIDERS, match
 
 H200 = ExecutionSignature.preset("h200", mode="capture", max_batch_size=64, dtype="bfloat16")
 

@@ -11,10 +11,10 @@ import moefx.log
 import moefx.passes
 from moefx.models.catalog import catalog_config
 from moefx.passes.base import MoefxPass
+from moefx.planner.pass_overrides import pass_overrides
+from moefx.planner.rules import parse_rule
+from moefx.planner.serving import CAPTURE_SIZE_LIMIT, capture_sizes
 from moefx.signatures import ExecutionSignature, ModelSignature, resolve
-from moefx.signatures.env import pass_overrides
-from moefx.signatures.rules import parse_rule
-from moefx.signatures.serving import CAPTURE_SIZE_LIMIT, capture_sizes
 
 
 class _Plain(MoefxPass):
@@ -265,7 +265,7 @@ def test_the_free_memory_a_process_reads_when_it_plans_changes_no_compile_key(mo
     cache keys (the plan's fingerprint, the pass manager's uuid that inductor's FX cache keys on, the compile-cache
     file's name and stamp) must not change while the decisions stay the same; a cap read across a bucket edge
     changes the capture sizes, which no pass reads: the uuid and the file stay the same."""
-    import moefx.signatures.serving as serving
+    import moefx.planner.serving as serving
     from moefx.config import CompilationConfig
     from moefx.engine.compile_cache.file import CompileCache
     from moefx.passes import PassManager

@@ -9,8 +9,8 @@ import yaml
 
 import moefx.log
 from moefx.models.catalog import catalog_config
+from moefx.planner.rules import first_match, parse_rule
 from moefx.signatures import ExecutionSignature, ModelSignature, load_rules, resolve
-from moefx.signatures.rules import first_match, parse_rule
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rules.yaml"
 QWEN = ModelSignature.from_config(catalog_config("qwen3-30b-a3b"))

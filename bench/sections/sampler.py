@@ -25,7 +25,7 @@ class DecodeRow:
 SAMPLER_ARMS = {
     "hf": "transformers `generate()` with static cache and its auto-compile",
     "hf+stop": "the same with moefx's deferred stop check (what `moefx.optimize` turns on for CUDA)",
-    "moefx": "`moefx.sampling.DecodeLoop` (forward and sampler compiled with the moefx passes, CUDA graphs)",
+    "moefx": "`moefx.engine.engine.DecodeLoop` (forward and sampler compiled with the moefx passes, CUDA graphs)",
 }
 
 

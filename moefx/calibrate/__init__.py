@@ -2,3 +2,4 @@
 (MoE experts in `moe`, dense linears in `dense`), with one timing core (`sweep`). `moefx calibrate` drives it."""
 
 QUANTS = ("none", "fp8-block128")  # the weight formats a row is measured in (no torch: the CLI's --help reads it)
+PARTS = ("moe", "dense")  # what a row is measured for

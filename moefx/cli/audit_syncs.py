@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moefx.cli.common import add_config_arg, add_model_args, build_model_from_spec, load_config, progress
+from moefx.cli.common import add_config_arg, add_model_args, load_config, progress
+from moefx.models.spec import build_model_from_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

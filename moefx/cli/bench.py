@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {args.new_tokens}")
     if not 0 < args.red_line < float("inf"):  # above 100 no slowdown crosses it: a verdict however noisy the machine
         raise ValueError(f"--red-line must be a percentage > 0, got {args.red_line}")
-    from moefx.cli.common import model_config
+    from moefx.models.spec import model_config
 
     model_config(args.model)  # a bad name or path fails here, not in every arm
     configs = _configs(args)

@@ -11,8 +11,8 @@ import json
 import torch
 
 import moefx
-from moefx.cli.common import build_model_from_spec
 from moefx.cli.demo import generate_metrics
+from moefx.models.spec import build_model_from_spec
 
 
 def main() -> None:

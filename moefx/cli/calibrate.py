@@ -15,7 +15,6 @@ import argparse
 from moefx.calibrate import QUANTS
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
-PARTS = ("moe", "dense")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,12 +23,11 @@ from moefx.backends.calibration import (
     write_row,
 )
 from moefx.backends.dense_policy import DenseRow, dense_key, model_projections, write_dense_row
-from moefx.calibrate import QUANTS
+from moefx.calibrate import PARTS, QUANTS
 from moefx.calibrate import dense as dense_cal
 from moefx.calibrate import moe as moe_cal
 from moefx.calibrate.plot import plot
 from moefx.calibrate.sweep import RETIME_ROUNDS, UPSTREAM, Sweep, sweep
-from moefx.cli.calibrate import PARTS
 from moefx.cli.common import ProgressBar, format_table
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -58,8 +57,8 @@ def _shape(args: argparse.Namespace) -> tuple[str, int, int, int, int]:
 
 
 def _model_shape(spec: str) -> tuple[int, int, int, int]:
-    from moefx.cli.common import model_config
-    from moefx.signatures import ModelSignature
+    from moefx.facts import ModelSignature
+    from moefx.models.spec import model_config
 
     ms = ModelSignature.from_config(model_config(spec))
     values = (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size, ms.top_k)
@@ -152,8 +151,8 @@ def _grid(grid: tuple[int, ...], max_m: int) -> tuple[int, ...]:
 
 def _projections(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...], int, bool]]:
     """The dense shapes the plan reads for --model at --tp (dense_policy.model_projections)."""
-    from moefx.cli.common import model_config
-    from moefx.signatures import ModelSignature
+    from moefx.facts import ModelSignature
+    from moefx.models.spec import model_config
 
     ms = ModelSignature.from_config(model_config(args.model))
     found, why = model_projections(ms, argparse.Namespace(tp_size=args.tp))

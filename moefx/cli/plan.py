@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moefx.cli.common import add_config_arg, load_config, model_config
+from moefx.cli.common import add_config_arg, load_config
 from moefx.config import MODES, load_data_file
 from moefx.machine import DEVICE_PRESETS
 from moefx.models.catalog import catalog_names
+from moefx.models.spec import model_config
 
 if TYPE_CHECKING:
-    from moefx.signatures import ExecutionSignature, ModelSignature
+    from moefx.facts import ExecutionSignature, ModelSignature
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_spec(spec: str) -> tuple[ModelSignature, dict[str, Any]]:
     """(model signature, execution fields from a YAML `execution:` section)."""
-    from moefx.signatures import ModelSignature
+    from moefx.facts import ModelSignature
     path = Path(spec)
     if path.is_file() and path.suffix.lower() in (".yaml", ".yml"):
         data = load_data_file(path, "model signature file")
@@ -58,7 +59,7 @@ def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, A
         "max_batch_size": args.max_batch_size,
         "dtype": args.dtype,
     }
-    from moefx.signatures import ExecutionSignature
+    from moefx.facts import ExecutionSignature
 
     defaults = {"mode": cfg.mode, "max_batch_size": cfg.max_batch_size, "dtype": ms.dtype}
     chosen = {**defaults, **fields, **{k: v for k, v in flags.items() if v is not None}}
@@ -72,7 +73,7 @@ def _execution(args: argparse.Namespace, ms: ModelSignature, fields: dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
-    from moefx.signatures import resolve
+    from moefx.planner import resolve
 
     cfg = load_config(args)
     ms, fields = _load_spec(args.model)

@@ -71,9 +71,10 @@ def _calibrate_if_missing(args: argparse.Namespace, cfg: CompilationConfig) -> N
     import torch
 
     from moefx.cli import main
-    from moefx.cli.common import model_config
+    from moefx.facts import ExecutionSignature, ModelSignature
+    from moefx.models.spec import model_config
     from moefx.optimize import uncalibrated_calls
-    from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+    from moefx.planner import resolve
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not str(device).startswith("cuda"):

@@ -9,6 +9,6 @@ Read top-down:
 - `graphs.py`: the graph pool and the one capture routine of the decode step and the prefill;
 - `hf_generate.py`: `model.generate()` routed to the engine, and transformers' own loop with a deferred stop check;
 - `forward.py`: `model(...)` routed to the padded prefill where the call fits, else to the compiled forward;
-- `install.py`: the `optimize` transform that puts it all on a model;
+- `install.py`: the `engine` model transform that puts it all on a model (`INSTALL_STEPS`, in order);
 - `compile_cache/`: compiles kept across processes; `layers/`: decoder layers compiled once, whatever the depth.
 """

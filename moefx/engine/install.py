@@ -1,4 +1,4 @@
-"""The `optimize` transform for generation: `generate()` on moefx's decode engine, stop flag read late.
+"""The `engine` transform of `optimize`: `generate()` on moefx's decode engine, stop flag read late.
 
 On every device a transformers causal LM's `generate()` runs on the engine (`moefx/engine/engine.py`) for
 the requests it reproduces (`moefx/engine/hf_generate.py`): static KV cache, prefill and decode step compiled
@@ -8,23 +8,34 @@ step late (`enable_deferred_stop`, same file). The engine's compile artifacts pe
 (`moefx/engine/compile_cache/`). The model's own forward gets a front too (`moefx/engine/forward.py`,
 `model.moefx_forward`): calls that fit the padded prefill run it, the rest the compiled forward.
 
-What it must run before and after, and why:
-- before `optimize()` compiles `model.forward` (`moefx/optimize.py` does so after every model transform): the engine
-  takes the uncompiled `model.forward` here and compiles its own steps from it; given the compiled one, its steps
-  would trace into a second compiled frame. `optimize()` then compiles the model's own forward without CUDA
-  graphs, since `model.moefx_generate` says the engine captures its own, and puts `model.moefx_forward` in front;
-- after the `layer_regions` transform (`moefx/engine/layers/regions.py`, an earlier order): the engine binds the
-  compiled-frame hook that transform leaves on the model (`layer_frames`).
+It runs after the `layer_regions` transform and before `optimize()` compiles `model.forward` (both in the
+order of `moefx.optimize.model_transforms()`, whose `after` fields a test holds): the engine binds the
+compiled-frame hook `layer_regions` leaves on the model (`layer_frames`), and takes the uncompiled `model.forward`,
+since given the compiled one its steps would trace into a second compiled frame. `optimize()` then compiles the
+model's own forward without CUDA graphs, since `model.moefx_generate` says the engine captures its own, and puts
+`model.moefx_forward` in front. What this transform wraps, in order, is `INSTALL_STEPS`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from moefx.engine.hf_generate import enable_deferred_stop, no_transformers_generate
 
 
-def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
+@dataclass
+class _Installed:
+    """What the steps hand on: the engine once built, whether its steps replay CUDA graphs, and why the forward
+    front stays off."""
+
+    engine: Any = None
+    graphs: bool = False
+    forward_off: str | None = None
+
+
+def _engine_lines(model: Any, plan: Any, config: Any, done: _Installed) -> list[str]:
     from moefx.compile import backend
     from moefx.engine.compile_cache.aot import why_no_aot
     from moefx.engine.compile_cache.file import engine_cache
@@ -49,8 +60,8 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     if cache is not None:
         cache.attach(engine)
     install_generate(model, engine)
-    off = "mode eager" if compile_kwargs is None else "offloaded experts" if offloaded else None
-    forward = _install_forward(model, engine, config, off, graphs)
+    done.engine, done.graphs = engine, graphs
+    done.forward_off = "mode eager" if compile_kwargs is None else "offloaded experts" if offloaded else None
     steps = "eager steps (mode eager)" if compile_kwargs is None else "compiled prefill and decode step"
     prefill = (f"; prefill padded to prompt buckets {list(engine.stats.prefill_buckets)} (rows × bucket <= "
                f"{prefill_tokens}) and captured" if prefill_tokens else "")
@@ -64,44 +75,71 @@ def _engine_lines(model: Any, plan: Any, config: Any) -> list[str]:
     slots = engine.slots
     budget = f"{slots.setting:g} of free memory" if slots.setting <= 1 else f"{slots.setting / 2**20:.0f} MiB"
     return [f"generate() on moefx's engine: static KV cache, {steps}, {where}; other requests run transformers' "
-            f"loop (model.moefx_generate.fallbacks says why){kept}; {forward}",
+            f"loop (model.moefx_generate.fallbacks says why){kept}",
             f"decode engine memory: cache lengths {slots.min_len}, {slots.min_len * 3 // 2}, {slots.min_len * 2}, "
             f"... (x1.5 / x4/3 steps); all slots and graph pools within a budget of {budget} ({slots.source}), "
             f"least-recently-used slots freed first; a request that cannot fit raises MemoryBudgetError"]
 
 
-def _install_forward(model: Any, engine: Any, config: Any, off: str | None, graphs: bool) -> str:
-    """`model.moefx_forward` (`moefx/engine/forward.py`), which `optimize` puts in front of the compiled forward,
-    unless `off` says why not; the provenance line. Offloaded experts calls above the stream host's rows cannot be
-    captured, as for the engine's padded prefill."""
+def _forward_lines(model: Any, plan: Any, config: Any, done: _Installed) -> list[str]:
+    """`model.moefx_forward` (`moefx/engine/forward.py`) on the engine's steps and graphs, which `optimize` puts in
+    front of the compiled forward, unless `done.forward_off` says why not. Offloaded experts calls above the stream
+    host's rows cannot be captured, as for the engine's padded prefill."""
     from moefx.config import PREFILL_CAPTURE_TOKENS, prefill_buckets
     from moefx.engine.forward import ForwardFront
 
+    if done.engine is None:
+        return []  # no engine: the model keeps its forward (the engine line says why)
+    engine, graphs = done.engine, done.graphs
     max_tokens = getattr(config, "prefill_capture_tokens", PREFILL_CAPTURE_TOKENS)
     buckets = prefill_buckets(max_tokens)
-    off = off or (None if buckets else "config key prefill_capture_tokens 0")
+    off = done.forward_off or (None if buckets else "config key prefill_capture_tokens 0")
     if off:
-        return f"forward: the plain forward ({off})"
+        return [f"forward: the plain forward ({off})"]
     model.moefx_forward = ForwardFront(model, engine.steps, engine.graphs, engine.bucket, buckets, max_tokens,
                                        capture=graphs, compile_cache=engine.compile_cache)
     where = "replayed from a CUDA graph per bucket key" if graphs else "compiled, without CUDA graphs"
-    return (f"forward: calls without gradients and without a cache passed in run the prompt padded to its bucket "
+    return [f"forward: calls without gradients and without a cache passed in run the prompt padded to its bucket "
             f"{list(buckets)} (rows × bucket <= {max_tokens}), {where}; other calls run the compiled forward "
-            f"(model.moefx_forward.fallbacks says why)")
+            f"(model.moefx_forward.fallbacks says why)"]
 
 
-def sampling_transform(model: Any, plan: Any, config: Any) -> list[str]:
-    # The engine's front goes on first, so that the deferred stop check adds no second wrapper of model.generate.
+def _generate_lines(model: Any, plan: Any, config: Any, done: _Installed) -> list[str]:
     why_not = _engine_reason(model)
-    engine = [f"generate() engine off: {why_not}"] if why_not else _engine_lines(model, plan, config)
+    return [f"generate() engine off: {why_not}"] if why_not else _engine_lines(model, plan, config, done)
+
+
+def _deferred_stop_lines(model: Any, plan: Any, config: Any, done: _Installed) -> list[str]:
     device = getattr(getattr(plan, "execution", None), "device_type", None)
     if device != "cuda":
-        lines = [f"deferred stop check off: device {device or 'unknown'} (on for cuda only)"]
-    else:
-        why = enable_deferred_stop(model, devices=("cuda",))
-        lines = [f"deferred stop check off: {why}" if why is not None
-                 else "deferred stop check on for transformers' generate() (stop flag read one step late)"]
-    return [*lines, *engine]
+        return [f"deferred stop check off: device {device or 'unknown'} (on for cuda only)"]
+    why = enable_deferred_stop(model, devices=("cuda",))
+    return [f"deferred stop check off: {why}" if why is not None
+            else "deferred stop check on for transformers' generate() (stop flag read one step late)"]
+
+
+@dataclass(frozen=True)
+class InstallStep:
+    wraps: str  # what it puts a front on: "generate" or "forward"
+    install: Callable[[Any, Any, Any, _Installed], list[str]]  # (model, plan, config, done) -> provenance lines
+
+
+# What `install_engine` wraps, in this order.
+INSTALL_STEPS: tuple[InstallStep, ...] = (
+    # model.generate -> the engine for the requests it reproduces, transformers' loop for the rest
+    InstallStep("generate", _generate_lines),
+    # model.moefx_forward on the engine's steps and graphs: after the engine, which it needs
+    InstallStep("forward", _forward_lines),
+    # transformers' loop reads its stop flag a step late: after the engine's front, which it then finds and defers
+    # the stop check inside, so that model.generate is wrapped once
+    InstallStep("generate", _deferred_stop_lines),
+)
+
+
+def install_engine(model: Any, plan: Any, config: Any) -> list[str]:
+    """The `engine` model transform: every step of INSTALL_STEPS, in order; their provenance lines."""
+    done = _Installed()
+    return [line for step in INSTALL_STEPS for line in step.install(model, plan, config, done)]
 
 
 def _engine_reason(model: Any) -> str | None:

@@ -19,9 +19,10 @@ import torch
 
 from moefx.config import CompilationConfig
 from moefx.env import get_setting
+from moefx.facts import ExecutionSignature, ModelSignature
 from moefx.log import get_logger, warn_once
 from moefx.passes import PassManager
-from moefx.signatures import ExecutionSignature, ModelSignature, resolve
+from moefx.planner import resolve
 
 log = get_logger("moefx.vllm")
 CONFIG_ENV = "MOEFX_CONFIG"

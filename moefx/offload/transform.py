@@ -4,16 +4,22 @@ Routing, attention, norms and everything else stay where they are; only `experts
 top_k_weights)` (the transformers 5 experts contract) runs here. Below the switch point each call is split by
 the cost model between the CPU and experts streamed through the GPU staging ring (CPU only without a GPU or
 when the switch is pinned); from the switch point every routed expert is streamed.
+
+Streamed tiles are computed on the GPU by a MoE backend, which the caller hands in (`backends`: moefx's
+`BACKENDS`, from `moefx.optimize`): the CPU backend (`moefx/backends/cpu.py`) computes with this package's host
+experts, so this package sits below the backends and names none of them itself.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from moefx.facts.weights import is_stacked_experts
 from moefx.log import get_logger
 from moefx.offload import cpu_kernel
 from moefx.offload.cost import (
@@ -34,7 +40,6 @@ from moefx.offload.placement import to_host
 from moefx.offload.plan import kv_reserve_sequences
 from moefx.offload.staging import StagingRing
 from moefx.offload.stream_host import StreamHost, build_stream_host
-from moefx.signatures.weights import is_stacked_experts
 
 log = get_logger("moefx.offload")
 
@@ -72,23 +77,27 @@ def _is_silu(act: Any) -> bool:
     return bool(torch.allclose(act(probe), torch.nn.functional.silu(probe)))
 
 
-def pick_tile_backend() -> str:
+# MoE backends by name, each called as fn(hidden, topk_ids, topk_weights, w13, w2)
+TileBackends = Mapping[str, Callable[..., torch.Tensor]]
+
+
+def pick_tile_backend(backends: TileBackends) -> str:
     """MoE backend that computes streamed tiles on the GPU: MOEFX_MOE_BACKEND if it names a GPU backend, else
     `grouped` when registered, else `legacy`."""
-    from moefx.backends import BACKENDS
     from moefx.env import get_setting
 
     forced = get_setting("MOEFX_MOE_BACKEND")
-    if forced in BACKENDS and forced != "cpu":
+    if forced in backends and forced != "cpu":
         return forced
-    return "grouped" if "grouped" in BACKENDS else "legacy"
+    return "grouped" if "grouped" in backends else "legacy"
 
 
-def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torch.dtype,
+                           backends: TileBackends) -> tuple[str, str]:
     """(backend, note): the picked tile backend if it matches `legacy` on a small slice of this layer, else legacy."""
-    from moefx.backends import BACKENDS, MoeCall
+    from moefx.kernels.moe_call import MoeCall
 
-    name = pick_tile_backend()
+    name = pick_tile_backend(backends)
     if name == "legacy":
         return name, "legacy (oracle)"
     n = min(4, store.num_experts)
@@ -103,8 +112,8 @@ def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torc
     wts = torch.rand(16, 1, generator=gen).to(device)
     call = MoeCall(x, ids, wts, w13, w2)
     try:
-        ref = BACKENDS["legacy"].apply(call).float()
-        out = BACKENDS[name].apply(call).float()
+        ref = backends["legacy"].apply(call).float()
+        out = backends[name].apply(call).float()
         err = ((out - ref).norm() / ref.norm()).item()
     except Exception as exc:  # a backend that cannot run these tiles is not used for them
         return "legacy", f"legacy ({name} failed on a tile check: {type(exc).__name__}: {exc})"
@@ -117,8 +126,10 @@ def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torc
 class OffloadRuntime:
     """State shared by every offloaded layer of one model: CPU pools, the GPU staging ring, the switch point."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, math_int8: bool, min_tokens: int, impl: str) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, math_int8: bool, min_tokens: int, impl: str,
+                 backends: TileBackends) -> None:
         self.device = device
+        self.backends = backends
         self.dtype = dtype
         self.host = host_info()
         self.int8_activations = math_int8
@@ -143,9 +154,9 @@ class OffloadRuntime:
             self.decode_pool = ExpertPool(self.host, workers)
 
     def tile_compute(self, x, ids, weights, w13, w2) -> torch.Tensor:
-        from moefx.backends import BACKENDS, MoeCall
+        from moefx.kernels.moe_call import MoeCall
 
-        return BACKENDS[self.tile_backend].apply(MoeCall(x, ids, weights, w13, w2))
+        return self.backends[self.tile_backend].apply(MoeCall(x, ids, weights, w13, w2))
 
 
 class OffloadedExperts:
@@ -320,8 +331,9 @@ def _expert_bytes(mod: torch.nn.Module, int8: bool) -> int:
     return 3 * (two_i // 2) * h * mod.gate_up_proj.element_size()
 
 
-def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
-    """Move experts to host memory and swap their forward, when the plan says experts = cpu."""
+def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any, backends: TileBackends) -> list[str]:
+    """Move experts to host memory and swap their forward, when the plan says experts = cpu; streamed tiles run on
+    `backends`."""
     op = plan.offload
     if op is None or op.experts != "cpu":
         return []
@@ -341,7 +353,7 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
         free, _ = torch.cuda.mem_get_info(device)
         kv = _kv_reserve(model, cfg, dtype.itemsize)
         budget = plan_gpu_memory(free, kv, staging, tile_e=op.tile_e, expert_bytes=expert_bytes)
-    rt = OffloadRuntime(device, dtype, op.int8, op.int8_min_tokens, op.int8_impl)
+    rt = OffloadRuntime(device, dtype, op.int8, op.int8_min_tokens, op.int8_impl, backends)
     holding = ""
     for mod in usable:
         store, holding = _offload_module(mod, op.int8, rt.host, pin=cuda)
@@ -359,7 +371,7 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any) -> list[str]:
     cost_model = cuda and not op.switch_pinned
     if budget is not None and (cost_model or op.switch_tokens is not None):
         rt.ring = StagingRing(first, op.tile_e, device)
-        rt.tile_backend, how = validated_tile_backend(first, device, dtype)
+        rt.tile_backend, how = validated_tile_backend(first, device, dtype, backends)
         if cost_model:  # the fixed cost of a call that streams anything, with this ring and tile backend
             rates = replace(rates, stream_overhead_s=measure_stream_overhead(rt.ring, first, dtype, rates,
                                                                              rt.tile_compute))

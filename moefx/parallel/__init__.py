@@ -3,8 +3,8 @@
 See docs/PARALLEL.md.
 """
 
+from moefx.facts.parallel import ParallelInfo, detect_parallel
 from moefx.parallel.comm import CommCounter, graph_collectives
-from moefx.parallel.info import ParallelInfo, detect_parallel
 from moefx.parallel.lm_head import VocabParallelLMHead, distributed_argmax, greedy_head, greedy_step
 from moefx.parallel.shard import Sharding, model_tp_plan, shard_model
 

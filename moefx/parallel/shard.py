@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moefx.facts.weights import is_stacked_experts
 from moefx.parallel.comm import all_gather_uneven, all_reduce, group_name
-from moefx.signatures.weights import is_stacked_experts
 
 EXPERT_LAYOUTS = ("tp", "ep")
 STYLES = (

@@ -26,7 +26,7 @@ class PassContext:
     """What a pass may consult and what it reports."""
 
     config: object  # moefx.config.CompilationConfig
-    plan: object | None = None  # moefx.signatures.Plan
+    plan: object | None = None  # moefx.planner.Plan
     skipped: list[str] = field(default_factory=list)
     # every pass the manager runs on this graph (passes that share candidates report each one once)
     enabled: tuple[str, ...] = ()

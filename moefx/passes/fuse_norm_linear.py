@@ -31,8 +31,8 @@ import torch.fx
 from moefx.backends.dense import select_backend
 from moefx.backends.dense_policy import GEMV
 from moefx.kernels.availability import triton_missing
-from moefx.passes import fuse_norm_quant as fnq
 from moefx.passes import linear_forms as lf
+from moefx.passes import quant_fusion as qf
 from moefx.passes import quant_patterns as qp
 from moefx.passes.base import MoefxPass, PassContext
 from moefx.passes.fx import RESHAPES, call, dtype_of, is_call, meta_val, sizes_of, source_of
@@ -59,12 +59,12 @@ def _as_rows(graph: torch.fx.Graph, t: torch.fx.Node, views: list[torch.fx.Node]
 
 
 def _residual(match: qp.ProducerMatch) -> bool:
-    return match.label in fnq.ADD_LABELS
+    return match.label in qf.ADD_LABELS
 
 
 def _problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.fx.Node], node: torch.fx.Node) -> str | None:
     residual = _residual(match)
-    why = fnq.plain_norm_problem(match, residual)
+    why = qf.plain_norm_problem(match, residual)
     if why:
         return f"the norm is {why}"
     x = match.args[0]
@@ -122,10 +122,9 @@ def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
 
 class FuseNormLinear(MoefxPass):
     name = "fuse_norm_linear"
-    uuid_files = (*lf.DEPENDENCY_FILES, fnq.__file__, qp.__file__)
+    uuid_files = (*lf.DEPENDENCY_FILES, qf.__file__, qp.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
-        recognizer = fnq.FuseNormQuant()
         done = 0
         for node in list(graph.nodes):
             if not is_call(node, lf.DENSE):
@@ -135,7 +134,7 @@ class FuseNormLinear(MoefxPass):
                 continue
             y, views = _behind_views(x)
             try:
-                match = recognizer.recognize_producer(y)
+                match = qf.RMS_NORM_PRODUCER.recognize(y)
             except qp.NotMine:
                 continue
             except qp.Reject as r:

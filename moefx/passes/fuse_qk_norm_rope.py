@@ -23,9 +23,8 @@ import torch.fx
 
 from moefx.ops import decode_attention as _attention  # noqa: F401  (registers moefx::decode_attention)
 from moefx.ops import rope_cache as _rope_cache
-from moefx.passes import fuse_norm_quant, quant_patterns
+from moefx.passes import quant_fusion, quant_patterns
 from moefx.passes.base import MoefxPass, PassContext
-from moefx.passes.fuse_norm_quant import FuseNormQuant
 from moefx.passes.fx import call, is_call, meta_val, source_of
 from moefx.passes.quant_patterns import NotMine, Reject
 
@@ -101,10 +100,10 @@ def _heads_first(node: object) -> torch.fx.Node:
 def _head_norm(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, float]:
     """(x, weight, eps) of a plain per-head RMSNorm with its weight applied after the downcast."""
     try:
-        match = FuseNormQuant().recognize_producer(node)
+        match = quant_fusion.RMS_NORM_PRODUCER.recognize(node)
     except (NotMine, Reject) as e:
         raise _Miss(f"the head norm is not a plain RMSNorm ({e})") from None
-    why = fuse_norm_quant.plain_norm_problem(match)
+    why = quant_fusion.plain_norm_problem(match)
     if why:
         raise _Miss(f"the head norm is {why}")
     x, weight, eps, _ = match.args
@@ -141,7 +140,7 @@ def _start_of(positions: torch.fx.Node) -> torch.fx.Node:
 
 class FuseQkNormRope(MoefxPass):
     name = "fuse_qk_norm_rope"
-    uuid_files = (fuse_norm_quant.__file__, quant_patterns.__file__, _rope_cache.__file__)
+    uuid_files = (quant_fusion.__file__, quant_patterns.__file__, _rope_cache.__file__)
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         done = 0

@@ -18,16 +18,16 @@ import operator
 import torch
 import torch.fx
 
+from moefx.backends import dense as _dense  # noqa: F401  (registers moefx::add_rms_norm_dense_linear)
 from moefx.backends import router as _router  # (registers moefx::add_rms_norm_route)
 from moefx.backends import routing as _routing_op
 from moefx.kernels.availability import module_file, triton_missing
-from moefx.passes import fuse_norm_linear as fnl
 from moefx.passes.base import MoefxPass, PassContext
-from moefx.passes.fuse_moe_routing import FUSED_TOPK
-from moefx.passes.fuse_norm_linear import ADD_NORM_DENSE
 from moefx.passes.fx import call, is_call, meta_val, source_of
 
 ROUTE = torch.ops.moefx.add_rms_norm_route.default
+ADD_NORM_DENSE = torch.ops.moefx.add_rms_norm_dense_linear.default  # fuse_norm_linear's output
+FUSED_TOPK = torch.ops.moefx.fused_topk.default  # fuse_moe_routing's output
 
 
 def _router_of(logits: object) -> torch.fx.Node | None:
@@ -65,8 +65,9 @@ def _problem(dense: torch.fx.Node, route: list) -> str | None:
 
 class FuseRouterTopk(MoefxPass):
     name = "fuse_router_topk"
-    uuid_files = (_router.__file__, module_file("moefx.kernels.dense_gemm"),
-                  module_file("moefx.kernels.moe_routing"), _routing_op.__file__, fnl.__file__)
+    # fuse_norm_linear's file too: what this pass matches is that pass's output.
+    uuid_files = (_router.__file__, module_file("moefx.kernels.dense_gemm"), module_file("moefx.kernels.moe_routing"),
+                  _routing_op.__file__, module_file("moefx.passes.fuse_norm_linear"))
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         done = 0

@@ -14,12 +14,10 @@ Recognition works on the post-grad graph as it is, whatever the spelling of the 
   grouping is read from shapes: the divided view of y is [..., g] and its scale [..., 1] (g = H: per token).
 - It is fused only if moefx's op computes the same value at every rounding step; anything else is left alone
   with the exact reason (`Reject`), the user's file:line, and reported in the compile report.
-Producers are recognized the same way, in the pass files (`recognize_producer`).
+Producers are recognized the same way, in `quant_fusion.py`, beside the pass base that fuses them.
 
-A pass then replaces the producer and every quant of its output with one fused op (q/k/v projections that
-each quantize the same normed input with one scheme share it), rewires the q, scale and new-residual users,
-and removes the rest. Quants of one value with different schemes, or a producer whose intermediate values are
-used elsewhere, are left alone with the reason.
+A pass (`quant_fusion.QuantFusionPass`) then replaces the producer and every quant of its output with one fused
+op.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.fx
@@ -38,7 +36,6 @@ import torch.fx
 from moefx.ops import fused_quant  # noqa: F401  (registers the moefx ops used below)
 from moefx.ops.quant import FP8_MAX, INT8_MAX, QuantScheme
 from moefx.passes import fx as _fx
-from moefx.passes.base import MoefxPass, PassContext, log
 from moefx.passes.fx import LOW_DTYPES, dtype_of, is_call, location, val
 
 aten = torch.ops.aten
@@ -606,126 +603,6 @@ def dedupe_casts(graph: torch.fx.Graph) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the passes
-
-
-def quant_passes() -> list[type[QuantFusionPass]]:
-    """The quant fusion passes, in pipeline order."""
-    from moefx.passes.manager import PIPELINE  # the pipeline imports this module's passes
-
-    return [cls for cls in PIPELINE if issubclass(cls, QuantFusionPass)]
-
-
-class QuantFusionPass(MoefxPass):
-    """Base of fuse_act_quant and fuse_norm_quant. Subclasses recognize their producers: `recognize_producer(y)`
-    returns a ProducerMatch, raises Reject (their kind, not fusable, with the reason) or NotMine."""
-
-    uuid_files = DEPENDENCY_FILES
-    producer_kind: ClassVar[str] = ""
-
-    def recognize_producer(self, y: torch.fx.Node) -> ProducerMatch:
-        raise NotImplementedError
-
-    def _owner(self, y: torch.fx.Node) -> tuple[type[QuantFusionPass] | None, Any]:
-        """The quant pass whose kind of producer made y, and its match (a ProducerMatch or a Reject); the first in
-        pipeline order that does not answer NotMine."""
-        for cls in quant_passes():
-            inst = self if type(self) is cls else cls()
-            try:
-                return cls, inst.recognize_producer(y)
-            except NotMine:
-                continue
-            except Reject as r:
-                return cls, r
-        return None, None
-
-    def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
-        dedupe_casts(graph)
-        enabled = set(ctx.enabled or (self.name,))
-        by_source: dict[torch.fx.Node, list[QuantMatch]] = {}
-        for cand in quant_candidates(graph):
-            try:
-                matches = recognize_moefx_quant(cand) if cand.target is QUANT else [recognize_quant(cand)]
-            except Reject as r:
-                ctx.skip(f"{location(cand)}: {_cast_label(cand)} left alone: {r.reason} ({describe(r.node)})")
-                continue
-            for m in matches:
-                by_source.setdefault(m.source, []).append(m)
-        fused = 0
-        for y, quants in by_source.items():
-            owner, prod = self._owner(y)
-            head = f"{location(quants[0].anchor)}: {quants[0].label} of {y.name}"
-            if owner is None:
-                ctx.skip(f"{head} left alone: its input {describe(y)} is not a SiLU-mul or RMSNorm output")
-                continue
-            if owner is not type(self):
-                if owner.name not in enabled:
-                    ctx.skip(f"{head} left alone: its producer is a {owner.producer_kind}; {owner.name} is off")
-                continue
-            if isinstance(prod, Reject):
-                ctx.skip(f"{head} left alone: {prod.reason} ({describe(prod.node)})")
-                continue
-            why = self._fuse(graph, y, quants, prod, ctx)
-            if why is not None:
-                ctx.skip(f"{head} left alone: {why}")
-            else:
-                fused += 1
-        if fused:
-            graph.eliminate_dead_code()
-        return fused
-
-    def _fuse(self, graph: torch.fx.Graph, y: torch.fx.Node, quants: list[QuantMatch], prod: ProducerMatch,
-              ctx: PassContext) -> str | None:
-        """Replace `prod` and `quants` with one fused op; returns None, or why not."""
-        schemes = {q.scheme for q in quants}
-        if len(schemes) != 1:
-            return f"{y.name} feeds quants with {len(schemes)} different schemes"
-        scheme = schemes.pop()
-        qnodes = set().union(*(q.nodes for q in quants))
-        keep = {q.q for q in quants} | {s for q in quants for s in q.scale_outputs} | set(prod.residual)
-        inner = (prod.nodes | qnodes) - keep
-        for n in sorted(inner, key=lambda n: n.name):
-            stray = [u for u in n.users if u not in inner and u not in keep]
-            if stray:
-                users = ", ".join(sorted({describe(u) for u in stray})[:3])
-                return f"{n.name} ({location(n)}) also feeds {users}; fusing would compute it twice"
-        inputs = [a for a in prod.args if isinstance(a, torch.fx.Node)]
-        inputs += list(graph.find_nodes(op="placeholder"))[-1:]
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        last = max(inputs, key=lambda n: order[n])
-        try:
-            with graph.inserting_after(last):
-                fused = insert_call(graph, prod.op, (*prod.args, *scheme.args()))
-            with graph.inserting_after(fused):
-                q_out = insert_getitem(graph, fused, 0)
-            with graph.inserting_after(q_out):
-                s_out = insert_getitem(graph, fused, 1)
-            tail = s_out
-            if prod.residual:
-                with graph.inserting_after(s_out):
-                    tail = insert_getitem(graph, fused, 2)
-            res_out = tail
-            repl: list[tuple[torch.fx.Node, torch.fx.Node]] = []
-            with graph.inserting_after(tail):
-                for q in quants:
-                    repl.append((q.q, reshaped(graph, q_out, q.q)))
-                    repl += [(s, reshaped(graph, s_out, s)) for s in q.scale_outputs]
-                repl += [(r, reshaped(graph, res_out, r)) for r in prod.residual]
-        except Reject as r:
-            return r.reason
-        for old, new in repl:
-            if dtype_of(old) != dtype_of(new):
-                raise AssertionError(f"{self.name}: {old.name} {dtype_of(old)} replaced by {dtype_of(new)}")
-            old.replace_all_uses_with(new)
-        if any(order.get(u, len(order)) <= order[last] for _, new in repl for u in new.users):
-            from torch._inductor.pattern_matcher import stable_topological_sort
-
-            stable_topological_sort(graph)
-        note = f"{location(quants[0].anchor)}: {prod.label} + {quants[0].label} -> {prod.op}"
-        if len(quants) > 1:
-            note += f" (shared by {len(quants)} quants)"
-        ctx.note(note)
-        log.debug("%s fused %s", self.name, note)
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- for looking

@@ -1,14 +1,25 @@
-"""ModelSignature × ExecutionSignature → Plan. What no provider matched runs the plain path."""
+"""The published import path of signatures and planning: `from moefx.signatures import ModelSignature, resolve`.
 
-from moefx.signatures import providers  # noqa: F401  (registers the built-in providers)
-from moefx.signatures.execution import ExecutionSignature
-from moefx.signatures.model import ModelSignature
-from moefx.signatures.plan import PassDecision, Plan
-from moefx.signatures.registry import PROVIDERS, PlanFragment, Provider, register_provider
-from moefx.signatures.resolve import resolve
-from moefx.signatures.rules import Rule, load_rules
+It only hands names on: the facts live in `moefx.facts`, the planner in `moefx.planner`, and no moefx module
+imports this one.
+"""
+
+from moefx.facts import ExecutionSignature, ModelSignature
+from moefx.planner import (
+    MOE_REQUIRED,
+    PROVIDERS,
+    PassDecision,
+    Plan,
+    PlanFragment,
+    Provider,
+    Rule,
+    load_rules,
+    register_provider,
+    resolve,
+)
 
 __all__ = [
+    "MOE_REQUIRED",
     "PROVIDERS",
     "ExecutionSignature",
     "ModelSignature",

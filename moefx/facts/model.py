@@ -1,6 +1,6 @@
 """ModelSignature: frozen, normalized facts about a model that providers and rules match on.
 
-Facts come from what the config states, or from what the architecture fixes (a provider's `implied`);
+Facts come from what the config states, or from what the architecture fixes (`architectures.py`);
 nothing is guessed. A fact that is not known stays None, and a provider that needs it then declines,
 so the model runs the plain path.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from moefx.config import load_data_file
-from moefx.signatures.quant import parse_quantization
+from moefx.facts.architectures import architecture_for
+from moefx.facts.quant import parse_quantization
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -119,8 +120,8 @@ class ModelSignature:
     def from_module(cls, module: Any) -> ModelSignature:
         """From `module.config` when present, with the weights' facts (expert geometry, compute dtype)
         taking precedence: they are what will run. Without a config, only weight geometry is known."""
+        from moefx.facts.weights import infer_from_module
         from moefx.log import warn_once
-        from moefx.signatures.weights import infer_from_module
 
         config = getattr(module, "config", None)
         base = cls.from_config(config) if config is not None else cls()
@@ -281,12 +282,10 @@ def _facts_from_config(outer: Any, vllm: Any) -> dict[str, Any]:
         for f in dataclasses.fields(ModelSignature):
             if facts.get(f.name) is None and get(f.name) is not None:
                 facts[f.name] = get(f.name)
-    from moefx.signatures.registry import provider_for
-
-    provider = provider_for(facts["model_type"])
-    if provider is not None:
-        facts["family"] = provider.family
-        for key, value in provider.implied(get).items():
+    architecture = architecture_for(facts["model_type"])
+    if architecture is not None:
+        facts["family"] = architecture.family
+        for key, value in architecture.implied(get).items():
             if facts.get(key) is None and value is not None:
                 facts[key] = value
     return facts

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moefx.signatures.weights import is_stacked_experts
+from moefx.facts.weights import is_stacked_experts
 
 EXPERT_LAYOUTS = ("replicated", "tp", "ep")
 

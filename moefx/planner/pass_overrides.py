@@ -1,4 +1,4 @@
-"""The one place the signature registry reads the environment: `MOEFX_PASSES` (a row of moefx/env.py's table).
+"""The one place the planner reads the environment: `MOEFX_PASSES` (a row of moefx/env.py's table).
 
 `MOEFX_PASSES="fuse_act_quant=on,last_token_logits=off"` sits between the user's config and the plan's
 preferred defaults. Names and values are validated; a bad entry is a ValueError, never ignored.
@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from moefx.env import ON_OFF_WORDS, ON_WORDS, get_setting
+from moefx.planner.rules import pass_toggles
 
 PASSES_ENV = "MOEFX_PASSES"
 
 
 def pass_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
     """Parsed MOEFX_PASSES (pass name -> on/off); empty when unset."""
-    from moefx.signatures.rules import pass_toggles
-
     raw = get_setting(PASSES_ENV, environ)
     valid = pass_toggles()
     out: dict[str, bool] = {}

@@ -1,10 +1,24 @@
-"""Preferred pass defaults shared by the MoE causal-LM providers (one place, so families agree)."""
+"""What a provider contributes to a plan (`PlanFragment`), and the preferred pass defaults every MoE causal-LM
+provider shares (one place, so families agree)."""
 
 from __future__ import annotations
 
-from moefx.signatures.execution import ExecutionSignature
-from moefx.signatures.model import ModelSignature
-from moefx.signatures.registry import PlanFragment
+from dataclasses import dataclass, field
+
+from moefx.facts.execution import ExecutionSignature
+from moefx.facts.model import ModelSignature
+
+
+@dataclass
+class PlanFragment:
+    """What a provider contributes: preferred pass defaults (name -> (on, why)) and family facts."""
+
+    provider: str
+    preferred: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    moe_family: bool = True
+    causal_lm: bool = True
+    notes: list[str] = field(default_factory=list)
+
 
 # Activation formats the fused quant kernels produce (docs/FUSIONS.md), with dynamic (per-call) scales.
 FUSED_QUANT_ACT_DTYPES = ("float8_e4m3fn", "int8")

@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from moefx.facts.execution import ExecutionSignature
+from moefx.facts.model import ModelSignature
 from moefx.log import warn_once
-from moefx.signatures.env import PASSES_ENV, pass_overrides
-from moefx.signatures.execution import ExecutionSignature
-from moefx.signatures.model import ModelSignature
-from moefx.signatures.plan import PassDecision, Plan
-from moefx.signatures.registry import PlanFragment, match
-from moefx.signatures.rules import Rule, first_match, load_rules
-from moefx.signatures.serving import serving_hints
+from moefx.planner.pass_overrides import PASSES_ENV, pass_overrides
+from moefx.planner.plan import PassDecision, Plan
+from moefx.planner.preferences import PlanFragment
+from moefx.planner.registry import match
+from moefx.planner.rules import Rule, first_match, load_rules
+from moefx.planner.serving import serving_hints
 
 
 def _state(on: bool) -> str:

@@ -3,19 +3,20 @@
 A provider declares exactly which `model_types` it knows and which signature fields it needs. It
 declines (returns None, with the reason recorded) when the model_type is not declared, a needed field
 is missing, the routing kind or quantization format is not one it knows. A new model_type of the same
-family therefore runs the plain path until someone adds it to `model_types`.
+family therefore runs the plain path until someone adds it to `model_types`. What an architecture fixes
+(`implied`) is a fact: moefx's own families keep it in `moefx/facts/architectures.py`, and a provider for a
+model_type that table does not know adds its `family` and `implied` there when it is registered.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from moefx.signatures.execution import ExecutionSignature
-    from moefx.signatures.model import ModelSignature
+from moefx.facts.architectures import register_architecture
+from moefx.facts.execution import ExecutionSignature
+from moefx.facts.model import ModelSignature
+from moefx.planner.preferences import PlanFragment, moe_causal_lm_fragment
 
 # Fields every MoE provider needs before it may plan anything.
 MOE_REQUIRED = (
@@ -33,17 +34,6 @@ MOE_REQUIRED = (
 )
 
 
-@dataclass
-class PlanFragment:
-    """What a provider contributes: preferred pass defaults (name -> (on, why)) and family facts."""
-
-    provider: str
-    preferred: dict[str, tuple[bool, str]] = field(default_factory=dict)
-    moe_family: bool = True
-    causal_lm: bool = True
-    notes: list[str] = field(default_factory=list)
-
-
 class Provider:
     name: ClassVar[str]
     family: ClassVar[str]
@@ -55,8 +45,8 @@ class Provider:
 
     @classmethod
     def implied(cls, get: Callable[[str], Any]) -> dict[str, Any]:
-        """Facts the architecture fixes whatever the config says (`get` reads the raw config).
-        Only used for fields the config leaves unset."""
+        """Facts the architecture fixes whatever the config says (`get` reads the raw config), for a model_type
+        `moefx/facts/architectures.py` does not know. Only used for fields the config leaves unset."""
         return {}
 
     @classmethod
@@ -78,8 +68,6 @@ class Provider:
 
     @classmethod
     def fragment(cls, ms: ModelSignature, es: ExecutionSignature) -> PlanFragment:
-        from moefx.signatures.providers.common import moe_causal_lm_fragment
-
         return moe_causal_lm_fragment(cls.name, ms, es)
 
     @classmethod
@@ -102,17 +90,14 @@ def register_provider(cls: type[Provider]) -> type[Provider]:
         clash = set(cls.model_types) & set(other.model_types)
         if clash:
             raise ValueError(f"provider {cls.name!r} claims model_types {sorted(clash)} owned by {other.name!r}")
+    for model_type in cls.model_types:
+        register_architecture(model_type, cls.family, cls.implied)
     PROVIDERS[cls.name] = cls
     return cls
 
 
-def load_builtin_providers() -> None:
-    importlib.import_module("moefx.signatures.providers")
-
-
 def provider_for(model_type: str | None) -> type[Provider] | None:
     """The provider that declares `model_type`, if any."""
-    load_builtin_providers()
     for provider in PROVIDERS.values():
         if model_type in provider.model_types:
             return provider

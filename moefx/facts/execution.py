@@ -93,7 +93,7 @@ class ExecutionSignature:
             raise ValueError(f"ExecutionSignature cpu_isa has unknown flags {sorted(unknown)}; valid: {CPU_ISA_FLAGS}")
         object.__setattr__(self, "cpu_isa", tuple(f for f in CPU_ISA_FLAGS if f in set(self.cpu_isa)))
         if self.dtype is not None:
-            from moefx.signatures.model import normalize_dtype
+            from moefx.facts.model import normalize_dtype
 
             dtype = normalize_dtype(self.dtype)
             if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -121,7 +121,7 @@ class ExecutionSignature:
 
         tp_size/ep_size left None are read from `model`'s sharding and the torch.distributed process group
         (`moefx.parallel.detect_parallel`); the result's `parallel` says where they came from."""
-        from moefx.parallel.info import detect_parallel
+        from moefx.facts.parallel import detect_parallel
 
         try:
             dev = torch.device(device) if device is not None else torch.device(

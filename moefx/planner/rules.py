@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean, load_data_file
+from moefx.facts.execution import DEVICE_TYPES, ExecutionSignature
+from moefx.facts.model import ModelSignature
 from moefx.log import warn_once
-from moefx.signatures.execution import DEVICE_TYPES, ExecutionSignature
-from moefx.signatures.model import ModelSignature
+from moefx.planner.registry import PROVIDERS
 
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelSignature)}
 _EXEC_FIELDS = {f.name for f in dataclasses.fields(ExecutionSignature)}
@@ -141,9 +142,6 @@ def _conditions(key: str, spec: Any, where: str) -> list[Condition]:
 
 
 def _registered_families() -> tuple[str, ...]:
-    from moefx.signatures.registry import PROVIDERS, load_builtin_providers
-
-    load_builtin_providers()
     return tuple(sorted({p.family for p in PROVIDERS.values()}))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moefx.signatures.execution import DEVICE_MEMORY_GIB, ExecutionSignature
-from moefx.signatures.model import ModelSignature
-from moefx.signatures.registry import PlanFragment
+from moefx.facts.execution import DEVICE_MEMORY_GIB, ExecutionSignature
+from moefx.facts.model import ModelSignature
+from moefx.planner.preferences import PlanFragment
 
 GEOMETRIC_FROM = 16  # powers of two up to here; above, each power of two and 1.5x it
 CAPTURE_SIZE_LIMIT = 512  # the largest capture size a plan proposes without max_batch_size

@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.signatures.execution import ExecutionSignature
-from moefx.signatures.model import ModelSignature
+from moefx.facts.execution import ExecutionSignature
+from moefx.facts.model import ModelSignature
 
 
 @dataclass
