@@ -84,23 +84,24 @@ TileBackends = Mapping[str, Callable[..., torch.Tensor]]
 
 def pick_tile_backend(backends: TileBackends) -> str:
     """MoE backend that computes streamed tiles on the GPU: MOEFX_MOE_BACKEND if it names a GPU backend, else
-    `grouped` when registered, else `legacy`."""
+    `grouped` when registered, else `reference`."""
     from moefx.env import get_setting
 
     forced = get_setting("MOEFX_MOE_BACKEND")
     if forced in backends and forced != "cpu":
         return forced
-    return "grouped" if "grouped" in backends else "legacy"
+    return "grouped" if "grouped" in backends else "reference"
 
 
 def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torch.dtype,
                            backends: TileBackends) -> tuple[str, str]:
-    """(backend, note): the picked tile backend if it matches `legacy` on a small slice of this layer, else legacy."""
+    """(backend, note): the picked tile backend if it matches `reference` on a small slice of this layer, else
+    `reference`."""
     from moefx.kernels.moe_call import MoeCall
 
     name = pick_tile_backend(backends)
-    if name == "legacy":
-        return name, "legacy (oracle)"
+    if name == "reference":
+        return name, "reference (oracle)"
     n = min(4, store.num_experts)
     w13 = store.w13[:n].to(device)
     w2 = store.w2[:n].to(device)
@@ -113,15 +114,15 @@ def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torc
     wts = torch.rand(16, 1, generator=gen).to(device)
     call = MoeCall(x, ids, wts, w13, w2)
     try:
-        ref = backends["legacy"].apply(call).float()
+        ref = backends["reference"].apply(call).float()
         out = backends[name].apply(call).float()
         err = ((out - ref).norm() / ref.norm()).item()
     except Exception as exc:  # a backend that cannot run these tiles is not used for them
-        return "legacy", f"legacy ({name} failed on a tile check: {type(exc).__name__}: {exc})"
+        return "reference", f"reference ({name} failed on a tile check: {type(exc).__name__}: {exc})"
     bound = 1e-5 if dtype == torch.float32 else 2e-2  # an fp32 model must not lose precision (e.g. to TF32)
     if not err <= bound:
-        return "legacy", f"legacy ({name} off by {err:.2e} > {bound:.0e} on a tile check)"
-    return name, f"{name} (checked against legacy on this layer: {err:.1e})"
+        return "reference", f"reference ({name} off by {err:.2e} > {bound:.0e} on a tile check)"
+    return name, f"{name} (checked against reference on this layer: {err:.1e})"
 
 
 class OffloadRuntime:
@@ -142,7 +143,7 @@ class OffloadRuntime:
         self.switch_tokens: int | None = None
         self.rates: MachineRates | None = None
         self.geom: Geometry | None = None
-        self.tile_backend = "legacy"
+        self.tile_backend = "reference"
         self.prefetch_bytes = 0  # host kernel prefetch distance, measured with the machine rates
         self.split_min_tokens = 1  # below this M a call never splits (measured end to end: `measure_split_start`)
         self.stream_host: StreamHost | None = None  # CPU-only calls queued on the GPU stream (no sync per layer)
