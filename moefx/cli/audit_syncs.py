@@ -22,10 +22,10 @@ from moefx.cli.common import add_config_arg, add_model_args, build_model_from_sp
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, "tiny-qwen3-moe")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--batch", type=int, default=1, help="rows of the audited step")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, > 0")
+    p.add_argument("--top-k", type=int, default=50, help="top-k warper, >= 1")
+    p.add_argument("--top-p", type=float, default=0.9, help="top-p warper, in (0, 1]; 1 leaves it out")
     p.add_argument("--json", dest="json_path", default=None, help="also write the findings to this JSON file")
     add_config_arg(p)
 
