@@ -31,12 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_decode_step(model: Any, processors: Any) -> Any:
+    """The per-token work of transformers' sampling loop, as one function."""
     import torch
 
-    """The per-token work of transformers' sampling loop, as one function."""
+    from moefx.engine.steps import cache_kwarg
+
+    cache_arg = cache_kwarg(model.forward)  # `cache` where transformers renamed it: no FutureWarning
 
     def decode_step(tokens, positions, cache, unfinished):
-        logits = model(input_ids=tokens, position_ids=positions, past_key_values=cache, logits_to_keep=1).logits
+        logits = model(input_ids=tokens, position_ids=positions, logits_to_keep=1, **{cache_arg: cache}).logits
         scores = processors(tokens, logits[:, -1, :].float())
         probs = torch.softmax(scores, dim=-1)
         next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     from moefx.audit import audit_syncs
+    from moefx.engine.steps import cache_kwarg
 
     cfg = load_config(args)
     if args.config is None and not args.config_overrides:
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     ids = torch.randint(1, model.config.vocab_size, (args.batch, prompt), device=device)
     with torch.no_grad():
         pos = torch.arange(prompt, device=device).expand(args.batch, -1)
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model.forward): cache})
     step_args = (
         ids[:, -1:].clone(),
         torch.full((args.batch, 1), prompt, device=device),
