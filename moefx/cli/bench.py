@@ -95,7 +95,12 @@ def summarize(results: dict[str, list[list[dict]]], red_line: float) -> dict:
     medians = {arm: {m: statistics.median(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}
     spreads = {arm: {m: spread_pct(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}
     short = [(arm, n, total) for arm, (n, total) in counts.items() if n < max(MIN_MEASURED, (total + 1) // 2)]
-    if short:
+    if short and all(n == total for _, n, total in short):  # every sample measured, too few of them
+        line = "decode tok/s B vs A: inconclusive: " + "; ".join(
+            f"{n} sample{'s' if n != 1 else ''} in arm {arm.upper()}" for arm, n, _ in short
+        ) + f" (a spread, so a verdict, needs at least {MIN_MEASURED} per arm: more --runs or --repeats)"
+        code, change, noise = EXIT_INCONCLUSIVE, None, None
+    elif short:
         line = "decode tok/s B vs A: inconclusive: " + "; ".join(
             f"{n} of {total} samples measured in arm {arm.upper()}" for arm, n, total in short
         ) + " (the machine's noise swallowed the decode steps: use a quieter machine or more --new-tokens)"
@@ -145,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     medians, spreads = summary["medians"], summary["spread_pct"]
 
     def cell(value: float | None, fmt: str) -> str:
-        return "-" if value is None else fmt.format(value)
+        return "-" if value is None or not math.isfinite(value) else fmt.format(value)  # "-": not known
 
     rows = [(m, cell(medians["a"][m], "{:.3f}"), cell(spreads["a"][m], "{:.1f}%"), cell(medians["b"][m], "{:.3f}"),
              cell(spreads["b"][m], "{:.1f}%")) for m in METRICS]
