@@ -70,7 +70,7 @@ ROWS = [
     ("budget-env-percent", ["plan", TINY], {"MOEFX_MEMORY_BUDGET": "70"}, ["MOEFX_MEMORY_BUDGET='70'", "0.6"]),
     ("budget-env-unit", ["plan", TINY], {"MOEFX_MEMORY_BUDGET": "40XB"}, ["MOEFX_MEMORY_BUDGET='40XB'", "GiB"]),
     ("budget-negative", ["plan", TINY, "-cc.memory_budget=-1"], {}, ["'memory_budget'", "must be a number > 0"]),
-    ("batch-cap-zero", ["plan", TINY, "-cc.max_batch_size=0"], {}, ["'max_batch_size'", "integer >= 1 or null"]),
+    ("batch-cap-zero", ["plan", TINY, "-cc.max_batch_size=0"], {}, ["'max_batch_size'", "integer >= 1 and <= 8192 or null"]),
     ("batch-cap-fraction", ["plan", TINY, "-cc.max_batch_size=1.5"], {}, ["'max_batch_size'", "integer", "1.5"]),
     ("plan-batch-cap", ["plan", TINY, "--max-batch-size", "-4"], {}, ["max_batch_size", "integer >= 1", "-4"]),
     ("plan-dtype", ["plan", TINY, "--dtype", "float8"], {}, ["dtype 'float8'", "'bfloat16', 'float16', 'float32'"]),
