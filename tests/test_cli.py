@@ -179,3 +179,11 @@ def test_audit_syncs_step_raises_no_transformers_future_warning() -> None:
         model(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=True, **{cache_kwarg(model.forward): cache})
         tokens, _ = step(ids[:, -1:], torch.full((1, 1), 4), cache, torch.ones(1, dtype=torch.long))
     assert tokens.shape == (1,)
+
+
+def test_demo_batch_bound_is_the_plans_own_capture_limit() -> None:
+    """`moefx demo --batch` stops where a plan without max_batch_size stops capturing (its help says so)."""
+    from moefx.cli.demo import MAX_DEMO_BATCH
+    from moefx.signatures.serving import CAPTURE_SIZE_LIMIT
+
+    assert MAX_DEMO_BATCH == CAPTURE_SIZE_LIMIT
