@@ -183,8 +183,7 @@ def test_audit_syncs_step_raises_no_transformers_future_warning() -> None:
 
 def test_demo_batch_bound_is_the_plans_own_capture_limit() -> None:
     """`moefx demo --batch` stops where a plan without max_batch_size stops capturing (its help says so)."""
-    from moefx.signatures.serving import CAPTURE_SIZE_LIMIT
-
     from moefx.cli.demo import MAX_DEMO_BATCH
+    from moefx.planner.serving import CAPTURE_SIZE_LIMIT
 
     assert MAX_DEMO_BATCH == CAPTURE_SIZE_LIMIT

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 # The largest --batch: the largest capture size a plan proposes without max_batch_size
-# (moefx.signatures.serving.CAPTURE_SIZE_LIMIT, pinned by a test); a larger batch shows nothing new about the
+# (moefx.planner.serving.CAPTURE_SIZE_LIMIT, pinned by a test); a larger batch shows nothing new about the
 # engine and only grows the eager reference's logits and activations until the host runs out of memory.
 MAX_DEMO_BATCH = 512
 
