@@ -14,6 +14,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -37,6 +38,12 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The default cap on rows × bucket: bounds the activations one prefill graph holds.
 PREFILL_CAPTURE_TOKENS = PREFILL_BUCKETS[-1]
 MIN_BUDGET_BYTES = 4096  # below a 4 KiB page no KV cache row of any model fits: such a number meant a fraction
+# The largest `max_batch_size`: 23 geometric capture sizes (moefx/signatures/serving.py), each a CUDA graph and a
+# static cache slot; the plan's own memory-derived cap stops at 512. A larger number is a typo, not a serving size.
+MAX_BATCH_SIZE = 8192
+# The largest `prefill_token_budget` (tokens per prefill chunk): 2**20 holds a whole prompt at the longest
+# max_position_embeddings of the catalog (163840, DeepSeek-V3) several times over.
+MAX_PREFILL_TOKEN_BUDGET = 2**20
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
@@ -148,15 +155,16 @@ class CompilationConfig:
     def __post_init__(self) -> None:
         self.moe_backend = MOE_BACKEND_ALIASES.get(self.moe_backend, self.moe_backend)
         mbs = self.max_batch_size
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            raise ValueError(f"config key 'max_batch_size' must be an integer >= 1 or null (null: a cap derived "
-                             f"from free memory), got {mbs!r}")
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or not 1 <= mbs <= MAX_BATCH_SIZE):
+            raise ValueError(f"config key 'max_batch_size' must be an integer >= 1 and <= {MAX_BATCH_SIZE} or null "
+                             f"(null: a cap derived from free memory), got {mbs!r}")
         if self.memory_budget is not None:
             check_memory_budget(self.memory_budget, "config key 'memory_budget'")
-        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
-            raise ValueError(
-                f"config key 'prefill_token_budget' must be >= 1 or null, got {self.prefill_token_budget}"
-            )
+        budget = self.prefill_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or not 1 <= budget <= MAX_PREFILL_TOKEN_BUDGET):
+            raise ValueError(f"config key 'prefill_token_budget' must be an integer >= 1 and <= "
+                             f"{MAX_PREFILL_TOKEN_BUDGET} (tokens per prefill chunk) or null, got {budget!r}")
         prefill_buckets(self.prefill_capture_tokens)
         if isinstance(self.compile_cache, str) and not self.compile_cache.strip():
             raise ValueError("config key 'compile_cache' must be true, false, null or a folder path, got ''")
@@ -200,7 +208,7 @@ class CompilationConfig:
                              else f"{where} has no sections; its keys: {sorted(node)}")
                     raise ValueError(f"override {item!r}: {prefix!r} is not a config section; {valid}")
                 node = node[part]
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            node[parts[-1]] = _parse_yaml(raw, f"override {item!r}") if raw.strip() else None
         return _build(CompilationConfig, data, "")
 
     def compute_hash(self) -> str:
@@ -223,7 +231,7 @@ def _load_text_or_path(text: str) -> Any:
     stripped = text.strip()
     if stripped.startswith("{"):
         try:
-            return json.loads(stripped)
+            return _parse_json(stripped, "config JSON string")
         except json.JSONDecodeError as exc:
             raise ValueError(f"config JSON string is invalid: {exc}") from exc
     path = Path(text)
@@ -231,12 +239,18 @@ def _load_text_or_path(text: str) -> Any:
         raise ValueError(f"config path {text!r} must end in .json, .yaml or .yml (or pass a JSON object string)")
     if not path.is_file():
         raise ValueError(f"config file {text!r} does not exist")
-    return load_data_file(path, "config file") or {}
+    data = load_data_file(path, "config file")
+    if data is None:
+        raise ValueError(f"config file {text!r} is empty; valid: a mapping of config keys (e.g. 'mode: compile'), "
+                         f"or no --config for the defaults")
+    return data
 
 
 def load_data_file(path: str | os.PathLike[str], what: str) -> Any:
     """The content of a JSON (`.json`) or YAML (any other suffix) file a user wrote; a file that cannot be read
-    or parsed is a one-line ValueError naming `what`, the file and, for a syntax error, its line and column."""
+    or parsed, or that repeats a key within one mapping, is a one-line ValueError naming `what`, the file and,
+    for a syntax error or a repeated key, its line and column. An empty YAML file is None: the caller says
+    whether that is valid."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -244,17 +258,62 @@ def load_data_file(path: str | os.PathLike[str], what: str) -> Any:
         raise ValueError(f"{what} {str(p)!r} cannot be read ({type(exc).__name__}: {exc})") from None
     if p.suffix.lower() == ".json":
         try:
-            return json.loads(text)
+            return _parse_json(text, f"{what} {str(p)!r}")
         except json.JSONDecodeError as exc:
             raise ValueError(f"{what} {str(p)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
                              f"{exc.msg})") from None
+    return _parse_yaml(text, f"{what} {str(p)!r}")
+
+
+def _parse_json(text: str, what: str) -> Any:
+    """json.loads, refusing a key repeated within one object (json keeps the last one silently)."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise ValueError(f"{what} repeats the key {key!r} in one object; valid: each key once")
+            out[key] = value
+        return out
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated within one mapping (safe_load keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                mark = key_node.start_mark
+                raise _RepeatedKey(f"line {mark.line + 1}, column {mark.column + 1}: the key {key!r} is repeated "
+                                   f"in one mapping; valid: each key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _RepeatedKey(yaml.YAMLError):
+    pass
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _UniqueKeyLoader.construct_mapping)
+
+
+def _parse_yaml(text: str, what: str) -> Any:
+    """The YAML document in `text` (safe types only, each key once per mapping); a one-line ValueError naming
+    `what` otherwise."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe types only
+    except _RepeatedKey as exc:
+        raise ValueError(f"{what} is not valid ({exc})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ValueError(f"{what} {str(p)!r} is not valid YAML ({where}{problem})") from None
+        raise ValueError(f"{what} is not valid YAML ({where}{problem})") from None
 
 
 def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:

@@ -1,13 +1,21 @@
 """Saved traces (moefx/engine/compile_cache/aot.py): an entry per distinct call picked by its kept guards, loaded by a
 new AotFunction without tracing, dynamic where sizes changed, the ordinary path where fullgraph tracing fails.
 
-The engine-level checks (a new process traces nothing and gives the same tokens, in both layer-call forms) are in
+The functions here compile with a backend function around inductor, as the engine's counting backend is: torch 2.11
+saves the output of such a backend only as moefx's `SavedGraph`, and offers `aot_compile` only under
+`torch._dynamo.config.enable_aot_compile`, which moefx turns on for its own compiles alone. The engine-level checks
+(a new process traces nothing and gives the same tokens, in both layer-call forms) are in
 tests/test_compile_cache.py; these compile tiny functions with inductor.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +24,14 @@ from torch._dynamo.utils import counters
 
 from moefx.engine.compile_cache import aot
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(aot.why_no_aot() is not None, reason=f"{aot.why_no_aot()}")
+
+
+@pytest.fixture(autouse=True)
+def _first_failure_warns(monkeypatch):
+    """Each test's first failed step warns afresh (a process says the first one in a warning, later ones in the log)."""
+    monkeypatch.setattr(aot, "_SAID", False)
 
 
 def _guard(kind: str, name: str, is_global: bool = False) -> SimpleNamespace:
@@ -44,8 +59,15 @@ def _traced() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _function(fallback=None) -> aot.AotFunction:
-    return aot.AotFunction("affine", _affine, None, "inductor", fallback or _affine)
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """A backend function, as the engine's is (torch 2.11 saves its output only as moefx's SavedGraph)."""
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend("inductor")(gm, example_inputs)
+
+
+def _function(fallback=None, backend=_inductor) -> aot.AotFunction:
+    return aot.AotFunction("affine", _affine, None, backend, fallback or _affine)
 
 
 @pytest.mark.compile
@@ -74,17 +96,90 @@ def test_entries_by_guards_saved_and_loaded_without_tracing():
 
 
 @pytest.mark.compile
-def test_an_entry_that_does_not_load_is_traced_again_with_a_warning(caplog):
+def test_the_flag_is_on_for_moefx_compiles_only_and_the_output_is_a_saved_graph():
+    """torch 2.11's defaults on any torch: the flag off for the process; moefx turns it on around its own compiles."""
+    if not aot._HAS_FLAG:
+        pytest.skip("this torch has no torch._dynamo.config.enable_aot_compile")
+    function = _function()
+    x = torch.randn(3)
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        torch.testing.assert_close(function(x, True), x * 2 + 1)
+        assert torch._dynamo.config.enable_aot_compile is False  # restored after the compile
+        assert not hasattr(torch.compile(_affine, fullgraph=True), "aot_compile")
+    assert function.broken is None and len(function.blobs()) == 1
+    assert isinstance(function.entries[0].compiled._artifacts.compiled_fn, aot.SavedGraph)
+
+
+def test_a_torch_without_the_flag_or_aot_compile_keeps_todays_path_and_says_why(monkeypatch):
+    monkeypatch.setattr(aot, "_HAS_FLAG", False)
+    aot.why_no_aot.cache_clear()
+    try:
+        with torch._dynamo.config.patch(enable_aot_compile=False):  # what `_aot_flag` cannot turn on without a flag
+            why = aot.why_no_aot()
+    finally:
+        aot.why_no_aot.cache_clear()
+    assert why is not None and "has no aot_compile" in why and "enable_aot_compile" in why
+
+
+# One process saves a backend function's traces, a new one (its own empty inductor folder) loads them: the engine's
+# case on torch 2.11, where torch itself wraps only its own inductor backend's output.
+NEW_PROCESS = r"""
+import json, pickle, sys
+import torch
+from torch._dynamo.utils import counters
+from tests.test_aot_steps import _affine, _function
+calls = []
+def counting(gm, example_inputs):
+    from torch._dynamo import lookup_backend
+    calls.append(1)
+    return lookup_backend("inductor")(gm, example_inputs)
+function = _function(backend=counting)
+if sys.argv[1] == "save":
+    for n in (4, 6):
+        function(torch.arange(float(n)), True)
+    function(torch.arange(4.0), False)
+    open(sys.argv[2], "wb").write(pickle.dumps(function.blobs()))
+else:
+    function.pending = pickle.loads(open(sys.argv[2], "rb").read())
+out = [function(torch.arange(float(n)), shift).tolist() for n, shift in ((4, True), (9, True), (5, False))]
+print(json.dumps({"out": out, "traced": counters["stats"]["unique_graphs"], "backend": len(calls),
+                  "loaded": function.loaded, "broken": function.broken}))
+"""
+
+
+@pytest.mark.compile
+def test_a_new_process_loads_a_backend_functions_traces_and_traces_nothing(tmp_path):
+    blobs = tmp_path / "blobs.pkl"
+    runs = {}
+    for step in ("save", "load"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{step}")}
+        proc = subprocess.run([sys.executable, "-c", NEW_PROCESS, step, str(blobs)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "saved trace" not in proc.stderr, proc.stderr[-3000:]  # no step fell back
+        runs[step] = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved, loaded = runs["save"], runs["load"]
+    assert saved["broken"] is None and saved["traced"] == 3 and saved["backend"] == 3, saved
+    assert loaded["traced"] == 0 and loaded["backend"] == 0 and loaded["loaded"] == 3, loaded
+    assert loaded["out"] == saved["out"]
+
+
+@pytest.mark.compile
+def test_an_entry_that_does_not_load_is_traced_again_with_one_warning():
     first = _function()
     x = torch.randn(5)
     first(x, True)
     second = _function()
-    second.pending = [b"not a trace"] + first.blobs()
+    second.pending = [b"not a trace", b"nor this"] + first.blobs()
     before = _traced()
-    torch.testing.assert_close(second(x, True), x * 2 + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(second(x, True), x * 2 + 1)
     assert second.loaded == 1 and _traced() == before
-    assert second.changes == 1  # the file is out of date: the next save drops the bad entry
-    assert any("does not load" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert second.changes == 2  # the file is out of date: the next save drops the bad entries
+    said = [str(w.message) for w in caught if "saved trace" in str(w.message)]
+    assert len(said) == 1 and "does not load" in said[0], said  # one line for both
 
 
 def _breaks(x: torch.Tensor, shift: bool) -> torch.Tensor:

@@ -112,3 +112,78 @@ def test_models_are_built_at_a_reduced_depth_and_refused_when_too_big(tmp_path: 
     assert "needs about 56.3 GiB of float32 weights" in err and "not even one layer fits" in err
     assert cli_main(["audit-syncs", "qwen3-30b-a3b", "--device", "cpu", "--layers", "1"]) == 2
     assert "needs about" in capsys.readouterr().err
+
+
+def test_every_option_with_a_default_shows_it_in_help() -> None:
+    """docs/CLI.md gave defaults that `--help` did not show: every option whose default is a value says it."""
+    import argparse
+
+    from moefx.cli import build_parser
+
+    for name in COMMANDS:
+        parser = build_parser([name])
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        blocks: dict[str, str] = {}  # each option's entry: its line and the help lines indented under it
+        for line in sub.format_help().splitlines():
+            if line.startswith("  -"):
+                flag = line.split()[0].rstrip(",")
+                blocks[flag] = line
+            elif line.startswith("   ") and blocks:
+                blocks[flag] += " " + line.strip()
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                entry = next(text for flag, text in blocks.items() if flag in action.option_strings)
+                assert "default" in entry, (name, entry)
+    calibrate = build_parser(["calibrate"]).format_help()
+    assert "MoE and dense-linear backend crossovers" in calibrate
+
+
+def test_calibrate_prints_the_backend_its_row_writes_and_the_smoothing_rule() -> None:
+    """`calibrate --quick` printed "chosen: gemv" at an M and wrote `upstream@1-`: the chosen column is the written
+    row's backend, and where smoothing kept it over a faster one the cell and a line say so."""
+    from moefx.backends.calibration import crossover_ranges
+    from moefx.calibrate.sweep import Sweep
+    from moefx.cli.calibrate_run import _table, written_backend
+
+    result = Sweep(timings={"upstream": {1: 10.0, 2: 10.0, 4: 10.0}, "gemv": {1: 10.5, 2: 10.6, 4: 9.8}},
+                   tolerance=0.05)
+    ranges = crossover_ranges(result.timings, tolerance=result.tolerance)
+    assert [r.text() for r in ranges] == ["upstream@1-"]
+    text = _table("shape", result, (1, 2, 4), 3, ranges)
+    row4 = next(line for line in text.splitlines() if line.startswith("4 "))
+    assert row4.rstrip().endswith("upstream (smoothed: gemv 2% faster)"), text
+    assert "within 5% of the fastest" in text and written_backend(ranges, 4) == "upstream"
+    plain = _table("shape", Sweep(timings={"upstream": {1: 10.0}, "gemv": {1: 5.0}}), (1,), 3,
+                   crossover_ranges({"upstream": {1: 10.0}, "gemv": {1: 5.0}}))
+    assert "smoothing" not in plain and plain.splitlines()[-1].rstrip().endswith("gemv")
+
+
+def test_audit_syncs_step_raises_no_transformers_future_warning() -> None:
+    """The audited step passed `past_key_values`, which transformers 5.2x renamed `cache` with a FutureWarning that
+    reached the user; the step and its prefill pass the cache under this version's name."""
+    import warnings
+
+    from transformers import StaticCache
+    from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper
+
+    from moefx.cli.audit_syncs import make_decode_step
+    from moefx.engine.steps import cache_kwarg
+    from moefx.models import build_model, tiny_qwen3_moe_config
+
+    model = build_model(tiny_qwen3_moe_config(), dtype=torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    ids = torch.randint(1, model.config.vocab_size, (1, 4))
+    step = make_decode_step(model, LogitsProcessorList([TemperatureLogitsWarper(0.8)]))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        model(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=True, **{cache_kwarg(model.forward): cache})
+        tokens, _ = step(ids[:, -1:], torch.full((1, 1), 4), cache, torch.ones(1, dtype=torch.long))
+    assert tokens.shape == (1,)
+
+
+def test_demo_batch_bound_is_the_plans_own_capture_limit() -> None:
+    """`moefx demo --batch` stops where a plan without max_batch_size stops capturing (its help says so)."""
+    from moefx.cli.demo import MAX_DEMO_BATCH
+    from moefx.planner.serving import CAPTURE_SIZE_LIMIT
+
+    assert MAX_DEMO_BATCH == CAPTURE_SIZE_LIMIT

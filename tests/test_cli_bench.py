@@ -75,3 +75,53 @@ def test_too_few_measured_samples_is_inconclusive():
     none = summarize({"a": a, "b": [[_sample(1.5e10, False)] * 3]}, red_line=3.0)
     assert none["exit_code"] == EXIT_INCONCLUSIVE and none["medians"]["b"]["decode_tok_s"] is None
     assert "0 of 3 samples measured in arm B" in none["verdict"]
+
+
+def test_a_change_beyond_the_noise_is_a_verdict_whatever_the_red_line():
+    """The issue's case: B 66.5% slower with 8.5% noise and a 3% red line is a REGRESSION, not "inconclusive"; B far
+    faster beyond wide noise is ok; a change inside noise wider than the red line stays inconclusive."""
+    a = [960.0, 990.0, 1000.0, 1075.0, 1100.0]  # spread (1075 - 990) / 1000 = 8.5%
+    b = [t * 0.335 for t in a]
+    line, code, change, noise = verdict(a, b, red_line=3.0)
+    assert code == EXIT_REGRESSION and line.endswith(": REGRESSION"), line
+    assert change == pytest.approx(-66.5) and noise == pytest.approx(8.5)
+    assert verdict(a, [t * 1.5 for t in a], 3.0)[1] == EXIT_OK  # 50% faster, beyond the noise
+    assert verdict(a, [t * 0.95 for t in a], 3.0)[1] == EXIT_INCONCLUSIVE  # 5% slower, inside 8.5% noise
+    assert verdict(a, [t * 1.05 for t in a], 3.0)[1] == EXIT_INCONCLUSIVE  # 5% faster, inside it too
+
+
+def _strict(text: str):
+    def refuse(name: str):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_bench_json_is_strict_json(tmp_path, monkeypatch, capsys):
+    """One repeat per process and one run: every spread is unknown (inf in Python); the file holds null there,
+    no Infinity, and any strict parser reads it. The arms' processes are stood in for (their stdout is what
+    bench_arm prints)."""
+    import subprocess
+    import types
+
+    from moefx.cli import bench
+
+    samples = {"a": [_sample(1000.0)], "b": [_sample(400.0)]}
+    samples["a"][0]["spread_pct"] = samples["b"][0]["spread_pct"] = None  # what bench_arm writes for inf
+
+    def fake_run(cmd, **kwargs):
+        config = json.loads(cmd[cmd.index("--config") + 1])
+        arm = "b" if config["mode"] == "eager" else "a"
+        return types.SimpleNamespace(returncode=0, stderr="", stdout=json.dumps({"samples": samples[arm]}))
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    out = tmp_path / "ab.json"
+    code = cli_main(["bench", "--b", EAGER, "--runs", "1", "--repeats", "1", "--json", str(out)])
+    text = out.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    data = _strict(text)
+    assert data["spread_pct"]["a"]["decode_tok_s"] is None and data["noise_pct"] is None
+    assert code == EXIT_INCONCLUSIVE and data["exit_code"] == code
+    assert "1 sample in arm A" in data["verdict"] and "swallowed" not in data["verdict"]  # all measured: too few
+    capsys.readouterr()
+    assert bench.strict_json({"x": [float("inf"), float("nan"), 1.5], "y": (2,)}) == {"x": [None, None, 1.5], "y": [2]}

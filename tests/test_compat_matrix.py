@@ -41,6 +41,7 @@ def test_every_row_passes_what_grouped_mm_passes_or_names_its_fallback(rows):
     assert len(not_run) <= len(rows) // 10, [(r.model_type, r.error) for r in not_run]
 
 
+@pytest.mark.slow  # it needs the whole matrix (the rows fixture, 137 s on 2 cores): the default tier leaves it out
 def test_docs_table_lists_the_rows_of_its_transformers_version(rows):
     text = DOC.read_text()
     version = re.search(r"transformers (\S+), torch", text)

@@ -72,3 +72,16 @@ def test_cli_explain_fusions_names_bad_targets(user_file, capsys):
     assert "shape must look like 64x512" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["explain-fusions", f"{user_file}:block", "--dtype", "int4"])
+
+
+def test_cli_explain_fusions_honours_pass_toggles(user_file, capsys):
+    """`-cc.pass_config.fuse_norm_quant=false` was ignored (the candidate still printed "[fused]"): the pass is off
+    now, named as off, and none of its candidates is listed; the other pass still runs."""
+    args = ["explain-fusions", f"{user_file}:block", "--inputs", "8x256", "256", "8x512"]
+    assert cli_main([*args, "-cc.pass_config.fuse_norm_quant=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "[fused]" not in printed and "pass fuse_norm_quant is off (pass_config.fuse_norm_quant=false)" in printed
+    assert "user_block.py:19 (fuse_act_quant)" in printed and "(fuse_norm_quant)" not in printed
+    assert cli_main([*args, "-cc.pass_config.fuse_act_quant=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "[fused]" in printed and "pass fuse_act_quant is off" in printed and "(fuse_act_quant)" not in printed

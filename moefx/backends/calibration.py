@@ -268,9 +268,15 @@ def load_section(path: str | os.PathLike[str], section: str, parse: Callable[[An
     `parse(data, "file.yaml#<row_prefix><n>")`; two rows with one key are an error. The MoE rows live under
     `rows`, the dense-linear rows (backends/dense_policy.py) under `dense_rows`, in the same files."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"calibration table {str(p)!r} is a folder; valid: a table file (.yaml) such as "
+                         f"`moefx calibrate --output` writes")
     if not p.is_file():
         raise ValueError(f"calibration table {str(p)!r} does not exist")
-    data = load_data_file(p, "calibration table") or {}
+    data = load_data_file(p, "calibration table")
+    if data is None:
+        raise ValueError(f"calibration table {str(p)!r} is empty; valid: a mapping with a 'rows' or 'dense_rows' "
+                         f"list (`moefx calibrate` writes one; delete the file to drop its rows)")
     if not isinstance(data, dict) or not isinstance(data.get(section, []), list):
         raise ValueError(f"calibration table {str(p)!r} must be a mapping with a {section!r} list")
     rows = [parse(r, f"{p.name}#{row_prefix}{i + 1}") for i, r in enumerate(data.get(section) or [])]
@@ -288,7 +294,7 @@ def write_section(path: str | os.PathLike[str], section: str, row: CalibrationRo
     are kept); returns the row's source id."""
     p = Path(path)
     data = (yaml.safe_load(p.read_text()) or {}) if p.is_file() else {}
-    rows = [r for r in load(p) if r.key != row.key] if p.is_file() else []
+    rows = [r for r in load(p) if r.key != row.key] if data else []  # an empty file is written afresh
     rows.append(row)
     data[section] = [r.to_yaml() for r in rows]
     tmp = p.with_suffix(p.suffix + ".tmp")
@@ -321,6 +327,9 @@ def table_paths(extra: Sequence[str] = ()) -> list[Path]:
         try:
             if folder.is_dir():
                 found.extend(sorted(folder.glob("*.yaml")))
+            elif folder.exists():  # e.g. a file where the user folder belongs: said, not silently skipped
+                warn_once(f"calibration folder {str(folder)!r} is not a folder; its tables are not used (valid: a "
+                          f"folder of *.yaml tables, or nothing there)")
         except OSError as exc:  # an unreadable user folder: the shipped tables still decide
             warn_once(f"calibration folder {str(folder)!r} could not be read ({type(exc).__name__}: {exc}); "
                       f"its tables are not used")

@@ -19,10 +19,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("moefx.cli.plan", "explain the plan for a model, here or for another machine"),
     "precompile": ("moefx.cli.precompile", "build a model's persistent compile artifacts ahead of time"),
     "bench": ("moefx.cli.bench", "A/B two configs: separate caches, interleaved runs, medians, noise"),
-    "calibrate": ("moefx.cli.calibrate", "measure MoE backend crossovers on this device"),
+    "calibrate": ("moefx.cli.calibrate", "measure MoE and dense-linear backend crossovers on this device"),
     "audit-syncs": ("moefx.cli.audit_syncs", "list host syncs and graph breaks in a decode step"),
     "explain-fusions": ("moefx.cli.explain_fusions", "show which quant fusions apply to a function, and why not"),
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each option's default after its help, unless the help already says
+    its default (or there is none to show: None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _chosen_command(argv: list[str]) -> str | None:
@@ -46,8 +58,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text)  # listed in --help; its module is not imported
             continue
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=HelpFormatter)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     return parser

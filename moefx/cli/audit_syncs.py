@@ -23,21 +23,24 @@ from moefx.models.spec import build_model_from_spec
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, "tiny-qwen3-moe")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--batch", type=int, default=1, help="rows of the audited step")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, > 0")
+    p.add_argument("--top-k", type=int, default=50, help="top-k warper, >= 1")
+    p.add_argument("--top-p", type=float, default=0.9, help="top-p warper, in (0, 1]; 1 leaves it out")
     p.add_argument("--json", dest="json_path", default=None, help="also write the findings to this JSON file")
     add_config_arg(p)
 
 
 def make_decode_step(model: Any, processors: Any) -> Any:
+    """The per-token work of transformers' sampling loop, as one function."""
     import torch
 
-    """The per-token work of transformers' sampling loop, as one function."""
+    from moefx.engine.steps import cache_kwarg
+
+    cache_arg = cache_kwarg(model.forward)  # `cache` where transformers renamed it: no FutureWarning
 
     def decode_step(tokens, positions, cache, unfinished):
-        logits = model(input_ids=tokens, position_ids=positions, past_key_values=cache, logits_to_keep=1).logits
+        logits = model(input_ids=tokens, position_ids=positions, logits_to_keep=1, **{cache_arg: cache}).logits
         scores = processors(tokens, logits[:, -1, :].float())
         probs = torch.softmax(scores, dim=-1)
         next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     from moefx.audit import audit_syncs
+    from moefx.engine.steps import cache_kwarg
 
     cfg = load_config(args)
     if args.config is None and not args.config_overrides:
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     ids = torch.randint(1, model.config.vocab_size, (args.batch, prompt), device=device)
     with torch.no_grad():
         pos = torch.arange(prompt, device=device).expand(args.batch, -1)
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(model.forward): cache})
     step_args = (
         ids[:, -1:].clone(),
         torch.full((args.batch, 1), prompt, device=device),

@@ -2,21 +2,26 @@
 
 Each arm runs in fresh processes with its own inductor cache; the processes are interleaved (A, B, A, B, ...)
 and each times `--repeats` greedy runs after warming up. Medians over all runs of an arm are compared. The
-spread of an arm is the interquartile range of its decode tok/s over its median: when either arm's spread is
-wider than the red line, no change that small can be told from noise and the verdict is "inconclusive"
-(exit 3), never "REGRESSION" (exit 1). `-cc.KEY=VALUE` overrides apply to both arms.
+noise is the wider arm's spread (interquartile range of its decode tok/s over its median). Verdict on B's decode
+tok/s against A's: "REGRESSION" (exit 1) when B is slower by more than the red line and the change is measured
+(larger than the noise, or the noise within the red line); "ok" (exit 0) when no such slowdown is there (a change
+within the red line with the noise within it too, or B faster beyond the noise); "inconclusive" (exit 3) when the
+noise is wider than the red line and the change is within the noise. `-cc.KEY=VALUE` overrides apply to both arms.
+`--json` is strict JSON: a spread that is not known (one sample) is null.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from moefx.cli.common import add_model_args, format_table, progress
 from moefx.config import CompilationConfig
@@ -33,10 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="processes per arm, interleaved A, B, A, B, ...")
     p.add_argument("--repeats", type=int, default=5, help="timed greedy runs per process")
     p.add_argument("--red-line", type=float, default=3.0, help="max allowed decode tok/s regression of B, in %%")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both arms run")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per run, at least 2")
+    p.add_argument("--batch", type=int, default=1, help="rows per request")
     p.add_argument("--json", default=None, help="write all runs, medians, spreads and the verdict to this file")
 
 
@@ -69,9 +74,10 @@ def verdict(a: list[float], b: list[float], red_line: float) -> tuple[str, int, 
     change = 100.0 * (statistics.median(b) / statistics.median(a) - 1.0)
     noise = max(spread_pct(a), spread_pct(b))
     head = f"decode tok/s B vs A: {change:+.1f}% (red line -{red_line:.1f}%, noise {noise:.1f}%)"
-    if not outside_noise(red_line, noise):
-        return (f"{head}: inconclusive: the arms' spread ({noise:.1f}%) is wider than the red line; use a quieter "
-                f"machine, more --runs/--repeats or a wider --red-line"), EXIT_INCONCLUSIVE, change, noise
+    if not (outside_noise(red_line, noise) or outside_noise(change, noise)):
+        return (f"{head}: inconclusive: the change is within the arms' spread ({noise:.1f}%), which is wider than "
+                f"the red line; use a quieter machine, more --runs/--repeats or a wider --red-line"), \
+            EXIT_INCONCLUSIVE, change, noise
     if change < -red_line:
         return f"{head}: REGRESSION", EXIT_REGRESSION, change, noise
     return f"{head}: ok", EXIT_OK, change, noise
@@ -89,7 +95,12 @@ def summarize(results: dict[str, list[list[dict]]], red_line: float) -> dict:
     medians = {arm: {m: statistics.median(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}
     spreads = {arm: {m: spread_pct(v) if v else None for m, v in p.items()} for arm, p in pooled.items()}
     short = [(arm, n, total) for arm, (n, total) in counts.items() if n < max(MIN_MEASURED, (total + 1) // 2)]
-    if short:
+    if short and all(n == total for _, n, total in short):  # every sample measured, too few of them
+        line = "decode tok/s B vs A: inconclusive: " + "; ".join(
+            f"{n} sample{'s' if n != 1 else ''} in arm {arm.upper()}" for arm, n, _ in short
+        ) + f" (a spread, so a verdict, needs at least {MIN_MEASURED} per arm: more --runs or --repeats)"
+        code, change, noise = EXIT_INCONCLUSIVE, None, None
+    elif short:
         line = "decode tok/s B vs A: inconclusive: " + "; ".join(
             f"{n} of {total} samples measured in arm {arm.upper()}" for arm, n, total in short
         ) + " (the machine's noise swallowed the decode steps: use a quieter machine or more --new-tokens)"
@@ -139,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     medians, spreads = summary["medians"], summary["spread_pct"]
 
     def cell(value: float | None, fmt: str) -> str:
-        return "-" if value is None else fmt.format(value)
+        return "-" if value is None or not math.isfinite(value) else fmt.format(value)  # "-": not known
 
     rows = [(m, cell(medians["a"][m], "{:.3f}"), cell(spreads["a"][m], "{:.1f}%"), cell(medians["b"][m], "{:.3f}"),
              cell(spreads["b"][m], "{:.1f}%")) for m in METRICS]
@@ -149,10 +160,22 @@ def run(args: argparse.Namespace) -> int:
     line, code, change, noise = summary["verdict"], summary["exit_code"], summary["change_pct"], summary["noise_pct"]
     print(f"\n{line}")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(json.dumps(strict_json({
             "model": args.model, "configs": {k: json.loads(v) for k, v in configs.items()}, "runs": results,
             "medians": medians, "spread_pct": spreads, "change_pct": change, "noise_pct": noise,
             "measured": {arm: {"measured": n, "samples": total} for arm, (n, total) in counts.items()},
             "red_line_pct": args.red_line, "verdict": line, "exit_code": code,
-        }, indent=1))
+        }), indent=1, allow_nan=False))
     return code
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float (a spread of one sample is inf) as None, so the file is JSON any strict
+    parser reads: null means "not known", never a number."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value

@@ -11,7 +11,8 @@ import json
 import torch
 
 import moefx
-from moefx.cli.demo import generate_metrics
+from moefx.cli.bench import strict_json
+from moefx.cli.demo import demo_prompts, generate_metrics
 from moefx.models.spec import build_model_from_spec
 
 
@@ -25,16 +26,17 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, _ = build_model_from_spec(args.model, args.layers, device, dtype)
     model = moefx.optimize(model, config=args.config)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len), device=device)
+    ids = demo_prompts(args.seed, args.batch, args.prompt_len, model.config.vocab_size).to(device)
     generate_metrics(model, ids, args.new_tokens)  # compile
     generate_metrics(model, ids, args.new_tokens)  # warm
     samples = [generate_metrics(model, ids, args.new_tokens) for _ in range(args.repeats)]
-    print(json.dumps({"samples": samples}))
+    print(json.dumps(strict_json({"samples": samples}), allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("shape (either --model or all of --experts/--hidden/--intermediate/--topk)")
     src.add_argument("--model", help="catalog name (e.g. qwen3-30b-a3b) or a config.json / model folder")
     src.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-GPU experts get intermediate/tp")
-    src.add_argument("--experts", type=int)
-    src.add_argument("--hidden", type=int)
+    src.add_argument("--experts", type=int, help="number of experts E")
+    src.add_argument("--hidden", type=int, help="hidden size H")
     src.add_argument("--intermediate", type=int, help="per-expert intermediate size I (w13 has 2I rows)")
-    src.add_argument("--topk", type=int)
+    src.add_argument("--topk", type=int, help="experts per token")
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--quant", default=None, choices=QUANTS,
                    help="weight format (default: none, and fp8-block128 too with --model on a GPU with FP8)")
@@ -34,15 +34,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--backends", default=None,
                    help="comma list of MoE contenders (default: every available + upstream)")
-    p.add_argument("--max-m", type=int, default=4096)
+    p.add_argument("--max-m", type=int, default=4096, help="largest token count M timed")
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (default 20 on CUDA, 5 on CPU)")
     p.add_argument("--quick", action="store_true", help="small grids (M up to 16) and few reps: a smoke run")
     p.add_argument("--output", default=None, help="table YAML to write (default: user table folder)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the table); 'none' skips it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
 
 
 def run(args: argparse.Namespace) -> int:
+    overrides = getattr(args, "config_overrides", [])
+    if overrides:  # refused, not ignored: a user who passes one expects it to change something
+        raise ValueError(f"calibrate reads no compilation config, so -cc overrides {overrides} would change "
+                         f"nothing; valid: no -cc (it times every backend; the plan that reads the rows takes the "
+                         f"config)")
     from moefx.cli.calibrate_run import run as calibrate
 
     return calibrate(args)

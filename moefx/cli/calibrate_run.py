@@ -6,6 +6,7 @@ import argparse
 import datetime
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from moefx.backends import available_backends
 from moefx.backends.calibration import (
     CalibrationRow,
+    MRange,
     crossover_ranges,
     device_identity,
     dtype_name,
@@ -65,7 +67,6 @@ def _model_shape(spec: str) -> tuple[int, int, int, int]:
     if not all(values):
         raise ValueError(f"--model {spec!r}: not an MoE config (experts, hidden, moe intermediate, top_k = {values})")
     return values  # type: ignore[return-value]
-
 
 
 def _choices(value: str | None, option: str, valid: tuple[str, ...], default: list[str]) -> list[str]:
@@ -214,7 +215,7 @@ def _calibrate_moe(args: argparse.Namespace, problem: moe_cal.MoeProblem, names:
         source = write_row(output, CalibrationRow(key, ranges, notes, "", result.timings))
         all_ranges[mode] = ranges
         lines.append(f"{what} {mode}: {', '.join(r.text() for r in ranges)}  [{source}]")
-        bar.note(_table(f"{shape} {what} {mode}", result, grid, reps) +
+        bar.note(_table(f"{shape} {what} {mode}", result, grid, reps, ranges) +
                  f"\n{mode} row {source} in {output}: " + ", ".join(r.text() for r in ranges))
     if (args.plot or "").lower() != "none":
         png = Path(args.plot) if args.plot and quant == (args.quant or "none") else \
@@ -242,19 +243,39 @@ def _calibrate_dense(args: argparse.Namespace, problem: dense_cal.DenseProblem, 
                      uncertain={int(m): why for m, why in result.uncertain.items()} or None)
         source = write_dense_row(output, DenseRow(key, ranges, notes, "", result.timings))
         lines.append(f"{what} {mode}: {', '.join(r.text() for r in ranges)}  [{source}]")
-        bar.note(_table(f"{what} {mode}", result, grid, reps) +
+        bar.note(_table(f"{what} {mode}", result, grid, reps, ranges) +
                  f"\n{mode} row {source} in {output}: " + ", ".join(r.text() for r in ranges))
     return lines
 
 
-def _table(title: str, result: Sweep, grid: tuple[int, ...], reps: int) -> str:
+def written_backend(ranges: Sequence[MRange], m: int) -> str:
+    """The backend the written row gives at `m`."""
+    return next(r.backend for r in ranges if r.contains(m))
+
+
+def _table(title: str, result: Sweep, grid: tuple[int, ...], reps: int, ranges: Sequence[MRange]) -> str:
+    """The timings per M and, as "chosen", the backend the written row gives there; where that is not the fastest,
+    the cell names the fastest and a line below states the smoothing rule that kept it."""
     timings, pinned = result.timings, result.pinned
     cols = sorted(timings)
-    rows = [[m, *(f"{timings[c][m]:.1f}" if m in timings[c] else "-" for c in cols),
-             f"{pinned[m]} (uncertain)" if m in pinned else
-             min(cols, key=lambda c: timings[c].get(m, float("inf")))] for m in grid]
+    rows, smoothed = [], False
+    for m in grid:
+        chosen = written_backend(ranges, m)
+        fastest = min(cols, key=lambda c: timings[c].get(m, float("inf")))
+        if m in pinned:
+            cell = f"{chosen} (uncertain)"
+        elif chosen != fastest and m in timings[chosen]:
+            gap = 100.0 * (timings[chosen][m] / timings[fastest][m] - 1.0)
+            cell, smoothed = f"{chosen} (smoothed: {fastest} {gap:.0f}% faster)", True
+        else:
+            cell = chosen
+        rows.append([m, *(f"{timings[c][m]:.1f}" if m in timings[c] else "-" for c in cols), cell])
     text = f"\n{title} (µs, median of {reps} or more, contenders interleaved):\n" + format_table(["M", *cols, "chosen"],
                                                                                                   rows)
+    if smoothed:
+        text += (f"\nsmoothing (the row's ranges): an M keeps the previous M's backend while it is within "
+                 f"{100 * result.tolerance:.0f}% of the fastest (the measured noise), and a backend that wins one grid "
+                 f"point alone, between points another backend wins, loses it to that one")
     for m, why in result.uncertain.items():
         text += f"\ncrossover uncertain at M={m}: {why}"
     return text

@@ -16,16 +16,34 @@ from moefx.cli.common import add_config_arg, format_table, load_config, progress
 if TYPE_CHECKING:
     import torch
 
+# The largest --batch: the largest capture size a plan proposes without max_batch_size
+# (moefx.planner.serving.CAPTURE_SIZE_LIMIT, pinned by a test); a larger batch shows nothing new about the
+# engine and only grows the eager reference's logits and activations until the host runs out of memory.
+MAX_DEMO_BATCH = 512
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both models run")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row (random ids, no pad token)")
+    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens generated per row, at least 2")
+    p.add_argument("--batch", type=int, default=1,
+                   help=f"rows per request, 1 to {MAX_DEMO_BATCH} (the largest batch a plan captures unasked)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per path; the median one is shown")
     add_config_arg(p)
+
+
+PAD = 0  # the pad id every generate() call here passes: no prompt holds it, so no position is masked
+
+
+def demo_prompts(seed: int, batch: int, length: int, vocab: int) -> torch.Tensor:
+    """Random prompts [batch, length] of ids in [1, vocab): never the pad id, which transformers' generate() would
+    mask (and the engine's first-step check, called without a mask, would not): both sides see every token."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(PAD + 1, vocab, (batch, length), generator=gen)
 
 
 def _sync(device: torch.device) -> None:
@@ -39,7 +57,7 @@ def _generate_s(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> f
     """Wall time of one `generate(ids, max_new_tokens=new_tokens)` (greedy, no EOS)."""
     _sync(ids.device)
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD)
     _sync(ids.device)
     return time.perf_counter() - start
 
@@ -96,7 +114,10 @@ def comparison(hf: dict, fx: dict, mode: str, engine: str | None, load: float | 
                 "--new-tokens)")
     ratio = fx["decode_tok_s"] / hf["decode_tok_s"]
     noise = max(hf["spread_pct"], fx["spread_pct"])
-    spread = "unknown" if noise == float("inf") else f"{noise:.0f}%"
+    if noise == float("inf"):
+        return (f"moefx decode: {ratio:.2f}x transformers' loop, one round: no spread measured, so no verdict "
+                f"(faster, slower or within the noise needs --repeats 2 or more)")
+    spread = f"{noise:.0f}%"
     beyond = outside_noise(100.0 * (ratio - 1.0), noise)
     if ratio >= 1.0 and beyond:
         return f"moefx decode: {ratio:.2f}x transformers' loop: faster, beyond the noise (decode-time spread {spread})"
@@ -133,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}" +
                              (" (the decode rate is timed from 1 and --new-tokens tokens)" if low == 2 else ""))
+    if args.batch > MAX_DEMO_BATCH:
+        raise ValueError(f"--batch must be <= {MAX_DEMO_BATCH} (the largest batch a plan captures unasked), got "
+                         f"{args.batch}")
     cfg = load_config(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -144,9 +168,8 @@ def run(args: argparse.Namespace) -> int:
     print("plan:")
     print(optimized.moefx_plan.explain())
 
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, eager.config.vocab_size, (args.batch, args.prompt_len), generator=gen).to(device)
-    greedy = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = demo_prompts(args.seed, args.batch, args.prompt_len, eager.config.vocab_size).to(device)
+    greedy = dict(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD)
     with torch.inference_mode():
         ref = eager.generate(ids, output_logits=True, return_dict_in_generate=True, **greedy)
         with progress("compiling the optimized model (first call)"):

@@ -4,7 +4,8 @@ not, with the file:line of the code and the exact reason for each one left alone
 FUNC's example inputs come from `--inputs` (shapes such as `64x512`, `256:float32`; random normal tensors of
 `--dtype`), else from FUNC's `example_inputs` attribute or a module-level `example_inputs()` function (called
 with FUNC's name when it takes an argument). Nothing is code-generated: the post-grad graph is captured and
-the passes run on it.
+the passes run on it. `--config` and `-cc.pass_config.fuse_act_quant=false` (or fuse_norm_quant) turn a pass off,
+as in a compile; the other config keys do not change what this command shows.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moefx.cli.common import add_config_arg, load_config
+
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -25,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="example input shapes, e.g. 64x512 256:float32")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of --inputs tensors")
     p.add_argument("--dynamic-rows", action="store_true", help="make the first dim of 2+-d inputs symbolic")
+    add_config_arg(p)
 
 
 def load_function(target: str) -> tuple[Any, Any]:
@@ -78,7 +82,8 @@ def example_inputs(module: Any, fn: Any) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     from moefx.explain import explain_fusions
 
+    cfg = load_config(args)  # a bad key or value is refused before the file is run
     module, fn = load_function(args.target)
     inputs = parse_inputs(args.inputs, args.dtype) if args.inputs else example_inputs(module, fn)
-    print(explain_fusions(fn, *inputs, dynamic_rows=args.dynamic_rows))
+    print(explain_fusions(fn, *inputs, dynamic_rows=args.dynamic_rows, config=cfg))
     return 0

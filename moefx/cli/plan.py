@@ -25,10 +25,11 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=f"built-in name ({', '.join(catalog_names())}), config.json, folder or YAML")
     p.add_argument("--device", default=None, help=f"cpu, cuda or a preset: {', '.join(DEVICE_PRESETS)}")
-    p.add_argument("--mode", default=None, choices=list(MODES))
+    p.add_argument("--mode", default=None, choices=list(MODES), help="default: the config's (capture)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size")
-    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="caps the capture buckets, 1 to 8192 (default: the config's, else a cap from memory)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_arg(p)

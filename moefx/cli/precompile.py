@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--mode", default=None, choices=[m for m in MODES if m != "eager"])
+    p.add_argument("--mode", default=None, choices=[m for m in MODES if m != "eager"],
+                   help="default: the config's (capture)")
     p.add_argument("--max-batch-size", type=int, default=None, help="caps the capture buckets (config key)")
     p.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,4,16 (default: the plan's buckets, or 1)")
     p.add_argument("--prompt-lengths", type=_ints, default=[128], help="e.g. 128,512 (default 128)")

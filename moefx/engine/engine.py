@@ -40,7 +40,7 @@ from moefx.config import PREFILL_CAPTURE_TOKENS, prefill_buckets
 from moefx.engine.graphs import Graphs
 from moefx.engine.memory import cache_bytes
 from moefx.engine.prefill import BucketedPrefill
-from moefx.engine.request import LateStop, Request, check_prompt
+from moefx.engine.request import LateStop, Request, check_input_ids, check_prompt
 from moefx.engine.slots import Slot, SlotPool, _uncapturable_cache
 from moefx.engine.steps import Steps, mark_slot_dynamic
 from moefx.log import progress_logger, warn_once
@@ -167,6 +167,7 @@ class DecodeLoop:
         there); `attention_mask` (left padding only) marks prompt positions to ignore; each stopping
         criterion is called as `criterion(input_ids_so_far, logits)` and returns a bool per row. `logits_out`, when
         given, receives a copy of each step's last-position logits [B, V] (checks and benchmarks)."""
+        check_input_ids(self.model.config, input_ids)
         if self.compile_cache is not None:
             self.compile_cache.load()  # before the first compile: a cache hit instead
         check_prompt(self.model.config, *input_ids.shape, max_new_tokens)

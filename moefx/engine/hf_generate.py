@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moefx.engine.request import Request
+from moefx.engine.request import Request, check_input_ids
 from moefx.log import get_logger
 from moefx.sampling.sampler import SamplingParams
 
@@ -301,6 +301,8 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
+        prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        check_input_ids(model.config, prompt)  # either loop: a bad id is one clear line before anything runs
         request, why = read_request(model, args, kwargs)
         if request is None:
             _fallback(front, why)

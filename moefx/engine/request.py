@@ -56,6 +56,26 @@ def check_prompt(config: Any, batch: int, prompt: int, max_new_tokens: int) -> N
                          f"max_new_tokens <= {positions}")
 
 
+def check_input_ids(config: Any, input_ids: Any) -> None:
+    """ValueError for prompt ids no embedding can look up: a float or bool tensor, or an id outside
+    [0, vocab_size). Checked before anything runs (one host read of the min and max), so a bad id is this line,
+    not an IndexError from deep inside the embedding or a device-side assert."""
+    if not isinstance(input_ids, torch.Tensor):
+        return  # transformers' generate() says what it takes
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must hold integer token ids (torch.long), got dtype "
+                         f"{str(input_ids.dtype).replace('torch.', '')}; valid: input_ids.long() of ids in "
+                         f"[0, vocab_size)")
+    vocab = getattr(config, "vocab_size", None)
+    if input_ids.numel() == 0 or not isinstance(vocab, int):
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary; valid: 0 <= id < "
+                         f"vocab_size {vocab}")
+
+
 class LateStop:
     """"Every row finished?" read one step late: the flag is copied to pinned memory as the step is queued
     and read when the next one has been queued, so the host never waits for the step it just launched."""

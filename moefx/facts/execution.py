@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from moefx.config import MODES, did_you_mean
+from moefx.config import MAX_BATCH_SIZE, MODES, did_you_mean
 from moefx.machine import DEVICE_PRESETS  # (torch-free there, so the CLI's help lists the presets at once)
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
@@ -86,6 +86,9 @@ class ExecutionSignature:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 none = " or None" if name == "max_batch_size" else ""
                 raise ValueError(f"ExecutionSignature {name} must be an integer >= 1{none}, got {value!r}")
+            if name == "max_batch_size" and value > MAX_BATCH_SIZE:
+                raise ValueError(f"ExecutionSignature max_batch_size must be <= {MAX_BATCH_SIZE} (config key "
+                                 f"'max_batch_size' has the same bound) or None, got {value!r}")
         if self.capability is not None:
             object.__setattr__(self, "capability", tuple(int(x) for x in self.capability))
         unknown = set(self.cpu_isa) - set(CPU_ISA_FLAGS)

@@ -2,11 +2,22 @@
 
 PyTorch's compile caches (the Mega-Cache, `file.py`) keep inductor's and AOTAutograd's outputs, not
 dynamo's, so a warm process still traced every step: 6.9 s of a 22.3 s warm start at 48 layers on the H200
-(docs/FINDINGS.md). torch's AOT compile (`torch.compile(fn, fullgraph=True).aot_compile(...)`, torch >= 2.10)
-keeps dynamo's output too: the transformed bytecode, the guards and the compiled graph, one serializable entry
-per trace. `AotFunction` compiles each of the engine's functions that way, one entry per distinct call (what
-dynamo's cache entries would have been), picks the entry whose guards pass at each call, and hands its entries
-to the engine's compile-cache file; a new process loads them and calls them with no tracing and no backend.
+(docs/FINDINGS.md). torch's AOT compile (`torch.compile(fn, fullgraph=True).aot_compile(...)`) keeps dynamo's
+output too: the transformed bytecode, the guards and the compiled graph, one serializable entry per trace.
+`AotFunction` compiles each of the engine's functions that way, one entry per distinct call (what dynamo's cache
+entries would have been), picks the entry whose guards pass at each call, and hands its entries to the engine's
+compile-cache file; a new process loads them and calls them with no tracing and no backend.
+
+What torch asks for, and how moefx gives it on every torch it runs on (2.11 to 2.14): `torch.compile` offers
+`aot_compile` only while `torch._dynamo.config.enable_aot_compile` is on (off by default on torch 2.11, on on 2.13), so
+the flag is set around moefx's own `torch.compile` calls here and restored after (`_aot_flag`), never for the
+process; and the backend's output must be a `torch._dynamo.aot_compile_types.SerializableCallable`. torch 2.13
+wraps any output that AOTAutograd bundled (it has `serialize`) itself; torch 2.11 does so only for its own inductor
+backend, not for a backend function such as the engine's counting one. So the backend's output is wrapped in
+`SavedGraph`, moefx's serializable callable, on every torch: it keeps AOTAutograd's bundled entry (inductor's
+generated code inside), and a new process rebuilds the callable from it with no backend call. `why_no_aot` asks
+torch for these pieces, not for its version; where one is missing, the engine compiles as before (one warning
+line says why).
 
 Which guards an entry keeps (`_keep`): those on the call's own values, namely tensor metadata (dtype, device,
 shape, strides, which dimensions are dynamic), the shape relations, constants such as `by_head` or a None mask,
@@ -15,11 +26,13 @@ on code, closures, modules and dicts cannot be serialized, and what they protect
 identity in the file name (model signature, config, plan, versions, pass sources): each is the same in a
 process that finds the file. Tensor dimension marks (`maybe_mark_dynamic`) are lost by torch's guard
 serialization, so they are kept beside the entry and put back on load. An entry that does not load, or a call
-that fullgraph tracing cannot take (a graph break), runs the ordinary `torch.compile` path, said once.
+that fullgraph tracing cannot take (a graph break), runs the ordinary `torch.compile` path: the first such step
+in a process says so in one warning line, later ones in the log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pickle
@@ -31,6 +44,11 @@ import torch
 from moefx.log import get_logger, warn_once
 
 log = get_logger("moefx.engine")
+
+try:
+    from torch._dynamo.aot_compile_types import SerializableCallable
+except ImportError:  # why_no_aot says so
+    SerializableCallable = None
 
 # Guard kinds that speak of the call's own values and survive serialization (see the module docstring).
 _KEPT_GUARDS = frozenset({
@@ -44,22 +62,72 @@ _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_un
 
 @functools.lru_cache(maxsize=1)
 def why_no_aot() -> str | None:
-    """Why this torch cannot keep dynamo's output across processes (None: it can). torch 2.11 ships
-    torch._dynamo.aot_compile but not the `aot_compile` method of what torch.compile returns (2.12 and later)."""
+    """Why this torch cannot keep dynamo's output across processes (None: it can): the pieces `AotFunction` and
+    `SavedGraph` use, asked for by name (see the module docstring)."""
     try:
         from torch._dynamo import aot_compile
         from torch._dynamo.package import load_guard_manager, load_guards_state  # noqa: F401
+        from torch._functorch._aot_autograd.aot_autograd_result import deserialize_bundled_cache_entry  # noqa: F401
     except ImportError as exc:
         return f"torch {torch.__version__} has no AOT compile ({exc})"
     if not hasattr(aot_compile, "AOTCompiledFunction"):
         return f"torch {torch.__version__} has no AOT compile (torch._dynamo.aot_compile.AOTCompiledFunction)"
-    if not hasattr(torch.compile(_probe, fullgraph=True), "aot_compile"):
-        return f"torch {torch.__version__}'s torch.compile has no aot_compile (torch 2.12 and later have it)"
+    if SerializableCallable is None:
+        return f"torch {torch.__version__} has no torch._dynamo.aot_compile_types.SerializableCallable"
+    with _aot_flag():
+        offered = hasattr(torch.compile(_probe, fullgraph=True), "aot_compile")
+    if not offered:
+        flag = "" if _HAS_FLAG else ", and no torch._dynamo.config.enable_aot_compile to turn it on"
+        return f"torch {torch.__version__}'s torch.compile has no aot_compile{flag}"
     return None
+
+
+_HAS_FLAG = hasattr(torch._dynamo.config, "enable_aot_compile")
+
+
+def _aot_flag() -> contextlib.AbstractContextManager[Any]:
+    """`torch._dynamo.config.enable_aot_compile` on for a `torch.compile` call of moefx's own, restored after (torch
+    2.11 attaches `aot_compile` to what torch.compile returns only while it is on); nothing where torch has no flag."""
+    return torch._dynamo.config.patch(enable_aot_compile=True) if _HAS_FLAG else contextlib.nullcontext()
 
 
 def _probe() -> None:
     """A function to ask torch.compile's wrapper what it offers (never called)."""
+
+
+if SerializableCallable is not None:
+
+    class SavedGraph(SerializableCallable):
+        """The backend's output for one trace, in the form torch's AOT compile saves: AOTAutograd's bundled entry
+        (the graph's runtime wrappers with inductor's generated code inside, `compiled.serialize()`), rebuilt by
+        AOTAutograd in a new process without calling the backend. Calls go to the compiled function."""
+
+        def __init__(self, compiled: Callable[..., Any]) -> None:
+            self.compiled = compiled
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.compiled(*args, **kwargs)
+
+        @classmethod
+        def serialize_compile_artifacts(cls, fn: SavedGraph) -> bytes:
+            with torch._functorch.config.patch(bundled_autograd_cache=True):
+                return pickle.dumps(fn.compiled.serialize())
+
+        @classmethod
+        def deserialize_compile_artifacts(cls, data: bytes) -> SavedGraph:
+            from torch._functorch._aot_autograd.aot_autograd_result import deserialize_bundled_cache_entry
+
+            return cls(deserialize_bundled_cache_entry(pickle.loads(data)))
+
+
+def _serializable(compiled: Any) -> Any:
+    """The backend's output as torch's AOT compile can save it: `SavedGraph` around what AOTAutograd bundled; other
+    outputs as they are (torch then says why it cannot save them, and the call takes the ordinary path)."""
+    if SerializableCallable is None or isinstance(compiled, SerializableCallable):
+        return compiled
+    if getattr(compiled, "serialize", None) is None:
+        return compiled
+    return SavedGraph(compiled)
 
 
 def _said_once(message: str) -> None:
@@ -219,8 +287,18 @@ class AotFunction:
             tensors.extend(e.name for e, k in zip(entries, keep) if k and e.guard_type == "TENSOR_MATCH")
             return keep
 
-        compiler = torch.compile(self.fn, fullgraph=True, backend=self.backend,
-                                 options={"guard_filter_fn": guard_filter})
+        backend = self.backend
+        if isinstance(backend, str):
+            from torch._dynamo import lookup_backend
+
+            backend = lookup_backend(backend)
+
+        def serializable_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            return _serializable(backend(gm, example_inputs))
+
+        with _aot_flag():
+            compiler = torch.compile(self.fn, fullgraph=True, backend=serializable_backend,
+                                     options={"guard_filter_fn": guard_filter})
         try:
             with torch._dynamo.config.patch(specialize_float=True):  # moefx.compile.with_exact_floats: why
                 compiled = compiler.aot_compile((full, {}))
@@ -250,8 +328,9 @@ class AotFunction:
                 loaded = type("Loaded", (cls,), {"marks": data["marks"]}).deserialize(data["aot"],
                                                                                        self.fn.__globals__)
             except Exception as exc:  # whatever fails, the entry is not used: it is traced again and re-saved
-                log.warning("compile cache entry of %s does not load (%s: %s); tracing it afresh", self.name,
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                _said_once(f"moefx: a saved trace of {self.name} in the compile cache does not load, so it is traced "
+                           f"afresh and saved again ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}; later ones are logged at MOEFX_LOG=info)")
                 self.changes += 1
                 continue
             self.entries.append(_Entry(loaded, blob))
