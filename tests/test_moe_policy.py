@@ -141,9 +141,11 @@ def test_capture_never_runs_host_syncing_forced_backend():
 def test_legacy_is_the_reference_backend_under_its_former_name(tmp_path, monkeypatch):
     """`legacy` (the public contract's name for the reference loop) is accepted wherever a MoE backend is named and
     read as `reference`: config (dict, dotted override, direct), env, the op's arguments, table ranges and timings,
-    rule pins. The config's hash is that of `reference`, and only `reference` is listed as a valid choice."""
+    rule pins and rule files. The config's hash is that of `reference`; only `reference` is listed as a valid
+    choice."""
     from moefx.backends import moe_experts
     from moefx.config import MOE_BACKENDS
+    from moefx.planner.rules import parse_rule
 
     assert "legacy" not in MOE_BACKENDS and "reference" in BACKENDS and "legacy" not in BACKENDS
     ref = CompilationConfig(moe_backend="reference")
@@ -172,6 +174,8 @@ def test_legacy_is_the_reference_backend_under_its_former_name(tmp_path, monkeyp
     assert plan.policy("eager").backend_for(1) == "reference"
     plan = moe_plan(*_tiny_signatures(), CompilationConfig(), pins={"backend": "legacy"})
     assert plan.policy("eager").backend_for(100) == "reference"
+    rule = parse_rule({"match": {"family": "qwen3_moe"}, "moe": {"backend": "legacy"}}, "rules.yaml", 0)
+    assert rule.moe == {"backend": "reference"}
 
 
 def test_env_override_and_validation(tmp_path, monkeypatch):
