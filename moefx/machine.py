@@ -8,7 +8,10 @@ import functools
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # Published properties of common GPUs, for planning on a machine that does not have them (ExecutionSignature.preset).
 DEVICE_PRESETS: dict[str, dict[str, Any]] = {
@@ -53,7 +56,7 @@ def host_memory_available() -> int | None:
     return None
 
 
-def free_memory(device: Any) -> int:
+def free_memory(device: torch.device | str) -> int:
     """Bytes that new tensors on `device` could still take in this process.
 
     CUDA: the driver's free memory plus what torch's caching allocator has reserved but holds no tensor in. The
