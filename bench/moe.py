@@ -2,7 +2,7 @@
 
 Qwen3-30B-A3B geometry (E=128, H=2048, I=768, top-8), M in {1, 4, 16, 64, 256, 1024, 4096}, bf16 and FP8
 block-128 (w8a8). Order: measure the ceilings (HBM copy, bf16 / fp8 matmul), check every backend against
-`legacy` on fresh random inputs (M=1, odd M, experts with no tokens, all tokens on one expert), then time
+`reference` on fresh random inputs (M=1, odd M, experts with no tokens, all tokens on one expert), then time
 CUDA-graph replays: each graph holds one call per rotating input set (different routing each), so weights
 come from HBM, not L2. Floor = max(touched-expert bytes / copy bandwidth, FLOPs / matmul rate) with
 experts touched counted on the very inputs timed. Prints a table last; JSON to $OUT/moe.json.
@@ -36,7 +36,7 @@ PEER_TRITON_US = {  # tuned Triton fused-MoE on this H200 (anchors/h200_peers_20
     "bf16": (46.5, 90.5, 216, 315, 344, 422, 949),
     "fp8": (38.9, 66.1, 134, 184, 229, 346, 1001),
 }
-BOUNDS = {"bf16": 2e-2, "fp8": 8e-2}  # ||out - legacy|| / ||legacy||; fp8: w8a8 vs dequantized-weight oracle
+BOUNDS = {"bf16": 2e-2, "fp8": 8e-2}  # ||out - reference|| / ||reference||; fp8: w8a8 vs dequantized-weight oracle
 
 
 def make_peer(w13: torch.Tensor, w2: torch.Tensor, compile_: bool):
@@ -88,7 +88,7 @@ def main() -> None:
         q13, s13 = quant_weight_fp8_block(w13, *bs)
         q2, s2 = quant_weight_fp8_block(w2, *bs)
         weights["fp8"] = dict(w13=q13, w2=q2, kw=dict(w13_scale=s13, w2_scale=s2, block_shape=bs))
-    legacy = BACKENDS["legacy"]
+    reference = BACKENDS["reference"]
     result: dict = {"device": torch.cuda.get_device_name() if not quick else "cpu", "torch": torch.__version__,
                     "geometry": dict(E=e, H=h, I=inter, top_k=k), "ceilings": ceil, "check": [], "rows": []}
     if args.profile:
@@ -113,7 +113,7 @@ def main() -> None:
         print_sweep(result["sweep"])
         return
 
-    # ---- correctness vs legacy, fresh inputs ----
+    # ---- correctness vs reference, fresh inputs ----
     check_ms = (1, 7, 33) if quick else (1, 7, 33, 300, 3000)  # 3000: above 128 rows per expert (FP8 running tiles)
     failures = []
     for dt in dtypes:
@@ -125,20 +125,20 @@ def main() -> None:
                 ids, tw = routing(m, 2 * k, k, dev, gen)  # experts 2k.. get no tokens
             if m == 300:
                 ids[:, 0] = 5  # every token on expert 5
-            ref = legacy(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"])
+            ref = reference(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"])
             if dt == "bf16" and m in (1, 33):
                 with torch.no_grad():
                     err = relerr(make_peer(wt["w13"], wt["w2"], compile_=False)(x, ids, tw.to(x.dtype)), ref)
                 result["check"].append(dict(dtype=dt, M=m, backend="hf_grouped_mm", relerr=err, ok=err < BOUNDS[dt]))
             for name, be in BACKENDS.items():
-                if name == "legacy" or be.unsupported_reason(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"])):
+                if name == "reference" or be.unsupported_reason(MoeCall(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"])):
                     continue
                 err = relerr(be(x, ids, tw, wt["w13"], wt["w2"], **wt["kw"]), ref)
                 ok = err < BOUNDS[dt]
                 result["check"].append(dict(dtype=dt, M=m, backend=name, relerr=err, ok=ok))
                 if not ok:
                     failures.append(f"{name} {dt} M={m}: relerr {err:.3g} >= {BOUNDS[dt]}")
-    print(f"check: {len(result['check'])} backend/input pairs vs legacy, {len(failures)} failures "
+    print(f"check: {len(result['check'])} backend/input pairs vs reference, {len(failures)} failures "
           f"({time.time() - t0:.0f}s)", flush=True)
     for f in failures:
         print("  FAIL", f, flush=True)
@@ -161,7 +161,7 @@ def main() -> None:
             floor = floor_us(dt, m, sets, weights, ceil, h, inter, k)
             row = dict(dtype=dt, M=m, experts_touched=touched, floor_us=floor,
                        peer_triton_us=PEER_TRITON_US.get(dt, (None,) * 7)[mi] if len(ms) == 7 else None)
-            cands = {n: b for n, b in BACKENDS.items() if n != "legacy"}
+            cands = {n: b for n, b in BACKENDS.items() if n != "reference"}
             for name, be in cands.items():
                 if be.unsupported_reason(MoeCall(*sets[0], wt["w13"], wt["w2"], **wt["kw"])):
                     continue
@@ -370,7 +370,7 @@ def sweep_reps(prior_us: float, nsets: int) -> int:
 
 
 def time_point(call, sets: list[tuple], ref: torch.Tensor, bound: float, quick: bool, prior_us: float) -> float | str:
-    """µs per call of `call` over the rotating sets, after an output check vs legacy; a failure is a result.
+    """µs per call of `call` over the rotating sets, after an output check vs reference; a failure is a result.
     --quick (the interpreter, no timing claims) times the checked call itself: one call per point."""
     try:
         start = time.perf_counter()
@@ -392,14 +392,14 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
     Each (kind, dtype) group gets a share of what is left of the budget. Candidates: the default tiles,
     then one change at a time from them (most promising first; the tail is dropped when the share runs
     out), then the best GEMM-1 change combined with the best GEMM-2 change. Every point is checked
-    against legacy first. Adopt a result by editing DEFAULT_TILES in the kernel module.
+    against reference first. Adopt a result by editing DEFAULT_TILES in the kernel module.
     """
     from moefx.kernels.moe_gemv import default_gemv_config, gemv_moe
     from moefx.kernels.moe_grouped import default_tiles, fused_moe, normalize_tiles
 
     dev = "cpu" if quick else "cuda"
     nsets = 1 if quick else 4
-    legacy = BACKENDS["legacy"]
+    reference = BACKENDS["reference"]
     groups = [(kind, dt) for kind in ("grouped", "gemv") for dt in weights if quick or (sweep_ms or SWEEP_MS)[kind]]
     start = time.time()
     res: dict = {"budget_s": budget_s, "groups": [], "points": [], "best": []}
@@ -415,7 +415,7 @@ def sweep(weights: dict, e: int, h: int, inter: int, k: int, gen: torch.Generato
         if quick:  # the interpreter takes seconds per call: each M's defaults, timed at every M, exercise the choice
             cands = [("ref", tiles) for tiles in dict.fromkeys(defaults.values())]
         sets = {m: input_sets(m, h, e, k, dev, gen, nsets) for m in ms}
-        refs = {m: legacy(*sets[m][0], wt["w13"], wt["w2"], **wt["kw"]) for m in ms}
+        refs = {m: reference(*sets[m][0], wt["w13"], wt["w2"], **wt["kw"]) for m in ms}
         prior = {m: PRIOR_US.get((kind, dt), {}).get(m, 1.0) for m in ms}
         per_cand = COMPILE_S[kind] + sum(prior[m] * nsets * (sweep_reps(prior[m], nsets) * TRIALS + 5)
                                          for m in ms) / 1e6
@@ -525,13 +525,13 @@ def profile_variants(dt: str, m: int, wt: dict) -> dict:
 def profile(weights: dict, ms: tuple[int, ...], dtypes: list[str], e: int, h: int, inter: int, k: int,
             gen: torch.Generator, quick: bool) -> list[dict]:
     dev = "cpu" if quick else "cuda"
-    legacy = BACKENDS["legacy"]
+    reference = BACKENDS["reference"]
     rows = []
     for dt in dtypes:
         wt = weights[dt]
         for m in ms:
             sets = input_sets(m, h, e, k, dev, gen, 4)
-            ref = legacy(*sets[0], wt["w13"], wt["w2"], **wt["kw"])
+            ref = reference(*sets[0], wt["w13"], wt["w2"], **wt["kw"])
             for name, call in profile_variants(dt, m, wt).items():
                 row = dict(dtype=dt, M=m, variant=name)
                 try:

@@ -3,7 +3,7 @@
 Order: measure the floors' bandwidths (host memory copy with all threads, pinned H2D), run the same-run peer
 (accelerate `dispatch_model` with the experts on the CPU, 8 layers), build the moefx model (as many of the 48
 layers as host memory holds, at least 8; random bf16 weights), offload it with `moefx.optimize`, check one
-offloaded layer against the `legacy` backend on the GPU (CPU/hybrid path and full streaming), then time
+offloaded layer against the `reference` backend on the GPU (CPU/hybrid path and full streaming), then time
 decode (B=1, B=4; also B=1 on the first 8 layers, for the ratio to the peer) and prefill (512, 2048, 8192).
 
 Floors: decode tok/s = B / (layers x experts touched per step x expert bytes / host memory bandwidth);
@@ -38,7 +38,7 @@ from moefx.models.routing_stats import expected_distinct
 from moefx.offload.transform import OffloadedExperts
 
 TARGETS = {"decode_vs_floor": 0.60, "prefill8192_vs_floor": 0.70, "vs_accelerate": 50.0}
-BF16_BOUND = 2e-2  # ||offloaded - legacy on GPU|| / ||legacy||, bf16 weights and activations
+BF16_BOUND = 2e-2  # ||offloaded - reference on GPU|| / ||reference||, bf16 weights and activations
 
 
 def log(msg: str) -> None:
@@ -136,7 +136,7 @@ def offloaded(model) -> list[OffloadedExperts]:
 
 @torch.no_grad()
 def check_layer(expert: OffloadedExperts, device: str, ms: tuple[int, ...]) -> dict:
-    """One offloaded layer vs `legacy` on the same device with the weights copied there; every path it takes."""
+    """One offloaded layer vs `reference` on the same device with the weights copied there; every path it takes."""
     store, rt = expert.store, expert.rt
     w13, w2 = store.w13.to(device), store.w2.to(device)
     e, h = store.num_experts, store.w13.shape[2]
@@ -146,7 +146,7 @@ def check_layer(expert: OffloadedExperts, device: str, ms: tuple[int, ...]) -> d
         x = torch.randn(m, h, generator=gen).to(device=device, dtype=torch.bfloat16)
         w, ids = torch.softmax(torch.randn(m, e, generator=gen), -1).topk(8, dim=-1)
         ids, w = ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
-        ref = BACKENDS["legacy"](x, ids, w, w13, w2).float()
+        ref = BACKENDS["reference"](x, ids, w, w13, w2).float()
         paths = {"as planned": rt.switch_tokens}
         if rt.ring is not None:
             paths["all streamed"] = 1
@@ -504,15 +504,15 @@ def main() -> int:
         log(f"ERROR: {len(experts)} of {layers} experts modules were offloaded")
         return 1
 
-    log("correctness: one offloaded layer vs legacy on " + device)
+    log("correctness: one offloaded layer vs reference on " + device)
     errs = check_layer(experts[0], device, (1, 4, 37) if quick else (1, 4, 4096))
     result["check_relerr"] = errs
     bad = {k_: v for k_, v in errs.items() if not v <= BF16_BOUND}
     rt = experts[0].rt
-    if bad and rt.ring is not None and rt.tile_backend != "legacy":
-        log(f"tile backend {rt.tile_backend!r} out of bounds {bad}; retrying with 'legacy'")
+    if bad and rt.ring is not None and rt.tile_backend != "reference":
+        log(f"tile backend {rt.tile_backend!r} out of bounds {bad}; retrying with 'reference'")
         result["errors"].append(f"tile backend {rt.tile_backend} out of bounds: {bad}")
-        rt.tile_backend = "legacy"
+        rt.tile_backend = "reference"
         errs = check_layer(experts[0], device, (1, 4, 4096))
         result["check_relerr"] = errs
         bad = {k_: v for k_, v in errs.items() if not v <= BF16_BOUND}

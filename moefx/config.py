@@ -21,7 +21,10 @@ from typing import Any, Union
 
 import yaml
 
-MOE_BACKENDS = ("auto", "legacy", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
+MOE_BACKENDS = ("auto", "reference", "grouped", "gemv", "torch_grouped", "cpu", "upstream")
+# Other names a MoE backend is accepted under (config, env, calibration tables, rule pins, the op's arguments), each
+# mapped to its name: `legacy` is the reference backend's former name, still part of the public contract.
+MOE_BACKEND_ALIASES: dict[str, str] = {"legacy": "reference"}
 DENSE_BACKENDS = ("auto", "upstream", "gemv")
 MODES = ("eager", "compile", "capture")
 LAYER_REGIONS = ("auto", "all", "prefill", "none", "frames")
@@ -80,8 +83,9 @@ def prefill_buckets(max_tokens: Any) -> tuple[int, ...]:
     return tuple(b for b in PREFILL_BUCKETS if b <= max_tokens)
 
 
-def _choices(*values: str) -> dict[str, Any]:
-    return {"choices": values}
+def _choices(*values: str, aliases: dict[str, str] | None = None) -> dict[str, Any]:
+    """A field's valid values and the other names (`aliases`) it accepts for them, mapped on load."""
+    return {"choices": values, "aliases": aliases or {}}
 
 
 @dataclass
@@ -118,7 +122,7 @@ class OffloadConfig:
 @dataclass
 class CompilationConfig:
     pass_config: PassConfig = field(default_factory=PassConfig)
-    moe_backend: str = field(default="auto", metadata=_choices(*MOE_BACKENDS))
+    moe_backend: str = field(default="auto", metadata=_choices(*MOE_BACKENDS, aliases=MOE_BACKEND_ALIASES))
     dense_backend: str = field(default="auto", metadata=_choices(*DENSE_BACKENDS))
     # capture: compiled, with CUDA graphs where the device has them (compile and eager opt out of those steps).
     mode: str = field(default="capture", metadata=_choices(*MODES))
@@ -149,6 +153,7 @@ class CompilationConfig:
     layer_regions: str = field(default="auto", metadata=_choices(*LAYER_REGIONS))
 
     def __post_init__(self) -> None:
+        self.moe_backend = MOE_BACKEND_ALIASES.get(self.moe_backend, self.moe_backend)
         mbs = self.max_batch_size
         if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or not 1 <= mbs <= MAX_BATCH_SIZE):
             raise ValueError(f"config key 'max_batch_size' must be an integer >= 1 and <= {MAX_BATCH_SIZE} or null "
@@ -326,6 +331,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             raise ValueError(
                 f"unknown config key {dotted!r}; valid keys: {sorted(fields)}{did_you_mean(key, fields)}"
             )
+        if isinstance(value, str):
+            value = fields[key].metadata.get("aliases", {}).get(value, value)
         kwargs[key] = _coerce(hints[key], value, dotted, fields[key].metadata.get("choices"))
     return cls(**kwargs)
 

@@ -1,14 +1,15 @@
 """The one declarative table of moefx's environment knobs: every `MOEFX_*` variable moefx reads, its parser,
-default, meaning and legacy aliases, and the one list of on/off words. Every reader goes through `get_setting`.
+default, meaning and aliases (names it is also read under), and the one list of on/off words. Every reader goes
+through `get_setting`.
 
-`get_setting(name)` reads the environment every call (so tests and launchers can change it), maps a
-legacy alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
+`get_setting(name)` reads the environment every call (so tests and launchers can change it), maps an
+alias to its canonical name with a one-time warning, and raises `ValueError` naming the variable
 for a bad value. Canonical and alias both set to different values is an error, never a silent choice.
 
 `settings()` (`moefx.offload.settings()`) resolves the rows of docs/OFFLOAD.md's knob table (offload, the MoE and dense
 backends, the decode engine's memory budget); the plan validates them all at once. The other rows are read where
-they are used: logging, graph dumps, the compile cache's folder, the vLLM config, pass switches and a legacy
-backend switch.
+they are used: logging, graph dumps, the compile cache's folder, the vLLM config, pass switches and the on/off
+gemv switch.
 
 Importing this module imports neither torch nor another moefx package but `moefx.config` (the CLI checks
 `MOEFX_LOG` before anything heavy loads).
@@ -22,7 +23,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moefx.config import DEFAULT_MEMORY_BUDGET, DENSE_BACKENDS, MOE_BACKENDS, OFFLOAD_DEVICES, parse_memory_budget
+from moefx.config import (
+    DEFAULT_MEMORY_BUDGET,
+    DENSE_BACKENDS,
+    MOE_BACKEND_ALIASES,
+    MOE_BACKENDS,
+    OFFLOAD_DEVICES,
+    parse_memory_budget,
+)
 
 ON_WORDS = ("1", "true", "on", "yes")
 OFF_WORDS = ("0", "false", "off", "no")
@@ -148,9 +156,9 @@ TABLE: tuple[EnvSetting, ...] = (
     ),
     EnvSetting(
         "MOEFX_MOE_BACKEND",
-        _choice_parser(MOE_BACKENDS),
+        _choice_parser(MOE_BACKENDS, MOE_BACKEND_ALIASES),
         "auto",
-        "force one MoE backend for every call (safety checks still apply)",
+        "force one MoE backend for every call (safety checks still apply); `legacy` is read as `reference`",
     ),
     EnvSetting(
         "MOEFX_DENSE_BACKEND",
@@ -170,8 +178,8 @@ TABLE: tuple[EnvSetting, ...] = (
         "MOEFX_USE_GEMV",
         parse_on_off,
         None,
-        "legacy switch of the MoE backend: on forces gemv for every call, off sends gemv's M ranges upstream; "
-        "it must agree with MOEFX_MOE_BACKEND",
+        "on/off switch of the gemv MoE backend (an older spelling of MOEFX_MOE_BACKEND=gemv): on forces gemv for "
+        "every call, off sends gemv's M ranges upstream; it must agree with MOEFX_MOE_BACKEND",
         in_settings=False,
     ),
     EnvSetting(
@@ -237,11 +245,11 @@ _aliases_warned: set[str] = set()
 
 
 def _warn_alias(alias: str, name: str) -> None:
-    """The one-time warning for a legacy alias, here rather than through `moefx.log.warn_once`: moefx.log reads
+    """The one-time warning for an alias, here rather than through `moefx.log.warn_once`: moefx.log reads
     MOEFX_LOG from this table, so this module stays below it (and free of torch)."""
     if alias not in _aliases_warned:
         _aliases_warned.add(alias)
-        warnings.warn(f"environment variable {alias} is a legacy alias; use {name} (value kept)", UserWarning,
+        warnings.warn(f"environment variable {alias} is an alias of {name}; use {name} (value kept)", UserWarning,
                       stacklevel=4)
 
 

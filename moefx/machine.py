@@ -1,5 +1,5 @@
-"""This machine's CPU identity, its available host memory and the folder where moefx keeps per-machine results
-(rates, built kernels)."""
+"""This machine's CPU identity, the memory it has free (host, and a device's for this process) and the folder where
+moefx keeps per-machine results (rates, built kernels)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import functools
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # Published properties of common GPUs, for planning on a machine that does not have them (ExecutionSignature.preset).
 DEVICE_PRESETS: dict[str, dict[str, Any]] = {
@@ -51,6 +54,23 @@ def host_memory_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes that new tensors on `device` could still take in this process.
+
+    CUDA: the driver's free memory plus what torch's caching allocator has reserved but holds no tensor in. The
+    driver counts the allocator's cache as used, yet this process gets it back on its next allocations, so leaving it
+    out would make the figure depend on what ran before (a compile, a freed model) rather than on what is in use.
+    Any other device: the host's available memory (`host_memory_available`, else the free pages)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    available = host_memory_available()
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cache_dir() -> Path:

@@ -57,10 +57,11 @@ def relerr(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def legacy_ref(inp: dict) -> torch.Tensor:
+def reference_ref(inp: dict) -> torch.Tensor:
     from moefx.backends import BACKENDS
 
-    return BACKENDS["legacy"](inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
+    return BACKENDS["reference"](inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"],
+                                 **inp["kw"])
 
 
 def moe_call(inp: dict, **gate: object) -> MoeCall:

@@ -14,10 +14,12 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _fresh_warn_once(monkeypatch):
-    """Each test sees moefx's one-time warnings afresh, whatever ran before it."""
+    """Each test sees moefx's one-time warnings afresh (the env aliases' too), whatever ran before it."""
+    import moefx.env
     import moefx.log
 
     monkeypatch.setattr(moefx.log, "_warned", set())
+    monkeypatch.setattr(moefx.env, "_aliases_warned", set())
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""bench/moe.py --quick runs end to end on the CPU (every backend checked against legacy, table printed)."""
+"""bench/moe.py --quick runs end to end on the CPU (every backend checked against reference, table printed)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_bench_moe_sweep_only_quick(tmp_path: Path) -> None:
     for b in sweep["best"]:
         assert isinstance(b["default_us"], float) and b["best_us"] <= b["default_us"]
         assert set(b["best"]) == ({"gemv"} if b["kind"] == "gemv" else {"gemm1", "gemm2"})
-    assert all(isinstance(p["us"], float) for p in sweep["points"])  # every tile matched legacy
+    assert all(isinstance(p["us"], float) for p in sweep["points"])  # every tile matched reference
     assert res.stdout.strip().splitlines()[-1].startswith("gemv    fp8")
 
 

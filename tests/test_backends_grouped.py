@@ -1,10 +1,10 @@
-"""grouped backend: on-GPU align, Triton fused GEMMs (interpreter without a GPU) and the CPU path vs legacy."""
+"""grouped backend: on-GPU align, Triton fused GEMMs (interpreter without a GPU) and the CPU path vs reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import BS, E, H, I, K, kernel_device, legacy_ref, make_inputs, moe_call, relerr, unsupported
+from backends_util import BS, E, H, I, K, kernel_device, make_inputs, moe_call, reference_ref, relerr, unsupported
 
 from moefx.backends import BACKENDS
 from moefx.backends.common import qdq_rows
@@ -14,7 +14,7 @@ from moefx.kernels.moe_call import MoeCall
 # bf16: both sides round intermediates to bf16 at different points. fp8 w8a8 vs the oracle (dequantized
 # weights, unquantized activations): two activation quantizations (e4m3, 3 mantissa bits) at tiny K.
 BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-FP8_VS_LEGACY = 0.1
+FP8_VS_REFERENCE = 0.1
 CASES = [(1, "random"), (5, "random"), (9, "zero_experts"), (7, "one_expert")]
 
 
@@ -61,17 +61,17 @@ def test_topk_sum_matches_an_fp32_sum_rounded_once(m: int, k: int, h: int) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,case", CASES)
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cpu_path_matches_legacy(m: int, case: str, dtype: torch.dtype, fp8: bool) -> None:
+def test_cpu_path_matches_reference(m: int, case: str, dtype: torch.dtype, fp8: bool) -> None:
     inp = make_inputs(m, dtype, case, fp8=fp8)
     out = BACKENDS["grouped"](inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"], **inp["kw"])
     assert out.shape == (m, H) and out.dtype == dtype
-    assert relerr(out, legacy_ref(inp)) < (FP8_VS_LEGACY if fp8 else BOUNDS[dtype])
+    assert relerr(out, reference_ref(inp)) < (FP8_VS_REFERENCE if fp8 else BOUNDS[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,case", [(1, "random"), (9, "zero_experts"), (7, "one_expert")])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8: bool) -> None:
+def test_triton_kernels_match_reference(m: int, case: str, dtype: torch.dtype, fp8: bool) -> None:
     from moefx.backends.grouped import grouped_torch
     from moefx.kernels.moe_grouped import GemmConfig, fused_moe
 
@@ -80,7 +80,7 @@ def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8:
     call = moe_call(inp)
     out = fused_moe(call, config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
     if fp8:
-        assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
+        assert relerr(out, reference_ref(inp)) < FP8_VS_REFERENCE
         # same w8a8 arithmetic in PyTorch; only fp32 summation order (-> rare e4m3 rounding flips) differs
         emul = grouped_torch(moe_call({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
                                       | {"kw": {**{n: inp["kw"][n].cpu() for n in ("w13_scale", "w2_scale")},
@@ -88,7 +88,7 @@ def test_triton_kernels_match_legacy(m: int, case: str, dtype: torch.dtype, fp8:
         assert relerr(out.cpu(), emul) < 0.06
     else:
         bound = 5e-3 if dev == "cuda" and dtype == torch.float32 else BOUNDS[dtype]
-        assert relerr(out, legacy_ref(inp)) < bound
+        assert relerr(out, reference_ref(inp)) < bound
 
 
 def test_triton_kernels_top_k_three() -> None:
@@ -97,7 +97,7 @@ def test_triton_kernels_top_k_three() -> None:
     dev = kernel_device()
     inp = make_inputs(5, torch.float32, device=dev, k=3)
     out = fused_moe(moe_call(inp), config=GemmConfig(16, 32, 32, group_m=2, num_stages=2))
-    assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
+    assert relerr(out, reference_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
 def test_fp8_activation_quant_matches_reference() -> None:
@@ -130,7 +130,7 @@ TILE_CASES = {
 
 
 def _fused_relerr_and_bound(m: int, case: str, fp8: bool, config, config2) -> tuple[float, float]:
-    """fused_moe at the given tiles vs legacy on fresh inputs (block-quantized weights when fp8), and its bound."""
+    """fused_moe at the given tiles vs reference on fresh inputs (block-quantized weights when fp8), and its bound."""
     from backends_util import quant_block
 
     from moefx.kernels.moe_grouped import fused_moe
@@ -142,14 +142,14 @@ def _fused_relerr_and_bound(m: int, case: str, fp8: bool, config, config2) -> tu
         inp["w2"], s2 = quant_block(inp["w2"])
         inp["kw"] = dict(w13_scale=s13, w2_scale=s2, block_shape=BS)
     out = fused_moe(moe_call(inp), config=config, config2=config2)
-    return relerr(out, legacy_ref(inp)), FP8_VS_LEGACY if fp8 else (5e-3 if dev == "cuda" else 1e-5)
+    return relerr(out, reference_ref(inp)), FP8_VS_REFERENCE if fp8 else (5e-3 if dev == "cuda" else 1e-5)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("case", list(TILE_CASES))
 def test_triton_kernels_other_tiles(fp8: bool, case: str) -> None:
     """GEMM 2 with its own tile (BLOCK_N wider than the FP8 block, BLOCK_K dividing it), and weight tiles through TMA
-    descriptors or pointer loads: all match legacy."""
+    descriptors or pointer loads: all match reference."""
     from moefx.kernels.moe_grouped import GemmConfig
 
     tile1, tile2 = TILE_CASES[case]
@@ -165,7 +165,7 @@ def test_half_tiles_and_gemm2_sub_blocks(fp8: bool, tile2: dict) -> None:
     """GEMM 1 at BLOCK_M 32 with half tiles: expert 1's 40 rows run one full tile and one 16-row tile (8 rows), the
     other experts' ~13 rows half tiles. GEMM 2 either runs 16-row tiles inside the 32-row align blocks (skipping the
     all-padding ones), half tiles too, or full 32-row tiles that read the rows GEMM 1's half tiles never wrote (as
-    padding only: their results are not stored). Every variant matches legacy."""
+    padding only: their results are not stored). Every variant matches reference."""
     from moefx.kernels.moe_grouped import GemmConfig
 
     base = dict(block_n=32, block_k=32, group_m=2, num_stages=2)
@@ -234,19 +234,19 @@ def test_fit_shared_memory_trims_stages_then_block_k() -> None:
 
 
 def test_fp8_at_large_m_takes_the_running_scale_tiles() -> None:
-    """FP8 above 128 rows per expert runs the default BLOCK_M 128 running-scale tiles, and matches legacy."""
+    """FP8 above 128 rows per expert runs the default BLOCK_M 128 running-scale tiles, and matches reference."""
     from moefx.kernels.moe_grouped import default_tiles, fused_moe
 
     dev = kernel_device()
     inp = make_inputs(300, torch.float32, device=dev, fp8=True)
     assert all(cfg.running and cfg.block_m == 128 for cfg in default_tiles(300, K, E, fp8=True))
     out = fused_moe(moe_call(inp))
-    assert relerr(out, legacy_ref(inp)) < FP8_VS_LEGACY
+    assert relerr(out, reference_ref(inp)) < FP8_VS_REFERENCE
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_default_tiles_between_32_and_128_rows_per_expert(fp8: bool) -> None:
-    """~50 rows per expert: GEMM 1 aligns at 128 with half tiles, GEMM 2 runs 64-row tiles inside; matches legacy."""
+    """~50 rows per expert: GEMM 1 aligns at 128 with half tiles, GEMM 2 runs 64-row tiles inside; matches reference."""
     from moefx.kernels.moe_grouped import default_tiles, fused_moe
 
     dev = kernel_device()
@@ -254,7 +254,7 @@ def test_default_tiles_between_32_and_128_rows_per_expert(fp8: bool) -> None:
     assert (cfg1.block_m, cfg1.half, cfg2.block_m) == (128, True, 64)
     inp = make_inputs(100, torch.float32, device=dev, fp8=fp8)
     out = fused_moe(moe_call(inp))
-    assert relerr(out, legacy_ref(inp)) < (FP8_VS_LEGACY if fp8 else 5e-3 if dev == "cuda" else 1e-5)
+    assert relerr(out, reference_ref(inp)) < (FP8_VS_REFERENCE if fp8 else 5e-3 if dev == "cuda" else 1e-5)
 
 
 def test_fp32_weights_at_large_m_with_default_tiles() -> None:
@@ -264,7 +264,7 @@ def test_fp32_weights_at_large_m_with_default_tiles() -> None:
     dev = kernel_device()
     inp = make_inputs(300, torch.float32, device=dev)
     out = fused_moe(moe_call(inp))
-    assert relerr(out, legacy_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
+    assert relerr(out, reference_ref(inp)) < (5e-3 if dev == "cuda" else 1e-5)
 
 
 @pytest.mark.slow

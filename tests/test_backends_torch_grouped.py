@@ -1,10 +1,10 @@
-"""torch_grouped backend (torch._grouped_mm) vs the legacy oracle; its refusals."""
+"""torch_grouped backend (torch._grouped_mm) vs the reference oracle; its refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import BS, E, H, I, legacy_ref, make_inputs, relerr, unsupported
+from backends_util import BS, E, H, I, make_inputs, reference_ref, relerr, unsupported
 
 from moefx.backends import BACKENDS
 
@@ -14,14 +14,14 @@ BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,case", [(1, "random"), (5, "random"), (9, "zero_experts"), (7, "one_expert")])
-def test_matches_legacy(m: int, case: str, dtype: torch.dtype) -> None:
+def test_matches_reference(m: int, case: str, dtype: torch.dtype) -> None:
     dev = "cuda" if torch.cuda.is_available() and dtype == torch.bfloat16 else "cpu"
     inp = make_inputs(m, dtype, case, device=dev)
     be = BACKENDS["torch_grouped"]
     assert unsupported(be, inp["hidden"], inp["w13"], inp["w2"]) is None
     out = be(inp["hidden"], inp["topk_ids"], inp["topk_weights"], inp["w13"], inp["w2"])
     assert out.shape == (m, H) and out.dtype == dtype
-    assert relerr(out, legacy_ref(inp)) < BOUNDS[dtype]
+    assert relerr(out, reference_ref(inp)) < BOUNDS[dtype]
 
 
 def test_refuses_fp8_and_fp16() -> None:

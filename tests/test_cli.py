@@ -105,7 +105,7 @@ def test_models_are_built_at_a_reduced_depth_and_refused_when_too_big(tmp_path: 
     with pytest.raises(ValueError, match="between 1 and 4"):
         spec.build_model_from_spec(str(tmp_path), 5, torch.device("cpu"), torch.float32)
     # A catalog model whose reduced depth would not fit is refused before anything is allocated.
-    monkeypatch.setattr(spec, "free_memory_bytes", lambda device: 2 * 2**30)
+    monkeypatch.setattr(spec, "free_memory", lambda device: 2 * 2**30)
     assert spec.default_layers(catalog_config("deepseek-v3")) == 4  # three dense layers, then one MoE layer
     assert cli_main(["audit-syncs", "deepseek-v3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err

@@ -28,7 +28,7 @@ def _moe(m: int, dtype=torch.float32, transposed: bool = False):
     return hidden, ids, w13, torch.randn(E, H, I, generator=g).to(dtype)
 
 
-def _moe_table(tmp_path, ranges: str = "gemv@1-4,grouped@5-16,legacy@17-") -> None:
+def _moe_table(tmp_path, ranges: str = "gemv@1-4,grouped@5-16,reference@17-") -> None:
     hidden, ids, w13, _ = _moe(1)
     path = tmp_path / "xdg" / "moefx" / "calibration" / "cpu.yaml"
     for mode in ("eager", "capture"):
@@ -47,8 +47,8 @@ def _moe_choice(m, dtype, transposed, backend, upstream, capturing, activation):
 
 MOE_CASES = list(itertools.product(
     (1, 4, 5, 16, 17, 300), (torch.float32, torch.bfloat16), (False, True),
-    ("auto", "gemv", "grouped", "legacy", "eager=gemv@1-8,grouped@9-;capture=grouped@1-"),
-    ("legacy", "transformers"), (False, True), ("silu", "gelu"),
+    ("auto", "gemv", "grouped", "reference", "eager=gemv@1-8,grouped@9-;capture=grouped@1-"),
+    ("reference", "transformers"), (False, True), ("silu", "gelu"),
 ))
 
 
@@ -64,7 +64,7 @@ def test_moe_memo_equals_a_fresh_decision_for_every_key(tmp_path):
         fresh.append(_moe_choice(*case))
     assert memoized == again == fresh
     # the table's ranges, the fallback for refused inputs and capture's refusal all show up among the answers
-    assert {"gemv", "grouped", "legacy", "transformers"} <= set(memoized)
+    assert {"gemv", "grouped", "reference", "transformers"} <= set(memoized)
     assert any(a.startswith("error: ") for a in memoized)
 
 
@@ -77,14 +77,14 @@ def test_moe_env_override_and_new_tables_are_honoured_at_once(tmp_path, monkeypa
     assert choose() == "transformers"  # no row
     _moe_table(tmp_path)  # write_row invalidates the table cache: a new generation, a new key
     assert choose() == "gemv"
-    monkeypatch.setenv("MOEFX_MOE_BACKEND", "legacy")
-    assert choose() == "legacy"
+    monkeypatch.setenv("MOEFX_MOE_BACKEND", "reference")
+    assert choose() == "reference"
     monkeypatch.setenv("MOEFX_MOE_BACKEND", "grouped")
     assert choose() == "grouped"
     monkeypatch.delenv("MOEFX_MOE_BACKEND")
     assert choose() == "gemv"
-    monkeypatch.setenv("MOEFX_USE_GEMV", "0")  # the legacy switch turns gemv's range upstream
-    with pytest.warns(UserWarning, match="legacy switch"):
+    monkeypatch.setenv("MOEFX_USE_GEMV", "0")  # the on/off gemv switch turns gemv's range upstream
+    with pytest.warns(UserWarning, match="older spelling of MOEFX_MOE_BACKEND"):
         assert choose() == "transformers"
     monkeypatch.setenv("MOEFX_MOE_BACKEND", "fastest")
     for _ in range(2):  # a bad value is never memoized: every call says so
@@ -98,10 +98,10 @@ def test_moe_fallback_warns_again_for_a_memoized_key(monkeypatch):
     hidden, ids, w13, w2 = _moe(2, transposed=True)
     args = (hidden, ids, w13, w2)
     with pytest.warns(UserWarning, match="cannot run these inputs"):
-        assert op.select_backend(*args, backend="gemv", capturing=False) == "legacy"
+        assert op.select_backend(*args, backend="gemv", capturing=False) == "reference"
     monkeypatch.setattr(moefx.log, "_warned", set())  # a fresh process's one-time warnings
     with pytest.warns(UserWarning, match="cannot run these inputs"):
-        assert op.select_backend(*args, backend="gemv", capturing=False) == "legacy"
+        assert op.select_backend(*args, backend="gemv", capturing=False) == "reference"
 
 
 def _dense_table(tmp_path, x, ws) -> None:

@@ -1,4 +1,4 @@
-"""Gate activations beyond SiLU: the Triton epilogues (interpreter) and every torch path against the legacy oracle,
+"""Gate activations beyond SiLU: the Triton epilogues (interpreter) and every torch path against the reference oracle,
 the derivatives against autograd, transformers' activation modules mapped by type, and a warning-issuing fallback
 that compiles with fullgraph=True."""
 
@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from backends_util import kernel_device, legacy_ref, make_inputs, moe_call, relerr, unsupported
+from backends_util import kernel_device, make_inputs, moe_call, reference_ref, relerr, unsupported
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
@@ -30,7 +30,7 @@ def test_derivatives_match_autograd():
 
 
 @pytest.mark.parametrize(("activation", "limit"), [("gelu", None), ("gelu_tanh", None), ("silu", 1.0)])
-def test_kernel_epilogues_match_legacy(activation, limit):
+def test_kernel_epilogues_match_reference(activation, limit):
     """fused_moe's GEMM 1 and gemv_moe's stage 1 with the activation's ACT id and the clamp (fp32 inputs: the
     interpreter's dot); limit 1.0 clamps about half the gate and up values of these inputs."""
     from moefx.kernels.moe_gemv import gemv_moe
@@ -40,10 +40,10 @@ def test_kernel_epilogues_match_legacy(activation, limit):
     for m, kernel in ((3, gemv_moe), (20, fused_moe)):
         inp = make_inputs(m, torch.float32, device=dev)
         inp["hidden"] = inp["hidden"] * 2  # reach both tails of the activation
-        ref = BACKENDS["legacy"].apply(moe_call(inp, activation=activation, gate_limit=limit))
+        ref = BACKENDS["reference"].apply(moe_call(inp, activation=activation, gate_limit=limit))
         out = kernel(moe_call(inp, activation=activation, gate_limit=limit))
         assert relerr(out, ref) < (5e-3 if dev == "cuda" else 1e-5), kernel.__name__
-        assert relerr(out, legacy_ref(inp)) > 1e-2  # not unclamped SiLU's result
+        assert relerr(out, reference_ref(inp)) > 1e-2  # not unclamped SiLU's result
 
 
 @pytest.mark.parametrize(("activation", "limit"), [("gelu", None), ("gelu_tanh", None), ("silu", 1.0)])
@@ -51,7 +51,7 @@ def test_every_cpu_backend_takes_the_gate_or_says_why(activation, limit):
     inp = make_inputs(11, torch.float32)
     args = [inp[k] for k in ("hidden", "topk_ids", "topk_weights", "w13", "w2")]
     gate = dict(activation=activation, gate_limit=limit)
-    ref = BACKENDS["legacy"](*args, **gate)
+    ref = BACKENDS["reference"](*args, **gate)
     for name in available_backends("cpu"):
         reason = unsupported(BACKENDS[name], args[0], args[3], args[4], **gate)
         if name == "cpu":
@@ -119,7 +119,7 @@ def test_custom_gates_run_the_op_when_they_compute_a_clamped_swiglu():
         module.config._experts_implementation = "grouped_mm"  # calls the module's gate (its eager loop does not)
         ref = module(x, ids, w)
         module.config._experts_implementation = "moefx"
-        for backend in ("legacy", "grouped", "gemv"):
+        for backend in ("reference", "grouped", "gemv"):
             module.moefx_backend = backend
             assert relerr(module(x, ids, w), ref) < 1e-5, (fn.__name__, backend)
 

@@ -67,7 +67,7 @@ def test_gradcheck_fp64_reference(activation, limit):
     args = [t.requires_grad_() for t in (hidden, tw, w13, w2)]
 
     def fn(x, w, a, b):
-        return moe_experts(x, ids, w, a, b, backend="legacy", activation=activation, gate_limit=limit)
+        return moe_experts(x, ids, w, a, b, backend="reference", activation=activation, gate_limit=limit)
 
     if limit is not None:
         gu = torch.einsum("eoh,mh->meo", w13, hidden)[torch.arange(4)[:, None], ids]
@@ -96,7 +96,7 @@ def test_every_cpu_forward_backend_has_the_loops_gradients(activation):
 def test_clamped_gate_gradients_match_the_loop():
     hidden, ids, tw, w13, w2 = _inputs(7, seed=12, unused=1)
     ref_out, ref = _grads(lambda x, w, a, b: _loop_forward(x, ids, w, a, b, "silu", 0.5), (hidden, tw, w13, w2))
-    for backend in ("legacy", "grouped", "gemv"):
+    for backend in ("reference", "grouped", "gemv"):
         out, grads = _grads(lambda x, w, a, b, be=backend: moe_experts(x, ids, w, a, b, backend=be, gate_limit=0.5),
                             (hidden, tw, w13, w2))
         assert _rel(out, ref_out) < 1e-5
@@ -216,7 +216,7 @@ def test_cuda_backward_through_the_kernels_matches_the_reference(activation):
                                                                                activation=activation),
                             (hidden, tw, w13, w2))
         cpu = [t.cpu().float() for t in (hidden, tw, w13, w2)]
-        ref_out, ref = _grads(lambda x, w, a, b, ids=ids.cpu(): moe_experts(x, ids, w, a, b, backend="legacy",
+        ref_out, ref = _grads(lambda x, w, a, b, ids=ids.cpu(): moe_experts(x, ids, w, a, b, backend="reference",
                                                                            activation=activation), cpu)
         assert _rel(out.cpu(), ref_out) < 2e-2
         for name, got, want in zip(("hidden", "topk_weights", "w13", "w2"), grads, ref):

@@ -21,9 +21,9 @@ from moefx.backends.calibration import (
     user_table_dir,
     write_row,
 )
-from moefx.backends.legacy import LegacyBackend
 from moefx.backends.op import select_backend
 from moefx.backends.policy import env_override, moe_plan, parse_policy_spec
+from moefx.backends.reference import ReferenceBackend
 from moefx.config import CompilationConfig
 from moefx.signatures import ExecutionSignature, ModelSignature
 
@@ -70,7 +70,7 @@ def _tiny_signatures(mode: str = "compile"):
 
 def test_no_row_runs_upstream_and_plan_says_why():
     assert _choose(1) == "transformers"
-    assert _choose(1, upstream="legacy") == "legacy"
+    assert _choose(1, upstream="reference") == "reference"
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
     assert not plan.applies
     text = "\n".join(plan.explain_lines())
@@ -79,50 +79,50 @@ def test_no_row_runs_upstream_and_plan_says_why():
 
 
 def test_threshold_and_neighbours(tmp_path):
-    _user_table(tmp_path, _row("eager", f"legacy@1-{T},upstream@{T + 1}-"))
-    assert [_choose(m) for m in (T - 1, T, T + 1)] == ["legacy", "legacy", "transformers"]
+    _user_table(tmp_path, _row("eager", f"reference@1-{T},upstream@{T + 1}-"))
+    assert [_choose(m) for m in (T - 1, T, T + 1)] == ["reference", "reference", "transformers"]
     assert _choose(4096) == "transformers"
 
 
 def test_only_exact_key_matches(tmp_path):
     _user_table(
         tmp_path,
-        _row("eager", "legacy@1-"),
-        _row("capture", "legacy@1-", E=E + 1),
-        _row("capture", "legacy@1-", dtype="bfloat16"),
-        _row("capture", "legacy@1-", top_k=TOPK + 1),
-        _row("capture", "legacy@1-", multiprocessor_count=999),
+        _row("eager", "reference@1-"),
+        _row("capture", "reference@1-", E=E + 1),
+        _row("capture", "reference@1-", dtype="bfloat16"),
+        _row("capture", "reference@1-", top_k=TOPK + 1),
+        _row("capture", "reference@1-", multiprocessor_count=999),
     )
-    assert _choose(3) == "legacy"
+    assert _choose(3) == "reference"
     hidden, ids, w13, _ = _tensors(3)
     assert find_row(key_for_tensors(hidden, ids, w13, None, "capture")) is None
     assert find_row(key_for_tensors(hidden, ids, w13, (128, 128), "eager")) is None
 
 
 def test_plan_uses_row_and_names_it(tmp_path):
-    path = _user_table(tmp_path, _row("eager", f"legacy@1-{T},upstream@{T + 1}-"))
+    path = _user_table(tmp_path, _row("eager", f"reference@1-{T},upstream@{T + 1}-"))
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
     assert plan.applies
     lines = plan.explain_lines()
-    assert f"moe eager M 1..{T} = legacy  [{path.name}#1]" in lines
+    assert f"moe eager M 1..{T} = reference  [{path.name}#1]" in lines
     assert f"moe eager M {T + 1}..inf = upstream  [{path.name}#1]" in lines
-    # legacy syncs the host: the capture policy never runs it.
+    # reference syncs the host: the capture policy never runs it.
     assert plan.policy("capture").backend_for(1) == "upstream"
     spec = parse_policy_spec(plan.spec())
-    assert spec["eager"].backend_for(T) == "legacy" and spec["eager"].backend_for(T + 1) == "upstream"
+    assert spec["eager"].backend_for(T) == "reference" and spec["eager"].backend_for(T + 1) == "upstream"
 
 
 def test_plan_tensor_parallel_key_divides_intermediate(tmp_path):
-    _user_table(tmp_path, _row("eager", "legacy@1-", N=I))  # 2I / tp=2
+    _user_table(tmp_path, _row("eager", "reference@1-", N=I))  # 2I / tp=2
     ms, _ = _tiny_signatures()
     es = ExecutionSignature(device_type="cpu", dtype="float32", tp_size=2)
-    assert moe_plan(ms, es, CompilationConfig()).policy("eager").backend_for(1) == "legacy"
+    assert moe_plan(ms, es, CompilationConfig()).policy("eager").backend_for(1) == "reference"
     es1 = ExecutionSignature(device_type="cpu", dtype="float32", tp_size=1)
     assert not moe_plan(ms, es1, CompilationConfig()).applies
 
 
 def test_capture_uses_capture_row_only(tmp_path):
-    _user_table(tmp_path, _row("eager", "upstream@1-"), _row("capture", f"upstream@1-{T},legacy@{T + 1}-"))
+    _user_table(tmp_path, _row("eager", "upstream@1-"), _row("capture", f"upstream@1-{T},reference@{T + 1}-"))
     assert _choose(T + 1, capturing=False) == "transformers"
     with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
         _choose(T + 1, capturing=True)
@@ -130,20 +130,60 @@ def test_capture_uses_capture_row_only(tmp_path):
 
 
 def test_capture_never_runs_host_syncing_forced_backend():
-    plan = moe_plan(*_tiny_signatures(), CompilationConfig(moe_backend="legacy"))
-    assert plan.policy("eager").backend_for(1) == "legacy"
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig(moe_backend="reference"))
+    assert plan.policy("eager").backend_for(1) == "reference"
     assert plan.policy("capture").backend_for(1) == "upstream"
-    assert "legacy waits on the host" in plan.policy("capture").source
+    assert "reference waits on the host" in plan.policy("capture").source
     with pytest.raises(RuntimeError, match="syncs the host"):
-        _choose(1, backend="legacy", capturing=True)
+        _choose(1, backend="reference", capturing=True)
+
+
+def test_legacy_is_the_reference_backend_under_its_former_name(tmp_path, monkeypatch):
+    """`legacy` (the public contract's name for the reference loop) is accepted wherever a MoE backend is named and
+    read as `reference`: config (dict, dotted override, direct), env, the op's arguments, table ranges and timings,
+    rule pins and rule files. The config's hash is that of `reference`; only `reference` is listed as a valid
+    choice."""
+    from moefx.backends import moe_experts
+    from moefx.config import MOE_BACKENDS
+    from moefx.planner.rules import parse_rule
+
+    assert "legacy" not in MOE_BACKENDS and "reference" in BACKENDS and "legacy" not in BACKENDS
+    ref = CompilationConfig(moe_backend="reference")
+    for cfg in (CompilationConfig.from_any({"moe_backend": "legacy"}), CompilationConfig(moe_backend="legacy"),
+                CompilationConfig().with_overrides(["moe_backend=legacy"])):
+        assert cfg.moe_backend == "reference" and cfg.compute_hash() == ref.compute_hash()
+    with pytest.raises(ValueError, match=r"valid choices: \['auto', 'reference'"):
+        CompilationConfig.from_any({"moe_backend": "legacyy"})
+    assert moe_plan(*_tiny_signatures(), CompilationConfig(moe_backend="legacy")).backend == "reference"
+    monkeypatch.setenv("MOEFX_MOE_BACKEND", "legacy")
+    assert _choose(1) == "reference" and env_override().forced == "reference"
+    monkeypatch.delenv("MOEFX_MOE_BACKEND")
+    assert _choose(1, backend="legacy") == _choose(1, upstream="legacy") == "reference"
+    hidden, ids, w13, w2 = _tensors(3)
+    weights = torch.rand(3, TOPK)
+    want = BACKENDS["reference"](hidden, ids, weights, w13, w2)
+    assert torch.equal(moe_experts(hidden, ids, weights, w13, w2, backend="legacy"), want)
+    assert torch.equal(moe_experts(hidden, ids, weights, w13, w2, backend="upstream", upstream="legacy"), want)
+    row = _row("eager", f"legacy@1-{T},upstream@{T + 1}-").to_yaml()
+    row["timings_us"] = {"legacy": {1: 5.0}}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"rows": [row]}))
+    (loaded,) = load_table(path)
+    assert loaded.ranges[0].backend == "reference" and set(loaded.timings_us) == {"reference"}
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig(), pins={"ranges": f"legacy@1-{T},upstream@{T + 1}-"})
+    assert plan.policy("eager").backend_for(1) == "reference"
+    plan = moe_plan(*_tiny_signatures(), CompilationConfig(), pins={"backend": "legacy"})
+    assert plan.policy("eager").backend_for(100) == "reference"
+    rule = parse_rule({"match": {"family": "qwen3_moe"}, "moe": {"backend": "legacy"}}, "rules.yaml", 0)
+    assert rule.moe == {"backend": "reference"}
 
 
 def test_env_override_and_validation(tmp_path, monkeypatch):
     _user_table(tmp_path, _row("eager", "upstream@1-"))
-    monkeypatch.setenv("MOEFX_MOE_BACKEND", "legacy")
-    assert _choose(1) == "legacy"
+    monkeypatch.setenv("MOEFX_MOE_BACKEND", "reference")
+    assert _choose(1) == "reference"
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
-    assert plan.backend == "legacy" and plan.source == "env MOEFX_MOE_BACKEND"
+    assert plan.backend == "reference" and plan.source == "env MOEFX_MOE_BACKEND"
     # the user's config wins over the environment
     assert moe_plan(*_tiny_signatures(), CompilationConfig(moe_backend="upstream")).backend == "upstream"
     monkeypatch.setenv("MOEFX_MOE_BACKEND", "fastest")
@@ -152,11 +192,11 @@ def test_env_override_and_validation(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("legacy", "enum", "error"),
+    ("switch", "enum", "error"),
     [("1", "grouped", True), ("0", "gemv", True), ("1", "gemv", False), ("0", "grouped", False), ("maybe", None, True)],
 )
-def test_legacy_switch_conflicts(monkeypatch, legacy, enum, error):
-    monkeypatch.setenv("MOEFX_USE_GEMV", legacy)
+def test_backend_switch_conflicts(monkeypatch, switch, enum, error):
+    monkeypatch.setenv("MOEFX_USE_GEMV", switch)
     if enum:
         monkeypatch.setenv("MOEFX_MOE_BACKEND", enum)
     if error:
@@ -166,21 +206,21 @@ def test_legacy_switch_conflicts(monkeypatch, legacy, enum, error):
         assert env_override().forced == enum
 
 
-def test_legacy_switch_alone(tmp_path, monkeypatch):
+def test_backend_switch_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEFX_USE_GEMV", "1")
-    with pytest.warns(UserWarning, match="legacy switch"):
+    with pytest.warns(UserWarning, match="older spelling of MOEFX_MOE_BACKEND"):
         override = env_override()
     assert (override.forced, override.source) == ("gemv", "env MOEFX_USE_GEMV")
     monkeypatch.setenv("MOEFX_USE_GEMV", "0")
-    _user_table(tmp_path, _row("eager", f"gemv@1-{T},legacy@{T + 1}-"))
+    _user_table(tmp_path, _row("eager", f"gemv@1-{T},reference@{T + 1}-"))
     plan = moe_plan(*_tiny_signatures(), CompilationConfig())
     assert plan.policy("eager").backend_for(1) == "upstream"
-    assert plan.policy("eager").backend_for(T + 1) == "legacy"
+    assert plan.policy("eager").backend_for(T + 1) == "reference"
 
 
 @pytest.fixture
 def cuda_only_backend():
-    class CudaOnly(LegacyBackend):
+    class CudaOnly(ReferenceBackend):
         name = "test_cuda_only"
         devices = ("cuda",)
 
@@ -190,31 +230,32 @@ def cuda_only_backend():
 
 
 def test_forced_backend_obeys_unsupported_reason(cuda_only_backend):
-    with pytest.warns(UserWarning, match="test_cuda_only.*does not run on cpu; running legacy"):
-        assert _choose(2, backend=cuda_only_backend, upstream="legacy") == "legacy"
+    with pytest.warns(UserWarning, match="test_cuda_only.*does not run on cpu; running reference"):
+        assert _choose(2, backend=cuda_only_backend, upstream="reference") == "reference"
     with pytest.warns(UserWarning, match="'nope'.*not registered"):
-        assert _choose(2, backend="eager=nope@1-;capture=nope@1-", upstream="legacy") == "legacy"
+        assert _choose(2, backend="eager=nope@1-;capture=nope@1-", upstream="reference") == "reference"
 
 
 def test_pins():
     ms, es = _tiny_signatures()
-    plan = moe_plan(ms, es, CompilationConfig(), pins={"backend": "legacy", "source": "rules.yaml#2"})
-    assert plan.policy("eager").backend_for(100) == "legacy" and plan.source == "rules.yaml#2"
-    plan = moe_plan(ms, es, CompilationConfig(), pins={"ranges": f"legacy@1-{T},upstream@{T + 1}-", "mode": "eager"})
-    assert [plan.policy("eager").backend_for(m) for m in (T, T + 1)] == ["legacy", "upstream"]
+    plan = moe_plan(ms, es, CompilationConfig(), pins={"backend": "reference", "source": "rules.yaml#2"})
+    assert plan.policy("eager").backend_for(100) == "reference" and plan.source == "rules.yaml#2"
+    plan = moe_plan(ms, es, CompilationConfig(), pins={"ranges": f"reference@1-{T},upstream@{T + 1}-", "mode": "eager"})
+    assert [plan.policy("eager").backend_for(m) for m in (T, T + 1)] == ["reference", "upstream"]
     assert plan.policy("capture").backend_for(1) == "upstream"
-    assert moe_plan(ms, es, CompilationConfig(moe_backend="upstream"), pins={"backend": "legacy"}).backend == "upstream"
+    pinned = moe_plan(ms, es, CompilationConfig(moe_backend="upstream"), pins={"backend": "reference"})
+    assert pinned.backend == "upstream"
     with pytest.raises(ValueError, match="exactly one of"):
-        moe_plan(ms, es, CompilationConfig(), pins={"backend": "legacy", "ranges": "legacy@1-"})
+        moe_plan(ms, es, CompilationConfig(), pins={"backend": "reference", "ranges": "reference@1-"})
     with pytest.raises(ValueError, match=r"unknown MoE backend \['gemvv'\]; valid choices"):
         moe_plan(ms, es, CompilationConfig(), pins={"backend": "gemvv", "source": "r.yaml#1"})
     with pytest.raises(ValueError, match="starts at M=4, expected M=3"):
-        moe_plan(ms, es, CompilationConfig(), pins={"ranges": "legacy@1-2,upstream@4-"})
+        moe_plan(ms, es, CompilationConfig(), pins={"ranges": "reference@1-2,upstream@4-"})
 
 
 def test_table_validation_names_file_and_row(tmp_path):
-    good = _row("eager", "legacy@1-").to_yaml()
-    bad_ranges = dict(good, ranges=[{"backend": "legacy", "min_m": 1, "max_m": 4}])
+    good = _row("eager", "reference@1-").to_yaml()
+    bad_ranges = dict(good, ranges=[{"backend": "reference", "min_m": 1, "max_m": 4}])
     bad_mode = dict(good, key=dict(good["key"], mode="graph"))
     no_prov = {k: v for k, v in good.items() if k != "provenance"}
     for i, rows in enumerate(([good, bad_ranges], [bad_mode], [no_prov], [good, good])):
@@ -249,7 +290,7 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
 
     out = user_table_dir() / "cpu.yaml"
     argv = ["calibrate", "--experts", str(E), "--hidden", str(H), "--intermediate", str(I), "--topk", str(TOPK),
-            "--quick", "--backends", "legacy,upstream", "--output", str(out)]
+            "--quick", "--backends", "reference,upstream", "--output", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "eager row cpu.yaml#1" in printed and "chosen" in printed
@@ -257,7 +298,7 @@ def test_calibrate_quick_writes_a_row_the_op_then_follows(tmp_path, capsys):
     (row,) = load_table(out)
     hidden, ids, w13, w2 = _tensors(1)
     assert row.key == key_for_tensors(hidden, ids, w13, None, "eager")
-    assert set(row.timings_us) == {"legacy", "upstream"}
+    assert set(row.timings_us) == {"reference", "upstream"}
     assert all({1, 2} <= set(ts) for ts in row.timings_us.values())  # pruning needs two slow M in a row
     assert set().union(*row.timings_us.values()) == {1, 2, 4, 8, 16}
     assert row.provenance["torch"] == str(torch.__version__) and row.provenance["date"]
@@ -279,7 +320,7 @@ def test_calibrate_without_matplotlib_writes_the_row_and_skips_the_plot(tmp_path
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     out = tmp_path / "t.yaml"
     argv = ["calibrate", "--experts", str(E), "--hidden", str(H), "--intermediate", str(I), "--topk", str(TOPK),
-            "--quick", "--max-m", "2", "--backends", "legacy,upstream", "--output", str(out)]
+            "--quick", "--max-m", "2", "--backends", "reference,upstream", "--output", str(out)]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "plot skipped: matplotlib is not installed (pip install 'moefx[plot]')" in captured.err
@@ -470,11 +511,11 @@ def _fp8_row(mode: str, ranges: str, quant_block=(128, 128)) -> CalibrationRow:
 
 
 def test_fp8_row_written_loaded_and_picked_only_for_its_quant_block(tmp_path):
-    # an unquantized row for the same shape does not serve FP8 calls: upstream (the legacy loop for FP8)
+    # an unquantized row for the same shape does not serve FP8 calls: upstream (the reference loop for FP8)
     path = _user_table(tmp_path, _fp8_row("eager", "gemv@1-", quant_block=None))
-    assert _choose_fp8(3) == "legacy"
-    write_row(path, _fp8_row("eager", "legacy@1-", quant_block=(128, 64)))
-    assert _choose_fp8(3) == "legacy"  # (128, 64) rows do not serve (128, 128) calls either
+    assert _choose_fp8(3) == "reference"
+    write_row(path, _fp8_row("eager", "reference@1-", quant_block=(128, 64)))
+    assert _choose_fp8(3) == "reference"  # (128, 64) rows do not serve (128, 128) calls either
     write_row(path, _fp8_row("eager", f"gemv@1-{T},grouped@{T + 1}-"))
     write_row(path, _fp8_row("eager", f"grouped@1-{T},gemv@{T + 1}-"))  # same key: replaces, not duplicates
     rows = load_table(path)
@@ -484,7 +525,7 @@ def test_fp8_row_written_loaded_and_picked_only_for_its_quant_block(tmp_path):
     hidden, ids, w13, *_ = _fp8_call(1)
     assert find_row(key_for_tensors(hidden, ids, w13, (128, 128), "capture")) is None
     with pytest.raises(RuntimeError, match="cannot run inside CUDA-graph capture"):
-        _choose_fp8(1, capturing=True)  # no capture row: upstream = legacy, which capture refuses
+        _choose_fp8(1, capturing=True)  # no capture row: upstream = reference, which capture refuses
 
 
 def test_plan_fp8_signature_uses_the_fp8_row(tmp_path):
@@ -508,14 +549,14 @@ def test_calibrate_fp8_quick_writes_an_fp8_row_auto_follows(tmp_path, capsys):
     out = user_table_dir() / "cpu.yaml"
     argv = ["calibrate", "--experts", str(E), "--hidden", str(FP8_H), "--intermediate", str(FP8_I),
             "--topk", str(TOPK), "--dtype", "bfloat16", "--quant", "fp8-block128", "--quick",
-            "--backends", "legacy,gemv,upstream", "--output", str(out), "--plot", "none"]
+            "--backends", "reference,gemv,upstream", "--output", str(out), "--plot", "none"]
     assert main(argv) == 0
-    assert "upstream runs the legacy loop" in capsys.readouterr().err
+    assert "upstream runs the reference loop" in capsys.readouterr().err
     (row,) = load_table(out)
     hidden, ids, w13, *_ = _fp8_call(1)
     assert row.key == key_for_tensors(hidden, ids, w13, (128, 128), "eager")
     assert row.key.quant_block == (128, 128) and row.key.dtype == "bfloat16"
-    assert set(row.timings_us) == {"legacy", "gemv"}
+    assert set(row.timings_us) == {"reference", "gemv"}
     assert "--quant fp8-block128" in row.provenance["command"]
     for m in (1, 5, 16, 100):
         (want,) = [r.backend for r in row.ranges if r.contains(m)]

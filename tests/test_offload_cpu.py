@@ -1,4 +1,4 @@
-"""CPU expert path vs the legacy oracle: fp32 exact-ish, bf16, int8 weight-only and int8 activations."""
+"""CPU expert path vs the reference oracle: fp32 exact-ish, bf16, int8 weight-only and int8 activations."""
 
 import pytest
 import torch
@@ -32,17 +32,17 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("m", [1, 4, 37])
-def test_fp32_matches_legacy(m):
+def test_fp32_matches_reference(m):
     x, ids, wts, w13, w2 = _case(m, seed=m)
-    ref = BACKENDS["legacy"](x, ids, wts, w13, w2)
+    ref = BACKENDS["reference"](x, ids, wts, w13, w2)
     out = cpu_moe(ExpertStore(w13, w2), x, ids, wts)
     assert _rel(out, ref) <= 1e-6
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
-def test_bf16_matches_legacy(m):
+def test_bf16_matches_reference(m):
     x, ids, wts, w13, w2 = _case(m, dtype=torch.bfloat16, seed=10 + m)
-    ref = BACKENDS["legacy"](x.float(), ids, wts.float(), w13.float(), w2.float())
+    ref = BACKENDS["reference"](x.float(), ids, wts.float(), w13.float(), w2.float())
     out = cpu_moe(ExpertStore(w13, w2), x, ids, wts)
     assert out.dtype == torch.bfloat16
     assert _rel(out, ref) <= 2e-2  # bf16 inputs, rounded intermediates, fp32 accumulation of the expert sum
@@ -67,7 +67,8 @@ def test_route_skips_padding_sentinel():
     assert hit == [0, 3] and counts == [2, 1]
     x, _, wts, w13, w2 = _case(2, seed=4)
     out = cpu_moe(ExpertStore(w13, w2), x, ids, wts)
-    ref = BACKENDS["legacy"](x, torch.tensor([[0, 3], [3, 0]]), wts * torch.tensor([[1.0, 0.0], [1.0, 1.0]]), w13, w2)
+    ref = BACKENDS["reference"](x, torch.tensor([[0, 3], [3, 0]]), wts * torch.tensor([[1.0, 0.0], [1.0, 1.0]]), w13,
+                                w2)
     assert _rel(out, ref) <= 1e-6
 
 
@@ -84,7 +85,7 @@ def test_int8_activation_path(impl, m):
     """INT8: per-token int8 activations x per-channel int8 weights; bound 4e-2 relative vs the fp32 oracle."""
     x, ids, wts, w13, w2 = _case(m, seed=20 + m)
     store = ExpertStore.from_weights(w13, w2, int8=True)
-    ref = BACKENDS["legacy"](x, ids, wts, w13, w2)
+    ref = BACKENDS["reference"](x, ids, wts, w13, w2)
     out = cpu_moe(store, x, ids, wts, math=CpuMath(int8_activations=True, int8_impl=impl))
     assert _rel(out, ref) <= 4e-2
     # The int8 GEMM itself is exact: every implementation gives the same numbers.
@@ -97,11 +98,11 @@ def test_int8_weight_only_decode(dtype):
     """Int8 weights with float activations (M below INT8_VNNI_MIN_TOKENS); bound 3e-2 vs the fp32 oracle."""
     x, ids, wts, w13, w2 = _case(4, h=128, i=64, dtype=dtype, seed=7)
     store = ExpertStore.from_weights(w13, w2, int8=True)
-    ref = BACKENDS["legacy"](x.float(), ids, wts.float(), w13.float(), w2.float())
+    ref = BACKENDS["reference"](x.float(), ids, wts.float(), w13.float(), w2.float())
     assert _rel(cpu_moe(store, x, ids, wts), ref) <= 3e-2
     odd = ExpertStore.from_weights(*_case(4, h=40, i=24, seed=8)[3:], int8=True)  # K % 32 != 0: dequant path
     x2, ids2, wts2, w13b, w2b = _case(4, h=40, i=24, seed=8)
-    assert _rel(cpu_moe(odd, x2, ids2, wts2), BACKENDS["legacy"](x2, ids2, wts2, w13b, w2b)) <= 3e-2
+    assert _rel(cpu_moe(odd, x2, ids2, wts2), BACKENDS["reference"](x2, ids2, wts2, w13b, w2b)) <= 3e-2
 
 
 def test_int8_impl_knobs():
@@ -115,7 +116,7 @@ def test_cpu_backend_contract():
     backend = BACKENDS["cpu"]
     assert unsupported(backend, x, w13, w2) is None
     assert "FP8" in unsupported(backend, x, w13, w2, w13_scale=torch.ones(1))
-    assert _rel(backend(x, ids, wts, w13, w2), BACKENDS["legacy"](x, ids, wts, w13, w2)) <= 1e-6
+    assert _rel(backend(x, ids, wts, w13, w2), BACKENDS["reference"](x, ids, wts, w13, w2)) <= 1e-6
 
 
 def test_isa_parsing():

@@ -1,4 +1,4 @@
-"""moefx's host expert kernel (moefx/offload/csrc/moe_cpu.cpp) against the torch path and `legacy`."""
+"""moefx's host expert kernel (moefx/offload/csrc/moe_cpu.cpp) against the torch path and `reference`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moefx.backends.legacy import LegacyBackend
+from moefx.backends.reference import ReferenceBackend
 from moefx.offload import cpu_kernel
 from moefx.offload.cpu_experts import (
     KERNEL_MAX_ROWS_PER_EXPERT,
@@ -60,7 +60,7 @@ def kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
-# (dtype, int8 weights) -> bound on ||kernel - legacy|| / ||legacy||. fp32 follows fp32 math (summation order
+# (dtype, int8 weights) -> bound on ||kernel - reference|| / ||reference||. fp32 follows fp32 math (summation order
 # only); bf16 rounds where the bf16 module rounds; int8 compares with the dequantized weights in fp32.
 CASES = {(torch.float32, False): 1e-5, (torch.bfloat16, False): 1e-2, (torch.bfloat16, True): 1.5e-2,
          (torch.float32, True): 1e-5}
@@ -69,7 +69,7 @@ CASES = {(torch.float32, False): 1e-5, (torch.bfloat16, False): 1e-2, (torch.bfl
 @needs_kernel
 @pytest.mark.parametrize("dtype,int8", list(CASES))
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_kernel_matches_legacy(dtype, int8, m, kernel_calls):
+def test_kernel_matches_reference(dtype, int8, m, kernel_calls):
     # H and I not multiples of 16 exercise the scalar tails; M=8 with k=4 of 6 experts gives >4 rows per expert.
     x, ids, w, w13, w2 = problem(6, 72, 40, m, 4, dtype, seed=m)
     store = ExpertStore.from_weights(w13, w2, int8)
@@ -77,9 +77,9 @@ def test_kernel_matches_legacy(dtype, int8, m, kernel_calls):
     assert kernel_calls == [1]
     if int8:
         d13, d2 = dequantized(store)
-        ref = LegacyBackend()(x.float(), ids, w, d13, d2)
+        ref = ReferenceBackend()(x.float(), ids, w, d13, d2)
     else:
-        ref = LegacyBackend()(x, ids, w, w13, w2)
+        ref = ReferenceBackend()(x, ids, w, w13, w2)
     assert out.dtype == dtype
     assert relerr(out, ref) <= CASES[(dtype, int8)]
     torch_path = cpu_moe(store, x, ids, w, math=CpuMath(host_kernel=False))
@@ -104,15 +104,15 @@ def test_all_tokens_on_one_expert_and_partial_sums():
     x, ids, w, w13, w2 = problem(4, 48, 24, 5, 1, torch.float32, seed=2, one_expert=True)
     store = ExpertStore.from_weights(w13, w2, False)
     out = cpu_moe(store, x, ids, w, math=CpuMath(host_kernel=True))
-    assert relerr(out, LegacyBackend()(x, ids, w, w13, w2)) <= 1e-5
+    assert relerr(out, ReferenceBackend()(x, ids, w, w13, w2)) <= 1e-5
     x, ids, w, w13, w2 = problem(6, 48, 24, 3, 3, torch.float32, seed=3)
     store = ExpertStore.from_weights(w13, w2, False)
     routed = route(ids, 6)
     half = set(routed[1][: len(routed[1]) // 2])
     part = cpu_moe(store, x, ids, w, routed=routed, experts=half, math=CpuMath(host_kernel=True))
     rest = cpu_moe(store, x, ids, w, routed=routed, experts=set(routed[1]) - half, math=CpuMath(host_kernel=True))
-    assert relerr(part + rest, LegacyBackend()(x, ids, w, w13, w2)) <= 1e-5
-    assert relerr(part, LegacyBackend()(x, ids, w, w13, w2)) > 1e-2  # a real partial sum, not everything
+    assert relerr(part + rest, ReferenceBackend()(x, ids, w, w13, w2)) <= 1e-5
+    assert relerr(part, ReferenceBackend()(x, ids, w, w13, w2)) > 1e-2  # a real partial sum, not everything
 
 
 @needs_kernel
@@ -126,7 +126,7 @@ def test_numa_nodes_each_compute_their_block():
     finally:
         pool.shutdown()
     assert not pool.inline
-    assert relerr(out, LegacyBackend()(x, ids, w, w13, w2)) <= 1e-5
+    assert relerr(out, ReferenceBackend()(x, ids, w, w13, w2)) <= 1e-5
 
 
 def test_kernel_reason_fails_closed():
@@ -139,7 +139,7 @@ def test_kernel_reason_fails_closed():
     assert "compute-bound" in kernel_reason(store, torch.bfloat16, CpuMath(), many)
     # fp16 falls back to torch ops and is still right
     out = cpu_moe(store, x, ids, w, math=CpuMath(host_kernel=True))
-    assert relerr(out, LegacyBackend()(x.float(), ids, w, w13.float(), w2.float())) <= 2e-3
+    assert relerr(out, ReferenceBackend()(x.float(), ids, w, w13.float(), w2.float())) <= 2e-3
 
 
 def test_non_contiguous_weights_take_the_torch_path(kernel_calls):
@@ -151,7 +151,7 @@ def test_non_contiguous_weights_take_the_torch_path(kernel_calls):
     assert "contiguous" in kernel_reason(store, torch.float32, CpuMath(), [(0, 0, 2)])
     out = cpu_moe(store, x, ids, w, math=CpuMath(host_kernel=True))
     assert kernel_calls == []
-    assert relerr(out, LegacyBackend()(x, ids, w, w13, w2)) <= 1e-5
+    assert relerr(out, ReferenceBackend()(x, ids, w, w13, w2)) <= 1e-5
 
 
 def test_no_compiler_is_reported(monkeypatch):
@@ -184,6 +184,6 @@ def test_other_vector_paths(tmp_path: Path, march: str):
     out = torch.zeros(3, 40)
     cpu_kernel.moe_small_m(x.float(), w13, w2, None, None, hit, counts, (order // k).to(torch.int32),
                            w.reshape(-1)[order].float().contiguous(), out, torch.bfloat16, 2, lib=lib)
-    ref = LegacyBackend()(x, ids, w, w13, w2)
+    ref = ReferenceBackend()(x, ids, w, w13, w2)
     assert relerr(out, ref) <= 1e-2
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -37,14 +37,14 @@ def test_ring_matches_cpu_path_and_copies_only_routed(tile_e):
     store = ExpertStore(w13, w2)
     ring = StagingRing(store, tile_e, torch.device("cpu"))
     assert ring.tile_e == min(tile_e, 10) and ring.nbytes == 2 * ring.tile_e * store.expert_bytes
-    out = ring.run(store, x, ids, wts, BACKENDS["legacy"])
+    out = ring.run(store, x, ids, wts, BACKENDS["reference"])
     want = cpu_moe(store, x, ids, wts)
     assert ((out - want).norm() / want.norm()).item() <= 1e-6
     hit = torch.unique(ids).numel()
     assert ring.stats["experts_copied"] == hit <= 8
     assert ring.stats["tiles"] == -(-hit // ring.tile_e)
     assert ring.turn == ring.stats["tiles"]  # slots keep alternating across calls (layers)
-    ring.run(store, x, ids, wts, BACKENDS["legacy"])
+    ring.run(store, x, ids, wts, BACKENDS["reference"])
     assert ring.turn == 2 * ring.stats["tiles"] // 2 and ring.stats["calls"] == 2
 
 
@@ -61,7 +61,7 @@ def test_every_expert_tiles_mask_other_pairs(tile_e):
     x, ids, wts, w13, w2 = _case(23, seed=20 + tile_e)
     store = ExpertStore(w13, w2)
     ring = StagingRing(store, tile_e, torch.device("cpu"))
-    out = ring._run_every_expert(store, x, ids, wts, BACKENDS["legacy"])
+    out = ring._run_every_expert(store, x, ids, wts, BACKENDS["reference"])
     want = cpu_moe(store, x, ids, wts, out_dtype=torch.float32)
     assert ((out - want).norm() / want.norm()).item() <= 1e-6
     assert ring.stats["experts_copied"] == 10 and ring.stats["tiles"] == -(-10 // ring.tile_e)
@@ -72,8 +72,8 @@ def test_ring_int8_store_dequantizes_tiles():
     x, ids, wts, w13, w2 = _case(9, seed=5)
     store = ExpertStore.from_weights(w13, w2, int8=True)
     ring = StagingRing(store, 4, torch.device("cpu"))
-    out = ring.run(store, x, ids, wts, BACKENDS["legacy"])
-    want = BACKENDS["legacy"](x, ids, wts, w13, w2)
+    out = ring.run(store, x, ids, wts, BACKENDS["reference"])
+    want = BACKENDS["reference"](x, ids, wts, w13, w2)
     assert ((out - want).norm() / want.norm()).item() <= 3e-2
 
 
@@ -83,15 +83,15 @@ def test_ring_real_copies_on_gpu():
     x, ids, wts, w13, w2 = _case(300, e=40, seed=7, device="cuda")
     store = ExpertStore(w13.pin_memory(), w2.pin_memory())
     ring = StagingRing(store, 8, torch.device("cuda"))
-    want = BACKENDS["legacy"](x, ids, wts, w13.cuda(), w2.cuda())
+    want = BACKENDS["reference"](x, ids, wts, w13.cuda(), w2.cuda())
     for _ in range(3):  # several calls chain the slot events across "layers"
-        out = ring.run(store, x, ids, wts, BACKENDS["legacy"])
+        out = ring.run(store, x, ids, wts, BACKENDS["reference"])
     torch.cuda.synchronize()
     assert ((out - want).norm() / want.norm()).item() <= 1e-5
     assert ring.stats["calls_without_routing"] == 3 and ring.unrouted_copies() == 3 * 2  # 300 rows hit all 40
     few = x[:8], ids[:8], wts[:8]  # 8 rows do not: routed experts only, after a routing sync
-    out = ring.run(store, *few, BACKENDS["legacy"])
-    want = BACKENDS["legacy"](*few, w13.cuda(), w2.cuda())
+    out = ring.run(store, *few, BACKENDS["reference"])
+    want = BACKENDS["reference"](*few, w13.cuda(), w2.cuda())
     assert ring.stats["calls_without_routing"] == 3 and ((out - want).norm() / want.norm()).item() <= 1e-5
 
 
@@ -115,7 +115,7 @@ def test_hybrid_split_cpu_and_ring_sum_to_reference():
     x, ids, wts, w13, w2 = _case(6, e=10, seed=11)
     experts = _hybrid_experts(w13, w2)
     rt = experts.rt
-    want = BACKENDS["legacy"](x, ids, wts, w13, w2)
+    want = BACKENDS["reference"](x, ids, wts, w13, w2)
     out = experts(x, ids, wts)
     hit = torch.unique(ids).numel()
     assert 0 < rt.ring.stats["experts_copied"] < hit  # both sides got work
@@ -154,7 +154,7 @@ def test_measured_split_start_keeps_small_calls_on_the_cpu():
     copied = rt.ring.stats["experts_copied"]
     out = experts(x, ids, wts)
     assert rt.ring.stats["experts_copied"] == copied
-    want = BACKENDS["legacy"](x, ids, wts, w13, w2)
+    want = BACKENDS["reference"](x, ids, wts, w13, w2)
     assert ((out - want).norm() / want.norm()).item() <= 1e-6
     rt.split_min_tokens = 6
     experts(x, ids, wts)

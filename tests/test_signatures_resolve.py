@@ -78,7 +78,7 @@ def test_unknown_profile_runs_upstream_with_nothing_enabled() -> None:
 
 
 def test_user_config_beats_everything_and_user_backend_beats_unknown() -> None:
-    plan = resolve(DS, H200, {"pass_config": {"fuse_act_quant": False}, "moe_backend": "legacy"})
+    plan = resolve(DS, H200, {"pass_config": {"fuse_act_quant": False}, "moe_backend": "reference"})
     assert not plan.pass_enabled("fuse_act_quant") and plan.passes["fuse_act_quant"].source == "user config"
     unknown = resolve(ModelSignature(model_type="llama"), H200, {"moe_backend": "gemv"})
     assert unknown.moe.policies["eager"].backend_for(4) == "gemv"

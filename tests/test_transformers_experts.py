@@ -103,11 +103,11 @@ def test_optimize_sets_moefx_only_where_the_plan_says_so():
     upstream = moefx.optimize(_model("olmoe"), config={"mode": "eager"})  # no calibration row on this CPU
     assert upstream.config._experts_implementation != "moefx"
     assert not any(line.startswith("moe_experts:") for line in upstream.moefx_plan.provenance)
-    forced = moefx.optimize(_model("olmoe"), config={"mode": "eager", "moe_backend": "legacy"})
+    forced = moefx.optimize(_model("olmoe"), config={"mode": "eager", "moe_backend": "reference"})
     assert forced.config._experts_implementation == "moefx"
     assert any("experts_implementation = moefx" in line for line in forced.moefx_plan.provenance)
     experts = [m for m in forced.modules() if is_experts_module(m)]
-    assert all(m.moefx_backend.startswith("eager=legacy@1-") for m in experts)
+    assert all(m.moefx_backend.startswith("eager=reference@1-") for m in experts)
     assert _rel(_logits(forced), ref) <= 1e-5
 
 
@@ -159,7 +159,7 @@ def test_layouts_equal_eager(transposed, bias):
     module.config._experts_implementation = "eager"
     ref = module(x, ids, w)
     module.config._experts_implementation = "moefx"
-    for backend in ("auto", "legacy", *available_backends("cpu")):
+    for backend in ("auto", "reference", *available_backends("cpu")):
         module.moefx_backend = backend
         assert _rel(module(x, ids, w), ref) <= 1e-5, backend
     if bias:
@@ -188,16 +188,16 @@ def test_fp8_experts_module_runs_the_op_with_block_scales():
     w, ids = torch.softmax(torch.randn(9, 4, generator=g), -1).topk(2, dim=-1)
     w13 = dequant_block(module.gate_up_proj, module.gate_up_proj_scale_inv, (32, 32))
     w2 = dequant_block(module.down_proj, module.down_proj_scale_inv, (32, 32))
-    ref = BACKENDS["legacy"](x, ids, w, w13, w2)
+    ref = BACKENDS["reference"](x, ids, w, w13, w2)
     module.config._experts_implementation = "moefx"
-    assert _rel(module(x, ids, w), ref) <= 1e-5  # no row: the legacy oracle on the block scales
+    assert _rel(module(x, ids, w), ref) <= 1e-5  # no row: the reference oracle on the block scales
     for backend in available_backends("cpu"):
         module.moefx_backend = backend
         assert _rel(module(x, ids, w), ref) <= 6e-2, backend  # w8a8 backends also round the activations
     module.limit = 0.5  # the clamped SwiGLU (DeepSeek-V4's FP8 experts): the op takes it as its gate limit
     assert unsupported_reason(module) is None
-    module.moefx_backend = "legacy"
-    clamped = BACKENDS["legacy"](x, ids, w, w13, w2, gate_limit=0.5)
+    module.moefx_backend = "reference"
+    clamped = BACKENDS["reference"](x, ids, w, w13, w2, gate_limit=0.5)
     assert _rel(module(x, ids, w), clamped) <= 1e-5 and _rel(clamped, ref) > 1e-2
     module.swiglu_alpha = 1.7
     assert unsupported_reason(module) == "an alpha SwiGLU gate (gpt-oss style)"
@@ -217,7 +217,7 @@ def test_optimize_leaves_unsupported_layouts_and_strict_raises():
         def set_experts_implementation(self, name):  # what a PreTrainedModel offers
             self.experts.config._experts_implementation = name
 
-    cfg = CompilationConfig(moe_backend="legacy", mode="eager")
+    cfg = CompilationConfig(moe_backend="reference", mode="eager")
     plan = resolve(ModelSignature(), ExecutionSignature(device_type="cpu"), cfg)
     holder = Holder()
     with pytest.warns(UserWarning, match="expert biases"):
@@ -225,7 +225,7 @@ def test_optimize_leaves_unsupported_layouts_and_strict_raises():
             "experts left to transformers: the moefx op does not take ['expert biases']"
         ]
     assert not hasattr(holder.experts, "moefx_backend")
-    strict = CompilationConfig(moe_backend="legacy", mode="eager", strict=True)
+    strict = CompilationConfig(moe_backend="reference", mode="eager", strict=True)
     with pytest.raises(ValueError, match="strict=true.*expert biases"):
         use_moefx_experts(holder, plan, strict)
 

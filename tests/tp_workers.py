@@ -137,7 +137,7 @@ def reference_model(family: str, world: int) -> torch.nn.Module:
 
 
 def calibration_table(path: Path, ms: Any, tp: int, ep: int) -> Path:
-    """A table whose only row is keyed at one rank's expert shape (the same on every rank) and picks `legacy` for
+    """A table whose only row is keyed at one rank's expert shape (the same on every rank) and picks `reference` for
     every M; rank 0 writes it."""
     from moefx.backends.calibration import (
         CalibrationKey,
@@ -153,7 +153,7 @@ def calibration_table(path: Path, ms: Any, tp: int, ep: int) -> Path:
                          N=2 * ms.moe_intermediate_size // tp, K=ms.hidden_size, top_k=ms.top_k, dtype="float32",
                          quant_block=None, mode="eager")
     if dist.get_rank() == 0:
-        write_row(path, CalibrationRow(key, (MRange("legacy", 1, None),), {"date": "test"}, ""))
+        write_row(path, CalibrationRow(key, (MRange("reference", 1, None),), {"date": "test"}, ""))
     dist.barrier()
     invalidate()
     return path
@@ -254,7 +254,7 @@ def traced_step(rank: int, world: int) -> dict[str, Any]:
 
     torch._dynamo.reset()
     ref = reference_model("qwen3_moe", world)
-    model = moefx.optimize(shard_model(copy.deepcopy(ref)), config={"mode": "eager", "moe_backend": "legacy"})
+    model = moefx.optimize(shard_model(copy.deepcopy(ref)), config={"mode": "eager", "moe_backend": "reference"})
     ids = torch.randint(0, 256, PROMPT, generator=torch.Generator().manual_seed(5))
     step = torch.compile(lambda x: greedy_step(model, input_ids=x, use_cache=False), backend=keep, fullgraph=True)
     with torch.no_grad():
@@ -292,7 +292,7 @@ def compiled_generate(world: int) -> dict[str, Any]:
     moefx.clear_compile_reports()
     ref = reference_model("qwen3_moe", world)
     ids = torch.randint(0, 256, PROMPT, generator=torch.Generator().manual_seed(5))
-    cfg = {"mode": "compile", "moe_backend": "legacy", "pass_config": {"eliminate_noops": True}}
+    cfg = {"mode": "compile", "moe_backend": "reference", "pass_config": {"eliminate_noops": True}}
     model = moefx.optimize(shard_model(copy.deepcopy(ref)), config=cfg)
     with torch.no_grad():
         ref_greedy = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)

@@ -57,7 +57,7 @@ def main() -> None:
                 continue
             sets = [(torch.randn(m, H, device="cuda", generator=gen, dtype=torch.bfloat16),
                      *routing(m, E, K, "cuda", gen)) for _ in range(4)]
-            ref = BACKENDS["legacy"](*sets[0], a13, a2, **({} if bs is None else dict(w13_scale=sc13, w2_scale=sc2,
+            ref = BACKENDS["reference"](*sets[0], a13, a2, **({} if bs is None else dict(w13_scale=sc13, w2_scale=sc2,
                                                                                         block_shape=bs)))
             kind = sys.argv[3] if len(sys.argv) > 3 else "grouped"
             fn = gemv_moe if kind == "gemv" else fused_moe

@@ -58,7 +58,7 @@ def render_moe(r: dict[str, Any]) -> str:
               + " — the lower bounds below and [FINDINGS.md](FINDINGS.md) say how far each can go"]
     body = table(["dtype", "M", "floor µs", "peer Triton", "HF grouped_mm+compile", "gemv", "grouped",
                   "torch_grouped", "**auto** (pick)", "auto/floor", "auto/peer", "HF/auto"], rows)
-    body += ("\n\n" + "\n".join(lines) + f"\n\nCorrectness first, on the GPU against `legacy`: {len(checks)} "
+    body += ("\n\n" + "\n".join(lines) + f"\n\nCorrectness first, on the GPU against `reference`: {len(checks)} "
              f"backend/input pairs (M = {', '.join(map(str, ms))}), {failed} failed; largest relative error "
              + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + ".")
     geo = r.get("geometry", {})

@@ -42,7 +42,7 @@ def render_offload(r: dict[str, Any]) -> str:
     body = table(["what", "tok/s", "floor tok/s", "vs floor", "target"], rows)
     chk = r.get("check_relerr", {})
     body += ("\n\nRows run in this order (\"again at the end\" repeats the first row after all others). Correctness on "
-             "the GPU vs `legacy` (bf16): " + ", ".join(f"{k} {v:.1e}" for k, v in chk.items()) + " relative"
+             "the GPU vs `reference` (bf16): " + ", ".join(f"{k} {v:.1e}" for k, v in chk.items()) + " relative"
              + ("; graph-replayed tokens equal the eager loop's (greedy)" if r.get("graph_tokens_match_eager") else "")
              + ". A prefill row above 100%: its calls are split between the CPU and the GPU, so the "
              "streaming-only floor does not bind. Why the first eager row is slow, and the spread over runs: "

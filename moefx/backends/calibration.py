@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from moefx.config import load_data_file
+from moefx.config import MOE_BACKEND_ALIASES, load_data_file
 from moefx.log import warn_once
 from moefx.machine import cpu_model, unwritable
 
@@ -162,6 +162,10 @@ class MRange:
     min_m: int
     max_m: int | None
 
+    def __post_init__(self) -> None:
+        # a backend's other name (a table, pin or policy spec written with it) runs as the backend it names
+        object.__setattr__(self, "backend", MOE_BACKEND_ALIASES.get(self.backend, self.backend))
+
     def contains(self, m: int) -> bool:
         return m >= self.min_m and (self.max_m is None or m <= self.max_m)
 
@@ -248,7 +252,8 @@ def parse_row(data: Any, where: str, key_from_yaml: Callable[[Any, str], Any], b
     prov = data["provenance"]
     if not isinstance(prov, dict) or not prov.get("date"):
         raise ValueError(f"{where}: 'provenance' must be a mapping with at least a 'date' (where the row came from)")
-    timings = {str(b): {int(m): float(t) for m, t in ts.items()} for b, ts in (data.get("timings_us") or {}).items()}
+    timings = {MOE_BACKEND_ALIASES.get(str(b), str(b)): {int(m): float(t) for m, t in ts.items()}
+               for b, ts in (data.get("timings_us") or {}).items()}
     return CalibrationRow(key, ranges, prov, where, timings)
 
 

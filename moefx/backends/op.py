@@ -4,7 +4,7 @@ The choice is made inside the op, at run time, from shapes only, so a compiled g
 `moefx::moe_experts` node whatever M is (also a symbolic M) and a captured CUDA graph never switches
 backend on data. `backend` is "auto" (environment override, else the exact calibration row, else
 upstream), a backend name (forced; still subject to the backend's own support check) or a policy spec
-from a plan ("eager=gemv@1-16,grouped@17-;capture=..."). `upstream` names the plain path: "legacy"
+from a plan ("eager=gemv@1-16,grouped@17-;capture=..."). `upstream` names the plain path: "reference"
 (the reference loop) for direct calls, "transformers" (transformers' own grouped_mm experts path) for
 HF experts modules. `activation` names the gate activation (moefx/kernels/activation.py: silu, gelu, gelu_tanh);
 `gate_limit` (None: off) clamps gate and up before it (the clamped SwiGLU of DeepSeek-V4, GLM-5-Next, HY-V4).
@@ -33,12 +33,18 @@ from moefx.backends.policy import (
     parse_policy_spec,
 )
 from moefx.backends.registry import BACKENDS, MoeCall
+from moefx.config import MOE_BACKEND_ALIASES
 from moefx.kernels.activation import check_limit, gate_up, get_activation
 from moefx.kernels.memo import ShapeMemo, tensor_meta
 from moefx.log import get_logger, warn_once
 
 log = get_logger("moefx.backends")
-UPSTREAMS = ("legacy", "transformers")
+UPSTREAMS = ("reference", "transformers")
+
+
+def _named(backend: str) -> str:
+    """A backend's name for one of its aliases (config.MOE_BACKEND_ALIASES: `legacy` is `reference`)."""
+    return MOE_BACKEND_ALIASES.get(backend, backend)
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:
@@ -52,6 +58,7 @@ def _validate_backend_arg(
 ) -> None:
     get_activation(activation)
     check_limit(gate_limit)
+    backend, upstream = _named(backend), _named(upstream)
     if upstream not in UPSTREAMS:
         raise ValueError(f"moe_experts upstream={upstream!r} is invalid; valid choices: {list(UPSTREAMS)}")
     if backend in ("auto", UPSTREAM) or backend in BACKENDS:
@@ -78,7 +85,7 @@ def _requested(m: int, backend: str, key_args: tuple, capturing: bool) -> tuple[
     row = find_row(key_for_tensors(*key_args, mode))
     if row is None:
         return UPSTREAM, f"no calibration row ({mode})"
-    pol = MoePolicy(row.ranges, row.source).without(env.disabled, "legacy switch")
+    pol = MoePolicy(row.ranges, row.source).without(env.disabled, "backend switch")
     return pol.backend_for(m), row.source
 
 
@@ -93,7 +100,7 @@ def select_backend(
     w13_scale: torch.Tensor | None = None,
     block_shape: Sequence[int] | None = None,
     backend: str = "auto",
-    upstream: str = "legacy",
+    upstream: str = "reference",
     capturing: bool | None = None,
     activation: str = "silu",
     gate_limit: float | None = None,
@@ -105,6 +112,7 @@ def select_backend(
     arguments, the MoE env knobs' raw values, the calibration tables' generation and, for CPU rows, the thread
     count), so it is made once per key (memo.py).
     """
+    backend, upstream = _named(backend), _named(upstream)
     explicit = capturing is not None
     if capturing is None:
         capturing = decides_as_captured(hidden)
@@ -148,7 +156,7 @@ def _decide(
     """(backend name, the warning that says why it is the plain path or None, the backend asked for and its
     registered object, None when it is not registered: a decision is stale once that changes)."""
     # transformers' FP8 experts path lives on its module (and needs its hub kernels): FP8 runs the oracle.
-    plain = "legacy" if upstream == "transformers" and w13_scale is not None else upstream
+    plain = "reference" if upstream == "transformers" and w13_scale is not None else upstream
     key_args = (hidden, topk_ids, w13, bs)
     name, source = _requested(int(hidden.shape[0]), backend, key_args, capturing)
     requested, warning = name, None
@@ -209,7 +217,7 @@ def _moe_experts_op(
     w2_scale: torch.Tensor | None = None,
     block_shape: list[int] | None = None,
     backend: str = "auto",
-    upstream: str = "legacy",
+    upstream: str = "reference",
     activation: str = "silu",
     gate_limit: float | None = None,
 ) -> torch.Tensor:
@@ -278,7 +286,7 @@ def moe_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: Sequence[int] | None = None,
-    upstream: str = "legacy",
+    upstream: str = "reference",
     activation: str = "silu",
     gate_limit: float | None = None,
 ) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """MoE backend policy: which backend runs for each M range, and the table row (or override) that says so.
 
-Precedence, highest first: the config's `moe_backend`, the environment (`MOEFX_MOE_BACKEND`, or the legacy
-boolean `MOEFX_USE_GEMV`), rule pins, then the calibration row whose key matches exactly. No row means
-`upstream` (transformers' own experts path for HF models, `legacy` for direct `moe_experts` calls): a
+Precedence, highest first: the config's `moe_backend`, the environment (`MOEFX_MOE_BACKEND`, or the on/off
+switch `MOEFX_USE_GEMV`), rule pins, then the calibration row whose key matches exactly. No row means
+`upstream` (transformers' own experts path for HF models, `reference` for direct `moe_experts` calls): a
 threshold is never guessed. Eager and CUDA-graph-capture calls have separate rows, and the choice depends
 on shapes only (M = token rows of the call), so a captured graph never switches backend on data.
 
@@ -36,11 +36,12 @@ from moefx.env import get_setting, setting_raw, setting_source
 from moefx.log import warn_once
 
 UPSTREAM = "upstream"
-# Backends that wait on the host inside a call (legacy: torch.unique/.tolist; cpu: copies the activations to
+# Backends that wait on the host inside a call (reference: torch.unique/.tolist; cpu: copies the activations to
 # host memory and computes there), so they cannot run inside CUDA-graph capture.
-HOST_SYNCING_BACKENDS = frozenset({"legacy", "cpu"})
-# Legacy boolean switches, each the old spelling of forcing one backend; they must agree with the enum.
-LEGACY_SWITCHES: dict[str, str] = {"MOEFX_USE_GEMV": "gemv"}
+HOST_SYNCING_BACKENDS = frozenset({"reference", "cpu"})
+# On/off switches of one backend each (on forces it, off turns its M ranges upstream), the older spelling of
+# MOEFX_MOE_BACKEND; they must agree with it.
+BACKEND_SWITCHES: dict[str, str] = {"MOEFX_USE_GEMV": "gemv"}
 PIN_FIELDS = ("backend", "ranges", "mode", "source")
 
 
@@ -48,7 +49,7 @@ PIN_FIELDS = ("backend", "ranges", "mode", "source")
 class EnvOverride:
     forced: str | None = None  # a backend name forced for every call, None = auto
     source: str = ""
-    disabled: frozenset[str] = frozenset()  # backends a legacy switch turned off (their ranges run upstream)
+    disabled: frozenset[str] = frozenset()  # backends a backend switch turned off (their ranges run upstream)
 
 
 def _enum_setting(environ: Mapping[str, str]) -> tuple[str, str]:
@@ -57,17 +58,17 @@ def _enum_setting(environ: Mapping[str, str]) -> tuple[str, str]:
 
 def env_token() -> tuple[str | None, ...]:
     """The raw values of every variable `env_override()` reads: part of the op's memo key (kernels/memo.py)."""
-    return (*setting_raw("MOEFX_MOE_BACKEND"), *(raw for var in LEGACY_SWITCHES for raw in setting_raw(var)))
+    return (*setting_raw("MOEFX_MOE_BACKEND"), *(raw for var in BACKEND_SWITCHES for raw in setting_raw(var)))
 
 
 def env_override(environ: Mapping[str, str] | None = None) -> EnvOverride:
-    """Validated backend override from the environment; a legacy switch that contradicts the enum is an error."""
+    """Validated backend override from the environment; a backend switch that contradicts the enum is an error."""
     env = os.environ if environ is None else environ
     enum, enum_source = _enum_setting(env)
     forced = None if enum == "auto" else enum
     source = enum_source if forced else ""
     disabled: set[str] = set()
-    for var, backend in LEGACY_SWITCHES.items():
+    for var, backend in BACKEND_SWITCHES.items():
         on = get_setting(var, env)
         if on is None:
             continue
@@ -77,7 +78,7 @@ def env_override(environ: Mapping[str, str] | None = None) -> EnvOverride:
                 f"conflicting MoE backend settings: {var}={raw!r} and MOEFX_MOE_BACKEND={enum!r}; "
                 f"set only MOEFX_MOE_BACKEND (valid choices: {list(MOE_BACKENDS)})"
             )
-        warn_once(f"environment variable {var} is a legacy switch; use MOEFX_MOE_BACKEND (value kept)")
+        warn_once(f"environment variable {var} is an older spelling of MOEFX_MOE_BACKEND; use that (value kept)")
         if on and forced is None:
             forced, source = backend, f"env {var}"
         elif not on:
@@ -296,7 +297,7 @@ def moe_plan(ms: Any, es: Any, cfg: Any, pins: dict | None = None) -> MoePlan:
             policies[mode] = MoePolicy(row.ranges, row.source)
             from_rows.append(mode)
     if env.disabled:
-        why = f"{sorted(env.disabled)} turned off by {sorted(LEGACY_SWITCHES)}"
+        why = f"{sorted(env.disabled)} turned off by {sorted(BACKEND_SWITCHES)}"
         policies = {m: p.without(env.disabled, why) for m, p in policies.items()}
     policies["capture"] = _capture_safe(policies["capture"])
     plan.policies = policies

@@ -68,5 +68,6 @@ class TorchGroupedBackend(MoEBackend):
 
     def run(self, call: MoeCall) -> torch.Tensor:
         if call.w13_scale is not None:
-            raise ValueError("torch_grouped has no FP8 path (w13_scale given); valid backends: grouped, gemv, legacy")
+            raise ValueError("torch_grouped has no FP8 path (w13_scale given); valid backends: grouped, gemv, "
+                             "reference")
         return torch_grouped_moe(call)

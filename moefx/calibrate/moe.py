@@ -1,6 +1,6 @@
 """MoE experts calibration: `moefx::moe_experts` per backend on random expert weights of one shape.
 
-Each contender is first checked against the legacy oracle; the ones that pass are timed through the op (eager:
+Each contender is first checked against the reference oracle; the ones that pass are timed through the op (eager:
 CUDA events, capture: CUDA-graph replay; CPU: wall clock), on fresh routing for every timed call. `upstream`
 (transformers' grouped_mm path, what HF models run without moefx) is a contender too, so a row never sends an M
 range to a backend slower than the default.
@@ -62,20 +62,21 @@ class MoeProblem:
     def excluded(self, mode: str, names: list[str]) -> dict[str, str]:
         out = {n: "syncs the host: never run inside capture" for n in names
                if mode == "capture" and n in HOST_SYNCING_BACKENDS}
-        if self.block is not None and UPSTREAM in names and (mode == "capture" or "legacy" in names):
-            # the plain path for FP8 weights is the legacy loop (op.select_backend): timed as legacy, never captured
-            out[UPSTREAM] = "FP8: upstream runs the legacy loop (timed as legacy; syncs the host)"
+        if self.block is not None and UPSTREAM in names and (mode == "capture" or "reference" in names):
+            # the plain path for FP8 weights is the reference loop (op.select_backend): timed as reference, never
+            # captured
+            out[UPSTREAM] = "FP8: upstream runs the reference loop (timed as reference; syncs the host)"
         return out
 
     def default(self, live: list[str]) -> str | None:
-        # what runs without a row: upstream, which for FP8 weights is the legacy loop
+        # what runs without a row: upstream, which for FP8 weights is the reference loop
         if UPSTREAM in live:
             return UPSTREAM
-        return "legacy" if self.block is not None and "legacy" in live else None
+        return "reference" if self.block is not None and "reference" in live else None
 
 
 def check(problem: MoeProblem, names: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Contenders whose output matches the legacy oracle on fresh inputs; the rest with the reason."""
+    """Contenders whose output matches the reference oracle on fresh inputs; the rest with the reason."""
     bound = {torch.float32: 1e-4}.get(problem.dtype, 3e-2) if problem.block is None else 6e-2
     rejected: dict[str, str] = {}
     call = MoeCall(*problem.inputs(1), problem.w13, problem.w2, problem.s13, problem.s2, problem.block)
@@ -88,8 +89,8 @@ def check(problem: MoeProblem, names: list[str]) -> tuple[list[str], dict[str, s
     def cases():
         for m in (1, 37):
             args = problem.inputs(m)
-            yield m, [problem.call("legacy")(*args)], lambda name, args=args: problem.call(name)(*args)
+            yield m, [problem.call("reference")(*args)], lambda name, args=args: problem.call(name)(*args)
 
-    return match_reference(names, cases(), bound, "legacy", rejected)
+    return match_reference(names, cases(), bound, "reference", rejected)
 
 

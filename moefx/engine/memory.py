@@ -3,8 +3,8 @@
 - The budget is config key `memory_budget`, else env `MOEFX_MEMORY_BUDGET`, else `DEFAULT_MEMORY_BUDGET` (0.7,
   `moefx/config.py`, which also checks the number): a number <= 1 is a fraction of the device memory free at the
   engine's first allocation (what is left goes to activations and the prefill), a larger one is bytes.
-- Every slot's static cache counts (`cache_bytes`, known before it is allocated: layers x 2 x rows x KV heads x
-  length x head_dim x dtype size, plus the engine's token and mask buffers), and so does every captured CUDA
+- Every slot's static cache counts (`cache_bytes`, known before it is allocated: rows x length x the KV bytes per
+  token of `moefx/facts/sizes.py`, plus the engine's token and mask buffers), and so does every captured CUDA
   graph's memory pool, measured on CUDA around each capture (`graph_memory`, `moefx/engine/graphs.py`); the pool
   keeps what it took, so those bytes stay counted.
 - When a new slot would not fit, least-recently-used slots are freed first (`SlotPool`, `moefx/engine/slots.py`);
@@ -14,14 +14,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
 from moefx.config import DEFAULT_MEMORY_BUDGET, check_memory_budget
+from moefx.facts.sizes import config_kv_shape, kv_bytes_per_token
 from moefx.log import get_logger
+from moefx.machine import free_memory
 
 log = get_logger("moefx.engine")
 
@@ -35,25 +36,11 @@ class MemoryBudgetError(ValueError):
 def cache_bytes(config: Any, rows: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of a static cache of `rows` x `max_len` for a transformers config, plus the engine's long buffers
     (tokens so far and the attention mask, [rows, max_len] each)."""
-    conf = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = conf.num_hidden_layers
-    heads = getattr(conf, "num_attention_heads", None) or 1
-    kv_heads = getattr(conf, "num_key_value_heads", None) or heads
-    head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // heads
-    width = torch.empty((), dtype=dtype).element_size()
-    return layers * 2 * rows * kv_heads * max_len * head_dim * width + 2 * rows * max_len * 8
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes the engine could still take on `device`: free device memory plus what torch's allocator holds unused
-    (CUDA), or the host's available memory (CPU)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    from moefx.machine import host_memory_available
-
-    available = host_memory_available()
-    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_token = kv_bytes_per_token(*config_kv_shape(config), torch.empty((), dtype=dtype).element_size())
+    if per_token is None:
+        raise ValueError("the model's config states no num_hidden_layers or num_attention_heads: the decode engine "
+                         "cannot size its static cache")
+    return rows * max_len * per_token + 2 * rows * max_len * 8
 
 
 def budget_setting(config_value: float | None) -> tuple[float, str]:

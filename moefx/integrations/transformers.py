@@ -198,7 +198,7 @@ def moefx_fp8_experts_forward(
 ) -> torch.Tensor:
     """The same for transformers' FP8 experts modules (block-FP8 weights with float32 `*_scale_inv`).
 
-    Their default path needs transformers' hub kernels; the op's plain path here is the legacy oracle.
+    Their default path needs transformers' hub kernels; the op's plain path here is the reference oracle.
     """
     reason = unsupported_reason(self)
     if reason is not None:

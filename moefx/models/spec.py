@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moefx.config import load_data_file
+from moefx.machine import free_memory
 
 
 def model_config(spec: str) -> dict[str, Any]:
@@ -41,22 +42,6 @@ def default_layers(config: dict[str, Any]) -> int:
     return min(total, max(2, dense + 1))
 
 
-def free_memory_bytes(device: Any) -> int:
-    """Memory a new model may take on `device`: free GPU memory, or the host's MemAvailable."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    from moefx.machine import host_memory_available
-
-    avail = host_memory_available()
-    if avail is not None:
-        return avail
-    import os
-
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-
-
 def build_model_from_spec(spec: str, layers: int | None, device: Any, dtype: Any, seed: int = 0) -> tuple[Any, str]:
     """(causal LM with seeded random weights, a one-line description) for a built-in name or config at `layers`
     decoder layers. The size is computed on the meta device first: a model whose weights would take more than
@@ -85,7 +70,7 @@ def build_model_from_spec(spec: str, layers: int | None, device: Any, dtype: Any
         meta = AutoModelForCausalLM.from_config(config)
     width = torch.empty((), dtype=dtype).element_size()
     need = sum(t.numel() for t in (*meta.parameters(), *meta.buffers())) * width
-    budget = free_memory_bytes(device) // 2
+    budget = free_memory(device) // 2
     if need > budget:
         blocks = list(getattr(getattr(meta, "model", None), "layers", None) or [])
         sizes = [sum(p.numel() for p in b.parameters()) * width for b in blocks]

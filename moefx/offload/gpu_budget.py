@@ -26,10 +26,6 @@ class GpuMemoryBudget:
         return f"offload gpu memory (priority order) = {parts} of {self.free / _GIB:.2f} GiB free"
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
 def plan_gpu_memory(
     free: int, kv_pool: int, staging: int, tile_e: int | None = None, expert_bytes: int | None = None
 ) -> GpuMemoryBudget:

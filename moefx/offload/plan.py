@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moefx.env import get_setting, setting_source, settings
+from moefx.facts.sizes import DTYPE_BYTES, signature_kv_bytes_per_token
 from moefx.log import warn_once
+from moefx.machine import free_memory
 from moefx.offload.hw import host_info_from_signature
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_RESERVE_TOKENS = 4096  # per sequence, when the config gives no prefill_token_budget
 
 
 @dataclass
@@ -55,15 +57,12 @@ class OffloadPlan:
 def _estimate_bytes(ms: Any) -> tuple[int | None, int | None]:
     """(expert bytes over all layers, per-token KV bytes) from the signature; None when a fact is missing."""
     need = (ms.num_experts, ms.hidden_size, ms.moe_intermediate_size, ms.num_layers)
-    width = _DTYPE_BYTES.get(ms.dtype or "", None)
+    width = DTYPE_BYTES.get(ms.dtype or "")
     if any(v is None for v in need) or width is None:
         return None, None
     moe_layers = ms.num_layers - (ms.first_dense_layers or 0)
     experts = moe_layers * ms.num_experts * 3 * ms.hidden_size * ms.moe_intermediate_size * width
-    kv = None
-    if ms.num_kv_heads and ms.head_dim:
-        kv = 2 * ms.num_layers * ms.num_kv_heads * ms.head_dim * width
-    return experts, kv
+    return experts, signature_kv_bytes_per_token(ms)
 
 
 _UNSET = ": max_batch_size unset, the decode engine's memory budget bounds the rest"
@@ -73,6 +72,11 @@ def kv_reserve_sequences(cfg: Any) -> int:
     """Sequences the offload KV reserve is sized for: max_batch_size, or one when it is unset (the decode engine
     then bounds its caches by its own memory budget, SAMPLING.md)."""
     return cfg.max_batch_size or 1
+
+
+def kv_reserve_tokens(cfg: Any) -> int:
+    """KV tokens the offload reserve holds: `kv_reserve_sequences` x prefill_token_budget (or KV_RESERVE_TOKENS)."""
+    return kv_reserve_sequences(cfg) * (cfg.prefill_token_budget or KV_RESERVE_TOKENS)
 
 
 def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
@@ -85,9 +89,9 @@ def _auto_decision(ms: Any, es: Any, cfg: Any) -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return "gpu", "auto: free GPU memory unknown on this machine (planning for another one); experts stay on GPU"
-    free, _ = torch.cuda.mem_get_info()
+    free = free_memory("cuda")
     sequences = kv_reserve_sequences(cfg)
-    reserve = (kv or 0) * sequences * (cfg.prefill_token_budget or 4096)
+    reserve = (kv or 0) * kv_reserve_tokens(cfg)
     if experts + reserve > 0.9 * free:
         return "cpu", (f"auto: experts {experts / 2**30:.1f} GiB + KV {reserve / 2**30:.1f} GiB "
                        f"({sequences} sequences{_UNSET if cfg.max_batch_size is None else ''}) > 90% of free GPU")
@@ -100,7 +104,7 @@ def _from_cache(plan: OffloadPlan, ms: Any, es: Any, host: Any) -> None:
     from moefx.offload.cost import Geometry, cached_rates, key_for, switch_point
 
     h, i = ms.hidden_size, ms.moe_intermediate_size
-    width = 1 if plan.int8 else _DTYPE_BYTES.get(ms.dtype, 2)
+    width = 1 if plan.int8 else DTYPE_BYTES.get(ms.dtype, 2)
     rates = cached_rates(key_for(es.device_name, ms.dtype, (2 * i, h), (h, i), plan.int8, host))
     if rates is None:
         return

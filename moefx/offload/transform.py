@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from moefx.facts.sizes import config_kv_shape, kv_bytes_per_token
 from moefx.facts.weights import is_stacked_experts
 from moefx.log import get_logger
+from moefx.machine import free_memory
 from moefx.offload import cpu_kernel
 from moefx.offload.cost import (
     Geometry,
@@ -34,17 +36,16 @@ from moefx.offload.cost import (
     switch_point,
 )
 from moefx.offload.cpu_experts import KERNEL_MAX_ROWS_PER_EXPERT, CpuMath, ExpertPool, ExpertStore, cpu_moe, route
-from moefx.offload.gpu_budget import kv_bytes_per_token, plan_gpu_memory
+from moefx.offload.gpu_budget import plan_gpu_memory
 from moefx.offload.hw import host_info
 from moefx.offload.placement import to_host
-from moefx.offload.plan import kv_reserve_sequences
+from moefx.offload.plan import kv_reserve_tokens
 from moefx.offload.staging import StagingRing
 from moefx.offload.stream_host import StreamHost, build_stream_host
 
 log = get_logger("moefx.offload")
 
 DECODE_POOL_MAX_TOKENS = 32  # up to this many rows the tuned multi-worker pool runs; above, one worker per node
-KV_RESERVE_TOKENS = 4096  # per sequence, when the config gives no prefill_token_budget
 
 
 def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -83,23 +84,24 @@ TileBackends = Mapping[str, Callable[..., torch.Tensor]]
 
 def pick_tile_backend(backends: TileBackends) -> str:
     """MoE backend that computes streamed tiles on the GPU: MOEFX_MOE_BACKEND if it names a GPU backend, else
-    `grouped` when registered, else `legacy`."""
+    `grouped` when registered, else `reference`."""
     from moefx.env import get_setting
 
     forced = get_setting("MOEFX_MOE_BACKEND")
     if forced in backends and forced != "cpu":
         return forced
-    return "grouped" if "grouped" in backends else "legacy"
+    return "grouped" if "grouped" in backends else "reference"
 
 
 def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torch.dtype,
                            backends: TileBackends) -> tuple[str, str]:
-    """(backend, note): the picked tile backend if it matches `legacy` on a small slice of this layer, else legacy."""
+    """(backend, note): the picked tile backend if it matches `reference` on a small slice of this layer, else
+    `reference`."""
     from moefx.kernels.moe_call import MoeCall
 
     name = pick_tile_backend(backends)
-    if name == "legacy":
-        return name, "legacy (oracle)"
+    if name == "reference":
+        return name, "reference (oracle)"
     n = min(4, store.num_experts)
     w13 = store.w13[:n].to(device)
     w2 = store.w2[:n].to(device)
@@ -112,15 +114,15 @@ def validated_tile_backend(store: ExpertStore, device: torch.device, dtype: torc
     wts = torch.rand(16, 1, generator=gen).to(device)
     call = MoeCall(x, ids, wts, w13, w2)
     try:
-        ref = backends["legacy"].apply(call).float()
+        ref = backends["reference"].apply(call).float()
         out = backends[name].apply(call).float()
         err = ((out - ref).norm() / ref.norm()).item()
     except Exception as exc:  # a backend that cannot run these tiles is not used for them
-        return "legacy", f"legacy ({name} failed on a tile check: {type(exc).__name__}: {exc})"
+        return "reference", f"reference ({name} failed on a tile check: {type(exc).__name__}: {exc})"
     bound = 1e-5 if dtype == torch.float32 else 2e-2  # an fp32 model must not lose precision (e.g. to TF32)
     if not err <= bound:
-        return "legacy", f"legacy ({name} off by {err:.2e} > {bound:.0e} on a tile check)"
-    return name, f"{name} (checked against legacy on this layer: {err:.1e})"
+        return "reference", f"reference ({name} off by {err:.2e} > {bound:.0e} on a tile check)"
+    return name, f"{name} (checked against reference on this layer: {err:.1e})"
 
 
 class OffloadRuntime:
@@ -141,7 +143,7 @@ class OffloadRuntime:
         self.switch_tokens: int | None = None
         self.rates: MachineRates | None = None
         self.geom: Geometry | None = None
-        self.tile_backend = "legacy"
+        self.tile_backend = "reference"
         self.prefetch_bytes = 0  # host kernel prefetch distance, measured with the machine rates
         self.split_min_tokens = 1  # below this M a call never splits (measured end to end: `measure_split_start`)
         self.stream_host: StreamHost | None = None  # CPU-only calls queued on the GPU stream (no sync per layer)
@@ -310,18 +312,11 @@ def _model_device_dtype(model: torch.nn.Module, skip: set[int]) -> tuple[torch.d
 
 
 def _kv_reserve(model: torch.nn.Module, cfg: Any, width: int) -> int:
-    """Bytes the KV pool reserves first: max_batch_size sequences (one when unset) of prefill_token_budget (or 4096)
-    tokens."""
+    """Bytes the KV pool reserves first: `kv_reserve_tokens` of the model's KV bytes per token (0 when its config
+    does not state the attention geometry)."""
     conf = getattr(model, "config", None)
-    layers = getattr(conf, "num_hidden_layers", None)
-    kv_heads = getattr(conf, "num_key_value_heads", None)
-    head_dim = getattr(conf, "head_dim", None)
-    if head_dim is None and getattr(conf, "num_attention_heads", None):
-        head_dim = conf.hidden_size // conf.num_attention_heads
-    if not (layers and kv_heads and head_dim):
-        return 0
-    tokens = kv_reserve_sequences(cfg) * (cfg.prefill_token_budget or KV_RESERVE_TOKENS)
-    return tokens * kv_bytes_per_token(layers, kv_heads, head_dim, width)
+    per_token = kv_bytes_per_token(*config_kv_shape(conf), width) if conf is not None else None
+    return kv_reserve_tokens(cfg) * (per_token or 0)
 
 
 def _expert_bytes(mod: torch.nn.Module, int8: bool) -> int:
@@ -350,7 +345,7 @@ def apply_offload(model: torch.nn.Module, plan: Any, cfg: Any, backends: TileBac
         # The fixed GPU memory priority is checked before the model is touched: KV pool first, then the ring.
         expert_bytes = _expert_bytes(usable[0], op.int8)
         staging = 2 * min(op.tile_e, usable[0].gate_up_proj.shape[0]) * expert_bytes
-        free, _ = torch.cuda.mem_get_info(device)
+        free = free_memory(device)
         kv = _kv_reserve(model, cfg, dtype.itemsize)
         budget = plan_gpu_memory(free, kv, staging, tile_e=op.tile_e, expert_bytes=expert_bytes)
     rt = OffloadRuntime(device, dtype, op.int8, op.int8_min_tokens, op.int8_impl, backends)

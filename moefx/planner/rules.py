@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moefx.config import MODES, MOE_BACKENDS, PassConfig, did_you_mean, load_data_file
+from moefx.config import MODES, MOE_BACKEND_ALIASES, MOE_BACKENDS, PassConfig, did_you_mean, load_data_file
 from moefx.facts.execution import DEVICE_TYPES, ExecutionSignature
 from moefx.facts.model import ModelSignature
 from moefx.log import warn_once
@@ -193,9 +193,10 @@ def _moe(spec: Any, where: str) -> dict[str, str]:
         out["mode"] = spec["mode"]
     backends = [b for b in MOE_BACKENDS if b != "auto"]
     if "backend" in spec:
-        if spec["backend"] not in backends:
+        backend = MOE_BACKEND_ALIASES.get(spec["backend"], spec["backend"])
+        if backend not in backends:
             raise ValueError(f"{where}: moe backend {spec['backend']!r} is invalid; valid choices: {backends}")
-        return {**out, "backend": spec["backend"]}
+        return {**out, "backend": backend}
     from moefx.backends.calibration import parse_ranges
 
     ranges = parse_ranges(str(spec["ranges"]), f"{where}: moe ranges")

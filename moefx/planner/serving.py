@@ -13,6 +13,8 @@ from typing import Any
 
 from moefx.facts.execution import DEVICE_MEMORY_GIB, ExecutionSignature
 from moefx.facts.model import ModelSignature
+from moefx.facts.sizes import DTYPE_BYTES, signature_kv_bytes_per_token
+from moefx.machine import free_memory
 from moefx.planner.preferences import PlanFragment
 
 GEOMETRIC_FROM = 16  # powers of two up to here; above, each power of two and 1.5x it
@@ -21,7 +23,6 @@ CAP_SEQUENCE_TOKENS = 4096  # KV tokens per sequence the memory-derived cap make
 CAP_MEMORY_FRACTION = 0.5  # ... in this fraction of the free device memory
 MOE_PREFILL_TOKEN_BUDGET = 4096
 PREFILL_BUDGET_MIN_BATCH = 32
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 _GIB = 2**30
 
 
@@ -46,16 +47,9 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
-def _kv_bytes_per_token(ms: ModelSignature) -> int | None:
-    width = _DTYPE_BYTES.get(ms.dtype or "")
-    if not (ms.num_layers and ms.num_kv_heads and ms.head_dim and width):
-        return None
-    return 2 * ms.num_layers * ms.num_kv_heads * ms.head_dim * width
-
-
 def _weight_bytes(ms: ModelSignature) -> int:
     """Rough weight bytes from the signature (experts, embeddings, attention); 0 where facts are missing."""
-    width = _DTYPE_BYTES.get(ms.dtype or "", 2)
+    width = DTYPE_BYTES.get(ms.dtype or "", 2)
     h, layers = ms.hidden_size or 0, ms.num_layers or 0
     experts = (ms.num_experts or 0) * 3 * h * (ms.moe_intermediate_size or 0) * layers
     heads = (ms.num_heads or 0) + 2 * (ms.num_kv_heads or 0)
@@ -71,8 +65,7 @@ def _free_memory(ms: ModelSignature, es: ExecutionSignature) -> tuple[int | None
     # Only a process that already uses CUDA is asked (planning must not be what initializes it, e.g. in vLLM's
     # front-end process before it forks its workers).
     if torch.cuda.is_available() and torch.cuda.is_initialized() and es.device_name == torch.cuda.get_device_name():
-        free, _ = torch.cuda.mem_get_info()
-        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        free = free_memory(torch.device("cuda"))
         return free, f"{free / _GIB:.1f} GiB free on this {es.device_name}"
     total = DEVICE_MEMORY_GIB.get(es.device_name or "")
     if total is None:
@@ -86,7 +79,7 @@ def capture_cap(ms: ModelSignature, es: ExecutionSignature) -> tuple[int, str]:
     """(largest capture size, why) when max_batch_size is not given: the largest geometric size whose KV cache at
     CAP_SEQUENCE_TOKENS per sequence fits in CAP_MEMORY_FRACTION of the free memory, at most CAPTURE_SIZE_LIMIT."""
     free, where = _free_memory(ms, es)
-    kv = _kv_bytes_per_token(ms)
+    kv = signature_kv_bytes_per_token(ms)
     if free is None or kv is None:
         why = where if free is None else "KV bytes per token unknown"
         return CAPTURE_SIZE_LIMIT, f"{why}: the largest, {CAPTURE_SIZE_LIMIT}"

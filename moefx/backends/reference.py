@@ -1,4 +1,4 @@
-"""legacy: a plain loop over experts in PyTorch. Always available; the correctness oracle (fp64 inputs are computed
+"""reference: a plain loop over experts in PyTorch. Always available; the correctness oracle (fp64 inputs are computed
 in fp64, so `torch.autograd.gradcheck` can run the op on it)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from moefx.kernels.activation import gate_up
 
 
 @register_backend
-class LegacyBackend(MoEBackend):
-    name = "legacy"
+class ReferenceBackend(MoEBackend):
+    name = "reference"
 
     def run(self, call: MoeCall) -> torch.Tensor:
         hidden, topk_ids, topk_weights, w13, w2 = call.hidden, call.topk_ids, call.topk_weights, call.w13, call.w2
