@@ -118,8 +118,8 @@ def prefill_flops(model: torch.nn.Module, tokens: int, batch: int = 1) -> float:
     return batch * (2 * linear * tokens + causal)
 
 
-# --step-pdl settings: set_step_pdl's arguments (moefx/kernels/pdl.py)
-STEP_PDL = {"off": dict(chain=False), "chain": dict(chain=True, prefetch=False), "prefetch": dict(chain=True)}
+# --step-pdl settings: set_step_pdl's argument (moefx/kernels/pdl.py)
+STEP_PDL = {"off": False, "chain": True}
 
 
 def greedy_kwargs(n: int) -> dict:
@@ -320,8 +320,8 @@ def main() -> int:
     ap.add_argument("--score-batches", default="1,16", help="decode batches whose tokens the fp32 scorer checks, every "
                     "arm ('' for none)")
     ap.add_argument("--step-pdl", default="", help="before/after of the decode step's PDL chain on each moefx arm's "
-                    "model, same process: a comma list of off, chain, prefetch (the default); each recaptures the "
-                    "graphs and times the smallest batch (rows `<arm>_pdl_<setting>`; with --profile, each profiled)")
+                    "model, same process: a comma list of off, chain (the default); each recaptures the graphs and "
+                    "times the arm's smallest batch (rows `<arm>_pdl_<setting>`; with --profile, each profiled)")
     ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
     ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
@@ -547,7 +547,7 @@ def main() -> int:
         for setting in args.step_pdl.split(","):
             if setting not in STEP_PDL:
                 raise SystemExit(f"--step-pdl: {setting!r} is not one of {sorted(STEP_PDL)}")
-            set_step_pdl(**STEP_PDL[setting])
+            set_step_pdl(STEP_PDL[setting])
             engine.slots.drop_graphs()
             print(f"  step PDL: {setting}", flush=True)
             row, new = decode_row(f"{name}_pdl_{setting}", fn, inputs[b], args.n1, args.n2, args.runs,

@@ -163,13 +163,12 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
                   SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, NORM=False, HAS_NORM_W=False,
                   NORM_BLOCK=1, RESID=False, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
-                  DOT=cfg.dot, IEEE=False, ROUTE=False, SLOT=dense.COUNTER_SLOTS - 1, **dense.NO_ROUTE,
-                  PDL=False, PREFETCH=False)
+                  DOT=cfg.dot, IEEE=False, ROUTE=False, SLOT=dense.COUNTER_SLOTS - 1, **dense.NO_ROUTE, PDL=False)
     divisible = re.compile(r"_ptr$|^stride_(xm|wn\d)$")
     row = dict(kind=f"dense {kind}", max_rows=str(max_m), split_k=lp.split_k,
                kernel=_compile(dense._dense_kernel, types, consts, cfg.num_warps, cfg.num_stages, divisible))
-    # as a decode step launches it (kernels/pdl.py): a PDL dependent, its one-step weight tile loaded before the wait
-    chain = dict(PDL=True, PREFETCH=lp.k_per_split <= lp.block_k)
+    # as a decode step launches it: in the PDL chain (kernels/pdl.py)
+    chain = dict(PDL=True)
     row["pdl_kernel"] = _compile(dense._dense_kernel, types, consts | chain, cfg.num_warps, cfg.num_stages, divisible)
     if not fp8:
         norm = dict(NORM=True, HAS_NORM_W=True, NORM_BLOCK=dense.norm_block(lp, H, cfg.dot))

@@ -202,22 +202,21 @@ def test_step_pdl_is_off_where_pdl_is_not_supported_and_the_switch_restores():
     from moefx.kernels.pdl import set_step_pdl, step_pdl
 
     cpu = torch.device("cpu")
-    assert step_pdl(cpu) == (False, False)
-    set_step_pdl(chain=False)
+    assert step_pdl(cpu) is False
+    set_step_pdl(False)
     try:
-        assert step_pdl(cpu) == (False, False)
+        assert step_pdl(cpu) is False
     finally:
         set_step_pdl()
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("setting", [dict(chain=True, prefetch=False), dict(chain=True)])
-def test_gpu_step_pdl_chain_reads_what_the_kernel_before_wrote(setting):
+def test_gpu_step_pdl_chain_reads_what_the_kernel_before_wrote():
     """A chain of the step's kernels, each reading the one before's output: q/k/v from a GEMV whose input the GEMV
     before it wrote, with an RMSNorm prologue (as a decode step has them). Chained by PDL (each lets the next launch
-    once its programs run; the GEMV prefetching its weights before its wait) the outputs equal the unchained launch's
-    bit for bit, eager and replayed from a CUDA graph with fresh inputs."""
+    once its programs run) the outputs equal the unchained launch's bit for bit, eager and replayed from a CUDA graph
+    with fresh inputs."""
     from moefx.kernels.pdl import pdl_supported, set_step_pdl
 
     if not pdl_supported(torch.device("cuda")):
@@ -232,9 +231,9 @@ def test_gpu_step_pdl_chain_reads_what_the_kernel_before_wrote(setting):
         return K.dense_gemv(h, qkv, [None] * 3, norm_weight=norm_w, norm_eps=1e-6)
 
     try:
-        set_step_pdl(chain=False)
+        set_step_pdl(False)
         plain = chain()
-        set_step_pdl(**setting)
+        set_step_pdl(True)
         chained = chain()
         assert all(torch.equal(a, b) for a, b in zip(plain, chained))
         graph = torch.cuda.CUDAGraph()
@@ -242,7 +241,7 @@ def test_gpu_step_pdl_chain_reads_what_the_kernel_before_wrote(setting):
             outs = chain()
         x.copy_(torch.randn_like(x))
         graph.replay()
-        set_step_pdl(chain=False)
+        set_step_pdl(False)
         fresh = chain()
         assert all(torch.equal(a, b) for a, b in zip(outs, fresh)) and not torch.equal(outs[0], plain[0])
     finally:

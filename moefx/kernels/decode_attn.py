@@ -130,7 +130,7 @@ def decode_attention_triton(q, k, v, mask, scale: float, out, splits: int) -> No
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
     p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32,
-                     step_pdl(q.device)[0])
+                     step_pdl(q.device))
     part = (torch.empty(p.part_numel, dtype=torch.float32, device=q.device) if p.splits > 1 else out)
     mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
     _decode_attn_kernel[p.grid](

@@ -29,10 +29,8 @@ add, X + R rounded to X's dtype, computed where X is read; the programs of the f
 layer's next residual) and the normed rows (the experts' input) over their K slices, so a decoder layer's
 post-attention add and norm cost no kernel of their own either.
 Launch contract (the dense op relies on it): fixed-shape work only, no host sync; buffers are sized from shapes.
-PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before any read of X, the
-residual, the workspace or the counters, then lets its own dependent launch; a program whose K slice is one step
-loads its weight tile before the wait, so the weight stream starts while the previous kernel finishes. That needs
-the weights not to be written by the kernel launched just before this one (true of parameters in a forward).
+PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads,
+then lets its own dependent launch.
 """
 
 from __future__ import annotations
@@ -83,7 +81,7 @@ def _dense_tile(
     NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,12 +95,9 @@ def _dense_tile(
     # RESID: X, the residual and both outputs share X's row stride; the first N tile of the first weight writes the
     # sum and the normed rows over its K slice (every slice and M tile of it: all of them, once)
     writes = (tile0 == 0) & (pid_n == 0)
-    if PREFETCH:  # PDL, one K step: the weights are constants no kernel of the step writes, in flight before the wait
-        w_first = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K - k_lo)[None, :], other=0.0,
-                          eviction_policy="evict_first")
     if PDL:
         gdc_wait()  # X, the residual, the workspace and the counters may be the previous kernel's memory
-        gdc_launch_dependents()  # every program of this grid runs: the next kernel may launch and prefetch
+        gdc_launch_dependents()  # every program of this grid runs: the next kernel may launch
     if NORM:  # the whole rows' sum of squares, whatever K slice this program owns
         offs_r = tl.arange(0, NORM_BLOCK)
         row_off = offs_m[:, None].to(tl.int64) * stride_xm + offs_r[None, :]
@@ -134,11 +129,7 @@ def _dense_tile(
             if RESID:
                 if writes:
                     tl.store(xo_ptr + x_off + kk, x, mask=xk_mask)
-        if PREFETCH:
-            w = w_first
-        else:
-            w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
+        w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
             if IEEE:
                 part = tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -237,7 +228,7 @@ def _dense_kernel(
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     ROUTE: tl.constexpr, SLOT: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr,
     RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     # Tiles of weight i are T_i .. T_{i+1}-1 of axis 0 (T0 = 0): one branch per weight, pruned past NUM_W.
     pid = tl.program_id(0)
@@ -249,7 +240,7 @@ def _dense_kernel(
                     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
                     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
                     N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL, PREFETCH)
+                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         if ROUTE:  # one weight, the router: its N tiles are T1
             _route_tail(stored, pid_m, y0_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, M, scaling, T1, BLOCK_M, SLOT,
                         E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_E, K_BLOCK)
@@ -260,7 +251,7 @@ def _dense_kernel(
                         w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
                         M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
                         N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL, PREFETCH)
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         elif NUM_W > 2:
             if pid < T3:
                 _dense_tile(pid - T2, pid_k, pid_m, T2, N0 + N1,
@@ -268,14 +259,14 @@ def _dense_kernel(
                             w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
                             N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL, PREFETCH)
+                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
             elif NUM_W > 3:
                 _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
                             x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                             w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
                             N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL, PREFETCH)
+                            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
 
 
 @dataclass(frozen=True)
@@ -494,7 +485,7 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     route_key = (route[0], route[1], route[2], route[3] is not None, route[4], route[5]) if routing else None
     grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
                              x.dtype == torch.float32, norm, norm_weight is not None, residual is not None, route_key,
-                             *step_pdl(x.device))
+                             step_pdl(x.device))
     r, h, xo = (residual, *sums) if residual is not None else (x, x, x)
     rb, rw, ri = ((route[3] if route[3] is not None else outs[0]), *routed) if routing else (x, x, x)
     _dense_kernel[grid](
@@ -523,10 +514,10 @@ def norm_block(lp: Launch, k: int, dot: bool) -> int:
 @functools.lru_cache(maxsize=512)  # pure in its arguments; asked per launch
 def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
                   block_shape: tuple[int, int] | None, k: int, ieee: bool, norm: bool,
-                  has_norm_w: bool, resid: bool, route: tuple | None, pdl: bool = False,
-                  prefetch: bool = False) -> tuple[tuple[int, int, int], dict]:
+                  has_norm_w: bool, resid: bool, route: tuple | None,
+                  pdl: bool = False) -> tuple[tuple[int, int, int], dict]:
     """The grid and the constexpr/launch arguments of one group's launch (`pdl`: a programmatic dependent of the
-    kernel before it; `prefetch`: with the weights of a one-step K slice loaded before the wait, kernels/pdl.py)."""
+    kernel before it, kernels/pdl.py)."""
     pad = MAX_WEIGHTS - len(ns)
     nn = list(ns) + [1] * pad
     hb = list(has_bias) + [False] * pad
@@ -544,6 +535,6 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ROUTE=route is not None, SLOT=COUNTER_SLOTS - 1,
         **(route_constexprs(ns[0], *route) if route is not None else NO_ROUTE),
-        PDL=pdl, PREFETCH=pdl and prefetch and lp.k_per_split <= lp.block_k, **pdl_launch(pdl),
+        PDL=pdl, **pdl_launch(pdl),
     )
     return (starts[len(ns)], lp.split_k, lp.m_tiles), kw

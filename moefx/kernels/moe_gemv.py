@@ -112,7 +112,7 @@ def _gemv_down_kernel(
     if PDL:
         gdc_wait()  # stage 1's activations are visible from here on
         if CHAIN:
-            gdc_launch_dependents()  # the next layer's first kernel may launch and prefetch its weights
+            gdc_launch_dependents()  # the next layer's first kernel may launch
     acc = tl.zeros([KP, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
@@ -202,7 +202,7 @@ def gemv_moe(call: MoeCall, config: GemvConfig | None = None, residual: torch.Te
     fp8 = w13_scale is not None
     grid1, kw1, grid2, kw2 = _launch_plan(m, h, inter, top_k, tuple(block_shape) if fp8 else None, config,
                                           call.activation, call.gate_limit, pdl_supported(hidden.device),
-                                          step_pdl(hidden.device)[0])
+                                          step_pdl(hidden.device))
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     act = torch.empty(m * top_k, inter, dtype=torch.float32, device=hidden.device)

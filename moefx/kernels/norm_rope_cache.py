@@ -74,7 +74,7 @@ def qk_norm_rope_cache_triton(q, k, v, q_weight, k_weight, eps: float, cos, sin,
     bc = 0 if cos.shape[0] == 1 else cos.stride(0)
     bs = 0 if sin.shape[0] == 1 else sin.stride(0)
     has_w = q_weight is not None
-    pdl = step_pdl(q.device)[0]
+    pdl = step_pdl(q.device)
     _qk_norm_rope_cache_kernel[(batch * seq, hq + hkv)](
         q, k, v, q_weight if has_w else q, k_weight if has_w else k, cos, sin, keys, values, positions, out,
         seq, eps,

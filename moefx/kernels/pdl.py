@@ -12,9 +12,11 @@ Two uses:
 - inside one op (the MoE experts' stage 2 after stage 1, grouped GEMM 2 after GEMM 1): always on where supported;
 - between ops, the decode step's chain (`step_pdl`): the dense GEMV, q/k norm + RoPE + cache write, decode
   attention and its combine, and the experts' first stage each launch as a programmatic dependent of the kernel
-  before them, let their own dependents launch once all their programs run, and (the dense GEMV, whose weights no
-  kernel of the step writes) issue their first weight loads before the wait. `set_step_pdl` turns the chain, or
-  only its weight prefetch, off: the before/after switch of bench/e2e.py's `--step-pdl` arms.
+  before them, wait before their first read, and let their own dependents launch once all their programs run.
+  On the H100 (8 and 48 layers at Qwen3-30B-A3B widths, B=1, bf16 and FP8) the chain took the decode step 2-4%
+  faster than the same graphs without it, tokens equal (docs/PERFORMANCE.md); loading the dense GEMV's weights
+  before its wait gained nothing more there (docs/FINDINGS.md), so no kernel reads before its wait.
+  `set_step_pdl(False)` turns the chain off: the before/after switch of bench/e2e.py's `--step-pdl` arms.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from moefx.kernels.memo import device_capability
 
 # Read once, as Triton does: whether a kernel runs in the interpreter is fixed when its module defines it.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_STEP = {"chain": True, "prefetch": True}
+_STEP = {"chain": True}
 
 
 @functools.cache  # launchers ask per call
@@ -38,17 +40,15 @@ def pdl_supported(device: torch.device) -> bool:
     return device_capability(device) >= (9, 0)
 
 
-def set_step_pdl(chain: bool = True, prefetch: bool = True) -> None:
-    """Whether the decode step's kernels chain by PDL (and the dense GEMV prefetches its weights before the wait).
-    Read at each launch: graphs captured before a change keep the launches they recorded."""
-    _STEP.update(chain=bool(chain), prefetch=bool(chain and prefetch))
+def set_step_pdl(chain: bool = True) -> None:
+    """Whether the decode step's kernels chain by PDL. Read at each launch: graphs captured before a change keep the
+    launches they recorded."""
+    _STEP["chain"] = bool(chain)
 
 
-def step_pdl(device: torch.device) -> tuple[bool, bool]:
-    """(chain, prefetch) for a launch on `device`: both False where PDL is not supported."""
-    if not pdl_supported(device):
-        return False, False
-    return _STEP["chain"], _STEP["prefetch"]
+def step_pdl(device: torch.device) -> bool:
+    """Whether a launch on `device` joins the decode step's chain: False where PDL is not supported."""
+    return pdl_supported(device) and _STEP["chain"]
 
 
 def pdl_launch(enabled: bool) -> dict[str, bool]:
