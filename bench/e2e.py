@@ -83,11 +83,13 @@ def step_bytes(model: torch.nn.Module, tokens: int, hit: dict[str, float]) -> fl
     """Bytes of weights a step over `tokens` tokens reads: every non-expert weight, `tokens` embedding rows, and of
     each experts module the share `hit[name] / E` of its experts (`hit`: distinct experts per module, counted on
     the plain model; a module not in it, e.g. renamed by a rewrite, reads the mean share)."""
+    from moefx.quant_linear import Fp8BlockExperts, Int8Experts
+
     e = model.config.num_experts
     mean = sum(hit.values()) / len(hit) / e
     share = {}
     for name, m in model.named_modules():
-        if is_experts_module(m):
+        if is_experts_module(m) or isinstance(m, (Fp8BlockExperts, Int8Experts)):  # quantized experts too
             for p in m.parameters():
                 share[id(p)] = hit[name] / e if name in hit else mean
     total = 0.0
@@ -208,9 +210,10 @@ def prefill_profile(fn) -> dict:
             fn()
         sync()
     events = list(prof.events())
-    call = next(e for e in events if e.name == PREFILL_MARK)
+    call = next(e for e in events if e.name == PREFILL_MARK and "CUDA" not in str(e.device_type))  # the host's
+    # the marker has a GPU-side range too (the span of what it launched): it is not a kernel
     gpu = [(e.name, e.time_range.start, e.time_range.end) for e in events
-           if e.device_type is not None and "CUDA" in str(e.device_type)]
+           if e.device_type is not None and "CUDA" in str(e.device_type) and e.name != PREFILL_MARK]
     return kernel_timeline(gpu, call.time_range.start, call.time_range.end)
 
 
