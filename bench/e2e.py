@@ -558,7 +558,7 @@ def main() -> int:
             row["tokens_equal_default"] = bool(torch.equal(new, base[:, inputs[b].shape[1]:]))
             decode.append(row)
             if args.profile:
-                extra[f"profile_B{b}_{name}_pdl_{setting}"] = profile_step(opt, inputs[b])
+                extra[f"profile_B{b}_{args.layers}_{name}_pdl_{setting}"] = profile_step(opt, inputs[b])
             save()
         set_step_pdl()
         engine.slots.drop_graphs()

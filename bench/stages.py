@@ -96,12 +96,20 @@ STAGES: tuple[Stage, ...] = (
           "8 layers B=16 FP8", section="e2e"),
     Stage("e2e-b1", 300, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --fp8 --tag _b1",
           "batch 1: 8 layers bf16 and FP8 with the peer", section="e2e"),
+    Stage("e2e-48-peer", 200, "python3 bench/e2e.py --layers 48 --batches 1 --arms hf_static --runs 2 "
+          '--score-batches "" --tag _peer48', "48 layers B=1, transformers' static compile alone: the peer of an "
+          "e2e-48-fp8 run in the same device call", section="e2e"),
+    Stage("e2e-8-pdl", 400, "python3 bench/e2e.py --layers 8 --batches 1,16 --eager-batches 1,16 "
+          "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1,16 --step-pdl off,chain --profile --runs 3 "
+          "--eager-n 2,6 --tag _pdl8", "8 layers B=1/16, bf16 and FP8, every arm scored, the step's PDL chain off "
+          "and on over the same compiled steps", section="e2e"),
     Stage("e2e-8-b1", 200, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --runs 3 --tag _b1",
           "8 layers B=1, the README path (no config) with the peer", section="e2e"),
     Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 --arms hf_eager,moefx "
-          "--fp8 --profile --tag _fp8_b1", "48 layers B=1, bf16 then FP8 in one process: the FP8 model quantized in "
-          "place from the bf16 one on the GPU (its peak memory kept), each arm's decode step profile (the step "
-          "tables), every arm's tokens scored by the fp32 forward with transformers' eager loop as the reference",
+          "--fp8 --profile --step-pdl off --tag _fp8_b1", "48 layers B=1, bf16 then FP8 in one process: the FP8 "
+          "model quantized in place from the bf16 one on the GPU (its peak memory kept), each arm's decode step "
+          "profile with and without the step's PDL chain (the step tables), every arm's tokens scored by the fp32 "
+          "forward with transformers' eager loop as the reference",
           section="e2e"),
     Stage("e2e-48a", 560, "python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 "
           "--profile --tag _b1_16 --prefill-peers hf_eager", "48 layers B=1/16 and a 4096-token prefill",

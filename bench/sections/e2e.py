@@ -40,6 +40,20 @@ E2E_ARMS = {
              "step, one CUDA graph per step)",
     "moefx_fp8": "the same model after `moefx.quantize(model, 'fp8_block128')`, then as `moefx`",
 }
+# `<arm>_pdl_<setting>` rows (bench/e2e.py --step-pdl): the arm's model and compiled steps, graphs captured again with
+# the decode step's PDL chain (moefx/kernels/pdl.py) set so
+PDL_SETTINGS = {
+    "off": "without the decode step's PDL chain",
+    "chain": "with the decode step's PDL chain (the default)",
+    "prefetch": "with the PDL chain and the dense GEMV's weight loads issued before its wait (not kept: no gain)",
+}
+
+
+def arm_text(arm: str) -> str:
+    base, _, setting = arm.partition("_pdl_")
+    if setting in PDL_SETTINGS:
+        return f"`{base}`'s model and compiled steps, its graphs captured again {PDL_SETTINGS[setting]}"
+    return E2E_ARMS.get(arm, arm)
 
 
 TTFT_ARMS = {
@@ -77,12 +91,13 @@ def e2e_peers(decode: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
 
 
 def e2e_best(decode: list[dict[str, Any]], peers: dict[tuple[int, int], float]) -> list[tuple[int, int, float, dict]]:
-    """The fastest moefx arm per (layers, B, dtype) that has a peer."""
+    """The fastest moefx arm per (layers, B, dtype) that has a peer (a `--step-pdl` row is a before/after of its
+    arm, not an arm of its own)."""
     out = []
     for (layers, b), peer in sorted(peers.items()):
         for dt in dict.fromkeys(x.get("dtype") for x in decode):
             ours = [x for x in decode if (x["layers"], x["B"], x.get("dtype")) == (layers, b, dt)
-                    and x["arm"].startswith("moefx") and x.get("tok_s")]
+                    and x["arm"].startswith("moefx") and "_pdl_" not in x["arm"] and x.get("tok_s")]
             if ours:
                 out.append((layers, b, peer, max(ours, key=lambda x: x["tok_s"])))
     return out
@@ -114,8 +129,7 @@ def render_e2e(r: dict[str, Any]) -> str:
     errors = (r.get("extra") or {}).get("errors") or {}
     if errors:  # an arm that failed has no row: say so under the table
         body.append("Failed arms: " + "; ".join(f"`{arm}`: {why.splitlines()[0]}" for arm, why in errors.items()))
-    body.append("Arms:\n" + "\n".join(f"- `{a}`: {E2E_ARMS.get(a, a)}" for a in
-                                       dict.fromkeys(row["arm"] for row in decode)))
+    body.append("Arms:\n" + "\n".join(f"- `{a}`: {arm_text(a)}" for a in dict.fromkeys(row["arm"] for row in decode)))
     best = [f"{layers} layers, B={b}, {top['dtype']}: fastest moefx arm `{top['arm']}` {top['tok_s']:.0f} tok/s = "
             f"{top['tok_s'] / peer:.2f}× the peer ({peer:.0f}), {pct(top)} of the floor"
             for layers, b, peer, top in e2e_best(decode, peers)]
@@ -171,9 +185,15 @@ def render_step_parts(r: dict[str, Any], decode: list[dict[str, Any]]) -> str:
     """Where each captured 48-layer B=1 step's time goes, per layer (the run's kernel profile of `moefx`, and of
     `moefx_fp8` where it ran)."""
     out = []
+    extra = r.get("extra") or {}
     for key, arm, what in STEP_TABLES:
-        profile = (r.get("extra") or {}).get(f"{key}_48")
-        row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1 and d["arm"] == arm), None)
+        # Under the decode step's PDL chain a kernel launches before the one ahead of it ends and the profiler
+        # counts its wait as its time: the parts come from the same graphs captured without the chain where the
+        # run has them (`<arm>_pdl_off`)
+        unchained = extra.get(f"profile_B1_48_{arm}_pdl_off")
+        profile = unchained or extra.get(f"{key}_48")
+        row = next((d for d in decode if d["layers"] == 48 and d["B"] == 1
+                    and d["arm"] == (f"{arm}_pdl_off" if unchained else arm)), None)
         if profile and row is not None:
             out.append(_step_table(r, profile, row, what))
     return "\n\n".join(out)
@@ -200,10 +220,16 @@ def _step_table(r: dict[str, Any], profile: list[dict[str, Any]], row: dict[str,
     rows.append(("once per step (LM head, embedding, sampler)", f"{num(other[0], 0)} per step",
                  f"{num(other[1], 0)} per step", "–"))
     rows.append(("gaps between kernels", num((step_us - kernel_us) / layers, 1), "–", "–"))
+    unchained = row["arm"].endswith("_pdl_off")
+    losses = {key: us - floors[key] for key, (us, _) in parts.items() if key in floors}
+    worst = max(losses, key=losses.get)
     return (f"Where the 48-layer B=1 {what} goes (the same run's `{row['arm']}` row, one captured step under "
             f"torch.profiler: {num(kernel_us, 0)} µs of kernels in a {num(step_us, 0)} µs step; floors: the bytes each "
-            "part reads / the copy rate):\n\n"
-            + table(["part", "µs per layer", "kernels per layer", "floor µs per layer"], rows))
+            "part reads / the copy rate"
+            + ("; the graphs without the step's PDL chain, since with it the profiler counts a kernel's wait for the "
+               "one before it as its time" if unchained else "") + "):\n\n"
+            + table(["part", "µs per layer", "kernels per layer", "floor µs per layer"], rows)
+            + f"\n\nLargest loss: {kinds.BY_KEY[worst].label}, {num(losses[worst], 1)} µs per layer over its floor.")
 
 
 ROUTING_NOTE = ("Experts hit / layer: the mean over layers of the distinct experts the row's tokens routed to "
