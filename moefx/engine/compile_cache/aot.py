@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import pickle
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,6 +209,19 @@ def _loaded_class() -> type:
     return Loaded
 
 
+def _modules_as_imports(compiled: Any, f_globals: dict[str, Any]) -> None:
+    """The modules the trace's bytecode reads from globals dynamo installed for it, saved as imports. Rebuilding an
+    output object (a transformers ModelOutput, an OrderedDict: the forward's fast path returns one) loads its module
+    from a global named after the module's id in this process (`___module_collections_<id>_c<n>`), which torch's
+    saved runtime environment leaves out, so a new process could not build the function ("Missing required external
+    references"); as an import source the new process imports the module under the same name."""
+    env = compiled._artifacts.runtime_env
+    for name in sorted(env.external_refs):
+        value = f_globals.get(name)
+        if name not in env.used_globals and name not in env.import_sources and isinstance(value, types.ModuleType):
+            env.import_sources[name] = value.__name__
+
+
 @dataclasses.dataclass
 class _Entry:
     compiled: Any  # an AOTCompiledFunction
@@ -308,6 +322,7 @@ class AotFunction:
                        f"({self.broken}; later steps like it are logged at MOEFX_LOG=info)")
             return None
         marks = _marks(tensors, self._locals(full))
+        _modules_as_imports(compiled, self.fn.__globals__)
         try:
             blob = pickle.dumps({"aot": type(compiled).serialize(compiled).serialized_data, "marks": marks})
         except Exception as exc:
