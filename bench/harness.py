@@ -4,7 +4,9 @@ Timers (µs, medians; each warms its function up before timing, so compiles stay
 - `time_graph(fn)`: one replay of a CUDA graph of `fn()`, CUDA events around `reps` replays, median of trials;
 - `time_rotated(fn, arg_sets, calls)`: one graph of `calls` calls cycling through `arg_sets` (inputs rotate, so a
   call's weights or activations do not stay in L2), µs per call;
-- `time_wall(fn, arg_sets, calls)`: the CPU's wall clock, for the `--quick` / `--tiny` smoke runs.
+- `time_wall(fn, arg_sets, calls)`: the CPU's wall clock, for the `--quick` / `--tiny` smoke runs;
+- `synced_now(device)`: the wall clock once the device's queued work has finished, for one-shot spans that include
+  their compiles (a cold start's first call: `bench/coldstart.py`).
 
 Ceilings: `copy_ceiling_Bps` is the copy rate every floor divides bytes by: an SM copy kernel
 (`torch.mul(src, 1, out=dst)` over 1 GiB), as moefx's kernels stream. A `copy_` of the same bytes inside a CUDA
@@ -91,6 +93,14 @@ def time_wall(fn: Callable[..., object], arg_sets: Sequence[tuple], calls: int, 
             fn(*arg_sets[i % len(arg_sets)])
         times.append((time.perf_counter() - t) * 1e6 / calls)
     return statistics.median(times)
+
+
+def synced_now(device: torch.device | str) -> float:
+    """`time.perf_counter()` once `device`'s queued work has finished: a one-shot span (a first call with its
+    compiles and captures) ends when the device is done, not when the CPU queued its last kernel."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------------------------- ceilings
