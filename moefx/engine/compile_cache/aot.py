@@ -8,7 +8,7 @@ output too: the transformed bytecode, the guards and the compiled graph, one ser
 entries would have been), picks the entry whose guards pass at each call, and hands its entries to the engine's
 compile-cache file; a new process loads them and calls them with no tracing and no backend.
 
-What torch asks for, and how moefx gives it on every torch it runs on (2.11 to 2.14): `torch.compile` offers
+What torch asks for, and how moefx gives it on the torches it runs on (2.11 and 2.13 tested): `torch.compile` offers
 `aot_compile` only while `torch._dynamo.config.enable_aot_compile` is on (off by default on torch 2.11, on on 2.13), so
 the flag is set around moefx's own `torch.compile` calls here and restored after (`_aot_flag`), never for the
 process; and the backend's output must be a `torch._dynamo.aot_compile_types.SerializableCallable`. torch 2.13
