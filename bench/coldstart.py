@@ -18,12 +18,16 @@ arm is meant to reuse is reused:
   hf_static    transformers' static-cache generate alone in a process of its own (not in the default arms)
 First call = optimize (moefx arms) + the first generate() (compiles and captures included); ready = from the
 process's start (imports, model build) to the first call's return, less transformers' run in the saving process.
-Counted in every moefx process: compiles (inductor's `fxgraph_cache_miss`, and AOTAutograd's misses, which are the
-only count where a saved-trace compile bundles inductor's output into AOTAutograd's cache entry), first-
-launch compiles of moefx's own Triton kernels (their entries that appeared in the arm's Triton folder and were not
-written there from moefx's file; None off CUDA), and each capture's seconds (first run, check run, capture:
-`moefx/engine/graphs.py`; the warm-ups counted as the runs it timed before each). The warm arms' tokens must
-equal the cold arm's.
+Counted per arm (in the saving process, moefx's part apart from transformers'): dynamo's traces (`dynamo_graphs`,
+the graphs it traced; `dynamo_frames`, the frames it was asked to trace), compiles (inductor's
+`fxgraph_cache_miss`, and AOTAutograd's misses, which are the only count where a saved-trace compile bundles
+inductor's output into AOTAutograd's cache entry), Triton compiles (`inductor_triton_compiles`, the kernels
+inductor's generated code sent to compile, and `moefx_triton_compiles`, first-launch compiles of moefx's own
+kernels: their entries that appeared in the arm's Triton folder and were not written there from moefx's file; None
+off CUDA), and each capture's seconds (first run, check run, capture: `moefx/engine/graphs.py`; the warm-ups
+counted as the runs it timed before each). A new machine with moefx's file should show 0 dynamo graphs, 0 inductor
+and AOTAutograd misses and 0 Triton compiles. The warm arms' tokens must equal the cold arm's. Spans are read with
+`bench.harness.synced_now` (the wall clock once the device is done).
 Writes JSON to $OUT/coldstart_<layers>l<tag>.json and prints a table last.
 """
 
@@ -53,6 +57,7 @@ def child(args: argparse.Namespace) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import moefx
+    from bench.harness import synced_now
     from moefx.kernels import triton_cache
     from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 
@@ -65,14 +70,12 @@ def child(args: argparse.Namespace) -> dict:
     ids = torch.randint(1, cfg.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(args.device)
     kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False)
-    _sync(args.device)
-    built = time.perf_counter()
+    built = synced_now(args.device)
     row: dict = {"arm": args.child}
     hf_s = 0.0
     if args.child == "hf_static" or (args.child == "moefx_cold" and args.hf_first):
         out = model.generate(ids, cache_implementation="static", **_hf_compile(args.device), **kwargs)
-        _sync(args.device)
-        hf_s = time.perf_counter() - built
+        hf_s = synced_now(args.device) - built
         hf = {"first_call_s": round(hf_s, 2), "ready_s": round(time.perf_counter() - START, 2),
               "tokens": out[:, args.prompt:].tolist(), **_compile_counts(counters)}
         if args.child == "hf_static":
@@ -90,7 +93,7 @@ def child(args: argparse.Namespace) -> dict:
         model = moefx.optimize(model, config=config or None)
         row["optimize_s"] = round(time.perf_counter() - built, 2)
         out = model.generate(ids, **kwargs)
-        _sync(args.device)
+        synced_now(args.device)
         engine = model.moefx_generate.engine
         cache = getattr(engine, "compile_cache", None)
         warmups = max((sum(k.endswith("_run") for k in entry) for entry in engine.stats.capture_seconds), default=0)
@@ -109,13 +112,6 @@ def child(args: argparse.Namespace) -> dict:
     return row
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _hf_compile(device: str) -> dict:
     """transformers compiles its static-cache decode step on CUDA only unless its CompileConfig says otherwise (a
     private flag, for its tests): set on the CPU, so the smoke run has the same protocol and a peer."""
@@ -129,12 +125,16 @@ def _hf_compile(device: str) -> dict:
 
 
 def _compile_counts(counters: Any) -> dict[str, int]:
-    """Compiles inductor and AOTAutograd did (misses) or served from their caches (hits), and graphs dynamo traced,
-    so far in this process (a row holds its own part: the saving process's moefx row less transformers')."""
+    """Compiles inductor and AOTAutograd did (misses) or served from their caches (hits), graphs dynamo traced and
+    the frames it was asked to trace, and the Triton kernels inductor's generated code sent to compile (Triton's own
+    cache folder may still serve them: on an empty folder each is a compile), so far in this process (a row holds
+    its own part: the saving process's moefx row less transformers')."""
     return {"fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
             "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
             "aot_autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
-            "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
+            "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+            "dynamo_frames": int(counters["frames"]["total"]),
+            "inductor_triton_compiles": int(counters["inductor"]["async_compile_cache_miss"])}
 
 
 class _TritonEntries:
@@ -240,17 +240,18 @@ def main() -> int:
               "max_batch_size": args.max_batch_size or None, "hf_first": args.hf_first, "rows": rows}
     path = out_dir / f"coldstart_{args.layers}l{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}\n| arm | first call s | ready s | compiles: inductor fx miss / hit, AOTAutograd miss "
-          "| moefx Triton first-launch compiles | decode capture s (first run + check run + capture) x warm-ups "
-          "| notes |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\nwrote {path}\n| arm | first call s | ready s | dynamo graphs | compiles: inductor fx miss / hit, "
+          "AOTAutograd miss | Triton compiles: inductor's, moefx's first-launch | decode capture s (first run + check "
+          "run + capture) x warm-ups | notes |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         notes = r.get("error") or (f"compiles {r.get('compiles')}, loaded {r.get('cache_loaded')} (traces "
                                    f"{r.get('traces_loaded')}), dynamo graphs {r.get('dynamo_graphs')}, same tokens "
                                    f"{r.get('same_tokens_as_cold', '-')}" if r["arm"] != "hf_static" else
                                    f"in the process of {r['in_process']}" if r.get("in_process") else "")
-        print(f"| {r['arm']} | {r.get('first_call_s')} | {r.get('ready_s')} | {r.get('fxgraph_cache_miss')} / "
-              f"{r.get('fxgraph_cache_hit')}, {r.get('aot_autograd_cache_miss', '-')} | "
+        print(f"| {r['arm']} | {r.get('first_call_s')} | {r.get('ready_s')} | {r.get('dynamo_graphs', '-')} | "
+              f"{r.get('fxgraph_cache_miss')} / {r.get('fxgraph_cache_hit')}, "
+              f"{r.get('aot_autograd_cache_miss', '-')} | {r.get('inductor_triton_compiles', '-')}, "
               f"{r.get('moefx_triton_compiles', '-')} | {_captures(r)} | {notes} |")
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -12,7 +12,9 @@ Kernel timers (µs, medians; each warms its function up before timing, so compil
 - `time_host(fn, calls)`: the host's share of one call (the GPU idle before each), for dispatch overhead.
 Whole-call timers (seconds, the GPU synchronized before and after each call): `wall_s(fn)` for one call (a first
 call, a request, a prefill), `timed_call(fn)` for one call and its result, `median_wall_s(fn, runs)` for the median
-of `runs` calls and `timed_calls(fn, runs)` for that median and the last call's result; `sync()` is their barrier.
+of `runs` calls and `timed_calls(fn, runs)` for that median and the last call's result; `sync()` is their barrier,
+and `synced_now(device)` the wall clock once the device's queued work has finished, for one-shot spans that include
+their compiles (a cold start's first call: `bench/coldstart.py`).
 
 Ceilings: `copy_ceiling_Bps` is the copy rate every floor divides bytes by: an SM copy kernel
 (`torch.mul(src, 1, out=dst)` over 1 GiB), as moefx's kernels stream. A `copy_` of the same bytes inside a CUDA
@@ -200,6 +202,13 @@ def timed_calls(fn: Callable[[], T], runs: int, device: torch.device | str | Non
 def median_wall_s(fn: Callable[[], object], runs: int, device: torch.device | str | None = None) -> float:
     """Median seconds of `runs` calls of `fn` (`timed_calls` without the result)."""
     return timed_calls(fn, runs, device)[0]
+
+
+def synced_now(device: torch.device | str) -> float:
+    """`time.perf_counter()` once `device`'s queued work has finished (`sync(device)`): a one-shot span (a first call
+    with its compiles and captures) ends when the device is done, not when the CPU queued its last kernel."""
+    sync(device)
+    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------------------------- ceilings

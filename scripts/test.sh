@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the tests need and run them; CI calls this through .ci/run, which adds --full --vllm.
+# Install what the tests need and run them; CI calls this through .ci/run, which adds --full --vllm --torch211.
 #
 #   bash scripts/test.sh           the main stage: ruff + pytest on this checkout, without the tests marked slow or
 #                                  compile (budget: 10 min on 2 busy cores, cold caches)
@@ -8,10 +8,15 @@
 #   bash scripts/test.sh --vllm    then the vLLM stage too: the vLLM integration and FX-level pass tests in a
 #                                  cached venv with vLLM 0.33 (torch 2.14); its first run builds that venv (about
 #                                  9.4 GB download and disk)
+#   bash scripts/test.sh --torch211  then the torch 2.11 stage too (the GPU machine's torch): the saved-trace,
+#                                  compile-cache and FX-level pass tests in a cached venv with torch 2.11.0 and
+#                                  transformers 5.17.0; its first run builds that venv (PyPI's torch 2.11 is a
+#                                  CUDA build of a few GB, which runs on a CPU)
 #   bash scripts/test.sh --help    this text
 #
 # Exit code: 0 every stage that ran passed, 1 main failed, 2 vLLM failed, 3 both failed, 4 bad argument or knob
-# (nothing ran). pytest collecting no test (exit 5) counts as a failure.
+# (nothing ran); 8 is added when the torch 2.11 stage failed (8 it alone, 9 with main, 10 with vLLM, 11 all three).
+# pytest collecting no test (exit 5) counts as a failure.
 #
 # Environment, in the order it is chosen:
 #   VIRTUAL_ENV       an active virtualenv is used as it is (its torch is kept; moefx[dev] is installed into it)
@@ -21,12 +26,17 @@
 #                     torch of the quick-start test's fresh venv (skipped when neither is set)
 #   MOEFX_TRITON      a pip requirement for Triton installed with moefx[dev], e.g. triton==3.6.0 (the GPU
 #                     machine's); default none: pip keeps or resolves the newest Triton moefx[dev] allows
-#   PYTEST_ARGS       extra pytest arguments for both stages, e.g. "-k config"
+#   PYTEST_ARGS       extra pytest arguments for every stage, e.g. "-k config"
 #   MOEFX_TEST_WORKERS pytest-xdist workers for the main stage (default 2; 0 = serial)
 #   MOEFX_TEST_FULL=1 every test in the main stage (the same as --full)
 #   MOEFX_TEST_VLLM=1 run the vLLM stage too (the same as --vllm)
 #   MOEFX_SKIP_VLLM=1 skip the vLLM stage even when --vllm or MOEFX_TEST_VLLM=1 asks for it (and say so)
 #   MOEFX_VLLM_VENV   the vLLM venv (default $HOME/.cache/moefx/venv-vllm, which CI caches between runs)
+#   MOEFX_TEST_TORCH211=1 run the torch 2.11 stage too (the same as --torch211)
+#   MOEFX_SKIP_TORCH211=1 skip the torch 2.11 stage even when asked for (and say so)
+#   MOEFX_TORCH211_VENV the torch 2.11 venv (default $HOME/.cache/moefx/venv-torch211, which CI caches)
+#   MOEFX_TORCH211    what pip installs as torch into that venv (default torch==2.11.0)
+#   MOEFX_TORCH211_TESTS the test files of the torch 2.11 stage (default: the list in torch211_stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,15 +44,17 @@ usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' scripts/test.sh; }
 
 want_vllm=${MOEFX_TEST_VLLM:-0}
 want_full=${MOEFX_TEST_FULL:-0}
+want_torch211=${MOEFX_TEST_TORCH211:-0}
 for arg in "$@"; do
     case "$arg" in
         --vllm) want_vllm=1 ;;
         --full) want_full=1 ;;
+        --torch211) want_torch211=1 ;;
         -h|--help) usage; exit 0 ;;
-        *) echo "scripts/test.sh: unknown argument '$arg' (valid: --full, --vllm, --help)" >&2; exit 4 ;;
+        *) echo "scripts/test.sh: unknown argument '$arg' (valid: --full, --vllm, --torch211, --help)" >&2; exit 4 ;;
     esac
 done
-for knob in MOEFX_TEST_FULL MOEFX_TEST_VLLM MOEFX_SKIP_VLLM; do
+for knob in MOEFX_TEST_FULL MOEFX_TEST_VLLM MOEFX_SKIP_VLLM MOEFX_TEST_TORCH211 MOEFX_SKIP_TORCH211; do
     value=${!knob:-0}
     if [ "$value" != "0" ] && [ "$value" != "1" ]; then
         echo "scripts/test.sh: $knob='$value' is not valid (valid: 0, 1)" >&2
@@ -136,6 +148,33 @@ tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py tests/test_fuse_norm_
 tests/test_aot_steps.py}
 }
 
+# The GPU machine's torch (2.11.0, with transformers 5.17.0) in its own venv, cached between runs and created when
+# missing: torch 2.11 keeps the engine's traces only with enable_aot_compile on and moefx's serializable callable
+# (moefx/engine/compile_cache/aot.py), and its FX graphs differ from 2.13's in places the passes match on.
+torch211_stage() {
+    local venv=${MOEFX_TORCH211_VENV:-$HOME/.cache/moefx/venv-torch211}
+    local check="import sys, torch, transformers; sys.exit(not (torch.__version__.startswith('2.11.') and \
+transformers.__version__ == '5.17.0'))"
+    if ! "$venv/bin/python" -c "$check" 2>/dev/null; then
+        echo "== creating $venv with ${MOEFX_TORCH211:-torch==2.11.0} and transformers==5.17.0 (first run only; a few GB)"
+        python3 -m venv "$venv" || return 1
+        "$venv/bin/python" -m pip install -q "${MOEFX_TORCH211:-torch==2.11.0}" "transformers==5.17.0" || return 1
+    fi
+    "$venv/bin/python" -m pip install -q --no-deps -e . || return 1
+    "$venv/bin/python" -m pip install -q sympy pyyaml pytest pytest-timeout || return 1
+    "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
+transformers.__version__)" || return 1
+    echo "== pytest in the torch 2.11 venv"
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
+    TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/moefx/inductor}-torch211" \
+        run_pytest "$venv/bin/python" -m pytest -q -ra --timeout=900 ${PYTEST_ARGS:-} ${MOEFX_TORCH211_TESTS:-\
+tests/test_aot_steps.py tests/test_compile_cache.py tests/test_saved_traces_gpu.py tests/test_config.py \
+tests/test_eliminate_noops.py tests/test_pass_manager.py tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py \
+tests/test_last_token_logits.py tests/test_sampler_syncs.py tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py \
+tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py}
+}
+
 start=$SECONDS
 main_rc=0
 main_stage || main_rc=1
@@ -151,7 +190,20 @@ else
     vllm_result=$([ "$vllm_rc" -eq 0 ] && echo passed || echo FAILED)
 fi
 
+vllm_s=$((SECONDS - start - main_s))
+
+torch211_rc=0
+if [ "$want_torch211" != "1" ]; then
+    torch211_result="not run: torch 2.11 (the GPU machine's) NOT tested (bash scripts/test.sh --torch211 runs it)"
+elif [ "${MOEFX_SKIP_TORCH211:-0}" = "1" ]; then
+    torch211_result="skipped (MOEFX_SKIP_TORCH211=1): torch 2.11 NOT tested"
+else
+    torch211_stage || torch211_rc=1
+    torch211_result=$([ "$torch211_rc" -eq 0 ] && echo passed || echo FAILED)
+fi
+
 tier_name=$([ "$want_full" = "1" ] && echo "every test" || echo "without slow/compile tests: --full runs them")
 echo "== main stage ($tier_name): $([ "$main_rc" -eq 0 ] && echo passed || echo FAILED) (${main_s} s)"
-echo "== vLLM stage: $vllm_result ($((SECONDS - start - main_s)) s)"
-exit $((main_rc + 2 * vllm_rc))
+echo "== torch 2.11 stage: $torch211_result ($((SECONDS - start - main_s - vllm_s)) s)"
+echo "== vLLM stage: $vllm_result (${vllm_s} s)"
+exit $((main_rc + 2 * vllm_rc + 8 * torch211_rc))

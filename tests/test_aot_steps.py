@@ -59,6 +59,14 @@ def _traced() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _output(x: torch.Tensor) -> object:
+    """A transformers ModelOutput, as the forward's fast path returns: dynamo rebuilds it (an OrderedDict) with the
+    `collections` module, from a global it installs under a name of this process (this module does not import it)."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    return CausalLMOutput(logits=x * 2)
+
+
 def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> object:
     """A backend function, as the engine's is (torch 2.11 saves its output only as moefx's SavedGraph)."""
     from torch._dynamo import lookup_backend
@@ -122,28 +130,34 @@ def test_a_torch_without_the_flag_or_aot_compile_keeps_todays_path_and_says_why(
 
 
 # One process saves a backend function's traces, a new one (its own empty inductor folder) loads them: the engine's
-# case on torch 2.11, where torch itself wraps only its own inductor backend's output.
+# case on torch 2.11, where torch itself wraps only its own inductor backend's output; and a function returning a
+# ModelOutput, whose rebuild reads a module from a global of the saving process (`aot._modules_as_imports`).
 NEW_PROCESS = r"""
 import json, pickle, sys
 import torch
 from torch._dynamo.utils import counters
-from tests.test_aot_steps import _affine, _function
+from moefx.engine.compile_cache.aot import AotFunction
+from tests.test_aot_steps import _affine, _function, _output
 calls = []
 def counting(gm, example_inputs):
     from torch._dynamo import lookup_backend
     calls.append(1)
     return lookup_backend("inductor")(gm, example_inputs)
 function = _function(backend=counting)
+output = AotFunction("output", _output, None, counting, _output)
 if sys.argv[1] == "save":
     for n in (4, 6):
         function(torch.arange(float(n)), True)
     function(torch.arange(4.0), False)
-    open(sys.argv[2], "wb").write(pickle.dumps(function.blobs()))
+    output(torch.arange(4.0))
+    open(sys.argv[2], "wb").write(pickle.dumps([function.blobs(), output.blobs()]))
 else:
-    function.pending = pickle.loads(open(sys.argv[2], "rb").read())
+    function.pending, output.pending = pickle.loads(open(sys.argv[2], "rb").read())
 out = [function(torch.arange(float(n)), shift).tolist() for n, shift in ((4, True), (9, True), (5, False))]
+result = output(torch.arange(4.0))
+out.append([type(result).__name__, result.logits.tolist()])
 print(json.dumps({"out": out, "traced": counters["stats"]["unique_graphs"], "backend": len(calls),
-                  "loaded": function.loaded, "broken": function.broken}))
+                  "loaded": function.loaded + output.loaded, "broken": function.broken or output.broken}))
 """
 
 
@@ -160,9 +174,9 @@ def test_a_new_process_loads_a_backend_functions_traces_and_traces_nothing(tmp_p
         assert "saved trace" not in proc.stderr, proc.stderr[-3000:]  # no step fell back
         runs[step] = json.loads(proc.stdout.strip().splitlines()[-1])
     saved, loaded = runs["save"], runs["load"]
-    assert saved["broken"] is None and saved["traced"] == 3 and saved["backend"] == 3, saved
-    assert loaded["traced"] == 0 and loaded["backend"] == 0 and loaded["loaded"] == 3, loaded
-    assert loaded["out"] == saved["out"]
+    assert saved["broken"] is None and saved["traced"] == 4 and saved["backend"] == 4, saved
+    assert loaded["traced"] == 0 and loaded["backend"] == 0 and loaded["loaded"] == 4, loaded
+    assert loaded["out"] == saved["out"] and loaded["out"][-1] == ["CausalLMOutput", [0.0, 2.0, 4.0, 6.0]]
 
 
 @pytest.mark.compile

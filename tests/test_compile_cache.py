@@ -236,8 +236,12 @@ if os.environ.get("HF_STATIC"):  # transformers' static-cache compile first, as 
     model.generate(prompts[0], cache_implementation="static", compile_config=hf_compile, **kwargs)
 model = moefx.optimize(model, config={"mode": "compile", "layer_regions": os.environ.get("REGIONS", "auto")})
 out = [model.generate(ids, **kwargs).tolist() for ids in prompts]
+forward = None
+if os.environ.get("FORWARD"):  # the forward's fast path (model.moefx_forward): its own compiled step
+    with torch.no_grad():
+        forward = model(prompts[1]).logits[:, -1].tolist()
 cache = model.moefx_generate.engine.compile_cache
-print(json.dumps({"tokens": out, "stock": stock,
+print(json.dumps({"tokens": out, "stock": stock, "forward": forward,
                   "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
                   "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
                   "aot_miss": counters["aot_autograd"]["autograd_cache_miss"], "loaded": cache.loaded,
@@ -325,13 +329,17 @@ def test_corrupt_file_and_changed_version_each_rebuild_once_with_one_warning(pre
 @pytest.mark.compile
 @pytest.mark.slow
 def test_layer_frames_a_new_process_traces_nothing(tmp_path):
-    """The layer-call form torch < 2.12 takes (the H200's 2.11): the steps and the layer bodies the frame ops call
-    are all loaded, whatever dispatch keys the loaded steps give the bodies' inputs."""
-    cold, _ = _run(tmp_path, "inductor-cold", REGIONS="frames", LAYERS="2")
+    """The layer-call form torch < 2.12 takes (the GPU machine's 2.11): the steps, the forward's fast path and the
+    layer bodies the frame ops call are all loaded, whatever dispatch keys the loaded steps give the bodies' inputs.
+    scripts/test.sh's torch 2.11 stage runs it there, where the saved traces need enable_aot_compile."""
+    cold, _ = _run(tmp_path, "inductor-cold", REGIONS="frames", LAYERS="2", FORWARD="1")
     assert cold["compiles"]["layer[decode]"] >= 1 and cold["traced"] >= 6
-    warm, warm_err = _run(tmp_path, "inductor-warm", REGIONS="frames", LAYERS="2")
+    assert any(name.startswith("forward[padded") for name in cold["compiles"]), cold["compiles"]
+    warm, warm_err = _run(tmp_path, "inductor-warm", REGIONS="frames", LAYERS="2", FORWARD="1")
     assert warm["traced"] == 0 and warm["compiles"] == {} and warm["traces_loaded"] == cold["traced"], warm
-    assert "moefx: compiling" not in warm_err
+    assert warm["fx_miss"] == 0 and warm["aot_miss"] == 0, warm
+    torch.testing.assert_close(torch.tensor(warm["forward"]), torch.tensor(cold["forward"]), rtol=1e-5, atol=1e-5)
+    assert "moefx: compiling" not in warm_err and "saved trace" not in warm_err
 
 
 # torch 2.11 (the GPU machine's) has torch._dynamo.aot_compile but torch.compile's result has no aot_compile: the

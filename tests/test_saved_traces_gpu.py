@@ -1,7 +1,7 @@
 """The compile-cache file on CUDA: a new process with empty inductor and Triton folders loads the saved traces and
 moefx's Triton kernel entries, captures and replays the decode step, compiles nothing, and gives the cold process's
-tokens. Needs CUDA and a torch whose torch.compile has aot_compile (2.12 and later): the GPU machine's torch 2.11
-skips it, so it first runs wherever the two meet (docs/SAMPLING.md says this path is untested until then)."""
+tokens. Needs CUDA and a torch that can keep dynamo's output (`why_no_aot`: torch 2.11 with enable_aot_compile,
+which moefx turns on for its own compiles, and 2.13); no step may fall back to tracing ("saved trace" warnings)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def _run(tmp: Path, name: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved trace" not in proc.stderr, proc.stderr[-3000:]  # every step saved, or loaded, its trace
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

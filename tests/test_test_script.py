@@ -23,7 +23,8 @@ def _script(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_help_names_the_stages_flags_and_exit_codes():
     out = _script("--help")
     assert out.returncode == 0, out.stderr
-    for text in ("--vllm", "MOEFX_TEST_VLLM", "MOEFX_SKIP_VLLM", "MOEFX_TRITON", "9.4 GB", "4 bad argument"):
+    for text in ("--vllm", "MOEFX_TEST_VLLM", "MOEFX_SKIP_VLLM", "MOEFX_TRITON", "9.4 GB", "4 bad argument",
+                 "--torch211", "MOEFX_TEST_TORCH211", "MOEFX_SKIP_TORCH211", "venv-torch211", "8 is added"):
         assert text in out.stdout, text
     assert "set -uo" not in out.stdout  # the header only, not the script
 
@@ -33,6 +34,8 @@ def test_help_names_the_stages_flags_and_exit_codes():
     ((), {"MOEFX_TEST_VLLM": "yes"}, "MOEFX_TEST_VLLM='yes'"),
     ((), {"MOEFX_SKIP_VLLM": "true"}, "MOEFX_SKIP_VLLM='true'"),
     ((), {"MOEFX_TEST_FULL": "all"}, "MOEFX_TEST_FULL='all'"),
+    ((), {"MOEFX_TEST_TORCH211": "on"}, "MOEFX_TEST_TORCH211='on'"),
+    ((), {"MOEFX_SKIP_TORCH211": "2"}, "MOEFX_SKIP_TORCH211='2'"),
 ])
 def test_bad_argument_or_knob_exits_4_naming_it_before_installing(args, env, named):
     out = _script(*args, **env)
@@ -41,9 +44,9 @@ def test_bad_argument_or_knob_exits_4_naming_it_before_installing(args, env, nam
     assert "installing" not in out.stdout
 
 
-def test_ci_runs_both_stages_with_every_test():
+def test_ci_runs_every_stage_with_every_test():
     run = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^exec bash scripts/test\.sh --full --vllm$", run, re.M)
+    assert re.search(r"^exec bash scripts/test\.sh --full --vllm --torch211$", run, re.M)
 
 
 @pytest.mark.parametrize(("args", "env", "full"), [
@@ -113,3 +116,34 @@ def test_triton_knob_and_failed_stages_set_the_exit_code(tmp_path):
     assert out.returncode == 1 and "collected no tests" in out.stderr  # pytest exit 5 is a failure
     assert any("-e .[dev] triton==3.6.0" in c for c in log.read_text().splitlines())
     assert _script("--vllm", STUB_PYTEST_RC="1", **common).returncode == 3  # both stages failed
+
+
+@pytest.mark.parametrize(("args", "env", "runs"), [
+    ((), {}, False),
+    (("--torch211",), {}, True),
+    ((), {"MOEFX_TEST_TORCH211": "1"}, True),
+    (("--torch211",), {"MOEFX_SKIP_TORCH211": "1"}, False),
+])
+def test_torch211_stage_runs_only_when_asked_with_the_saved_trace_tests(tmp_path, args, env, runs):
+    log = tmp_path / "log"
+    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")),
+             "MOEFX_TORCH211_VENV": str(_stub_venv(tmp_path / "torch211"))}
+    out = _script(*args, VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path), **venvs, **env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    pytest_calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    assert len(pytest_calls) == 1 + runs
+    if runs:
+        for test in ("tests/test_aot_steps.py", "tests/test_compile_cache.py", "tests/test_saved_traces_gpu.py"):
+            assert test in pytest_calls[-1]
+    line = [t for t in out.stdout.splitlines() if t.startswith("== torch 2.11 stage: ")]
+    assert len(line) == 1 and ("passed" in line[0]) == runs, line
+    if not args and not env:
+        assert "--torch211" in line[0] and "NOT tested" in line[0]
+
+
+def test_a_failed_torch211_stage_adds_8_to_the_exit_code(tmp_path):
+    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")),
+             "MOEFX_TORCH211_VENV": str(_stub_venv(tmp_path / "torch211"))}
+    out = _script("--torch211", VIRTUAL_ENV="", STUB_LOG=str(tmp_path / "log"), HOME=str(tmp_path), STUB_PYTEST_RC="1",
+                  **venvs)
+    assert out.returncode == 9, out.stdout  # main (1) and torch 2.11 (8)

@@ -8,7 +8,7 @@ output too: the transformed bytecode, the guards and the compiled graph, one ser
 entries would have been), picks the entry whose guards pass at each call, and hands its entries to the engine's
 compile-cache file; a new process loads them and calls them with no tracing and no backend.
 
-What torch asks for, and how moefx gives it on every torch it runs on (2.11 to 2.14): `torch.compile` offers
+What torch asks for, and how moefx gives it on the torches it runs on (2.11 and 2.13 tested): `torch.compile` offers
 `aot_compile` only while `torch._dynamo.config.enable_aot_compile` is on (off by default on torch 2.11, on on 2.13), so
 the flag is set around moefx's own `torch.compile` calls here and restored after (`_aot_flag`), never for the
 process; and the backend's output must be a `torch._dynamo.aot_compile_types.SerializableCallable`. torch 2.13
@@ -32,10 +32,12 @@ in a process says so in one warning line, later ones in the log.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import functools
 import pickle
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,6 +210,36 @@ def _loaded_class() -> type:
     return Loaded
 
 
+def _scope(fn: Callable[..., Any]) -> dict[str, Any]:
+    """`fn`'s globals as they are now, over the builtins (see `_with_builtins`)."""
+    return {**vars(builtins), **fn.__globals__}
+
+
+def _with_builtins(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` over `_scope(fn)`, for one AOT compile. torch builds a trace's function from the traced function's
+    globals and checks that every global its bytecode reads is among them; torch 2.11 does not count builtins (the
+    forward's fast path reads `type`), so without them in the scope the trace is refused when it is made ("Missing
+    required external references: ['type']") and again when a new process loads it. torch's function holds a copy of
+    the globals either way, so the copy changes nothing the trace reads; the globals dynamo installs for the trace
+    land in the copy instead of the module."""
+    traced = types.FunctionType(fn.__code__, _scope(fn), fn.__name__, fn.__defaults__, fn.__closure__)
+    traced.__kwdefaults__ = fn.__kwdefaults__
+    return traced
+
+
+def _modules_as_imports(compiled: Any, f_globals: dict[str, Any]) -> None:
+    """The modules the trace's bytecode reads from globals dynamo installed for it, saved as imports. Rebuilding an
+    output object (a transformers ModelOutput, an OrderedDict: the forward's fast path returns one) loads its module
+    from a global named after the module's id in this process (`___module_collections_<id>_c<n>`), which torch's
+    saved runtime environment leaves out, so a new process could not build the function ("Missing required external
+    references"); as an import source the new process imports the module under the same name."""
+    env = compiled._artifacts.runtime_env
+    for name in sorted(env.external_refs):
+        value = f_globals.get(name)
+        if name not in env.used_globals and name not in env.import_sources and isinstance(value, types.ModuleType):
+            env.import_sources[name] = value.__name__
+
+
 @dataclasses.dataclass
 class _Entry:
     compiled: Any  # an AOTCompiledFunction
@@ -296,8 +328,9 @@ class AotFunction:
         def serializable_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             return _serializable(backend(gm, example_inputs))
 
+        traced = _with_builtins(self.fn)
         with _aot_flag():
-            compiler = torch.compile(self.fn, fullgraph=True, backend=serializable_backend,
+            compiler = torch.compile(traced, fullgraph=True, backend=serializable_backend,
                                      options={"guard_filter_fn": guard_filter})
         try:
             with torch._dynamo.config.patch(specialize_float=True):  # moefx.compile.with_exact_floats: why
@@ -308,6 +341,7 @@ class AotFunction:
                        f"({self.broken}; later steps like it are logged at MOEFX_LOG=info)")
             return None
         marks = _marks(tensors, self._locals(full))
+        _modules_as_imports(compiled, traced.__globals__)
         try:
             blob = pickle.dumps({"aot": type(compiled).serialize(compiled).serialized_data, "marks": marks})
         except Exception as exc:
@@ -326,7 +360,7 @@ class AotFunction:
             try:
                 data = pickle.loads(blob)
                 loaded = type("Loaded", (cls,), {"marks": data["marks"]}).deserialize(data["aot"],
-                                                                                       self.fn.__globals__)
+                                                                                       _scope(self.fn))
             except Exception as exc:  # whatever fails, the entry is not used: it is traced again and re-saved
                 _said_once(f"moefx: a saved trace of {self.name} in the compile cache does not load, so it is traced "
                            f"afresh and saved again ({type(exc).__name__}: "
