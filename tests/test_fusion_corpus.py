@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moefx.passes.quant_fusion import _TORCH_BELOW_2_13
 from moefx.passes.quant_patterns import post_grad_graph
 from moefx.testing import PassRun, count_ops, run_passes
 
@@ -448,9 +449,13 @@ def test_variant_fuses_exactly_or_says_why(variant: Variant):
     skipped = report.skipped
     n = fused_count(graph)
     _TALLY[variant.name] = "fused" if n else f"left alone: {skipped[0] if skipped else 'NO REASON GIVEN'}"
-    if variant.reason is not None:
+    reason = variant.reason
+    if reason is None and _TORCH_BELOW_2_13 and variant.name.startswith("f_rms_norm"):
+        # torch < 2.13 decomposes F.rms_norm in forms whose fusion was not exact: every one is left alone there
+        reason = "verified exact on torch >= 2.13"
+    if reason is not None:
         assert n == 0 and quant_casts(graph) >= 1
-        assert any(variant.reason in r for r in skipped), skipped
+        assert any(reason in r for r in skipped), skipped
         assert any(re.search(rf"{THIS_FILE}:\d+", r) for r in skipped), skipped
         return
     assert n >= 1, skipped

@@ -253,9 +253,11 @@ class RmsNormProducer:
                 label = "RMSNorm"
         if in_dtype not in FLOAT_DTYPES or (dtype != in_dtype and not (weight is not None and not w_fp32)):
             raise Reject(y, f"the RMSNorm output is {dtype} for a {in_dtype} input")
-        if w_fp32 and _TORCH_BELOW_2_13 and "rms_norm(" in source_line(rsqrt):
+        if _TORCH_BELOW_2_13 and "rms_norm(" in source_line(rsqrt):
             # On torch 2.11 the fused bf16 F.rms_norm + INT8 per-token form differed from eager in ~5% of codes
-            # (tests/test_fuse_norm_quant.py); exactness is verified on torch 2.13 and 2.14 only.
+            # (tests/test_fuse_norm_quant.py); exactness is verified on torch 2.13 and 2.14 only. Every F.rms_norm
+            # form is left alone there: 2.11 decomposes some of them with the weight applied after the downcast,
+            # a form the check above would otherwise take.
             raise Reject(rsqrt, f"F.rms_norm fusion is verified exact on torch >= 2.13 only (this is "
                                 f"{torch.__version__})")
         op = moefx_ops.add_rms_norm_quant.default if len(args) == 6 else moefx_ops.rms_norm_quant.default
