@@ -131,6 +131,7 @@ class CompileCache:
     loaded: int = 0  # artifacts and traces loaded from the file (0: none, or not yet)
     saved: int = 0  # artifacts and traces in the file after the last save
     steps: Any = None  # the engine's AotSteps (aot.py), whose traces the file keeps; None: artifacts only
+    kernel_entries: frozenset[str] = frozenset()  # the Triton cache entries the loaded file carried (restored here)
     _tried: bool = False
     _misses_at_save: int = 0
     unwritable: str | None = None  # why the file could not be written: said once, then no more tries
@@ -210,6 +211,7 @@ class CompileCache:
             return 0
         artifacts = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
         traces = self.steps.give(parts["traces"]) if self.steps is not None else 0
+        self.kernel_entries = frozenset(parts.get("kernels") or {})
         kernels = self._restore_kernels(parts.get("kernels") or {})
         self.loaded = self.saved = artifacts + traces
         progress_logger().info("loaded compile cache (%d artifacts, %d traces, %d Triton kernel entries) from %s in "
