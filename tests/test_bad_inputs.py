@@ -147,15 +147,20 @@ API_IDS = ["api-from-any-yaml", "api-from-any-path", "api-budget-two", "api-budg
            "api-tp", "api-ep", "api-empty-prompt", "api-past-positions"]
 
 
-@pytest.fixture
-def files(tmp_path: Path) -> dict[str, str]:
+def write_files(tmp_path: Path, table: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The table's files (key -> (name, text)) written under tmp_path: key -> path, and "tmp" -> the folder."""
     where = {"tmp": str(tmp_path)}
-    for key, (name, text) in FILES.items():
+    for key, (name, text) in table.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         where[key] = str(path)
     return where
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    return write_files(tmp_path, FILES)
 
 
 def _check_line(err: str, needles: list[str]) -> None:

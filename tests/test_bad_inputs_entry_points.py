@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_bad_inputs import _check_line, write_files
+
 TINY = "tiny-qwen3-moe"
 DUP = "mode: eager\nmode: compile\n"
 
@@ -90,21 +92,7 @@ ROWS = [
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, str]:
-    where = {"tmp": str(tmp_path)}
-    for key, (name, text) in FILES.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        where[key] = str(path)
-    return where
-
-
-def _check_line(err: str, needles: list[str]) -> None:
-    assert "Traceback" not in err, err
-    line = err.strip().splitlines()[-1]
-    assert line.startswith("moefx") and "error:" in line, err
-    missing = [n for n in needles if n not in line]
-    assert not missing, f"{missing} not in {line!r}"
+    return write_files(tmp_path, FILES)
 
 
 @pytest.mark.parametrize("argv, needles", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
