@@ -173,6 +173,19 @@ class DecodeLoop:
         check_prompt(self.model.config, *input_ids.shape, max_new_tokens)
         request = Request.admit(input_ids, max_new_tokens, params, eos_token_id, pad_token_id, attention_mask,
                                 stopping_criteria, logits_out)
+        return self._serve(request)
+
+    @torch.no_grad()
+    def run(self, request: Request) -> torch.Tensor:
+        """`generate` for a request read by the generate() front (`moefx/engine/hf_generate.py`), whose ids it
+        checked already (`check_input_ids`: a host read, made once per request)."""
+        if self.compile_cache is not None:
+            self.compile_cache.load()
+        check_prompt(self.model.config, *request.input_ids.shape, request.max_new_tokens)
+        request.check()
+        return self._serve(request)
+
+    def _serve(self, request: Request) -> torch.Tensor:
         out = self._generate(request)
         if self.compile_cache is not None:
             self.compile_cache.save()

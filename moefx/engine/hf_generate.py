@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import copy
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -182,6 +183,178 @@ _CONFIG_NEEDS: dict[str, Any] = {
 _MODEL_KWARGS_OK = {"attention_mask", "use_cache", "output_attentions", "output_hidden_states"}
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What a generate() call asks of the engine apart from its prompt and mask: read from the call's arguments and
+    the model's generation config by transformers' helpers, so it depends on nothing else (`SettingsMemo`)."""
+
+    params: SamplingParams
+    max_new_tokens: int | None
+    max_length: int | None
+    eos: tuple[int, ...]
+    pad: int
+    pad_set: bool  # a pad id was set: transformers infers the mask from pad tokens in the prompt
+
+
+def read_settings(model: Any, gen_config: Any, kwargs: dict[str, Any],
+                  inputs: torch.Tensor) -> tuple[Settings | None, str]:
+    """The call's `Settings` by transformers' own helpers, or (None, why the engine cannot run it). `kwargs` are
+    generate()'s keyword arguments less the prompt, the stopping criteria and the generation config."""
+    try:
+        gc, model_kwargs = model._prepare_generation_config(gen_config, **kwargs)
+    except (AttributeError, TypeError) as exc:
+        return None, f"this transformers' generate() could not be read ({exc})"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS_OK and v is not None)
+    if extra:
+        return None, f"model arguments {extra}"
+    if model_kwargs.get("use_cache") is False or gc.use_cache is False:
+        return None, "use_cache=False"
+    for name, want in _CONFIG_NEEDS.items():
+        value = getattr(gc, name, None)
+        if value not in (None, False, want):
+            return None, f"generation config {name}={value!r}"
+    if getattr(gc, "cache_implementation", None) not in (None, "static", "dynamic"):
+        return None, f"cache_implementation={gc.cache_implementation!r}"
+    try:
+        model._prepare_special_tokens(gc, model_kwargs.get("attention_mask") is not None, device=inputs.device)
+        processors = model._get_logits_processor(
+            generation_config=gc, input_ids_seq_length=inputs.shape[1], encoder_input_ids=inputs,
+            logits_processor=None, device=inputs.device, model_kwargs=model_kwargs,
+        )
+    except (AttributeError, TypeError) as exc:
+        return None, f"this transformers' generate() could not be read ({exc})"
+    other = sorted({type(p).__name__ for p in processors} - set(ENGINE_PROCESSORS))
+    if other:
+        return None, f"logits processors {other}"
+    if gc.max_new_tokens is None and gc.max_length is None:
+        return None, "no max_new_tokens or max_length"
+    if gc.do_sample:
+        params = SamplingParams(
+            temperature=float(gc.temperature if gc.temperature is not None else 1.0),
+            top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+            min_p=float(gc.min_p or 0.0),
+        )
+        if params.greedy:
+            return None, "do_sample with temperature 0"
+    else:
+        params = SamplingParams(temperature=0.0)
+    eos_t, pad_t = gc._eos_token_tensor, gc._pad_token_tensor
+    eos = () if eos_t is None else tuple(int(t) for t in eos_t.reshape(-1).tolist())
+    pad = int(pad_t) if pad_t is not None else (eos[0] if eos else 0)
+    return Settings(params, None if gc.max_new_tokens is None else int(gc.max_new_tokens),
+                    None if gc.max_length is None else int(gc.max_length), eos, pad, pad_t is not None), ""
+
+
+class SettingsMemo:
+    """`read_settings`' answers kept per call form, so a repeated call reads no generation config: transformers'
+    helpers deep-copy and merge the model's generation config, build the logits processors and put the special
+    tokens on the device (host syncs on CUDA), ~0.4-0.8 ms of host time before the prefill can launch
+    (docs/FINDINGS.md). An answer depends only on the call's arguments (kept as its key: names, types and values;
+    a tensor argument only as whether it is set), the device, and the model's `config` and `generation_config`,
+    whose attributes are compared with a copy taken when the answers were read: any change drops them all. Calls
+    with a `generation_config` object or an argument of another kind are read each time; so are the calls the
+    engine cannot run (they run transformers' loop, far slower than a read)."""
+
+    MAX_FORMS = 64  # distinct call forms kept; more drops them all
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple, Settings] = {}
+        self.reads = 0  # calls read by transformers' helpers (tests)
+        self._seen: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+    def settings(self, model: Any, gen_config: Any, kwargs: dict[str, Any],
+                 inputs: torch.Tensor) -> tuple[Settings | None, str]:
+        key = None if gen_config is not None else _call_form(kwargs, inputs.device)
+        if key is not None and self._unchanged(model):
+            hit = self.answers.get(key)
+            if hit is not None:
+                return hit, ""
+        self.reads += 1
+        settings, why = read_settings(model, gen_config, kwargs, inputs)
+        if settings is not None and key is not None:
+            if len(self.answers) >= self.MAX_FORMS:
+                self.answers.clear()
+            self.answers[key] = settings
+        return settings, why
+
+    def _unchanged(self, model: Any) -> bool:
+        """Whether the model's configs are as when the answers were read; if not, the answers are dropped and a
+        copy of the configs' attributes is taken for the next ones."""
+        generation_config = getattr(model, "generation_config", None)
+        config, gen = vars(model.config), vars(generation_config) if generation_config is not None else {}
+        try:
+            if self._seen is not None and self._seen[0] == config and self._seen[1] == gen:
+                return True
+        except Exception:  # an attribute whose comparison raises (a tensor of several values): a change
+            pass
+        self.answers.clear()
+        try:
+            self._seen = (dict(config), copy.deepcopy(gen))
+        except Exception:  # an attribute that cannot be copied: nothing is kept
+            self._seen = None
+        return False
+
+
+def _call_form(kwargs: dict[str, Any], device: torch.device) -> tuple | None:
+    """The key of a call's arguments (None: an argument of a kind not kept)."""
+    items: list[tuple] = [("", device)]
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            items.append((name, torch.Tensor))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            items.append((name, type(value), value))
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            items.append((name, type(value), tuple((type(v), v) for v in value)))
+        else:
+            return None
+    return tuple(items)
+
+
+def read_request(model: Any, args: tuple, kwargs: dict[str, Any],
+                 memo: SettingsMemo | None = None) -> tuple[Request | None, str]:
+    """The engine request for this generate() call, or (None, why the engine cannot run it). `memo` keeps the
+    settings read for repeated call forms (`SettingsMemo`)."""
+    kwargs = dict(kwargs)
+    if len(args) > 2:
+        return None, "positional arguments after generation_config"
+    inputs = args[0] if args else kwargs.pop("inputs", None)
+    if inputs is None:
+        inputs = kwargs.pop("input_ids", None)
+    if len(args) > 1:
+        kwargs["generation_config"] = args[1]
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.dtype != torch.long:
+        return None, "input ids are not one [batch, length] LongTensor"
+    for name in _UNSUPPORTED_ARGS:
+        value = kwargs.pop(name, None)
+        if value is not None and value is not False and not (hasattr(value, "__len__") and len(value) == 0):
+            return None, f"argument {name!r}"
+    criteria = list(kwargs.pop("stopping_criteria", None) or [])
+    gen_config = kwargs.pop("generation_config", None)
+    read = memo.settings if memo is not None else read_settings
+    settings, why = read(model, gen_config, kwargs, inputs)
+    if settings is None:
+        return None, why
+    new = settings.max_new_tokens
+    if new is None:
+        new = settings.max_length - inputs.shape[1]
+    if new < 1:
+        return None, f"max_new_tokens={new}"
+    eos, pad = list(settings.eos), settings.pad
+    attention_mask = kwargs.get("attention_mask")
+    if attention_mask is None and settings.pad_set and pad not in eos and bool((inputs == pad).any()):
+        attention_mask = inputs.ne(pad).long()  # what transformers infers from pad tokens in the prompt
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(inputs.shape):
+            return None, f"attention_mask of shape {tuple(attention_mask.shape)} for inputs {tuple(inputs.shape)}"
+        every, last = (bool(v) for v in torch.stack([attention_mask.all(), attention_mask[:, -1].all()]).tolist())
+        if every:
+            attention_mask = None
+        elif not last:
+            return None, "a right-padded attention_mask (the engine takes left padding)"
+    return Request(inputs, attention_mask, new, settings.params, eos, pad, criteria), ""
+
+
 @dataclass
 class GenerateFront:
     """What `optimize` puts on `model.moefx_generate`: the engine, and why requests went elsewhere."""
@@ -191,6 +364,8 @@ class GenerateFront:
     # the engine ran without a CUDA graph (a batch above the largest capture size, a step that cannot be captured).
     fallbacks: list[str] = field(default_factory=list)
     loop_requests: int = 0
+    # The settings read per call form (`SettingsMemo`): a repeated call reads no generation config.
+    memo: SettingsMemo = field(default_factory=SettingsMemo)
     _engine_notes: int = 0
 
     def describe(self) -> str:
@@ -215,84 +390,6 @@ def _fallback(front: GenerateFront, why: str) -> None:
     front.loop_requests += 1
 
 
-def read_request(model: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[Request | None, str]:
-    """The engine request for this generate() call, or (None, why the engine cannot run it)."""
-    kwargs = dict(kwargs)
-    if len(args) > 2:
-        return None, "positional arguments after generation_config"
-    inputs = args[0] if args else kwargs.pop("inputs", None)
-    if inputs is None:
-        inputs = kwargs.pop("input_ids", None)
-    if len(args) > 1:
-        kwargs["generation_config"] = args[1]
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or inputs.dtype != torch.long:
-        return None, "input ids are not one [batch, length] LongTensor"
-    for name in _UNSUPPORTED_ARGS:
-        value = kwargs.pop(name, None)
-        if value is not None and value is not False and not (hasattr(value, "__len__") and len(value) == 0):
-            return None, f"argument {name!r}"
-    criteria = list(kwargs.pop("stopping_criteria", None) or [])
-    gen_config = kwargs.pop("generation_config", None)
-    try:
-        gc, model_kwargs = model._prepare_generation_config(gen_config, **kwargs)
-    except (AttributeError, TypeError) as exc:
-        return None, f"this transformers' generate() could not be read ({exc})"
-    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS_OK and v is not None)
-    if extra:
-        return None, f"model arguments {extra}"
-    if model_kwargs.get("use_cache") is False or gc.use_cache is False:
-        return None, "use_cache=False"
-    for name, want in _CONFIG_NEEDS.items():
-        value = getattr(gc, name, None)
-        if value not in (None, False, want):
-            return None, f"generation config {name}={value!r}"
-    if getattr(gc, "cache_implementation", None) not in (None, "static", "dynamic"):
-        return None, f"cache_implementation={gc.cache_implementation!r}"
-    attention_mask = model_kwargs.get("attention_mask")
-    try:
-        model._prepare_special_tokens(gc, attention_mask is not None, device=inputs.device)
-        processors = model._get_logits_processor(
-            generation_config=gc, input_ids_seq_length=inputs.shape[1], encoder_input_ids=inputs,
-            logits_processor=None, device=inputs.device, model_kwargs=model_kwargs,
-        )
-    except (AttributeError, TypeError) as exc:
-        return None, f"this transformers' generate() could not be read ({exc})"
-    other = sorted({type(p).__name__ for p in processors} - set(ENGINE_PROCESSORS))
-    if other:
-        return None, f"logits processors {other}"
-    if gc.max_new_tokens is not None:
-        new = int(gc.max_new_tokens)
-    elif gc.max_length is not None:
-        new = int(gc.max_length) - inputs.shape[1]
-    else:
-        return None, "no max_new_tokens or max_length"
-    if new < 1:
-        return None, f"max_new_tokens={new}"
-    if gc.do_sample:
-        params = SamplingParams(
-            temperature=float(gc.temperature if gc.temperature is not None else 1.0),
-            top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
-            min_p=float(gc.min_p or 0.0),
-        )
-        if params.greedy:
-            return None, "do_sample with temperature 0"
-    else:
-        params = SamplingParams(temperature=0.0)
-    eos_t, pad_t = gc._eos_token_tensor, gc._pad_token_tensor
-    eos = [] if eos_t is None else [int(t) for t in eos_t.reshape(-1).tolist()]
-    pad = int(pad_t) if pad_t is not None else (eos[0] if eos else 0)
-    if attention_mask is None and pad_t is not None and bool((inputs == pad).any()) and pad not in eos:
-        attention_mask = inputs.ne(pad).long()  # what transformers infers from pad tokens in the prompt
-    if attention_mask is not None:
-        if tuple(attention_mask.shape) != tuple(inputs.shape):
-            return None, f"attention_mask of shape {tuple(attention_mask.shape)} for inputs {tuple(inputs.shape)}"
-        if bool(attention_mask.all()):
-            attention_mask = None
-        elif not bool(attention_mask[:, -1].all()):
-            return None, "a right-padded attention_mask (the engine takes left padding)"
-    return Request(inputs, attention_mask, new, params, eos, pad, criteria), ""
-
-
 def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
     """Wrap `model.generate` so the requests the engine reproduces run on it; the rest run as before, their stop
     check deferred where `enable_deferred_stop` turned it on."""
@@ -303,7 +400,7 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
     def generate(*args: Any, **kwargs: Any) -> Any:
         prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         check_input_ids(model.config, prompt)  # either loop: a bad id is one clear line before anything runs
-        request, why = read_request(model, args, kwargs)
+        request, why = read_request(model, args, kwargs, front.memo)
         if request is None:
             _fallback(front, why)
             if len(args) < 2 and "generation_config" not in kwargs:
@@ -312,10 +409,7 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
             with _deferred_stop(model), (forward.said_by_caller() if forward is not None else contextlib.nullcontext()):
                 return original(*args, **kwargs)
         try:
-            return engine.generate(
-                request.input_ids, request.max_new_tokens, request.params, eos_token_id=request.eos,
-                pad_token_id=request.pad, attention_mask=request.attention_mask, stopping_criteria=request.criteria,
-            )
+            return engine.run(request)  # its ids checked above
         finally:
             front.note_engine()
 

@@ -34,14 +34,19 @@ class Request:
               eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
               attention_mask: torch.Tensor | None = None, stopping_criteria: Sequence[Callable[..., Any]] = (),
               logits_out: list[torch.Tensor] | None = None) -> Request:
-        """The request, or ValueError for what the engine cannot take (no new tokens, too many EOS ids)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        """The request, or ValueError for what the engine cannot take (`check`)."""
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        if len(eos) > MAX_EOS_IDS:
-            raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(eos)}")
-        return cls(input_ids, attention_mask, max_new_tokens, params, eos, pad_token_id, list(stopping_criteria),
-                   logits_out)
+        request = cls(input_ids, attention_mask, max_new_tokens, params, eos, pad_token_id, list(stopping_criteria),
+                      logits_out)
+        request.check()
+        return request
+
+    def check(self) -> None:
+        """ValueError for what the engine cannot take: no new tokens, too many EOS ids."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if len(self.eos) > MAX_EOS_IDS:
+            raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(self.eos)}")
 
 
 def check_prompt(config: Any, batch: int, prompt: int, max_new_tokens: int) -> None:
@@ -69,7 +74,7 @@ def check_input_ids(config: Any, input_ids: Any) -> None:
     vocab = getattr(config, "vocab_size", None)
     if input_ids.numel() == 0 or not isinstance(vocab, int):
         return
-    low, high = int(input_ids.min()), int(input_ids.max())
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read of both (one sync on a device)
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary; valid: 0 <= id < "
