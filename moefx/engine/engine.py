@@ -147,6 +147,7 @@ class DecodeLoop:
         self._bucketed = (BucketedPrefill(self.steps, self.graphs, self.stats.prefill_buckets, prefill_capture_tokens)
                           if prefill_capture_tokens else None)
         self.compile_cache: CompileStore | None = None
+        self._cache_bytes: dict[tuple[int, int, torch.dtype], int] = {}
 
     # -- a request, phase by phase ---------------------------------------------------------------------------
 
@@ -245,7 +246,10 @@ class DecodeLoop:
         if needed > max_len:
             raise ValueError(f"prompt + max_new_tokens = {needed} exceeds the cache length max_len={max_len}")
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        nbytes = cache_bytes(self.model.config, rows, max_len, dtype)
+        sized = (rows, max_len, dtype)
+        nbytes = self._cache_bytes.get(sized)
+        if nbytes is None:  # the config's sizes read once per (rows, length, dtype): ~50 us of config lookups
+            nbytes = self._cache_bytes[sized] = cache_bytes(self.model.config, rows, max_len, dtype)
         slot = self.slots.find(rows, max_len, device, nbytes)
         if slot is not None:
             return slot
@@ -270,7 +274,10 @@ class DecodeLoop:
     @staticmethod
     def _load(slot: Slot, request: Request) -> torch.Tensor:
         """Write the request into the slot's buffers (prompt, mask, EOS and pad ids, sampling params, finished
-        flags; padding rows count as finished) and zero its cache; the prompt's positions [rows, T]."""
+        flags; padding rows count as finished) and zero its cache; the prompt's positions [rows, T]. The EOS and
+        pad ids and the sampling params are written only when they differ from what the slot holds (nothing else
+        writes them), and the mask is reset only after a request that wrote one: each write is a launch before
+        the prefill's."""
         input_ids, attention_mask = request.input_ids, request.attention_mask
         batch, prompt = input_ids.shape
         device = input_ids.device
@@ -278,22 +285,27 @@ class DecodeLoop:
         st = slot.state
         pad_rows = [0] * (rows - batch)
         st["seq"][:, :prompt].copy_(torch.cat([input_ids, input_ids[pad_rows]]) if pad_rows else input_ids)
-        slot.mask.fill_(1)
+        if slot.masked:
+            slot.mask.fill_(1)
+        slot.masked = attention_mask is not None
         if attention_mask is not None:
             mask = attention_mask.to(device=device, dtype=torch.long)
             slot.mask[:, :prompt].copy_(torch.cat([mask, mask[pad_rows]]) if pad_rows else mask)
             positions = (slot.mask[:, :prompt].cumsum(-1) - 1).clamp(min=0)
         else:
             positions = torch.arange(prompt, device=device).expand(rows, prompt)
-        st["eos"].fill_(-1)
-        if request.eos:
-            st["eos"][: len(request.eos)].copy_(torch.tensor(request.eos, device=device))
-        st["pad"].fill_(request.pad)
-        st["pad_finished"].fill_(bool(request.eos))
+        held = (tuple(request.eos), request.pad, tuple(request.params.values()))
+        if slot.held != held:
+            st["eos"].fill_(-1)
+            for i, eos in enumerate(request.eos):  # fills, not a copy from the host: no transfer to wait for
+                st["eos"][i].fill_(eos)
+            st["pad"].fill_(request.pad)
+            st["pad_finished"].fill_(bool(request.eos))
+            for i, value in enumerate(request.params.values()):
+                st["sampling"][i].fill_(value)
+            slot.held = held
         st["finished"].fill_(False)
         st["finished"][batch:] = True
-        for i, value in enumerate(request.params.values()):
-            st["sampling"][i].fill_(value)
         slot.reset_cache()
         return positions
 

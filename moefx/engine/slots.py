@@ -63,6 +63,10 @@ class Slot:
     # (prompt bucket, masked, by_head) -> the padded prefill's inputs and graph (moefx/engine/prefill.py)
     prefill: dict[tuple, Any] = field(default_factory=dict)
     uncapturable: str | None = None  # _uncapturable_cache(cache), fixed when the slot is made
+    # What the last request left in the buffers (`DecodeLoop._load`): its (EOS ids, pad id, sampling values), and
+    # whether it wrote a mask (zeros in `mask`)
+    held: tuple | None = None
+    masked: bool = False
 
     @classmethod
     def buffers(cls, rows: int, max_len: int, cache: Any, device: torch.device) -> Slot:
