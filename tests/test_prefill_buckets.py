@@ -58,7 +58,7 @@ def test_padded_positions_keep_what_the_cache_held(model):
     for layer in slot.cache.layers:
         layer.keys.fill_(7.0)
         layer.values.fill_(7.0)
-    loop._prompt(slot, 9, torch.arange(9).expand(2, 9), masked=False, by_head=False, graphs=False)
+    loop._prompt(slot, 9, torch.arange(9).expand(2, 9), masked=False, by_head=False, form=GREEDY, graphs=False)
     for layer in slot.cache.layers:
         assert bool((layer.keys[:, :, 9:] == 7).all()) and bool((layer.values[:, :, 9:] == 7).all())
         assert not bool((layer.keys[:, :, :9] == 7).any())
@@ -127,9 +127,10 @@ def test_greedy_through_a_vocab_parallel_head_reads_the_last_real_position(model
     assert {key[2] for key in loop.slots.latest(2).prefill} == {True}  # the by-head prefill ran
 
 
-def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str]]:
+def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str], list[str]]:
     """The aten ops a repeated one-token request runs outside the padded prefill (`BucketedPrefill._call`; on CUDA:
-    its graph), and those `_call` runs around the model's forward (the writes into the static cache)."""
+    its graph), those `_call` runs around the model's forward (the writes into the static cache), and the first
+    token's pick it runs after them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from moefx.engine.prefill import BucketedPrefill
@@ -139,7 +140,7 @@ def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str]]:
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.ops: dict[str, list[str]] = {"outside": [], "around": [], "forward": []}
+            self.ops: dict[str, list[str]] = {"outside": [], "around": [], "forward": [], "pick": []}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[where[0]].append(str(func.overloadpacket))
@@ -158,24 +159,33 @@ def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str]]:
     monkeypatch.setattr(BucketedPrefill, "_call", flagged(call, "around"))
     loop = DecodeLoop(build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=5), prefill_capture_tokens=64)
     loop._bucketed._fn = flagged(loop._bucketed._fn, "forward")
+    monkeypatch.setattr(BucketedPrefill, "_pick_first", flagged(BucketedPrefill._pick_first, "pick"))
     ids, _ = _request(9, False, 0)
     loop.generate(ids, 1, GREEDY)  # allocates the slot
     with Count() as count:
         loop.generate(ids, 1, GREEDY)
-    return count.ops["outside"], count.ops["around"]
+    return count.ops["outside"], count.ops["around"], count.ops["pick"]
 
 
 def test_the_host_work_around_the_prefill_does_not_grow_with_depth(monkeypatch):
     """What a request runs outside its captured prefill is paid on the host at every request: the same ops at 8
     layers as at 2 (the cache reset is one launch per dtype, not three per layer)."""
-    (two, _), (eight, _) = _prefill_ops(2, monkeypatch), _prefill_ops(8, monkeypatch)
+    (two, _, _), (eight, _, _) = _prefill_ops(2, monkeypatch), _prefill_ops(8, monkeypatch)
     assert two == eight and two.count("aten._foreach_zero_") == 2, (len(two), len(eight))
+
+
+def test_the_first_tokens_pick_runs_inside_the_padded_prefill(monkeypatch):
+    """The first token's sampler and position moves are part of what the prefill's graph replays on CUDA: none of
+    them runs after it from Python."""
+    outside, _, pick = _prefill_ops(2, monkeypatch)
+    assert "aten.argmax" in pick and "aten.isin" in pick, pick
+    assert not {"aten.argmax", "aten.isin", "aten.index_copy_"} & set(outside), outside
 
 
 def test_the_prompt_goes_into_the_static_cache_in_one_kernel_per_tensor(monkeypatch):
     """Each captured op is a graph node (~1 us each, and the graph launch's host time grows with them): the keys
     and values go into the cache by one masked write each, the write positions by one foreach copy."""
     for layers in (2, 8):
-        _, around = _prefill_ops(layers, monkeypatch)
+        _, around, _ = _prefill_ops(layers, monkeypatch)
         assert around.count("aten.where") == 2 * layers, around
         assert around.count("aten._foreach_copy_") == 1 and "aten.copy_" not in around, around

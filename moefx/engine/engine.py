@@ -211,12 +211,9 @@ class DecodeLoop:
         # Greedy over a vocab-parallel head picks tokens without full logits, unless something needs the logits.
         by_head = (self._head is not None and request.params.greedy and not request.criteria
                    and request.logits_out is None)
-        # prefill
-        logits = self._prompt(slot, prompt, positions, masked, by_head, graphs, stand_in)
+        # prefill, and the first token's pick
+        logits = self._prompt(slot, prompt, positions, masked, by_head, form, graphs, stand_in)
         st = slot.state
-        st["position_ids"].copy_(positions[:, -1:])
-        st["cache_position"].fill_(prompt - 1)
-        self._pick(logits, st, form, by_head)
         # decode
         produced = self._decode_tokens(slot, request, logits, form, masked, by_head, graphs, stand_in)
         # finish
@@ -309,19 +306,30 @@ class DecodeLoop:
         slot.reset_cache()
         return positions
 
-    def _prompt(self, slot: Slot, prompt: int, positions: torch.Tensor, masked: bool,
-                by_head: bool, graphs: bool, stand_in: bool = False) -> torch.Tensor:
-        """Prefill. With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own
-        loop (attention over the prompt only, causal without a mask when unpadded), and its keys and values are
-        then copied into the static cache: padded to its bucket (captured when `graphs`, run as captured when
+    def _prompt(self, slot: Slot, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
+                form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor:
+        """Prefill, and the first token picked (params of `form`) into the slot's state; the prefill's scores.
+        With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own loop (attention
+        over the prompt only, causal without a mask when unpadded), and its keys and values are then copied into
+        the static cache: padded to its bucket (captured with the pick when `graphs`, run as captured when
         `stand_in`) where one holds it, else at its own length; other caches take the prompt directly."""
-        from transformers import DynamicCache
-
         pad = self._bucketed is not None and (graphs or not self.cuda_graphs)
         if pad and slot.uncapturable is None:
-            scores = self._bucketed.run(slot, prompt, positions, masked, by_head, graphs, stand_in)
+            scores = self._bucketed.run(slot, prompt, positions, masked, by_head, form, graphs, stand_in)
             if scores is not None:
                 return scores
+        logits = self._unpadded_prompt(slot, prompt, positions, masked, by_head)
+        st = slot.state
+        st["position_ids"].copy_(positions[:, -1:])
+        st["cache_position"].fill_(prompt - 1)
+        self._pick(logits, st, form, by_head)
+        return logits
+
+    def _unpadded_prompt(self, slot: Slot, prompt: int, positions: torch.Tensor, masked: bool,
+                         by_head: bool) -> torch.Tensor:
+        """The prompt at its own length (the prefill step, its length dynamic); its last position's scores."""
+        from transformers import DynamicCache
+
         st = slot.state
         tokens = st["seq"][:, :prompt]
         cache_position = torch.arange(prompt, device=tokens.device)
@@ -351,7 +359,9 @@ class DecodeLoop:
         are the prefill's, whose token is already picked."""
         st = slot.state
         batch, prompt = request.input_ids.shape
-        stopper = LateStop(request.input_ids.device, enabled=bool(request.eos) or bool(request.criteria))
+        # one token: nothing to stop (the flag of step 0 is never read), so no pinned flags are made
+        stopper = LateStop(request.input_ids.device, enabled=(bool(request.eos) or bool(request.criteria))
+                           and request.max_new_tokens > 1)
         graph, graph_logits = (self._graph(slot, form, masked, by_head) if graphs and request.max_new_tokens > 1
                                else (None, None))
         tried = slot.graphs.get((form, masked, by_head))  # (None, None) when its capture was refused

@@ -1,5 +1,8 @@
 """The prefill per prompt-length bucket: the prompt right-padded to the bucket, static-shaped, and on CUDA
-captured in a CUDA graph per (slot, bucket, left-padded or not), so replaying it costs no Python per layer.
+captured in a CUDA graph per (slot, bucket, left-padded or not, sampling params form), so replaying it costs no
+Python per layer. The graph ends with the first token's pick (the sampler, `steps.advance`, over the slot's state)
+after the prompt's keys and values are written into the slot's static cache: what follows the prefill's launch
+before the first token is a replay, nothing run from Python.
 
 Why padding leaves the result unchanged: attention is causal, so a real position never sees the padded ones
 after it; the logits come from the last real position (`logits_to_keep` as a one-element index tensor on the
@@ -21,7 +24,7 @@ The buckets and the default cap are `PREFILL_BUCKETS` and `PREFILL_CAPTURE_TOKEN
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +33,7 @@ from moefx.backends.capture_mode import as_captured
 from moefx.engine.graphs import Graphs
 from moefx.engine.steps import Steps
 from moefx.log import get_logger
+from moefx.sampling.sampler import SamplingParams
 
 log = get_logger("moefx.engine")
 
@@ -53,9 +57,8 @@ class _Bucketed:
     last: torch.Tensor  # [1]: the last real position
     length: torch.Tensor  # (): the real prompt length
     keep: torch.Tensor  # [min(bucket, cache length)] bool: written to the static cache
-    graph: Any = None
-    out: torch.Tensor | None = None
-    tried: bool = False  # capture attempted (a graph or the reason it has none)
+    # sampling params form -> (graph, its scores output) once its capture was tried; (None, None): refused
+    graphs: dict[SamplingParams, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
 
 
 class BucketedPrefill:
@@ -69,10 +72,11 @@ class BucketedPrefill:
         self._fn = steps.compile("prefill[padded]", steps.forward)
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
-            graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
+            form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
         """The first-token scores (logits, or tokens with `by_head`) of the padded prefill into `slot`'s static
-        cache, or None when no bucket holds this prompt. `stand_in`: run without a graph the kernels a captured
-        one would (capture_mode.py), unless this bucket's capture was refused."""
+        cache, the first token picked with params of `form` into the slot's state, or None when no bucket holds
+        this prompt. `stand_in`: run without a graph the kernels a captured one would (capture_mode.py), unless
+        this capture was refused."""
         bucket = pick_bucket(slot.batch, prompt, self.buckets, self.max_tokens)
         if bucket is None:
             return None
@@ -81,17 +85,17 @@ class BucketedPrefill:
         if run is None:
             run = slot.prefill[key] = _buffers(slot, bucket, masked)
         _fill(run, slot, prompt, positions, masked)
-        if graphs and not run.tried:
-            run.tried = True
-            self._capture(slot, run, key)
-        if graphs and run.graph is not None:
-            run.graph.replay()
-            return run.out
-        refused = run.tried and run.graph is None
+        if graphs and form not in run.graphs:
+            run.graphs[form] = self._capture(slot, run, key, form)
+        graph, out = run.graphs.get(form, (None, None))
+        if graphs and graph is not None:
+            graph.replay()
+            return out
+        refused = form in run.graphs and graph is None
         with as_captured(stand_in and not refused):
-            return self._call(slot, run, by_head)
+            return self._call(slot, run, by_head, form)
 
-    def _call(self, slot: Any, run: _Bucketed, by_head: bool) -> torch.Tensor:
+    def _call(self, slot: Any, run: _Bucketed, by_head: bool, form: SamplingParams) -> torch.Tensor:
         from transformers import DynamicCache
 
         prompt_cache = DynamicCache(config=self.steps.model.config)
@@ -106,23 +110,42 @@ class BucketedPrefill:
                                  (static.values[:, :, :n], dynamic.values[:, :, :n])):
                     torch.where(keep, new, old, out=old)
             torch._foreach_copy_([layer.cumulative_length for layer in layers], [run.length] * len(layers))
+        self._pick_first(slot, run, scores, by_head, form)
         return scores
 
-    def _capture(self, slot: Any, run: _Bucketed, key: tuple) -> None:
-        """Capture this prefill (`Graphs.capture`); a prefill that cannot be captured runs without a graph, with the
-        reason in the stats."""
+    def _pick_first(self, slot: Any, run: _Bucketed, scores: torch.Tensor, by_head: bool,
+                    form: SamplingParams) -> None:
+        """The first token: the state's positions set at the last real one, then the sampler picks and moves them
+        on (`steps.advance`)."""
+        st = slot.state
+        torch.index_select(run.positions, 1, run.last, out=st["position_ids"])
+        st["cache_position"].copy_(run.last)
+        self.steps.pick(scores, st, form, by_head)
+
+    def _capture(self, slot: Any, run: _Bucketed, key: tuple,
+                 form: SamplingParams) -> tuple[Any, torch.Tensor | None]:
+        """Capture this prefill and pick (`Graphs.capture`): (graph, its scores), or (None, None) for a prefill that
+        cannot be captured, which runs without a graph, with the reason in the stats. The warm-ups' picks change
+        the slot's state (a row that drew an EOS id counts as finished): it is put back before the capture."""
         bucket, masked, by_head = key
-        captured = self.graphs.capture("prefill", slot.state["seq"].device, lambda: self._call(slot, run, by_head),
-                                       keep=slot)
+        st = slot.state
+        saved = {name: value.clone() for name, value in st.items()}
+
+        def restore() -> None:
+            for name, value in saved.items():
+                st[name].copy_(value)
+
+        captured = self.graphs.capture("prefill", st["seq"].device, lambda: self._call(slot, run, by_head, form),
+                                       restore, keep=slot)
         if captured.graph is None:
             self.graphs.uncaptured(f"prefill bucket {bucket} for batch {slot.batch} runs without a CUDA graph: its "
                                    f"forward {captured.why}")
-            return
-        run.graph, run.out = captured.graph, captured.out
+            return None, None
         stats = self.graphs.stats
         stats.prefill_captures += 1
         stats.prefill_graph_bytes += captured.nbytes
         log.info("prefill captured for bucket %d, batch %d%s", bucket, slot.batch, " (left-padded)" if masked else "")
+        return captured.graph, captured.out
 
 
 def _buffers(slot: Any, bucket: int, masked: bool) -> _Bucketed:
