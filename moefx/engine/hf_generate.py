@@ -2,9 +2,11 @@
 with its stop flag read one step late. `model.generate` is wrapped once, by `install_generate` (or, for a model
 without the engine, by `enable_deferred_stop`).
 
-The engine front. `install_generate(model, engine)` wraps `model.generate`. Each call is read with transformers' own
-helpers (`_prepare_generation_config`, `_prepare_special_tokens`, `_get_logits_processor`), so defaults and the
-model's generation config apply as in the stock loop. A request runs on the engine when everything it asks
+The engine front. `install_generate(model, engine)` wraps `model.generate`. Each call form is read with transformers'
+own helpers (`_prepare_generation_config`, `_prepare_special_tokens`, `_get_logits_processor`), so defaults and the
+model's generation config apply as in the stock loop; what they answered is kept for repeated calls of that form
+while the model's configs stay unchanged (`SettingsMemo`: the read costs more host time than the rest of the first
+token's path). A request runs on the engine when everything it asks
 for is something the engine does: greedy, or sampling with temperature / top-k / top-p / min-p; EOS and pad
 ids; `max_new_tokens` / `max_length`; user stopping criteria (called each step with the tokens so far and
 the step's raw logits); a left-padded attention mask. Anything else — beam search, other logits
