@@ -15,14 +15,16 @@ def render_coldstart(r: dict[str, Any]) -> str:
         peer = next((x.get("first_call_s") for x in run["rows"] if x["arm"] == "hf_static"), None)
         for x in run["rows"]:
             first = x.get("first_call_s")
-            rows.append((run["layers"], run["batch"], f"`{x['arm']}`", num(first, 1), num(x.get("ready_s"), 1),
+            after = first - x["optimize_s"] if first is not None and x.get("optimize_s") is not None else None
+            rows.append((run["layers"], run["batch"], f"`{x['arm']}`", num(first, 1), num(after, 1),
+                         num(x.get("ready_s"), 1),
                          ratio(first, peer) if x["arm"] != "hf_static" and peer and first else "–",
                          f"{x.get('fxgraph_cache_miss', '–')} / {x.get('fxgraph_cache_hit', '–')}, "
                          f"{x.get('aot_autograd_cache_miss', '–')}",
                          _or_dash(x.get("moefx_triton_compiles")), _decode_captures(x),
                          {True: "yes", False: "**no**"}.get(x.get("same_tokens_as_cold"), "–"),
                          x.get("error") or ("in the saving process" if x.get("in_process") else "")))
-    body = table(["layers", "B", "arm", "first call s", "ready s", "× peer",
+    body = table(["layers", "B", "arm", "first call s", "of it after optimize s", "ready s", "× peer",
                   "compiles: inductor miss / hit, AOTAutograd miss",
                   "moefx Triton first-launch compiles", "decode capture s (first run, check run, capture)",
                   "tokens = cold", "notes"], rows)
@@ -33,7 +35,8 @@ def render_coldstart(r: dict[str, Any]) -> str:
              "saving process: transformers' compile ran before it where `hf_static` is marked so)\n"
              "- `moefx_warm`: a \"new machine\": the same with only the compile cache file `moefx_cold` wrote\n"
              "- `moefx_restart`: as `moefx_warm`, with the Triton cache `moefx_cold` left (a restart on the same "
-             "machine)\n\nFirst call = optimize + the first `generate()`; ready = from the process's start, less "
+             "machine)\n\nFirst call = optimize + the first `generate()` (after optimize: the first `generate()` "
+             "alone); ready = from the process's start, less "
              "transformers' run in the saving process. Compiles: inductor's FX graph cache misses and hits, and "
              "AOTAutograd's cache misses (the only count where a saved-trace compile bundles inductor's output). "
              "moefx Triton first-launch compiles: moefx's own kernels Triton compiled in the process (neither in "
