@@ -8,9 +8,9 @@ step on the H100 (docs/FINDINGS.md). This pass rewrites such a linear into the w
 weight block as it streams it and multiplies the float x, so no activation quant runs, and fuse_norm_linear can then
 put the layer's input norm (and a residual add) into the GEMV's prologue as it does for bf16.
 
-Not exact: Y = x @ dequant(W)^T in fp32, rounded once, where the W8A8 form first rounds x to e4m3 per group. The
-weight-only result is the closer one to the float linear (the activation rounding is gone); the change is a change
-of rounding that the fp32 scorer judges, and `pass_config.fp8_weight_only = False` keeps the W8A8 form.
+Not exact: Y = x @ dequant(W)^T in fp32, rounded once, where the W8A8 form rounds x to e4m3 per group before the
+product. The weight-only result is the closer one to the float linear (the activation rounding is gone); the change
+is a change of rounding that the fp32 scorer judges, and `pass_config.fp8_weight_only = False` keeps the W8A8 form.
 
 Matched: a `moefx::fp8_block_gemm` whose activation and scale are outputs 0 and 1 of one `moefx::quant` of a float
 x with an FP8 scheme (what Fp8BlockLinear writes), at a static M of at most the rows the dense kernel's CUDA-core
