@@ -364,7 +364,11 @@ def plan_launch(
     """Resolve the automatic fields of `cfg` for M=m, weights of ns rows each and K=k (FP8 when block_shape)."""
     bk = cfg.block_k or min(MAX_AUTO_BLOCK_K, triton.next_power_of_2(k))
     weight_bytes = 1 if block_shape is not None else 2  # the automatic rows count 2 bytes for every float dtype
-    bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // (bk * weight_bytes))
+    bm = cfg.block_m or min(triton.next_power_of_2(max(m, 1)), MAX_AUTO_BLOCK_M[cfg.dot])
+    # FP8 on the CUDA cores holds the [BLOCK_M, rows, K] product as quant-block partial sums: its automatic rows
+    # shrink with BLOCK_M, so a thread keeps AUTO_THREAD_BYTES of products, not BLOCK_M times that (spills at M=4)
+    per_row = bk * weight_bytes * (bm if block_shape is not None and not cfg.dot else 1)
+    bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // per_row)
     _pow2(bn, "block_n")
     _pow2(bk, "block_k", 16)
     if block_shape is not None:
@@ -375,7 +379,6 @@ def plan_launch(
     if cfg.dot:
         bn = max(bn, 16)
     bk = min(bk, max(16, triton.next_power_of_2(k)))
-    bm = cfg.block_m or min(triton.next_power_of_2(max(m, 1)), MAX_AUTO_BLOCK_M[cfg.dot])
     if cfg.dot:
         bm = max(bm, 16)
     _pow2(bm, "block_m")
