@@ -342,6 +342,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no timing)")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     ap.add_argument("--sweep-budget", type=float, default=60.0)
+    ap.add_argument("--fp8-forms", action="store_true", help="time only the FP8 decode forms (after every check)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
@@ -381,7 +382,7 @@ def main() -> None:
         write_json("dense_sweep.json", result)
         return
     result["rows"] = []
-    for name, fp8 in kinds:
+    for name, fp8 in ([] if args.fp8_forms else kinds):
         ns, k, _ = shapes[name]
         prob = Problem(ns, k, fp8, dev, gen, sets=1)
         prob = Problem(ns, k, fp8, dev, gen, sets=rotation(prob.weight_bytes()))
@@ -392,7 +393,7 @@ def main() -> None:
             print(f"{name:6} {r['kind']:4} M={m:3d} floor {r['floor_us']:6.2f} gemv {r['gemv']:7.2f} "
                   f"cuBLAS {r['upstream']:7.2f} us", flush=True)
     result["forms"] = []
-    for name, (shape, _, _) in FORMS.items():
+    for name, (shape, _, _) in ({} if args.fp8_forms else FORMS).items():
         ns, k, _ = shapes[shape]
         prob = Problem(ns, k, False, dev, gen, sets=1)
         form = Form(name, Problem(ns, k, False, dev, gen, sets=rotation(prob.weight_bytes())), gen, quick)
