@@ -8,12 +8,15 @@ Float form: x [..., K] and weights [N_i, K] in one dtype (bf16/fp16/fp32), outpu
 empty. FP8 form (weight_scales given): the `moefx::fp8_block_gemm` contract for each weight: x float8_e4m3fn
 [..., K] with per-token-group scales x_scale [..., ceil(K/bk)], weights float8_e4m3fn with `weight_scale_inv`
 [ceil(N_i/bn), ceil(K/bk)], block_shape [bn, bk], outputs in out_dtype. The activation quant stays a separate
-`moefx::quant` op in front, so fuse_act_quant / fuse_norm_quant still fold it into its producer.
+`moefx::quant` op in front, so fuse_act_quant / fuse_norm_quant still fold it into its producer. FP8 weight-only
+form (weight_scales given, x_scale None): x float, the same FP8 weights and scales, outputs in out_dtype or x's
+dtype, y = x @ dequant(W)^T in fp32 rounded once (what fp8_weight_only writes at decode M: no activation quant).
 
 Backends, chosen per call by M (rows of x) through the dense policy (dense_policy.py; `backend` is "auto",
 "gemv" or "upstream"):
 - `upstream`: each linear as the unfused graph computes it (`F.linear`, or `moefx::fp8_block_gemm` for FP8):
-  bit for bit the computation the passes replaced. Every call the policy has no row for runs this.
+  bit for bit the computation the passes replaced; the weight-only form, which no unfused op computes, as the
+  reference below does (weights dequantized in fp32). Every call the policy has no row for runs this.
 - `gemv`: on CUDA the Triton kernel (kernels/dense_gemm.py: one launch for up to four weights, bandwidth-bound
   at M = 1..16); on CPU the same math in PyTorch (fp32 accumulation, one rounding per output), which is also the
   reference the kernel is tested against.
@@ -21,9 +24,10 @@ The choice depends on shapes only, and a call inside CUDA-graph capture uses the
 syncs the host or allocates by data. Autograd: the float form differentiates as separate linears.
 
     moefx::rms_norm_dense_linear(Tensor x, Tensor? norm_weight, float norm_eps, Tensor[] weights, Tensor?[] biases,
-                                 str backend) -> Tensor[]
+                                 str backend, Tensor[] weight_scales, SymInt[]? block_shape) -> Tensor[]
 
-returns [rms_norm(x) @ w_i^T + b_i] (float form only), rms_norm as transformers' Qwen3/Llama RMSNorm computes it:
+returns [rms_norm(x) @ w_i^T + b_i] (float x: the float form, or with weight_scales and block_shape the FP8
+weight-only form), rms_norm as transformers' Qwen3/Llama RMSNorm computes it:
 n = (x32 * rsqrt(mean(x32^2, -1) + norm_eps)).to(x.dtype) with x32 = x in fp32, then norm_weight * n in x's dtype
 (norm_weight [K] in x's dtype, or None: no weight). What fuse_norm_linear writes for a decoder layer's input norm
 and its q/k/v call, so the norm runs in the GEMV kernel's prologue instead of a kernel of its own. The backend is
@@ -32,7 +36,8 @@ CPU, upstream) the norm runs as the same torch ops as transformers' and then tha
 is bit for bit the unfused graph. Inference only: no autograd formula (backward through it raises).
 
     moefx::add_rms_norm_dense_linear(Tensor x, Tensor residual, Tensor? norm_weight, float norm_eps, Tensor[] weights,
-                                     Tensor?[] biases, str backend) -> Tensor[]
+                                     Tensor?[] biases, str backend, Tensor[] weight_scales, SymInt[]? block_shape)
+                                     -> Tensor[]
 
 the same with the norm's input a residual add, h = residual + x in x's dtype: returns [rms_norm(h) @ w_i^T + b_i
 for each weight] followed by h and rms_norm(h) (residual the shape and dtype of x). What fuse_norm_linear writes for

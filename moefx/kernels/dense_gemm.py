@@ -15,19 +15,23 @@ to the tile's counter (acq_rel, GPU scope); the slice that arrives last sums the
 the bias, writes Y once and resets the counter to zero. One launch, deterministic, and capturable: the counters
 live in a per-device buffer that every tile leaves at zero, allocated outside CUDA-graph capture (a call being
 captured before the buffer exists runs SPLIT_K = 1).
-FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block, e4m3 activations with per-token-
-group scales, the `moefx::fp8_block_gemm` contract): a program's rows lie inside one SBN row block, so the weight
-scale and the activation scale multiply the activations K-wise (DOT=False) or each per-K-block dot (DOT=True,
-BLOCK_K <= SBK); accumulation stays fp32 and Y is rounded once, as `ref_fp8_block_gemm` does.
-NORM (float form only, `moefx::rms_norm_dense_linear`): X is the RMSNorm's input, so the norm costs no kernel of its
-own. A program needs the variance of its whole rows though it may own one K slice, so it first reads its rows over
-all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so they are in flight together) for
-rstd = rsqrt(mean(x^2) + eps) in fp32; each X chunk is then replaced by (x * rstd) rounded to X's dtype, times the
-norm weight and rounded again when there is one (transformers' Qwen3/Llama RMSNorm: the weight applied after the
-downcast), before the product. RESID (with NORM, `moefx::add_rms_norm_dense_linear`): the norm's input is a residual
-add, X + R rounded to X's dtype, computed where X is read; the programs of the first N tile write the sum (the
-layer's next residual) and the normed rows (the experts' input) over their K slices, so a decoder layer's
-post-attention add and norm cost no kernel of their own either.
+FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block), in two forms: W8A8 (XQ: e4m3
+activations with per-token-group scales, the `moefx::fp8_block_gemm` contract) and weight-only (float X, no x_scale).
+A program's rows lie inside one SBN row block. DOT=False loads its weight tile as [BLOCK_N, BLOCK_K // SUB_K, SUB_K]
+(SUB_K = min(BLOCK_K, SBK): one quant block per middle index), converts each weight once to fp32, sums the products
+within each quant block, and multiplies those partial sums by the block's weight scale (times the row's activation
+scale, W8A8): a few scale loads per step instead of one per X element. DOT=True (BLOCK_K <= SBK) scales each
+per-K-block dot; the weight-only form converts the weights to X's dtype first (exact). Accumulation stays fp32 and Y
+is rounded once, as `ref_fp8_block_gemm` / `ref_fp8_weight_only` do.
+NORM (float X: the float or the FP8 weight-only form, `moefx::rms_norm_dense_linear`): X is the RMSNorm's input, so
+the norm costs no kernel of its own. A program needs the variance of its whole rows though it may own one K slice,
+so it first reads its rows over all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so
+they are in flight together) for rstd = rsqrt(mean(x^2) + eps) in fp32; each X chunk is then replaced by (x * rstd)
+rounded to X's dtype, times the norm weight and rounded again when there is one (transformers' Qwen3/Llama RMSNorm:
+the weight applied after the downcast), before the product. RESID (with NORM, `moefx::add_rms_norm_dense_linear`):
+the norm's input is a residual add, X + R rounded to X's dtype, computed where X is read; the programs of the first
+N tile write the sum (the layer's next residual) and the normed rows (the experts' input) over their K slices, so a
+decoder layer's post-attention add and norm cost no kernel of their own either.
 Launch contract (the dense op relies on it): fixed-shape work only, no host sync; buffers are sized from shapes.
 PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads,
 then lets its own dependent launch.
