@@ -19,6 +19,12 @@ each as the gemv kernel's one launch against the same op's upstream path (torch'
 `moefx::fused_topk`) and next to the plain GEMV (`plain`: the prologue's and the routing's cost is the difference).
 Checked first: the linears and the normed rows within the bf16 bound of the upstream path, the sum equal to it, the
 routed ids equal to fused_topk's of the kernel's own logits.
+FP8 decode forms (`FP8_FORMS`, M = 1, 2, 4: the rows fp8_weight_only takes): q/k/v with the input norm and o_proj,
+three arms in one process: `bf16` (the gemv kernel on bf16 weights, the norm in its prologue), `w8a8` (the
+activation quant kernel, moefx::rms_norm_quant or moefx::quant, then the W8A8 gemv: what the FP8 step ran before the
+pass) and `weight_only` (the FP8 weight-only gemv reading the bf16 input, the norm in its prologue), each next to its
+bytes floor (bf16 / FP8 weights and scales, x, outputs). Checked first: weight_only within the bf16 bound of the float
+reference (dequantized weights, fp32 matmul, one rounding).
 `--quick` (or no GPU): tiny shapes on the CPU under TRITON_INTERPRET=1, set here (correctness only). Table last;
 JSON to $OUT/dense.json.
 """
@@ -43,7 +49,7 @@ from bench.harness import copy_ceiling_Bps, relerr, time_graph, write_json
 from moefx.backends import dense as D
 from moefx.backends import router as _router  # noqa: F401  (registers moefx::add_rms_norm_route)
 from moefx.kernels import dense_gemm as K
-from moefx.ops.quant import QuantScheme, quant_weight_fp8_block
+from moefx.ops.quant import QuantScheme, quant_weight_fp8_block, ref_rms_norm
 
 MS = (1, 2, 4, 8, 16, 32, 64)
 REPS = 10  # graph replays per timing trial
@@ -57,6 +63,7 @@ QUICK_SHAPES = {"qkv": ((48, 16, 16), 64, True), "o": ((32,), 96, True), "router
 FORMS = {"qkv+norm": ("qkv", False, False), "router+add+norm": ("router", True, False),
          "router+add+norm+route": ("router", True, True)}
 FORM_MS = (1, 2, 4)
+FP8_FORMS = {"qkv+norm": ("qkv", True), "o": ("o", False)}  # name -> (shape, input norm in the prologue)
 ROUTE = (8, "softmax", True, None, 1, 1, 1.0, None)
 QUICK_ROUTE = (3, "softmax", True, None, 1, 1, 1.0, None)
 BLOCK = (128, 128)
@@ -149,6 +156,9 @@ def check(dev: str, shapes: dict, gen: torch.Generator, quick: bool) -> list[dic
         ns, k, _ = shapes[shape]
         form = Form(name, Problem(ns, k, False, dev, gen), gen, quick)
         rows += [form.check(m, gen) for m in FORM_MS]
+    for name in FP8_FORMS:
+        fp8_form = Fp8Form(name, shapes, gen, dev)
+        rows += [fp8_form.check(m, gen) for m in FORM_MS]
     if dev == "cuda":
         for fp8 in (False, True):
             prob = Problem(SHAPES["qkv"][0], SHAPES["qkv"][1], fp8, dev, gen)
@@ -219,6 +229,57 @@ class Form:
         return dict(form=self.name, M=m, **row)
 
 
+class Fp8Form:
+    """One FP8 decode form: the same shape in bf16, W8A8 (activation quant kernel + gemv) and FP8 weight-only."""
+
+    def __init__(self, name: str, shapes: dict, gen: torch.Generator, dev: str, sets: int = 1):
+        shape, self.norm = FP8_FORMS[name]
+        ns, k, _ = shapes[shape]
+        self.name, self.k = name, k
+        self.bf16 = Problem(ns, k, False, dev, gen, sets)
+        self.fp8 = Problem(ns, k, True, dev, gen, sets)
+        self.norm_w = torch.randn(k, device=dev, generator=gen, dtype=self.fp8.dtype) * 0.1 + 1
+        self.scheme = QuantScheme("fp8_group", BLOCK[1]).args()
+
+    def call(self, arm: str, x: torch.Tensor, i: int = 0) -> list[torch.Tensor]:
+        nk = dict(norm_weight=self.norm_w, norm_eps=1e-6) if self.norm else {}
+        if arm == "bf16":
+            ws, bs, _ = self.bf16.sets[i]
+            if self.norm:
+                return D.rms_norm_dense_linear(x, self.norm_w, 1e-6, ws, bs, backend="gemv")
+            return D.dense_linear(x, ws, bs, backend="gemv")
+        ws, bs, scales = self.fp8.sets[i]
+        if arm == "w8a8":
+            q, s = torch.ops.moefx.rms_norm_quant(x, self.norm_w, 1e-6, False, *self.scheme) if self.norm else \
+                torch.ops.moefx.quant(x, *self.scheme)
+            return D.dense_linear(q, ws, bs, x_scale=s, weight_scales=scales, block_shape=BLOCK, out_dtype=x.dtype,
+                                  backend="gemv")
+        if not x.is_cuda:  # the CPU smoke run checks the kernel (interpreter), not the op
+            return K.dense_gemv(x, ws, bs, None, scales, BLOCK, None, **nk)
+        if self.norm:
+            return D.rms_norm_dense_linear(x, self.norm_w, 1e-6, ws, bs, backend="gemv", weight_scales=scales,
+                                           block_shape=BLOCK)
+        return D.dense_linear(x, ws, bs, weight_scales=scales, block_shape=BLOCK, backend="gemv")
+
+    def check(self, m: int, gen: torch.Generator) -> dict:
+        x = torch.randn(m, self.k, device=self.fp8.dev, generator=gen, dtype=self.fp8.dtype)
+        ws, bs, scales = self.fp8.sets[0]
+        xin = ref_rms_norm(x, self.norm_w, 1e-6, False) if self.norm else x
+        want = [D.ref_fp8_weight_only(xin.float(), w, s, *BLOCK, b, torch.float32) for w, s, b in zip(ws, scales, bs)]
+        err = max(relerr(a, b) for a, b in zip(self.call("weight_only", x), want))
+        return dict(shape=f"fp8 {self.name} weight_only", M=m, relerr=err, bound=BOUND_BF16, ok=err < BOUND_BF16)
+
+    def measure(self, m: int, gen: torch.Generator, copy_bps: float) -> dict:
+        n = len(self.fp8.sets)
+        xs = [torch.randn(m, self.k, device=self.fp8.dev, generator=gen, dtype=self.fp8.dtype) for _ in range(n)]
+        row = {arm: time_graph(lambda arm=arm: [self.call(arm, xs[i], i) for i in range(n)], reps=REPS) / n
+               for arm in ("bf16", "w8a8", "weight_only")}
+        io = m * self.k * 2 + m * sum(self.fp8.ns) * 2 + (self.k * 2 if self.norm else 0)
+        row["floor_bf16"] = (self.bf16.weight_bytes() + io) / copy_bps * 1e6
+        row["floor_fp8"] = (self.fp8.weight_bytes() + io) / copy_bps * 1e6
+        return dict(form=self.name, M=m, **row)
+
+
 def rotation(bytes_per_set: int) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     return max(2, min(256, -(-3 * l2 // bytes_per_set)))
@@ -281,6 +342,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no timing)")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     ap.add_argument("--sweep-budget", type=float, default=60.0)
+    ap.add_argument("--fp8-forms", action="store_true", help="time only the FP8 decode forms (after every check)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
@@ -320,7 +382,7 @@ def main() -> None:
         write_json("dense_sweep.json", result)
         return
     result["rows"] = []
-    for name, fp8 in kinds:
+    for name, fp8 in ([] if args.fp8_forms else kinds):
         ns, k, _ = shapes[name]
         prob = Problem(ns, k, fp8, dev, gen, sets=1)
         prob = Problem(ns, k, fp8, dev, gen, sets=rotation(prob.weight_bytes()))
@@ -331,7 +393,7 @@ def main() -> None:
             print(f"{name:6} {r['kind']:4} M={m:3d} floor {r['floor_us']:6.2f} gemv {r['gemv']:7.2f} "
                   f"cuBLAS {r['upstream']:7.2f} us", flush=True)
     result["forms"] = []
-    for name, (shape, _, _) in FORMS.items():
+    for name, (shape, _, _) in ({} if args.fp8_forms else FORMS).items():
         ns, k, _ = shapes[shape]
         prob = Problem(ns, k, False, dev, gen, sets=1)
         form = Form(name, Problem(ns, k, False, dev, gen, sets=rotation(prob.weight_bytes())), gen, quick)
@@ -340,6 +402,15 @@ def main() -> None:
             result["forms"].append(r)
             print(f"{name:22} M={m} gemv {r['gemv']:6.2f} upstream {r['upstream']:6.2f} plain {r['plain']:6.2f} us",
                   flush=True)
+    result["fp8_forms"] = []
+    for name in FP8_FORMS:
+        one = Fp8Form(name, shapes, gen, dev)
+        fp8_form = Fp8Form(name, shapes, gen, dev, sets=rotation(one.bf16.weight_bytes()))
+        for m in FORM_MS:
+            r = fp8_form.measure(m, gen, copy_bps)
+            result["fp8_forms"].append(r)
+            print(f"fp8 {name:10} M={m} bf16 {r['bf16']:6.2f} w8a8 {r['w8a8']:6.2f} weight_only "
+                  f"{r['weight_only']:6.2f} us", flush=True)
     result["elapsed_s"] = time.time() - t0
     write_json("dense.json", result)
     print_table(result)
@@ -357,6 +428,14 @@ def print_table(result: dict) -> None:
           "without the prologue and the routing)")
     for r in result.get("forms", []):
         print(f"{r['form']:22} M={r['M']} gemv {r['gemv']:6.2f} upstream {r['upstream']:6.2f} plain {r['plain']:6.2f}")
+    print("\nFP8 decode forms (µs per call; w8a8 = the activation quant kernel + the W8A8 gemv; weight_only = the FP8 "
+          "gemv on the bf16 input; floors = weights + scales + x + outputs at the copy rate)")
+    print(f"{'form':10} {'M':>2} {'bf16':>7} {'floor':>7} {'w8a8':>7} {'wo':>7} {'floor8':>7} {'wo/floor8':>9} "
+          f"{'w8a8/wo':>7} {'bf16/wo':>7}")
+    for r in result.get("fp8_forms", []):
+        print(f"{r['form']:10} {r['M']:2d} {r['bf16']:7.2f} {r['floor_bf16']:7.2f} {r['w8a8']:7.2f} "
+              f"{r['weight_only']:7.2f} {r['floor_fp8']:7.2f} {r['weight_only'] / r['floor_fp8']:9.2f} "
+              f"{r['w8a8'] / r['weight_only']:7.2f} {r['bf16'] / r['weight_only']:7.2f}")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,8 @@ STAGES: tuple[Stage, ...] = (
           keeps=("moe-bounds-probe_read.json", "moe-bounds-probe_ceilings.json")),
     Stage("dense", 180, "python3 bench/dense.py --ms 1,2,4,8,16,32,64",
           "dense-linear gemv vs cuBLAS, the floors and the decode-layer forms", section="dense", keeps=("dense.json",)),
+    Stage("dense-fp8", 150, "python3 bench/dense.py --fp8-forms",
+          "FP8 decode forms: bf16 vs W8A8 (+ its activation quant) vs FP8 weight-only at M = 1, 2, 4, with floors"),
     Stage("dense-sweep", 240, "python3 bench/dense.py --sweep --sweep-budget 180", "dense-linear tile sweep"),
     Stage("moe-sweep-wide", 280, 'python3 bench/moe.py --sweep-only --sweep-budget 230 '
           '--sweep-ms "grouped=16,256,1024,4096;gemv=1,4"', "MoE tile sweep, every kind and M"),

@@ -146,13 +146,16 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     """The dense kernel's resources at one DEFAULT_TILES row, launched as dense_gemv would for q/k/v (N 4096/512/512,
     K = H) at M = min(max_m, 16) on 132 SMs (bf16 activations and outputs, fp32 scales and split-K partials); the
     float rows also with the RMSNorm prologue and its weight ("norm_kernel": q/k/v after fuse_norm_linear) and with the
-    residual add before it ("add_norm_kernel": the router after fuse_norm_linear's add form)."""
-    fp8 = kind == "fp8"
+    residual add before it ("add_norm_kernel": the router after fuse_norm_linear's add form); the FP8 weight-only rows
+    (bf16 X, no x_scale) with both prologues too."""
+    fp8, wo = kind in ("fp8", "fp8_weight_only"), kind == "fp8_weight_only"
     m = int(min(max_m, 16))
     ns = (4096, 512, 512)
     lp = dense.plan_launch(cfg, m, ns, H, BLOCK_SHAPE if fp8 else None, 132)
     w, split = ("*fp8e4nv" if fp8 else "*bf16"), lp.split_k > 1
-    types = dict(x_ptr=w, xs_ptr="*fp32" if fp8 else "*bf16", nw_ptr=w, r_ptr=w, h_ptr=w, xo_ptr=w, eps="fp32",
+    x = "*fp8e4nv" if fp8 and not wo else "*bf16"
+    types = dict(x_ptr=x, xs_ptr="*fp32" if fp8 and not wo else "*bf16", nw_ptr=x, r_ptr=x, h_ptr=x, xo_ptr=x,
+                 eps="fp32",
                  rb_ptr="*bf16", rw_ptr="*bf16", ri_ptr="*i64", scaling="fp32",
                  part_ptr="*fp32" if split else "*bf16", cnt_ptr="*i32" if split else "*bf16")
     for i in range(dense.MAX_WEIGHTS):
@@ -160,6 +163,7 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     starts = [0, lp.tiles[0], lp.tiles[0] + lp.tiles[1], sum(lp.tiles)]
     consts = dict(N0=ns[0], N1=ns[1], N2=ns[2], N3=1, T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=3,
                   HB0=False, HB1=False, HB2=False, HB3=False, K=H, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=fp8,
+                  XQ=fp8 and not wo, SUB_K=min(lp.block_k, BLOCK_SHAPE[1]) if fp8 else 1,
                   SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, NORM=False, HAS_NORM_W=False,
                   NORM_BLOCK=1, RESID=False, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
@@ -170,12 +174,13 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     # as a decode step launches it: in the PDL chain (kernels/pdl.py)
     chain = dict(PDL=True)
     row["pdl_kernel"] = _compile(dense._dense_kernel, types, consts | chain, cfg.num_warps, cfg.num_stages, divisible)
-    if not fp8:
+    if wo or not fp8:
         norm = dict(NORM=True, HAS_NORM_W=True, NORM_BLOCK=dense.norm_block(lp, H, cfg.dot))
         row["norm_kernel"] = _compile(dense._dense_kernel, types, consts | norm, cfg.num_warps, cfg.num_stages,
                                       divisible)
         row["add_norm_kernel"] = _compile(dense._dense_kernel, types, consts | norm | {"RESID": True},
                                           cfg.num_warps, cfg.num_stages, divisible)
+    if not fp8:
         # the router (128 experts, top-8 softmax) with its routing epilogue, as fuse_router_topk leaves it
         rp = dense.plan_launch(cfg, m, (128,), H, None, 132)
         router = dict(N0=128, T1=rp.tiles[0], T2=rp.tiles[0], T3=rp.tiles[0], NUM_W=1, N_TOTAL=128,

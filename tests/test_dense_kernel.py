@@ -129,10 +129,10 @@ def test_default_tiles_compile_for_sm90():
     assert len(rows) == sum(len(v) for v in K.DEFAULT_TILES.values())
     assert all(0 < r["kernel"]["smem"] <= 227 * 1024 and r["kernel"]["spill"] == 0 for r in rows), rows
     # the float rows with the RMSNorm prologue, with and without the residual add before it, and the router with both
-    # and its routing epilogue
+    # and its routing epilogue; the FP8 weight-only rows with both prologues
     norm = [r[key] for r in rows for key in ("norm_kernel", "add_norm_kernel", "route_kernel") if key in r]
-    assert len(norm) == 3 * len(K.DEFAULT_TILES["bf16"]) and all(0 < k["smem"] <= 227 * 1024 and k["spill"] == 0
-                                                                 for k in norm), rows
+    assert len(norm) == 3 * len(K.DEFAULT_TILES["bf16"]) + 2 * len(K.DEFAULT_TILES["fp8_weight_only"])
+    assert all(0 < k["smem"] <= 227 * 1024 and k["spill"] == 0 for k in norm), rows
 
 
 # --------------------------------------------------------------------------------------------------------- GPU

@@ -136,7 +136,7 @@ def test_norm_prologue_arguments_are_checked():
     x, nw, ws, bs = _case(2, (8,), 64, torch.float32, "cpu")
     with pytest.raises(ValueError, match="norm_weight needs norm_eps"):
         K.dense_gemv(x, ws, bs, norm_weight=nw)
-    with pytest.raises(ValueError, match="float form only"):
+    with pytest.raises(ValueError, match="not an FP8 X with x_scale"):
         K.dense_gemv(x, ws, bs, x, [ws[0]], (32, 32), torch.float32, norm_eps=EPS)
     with pytest.raises(ValueError, match="residual must come with norm_eps"):
         K.dense_gemv(x, ws, bs, residual=x)

@@ -8,12 +8,15 @@ Float form: x [..., K] and weights [N_i, K] in one dtype (bf16/fp16/fp32), outpu
 empty. FP8 form (weight_scales given): the `moefx::fp8_block_gemm` contract for each weight: x float8_e4m3fn
 [..., K] with per-token-group scales x_scale [..., ceil(K/bk)], weights float8_e4m3fn with `weight_scale_inv`
 [ceil(N_i/bn), ceil(K/bk)], block_shape [bn, bk], outputs in out_dtype. The activation quant stays a separate
-`moefx::quant` op in front, so fuse_act_quant / fuse_norm_quant still fold it into its producer.
+`moefx::quant` op in front, so fuse_act_quant / fuse_norm_quant still fold it into its producer. FP8 weight-only
+form (weight_scales given, x_scale None): x float, the same FP8 weights and scales, outputs in out_dtype or x's
+dtype, y = x @ dequant(W)^T in fp32 rounded once (what fp8_weight_only writes at decode M: no activation quant).
 
 Backends, chosen per call by M (rows of x) through the dense policy (dense_policy.py; `backend` is "auto",
 "gemv" or "upstream"):
 - `upstream`: each linear as the unfused graph computes it (`F.linear`, or `moefx::fp8_block_gemm` for FP8):
-  bit for bit the computation the passes replaced. Every call the policy has no row for runs this.
+  bit for bit the computation the passes replaced; the weight-only form, which no unfused op computes, as the
+  reference below does (weights dequantized in fp32). Every call the policy has no row for runs this.
 - `gemv`: on CUDA the Triton kernel (kernels/dense_gemm.py: one launch for up to four weights, bandwidth-bound
   at M = 1..16); on CPU the same math in PyTorch (fp32 accumulation, one rounding per output), which is also the
   reference the kernel is tested against.
@@ -21,9 +24,10 @@ The choice depends on shapes only, and a call inside CUDA-graph capture uses the
 syncs the host or allocates by data. Autograd: the float form differentiates as separate linears.
 
     moefx::rms_norm_dense_linear(Tensor x, Tensor? norm_weight, float norm_eps, Tensor[] weights, Tensor?[] biases,
-                                 str backend) -> Tensor[]
+                                 str backend, Tensor[] weight_scales, SymInt[]? block_shape) -> Tensor[]
 
-returns [rms_norm(x) @ w_i^T + b_i] (float form only), rms_norm as transformers' Qwen3/Llama RMSNorm computes it:
+returns [rms_norm(x) @ w_i^T + b_i] (float x: the float form, or with weight_scales and block_shape the FP8
+weight-only form), rms_norm as transformers' Qwen3/Llama RMSNorm computes it:
 n = (x32 * rsqrt(mean(x32^2, -1) + norm_eps)).to(x.dtype) with x32 = x in fp32, then norm_weight * n in x's dtype
 (norm_weight [K] in x's dtype, or None: no weight). What fuse_norm_linear writes for a decoder layer's input norm
 and its q/k/v call, so the norm runs in the GEMV kernel's prologue instead of a kernel of its own. The backend is
@@ -32,7 +36,8 @@ CPU, upstream) the norm runs as the same torch ops as transformers' and then tha
 is bit for bit the unfused graph. Inference only: no autograd formula (backward through it raises).
 
     moefx::add_rms_norm_dense_linear(Tensor x, Tensor residual, Tensor? norm_weight, float norm_eps, Tensor[] weights,
-                                     Tensor?[] biases, str backend) -> Tensor[]
+                                     Tensor?[] biases, str backend, Tensor[] weight_scales, SymInt[]? block_shape)
+                                     -> Tensor[]
 
 the same with the norm's input a residual add, h = residual + x in x's dtype: returns [rms_norm(h) @ w_i^T + b_i
 for each weight] followed by h and rms_norm(h) (residual the shape and dtype of x). What fuse_norm_linear writes for
@@ -100,27 +105,35 @@ def check_args(
         if out_dtype is not None and out_dtype != x.dtype:
             raise ValueError(f"{op} float form writes x's dtype {x.dtype}; out_dtype={out_dtype} is invalid")
         return
-    if len(weight_scales) != len(weights) or x_scale is None or block_shape is None or len(block_shape) != 2:
-        raise ValueError(f"{op} FP8 form needs x_scale, one weight scale per weight and block_shape [bn, bk]")
-    if x.dtype != FP8 or any(w.dtype != FP8 for w in weights):
-        raise ValueError(f"{op} FP8 form needs float8_e4m3fn x and weights; got x {x.dtype}, weights "
-                         f"{sorted({str(w.dtype) for w in weights})}")
+    if len(weight_scales) != len(weights) or block_shape is None or len(block_shape) != 2:
+        raise ValueError(f"{op} FP8 form needs one weight scale per weight and block_shape [bn, bk]")
+    if any(w.dtype != FP8 for w in weights):
+        raise ValueError(f"{op} FP8 form needs float8_e4m3fn weights; got {sorted({str(w.dtype) for w in weights})}")
+    if x_scale is None and x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op} FP8 weight-only form (no x_scale) needs x in one of {list(FLOAT_DTYPES)}; got "
+                         f"{x.dtype}")
+    if x_scale is not None and x.dtype != FP8:
+        raise ValueError(f"{op} FP8 form with x_scale needs a float8_e4m3fn x; got {x.dtype}")
     bn, bk = (int(v) for v in block_shape)
     kb = -(-k // bk)
-    if tuple(x_scale.shape) != (*x.shape[:-1], kb):
+    if x_scale is not None and tuple(x_scale.shape) != (*x.shape[:-1], kb):
         raise ValueError(f"{op} x_scale shape {tuple(x_scale.shape)} must be {(*x.shape[:-1], kb)}")
     for i, (w, s) in enumerate(zip(weights, weight_scales)):
         if tuple(s.shape) != (-(-w.shape[0] // bn), kb):
             raise ValueError(f"{op} weight scale {i} has shape {tuple(s.shape)}; expected "
                              f"{(-(-w.shape[0] // bn), kb)}")
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{op} FP8 form out_dtype={out_dtype} is invalid; valid: {list(FLOAT_DTYPES)}")
+    if out_dtype not in FLOAT_DTYPES and (x_scale is not None or out_dtype is not None):
+        raise ValueError(f"{op} FP8 form out_dtype={out_dtype} is invalid; valid: {list(FLOAT_DTYPES)}"
+                         f"{'' if x_scale is not None else ' or None (x dtype)'}")
 
 
 def upstream(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
-    """The linears one by one, as the unfused graph runs them."""
+    """The linears one by one, as the unfused graph runs them; the FP8 weight-only form, which no unfused op
+    computes, as `reference` does (each weight dequantized in fp32)."""
     if not weight_scales:
         return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    if x_scale is None:
+        return reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
     bn, bk = (int(v) for v in block_shape)
     return [torch.ops.moefx.fp8_block_gemm(x, x_scale, w, s, bn, bk, b, out_dtype)
             for w, s, b in zip(weights, weight_scales, biases)]
@@ -128,7 +141,12 @@ def upstream(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype)
 
 def reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype) -> list[torch.Tensor]:
     """fp32 products and sums, bias added in fp32, one rounding per output: what the gemv kernel computes
-    (up to summation order). The CPU path of `gemv`, and the oracle its tests use."""
+    (up to summation order). The CPU path of `gemv`, and the oracle its tests use. FP8 weight-only (no x_scale):
+    x in fp32 times each weight dequantized in fp32 (weight * its block's scale), rounded to out_dtype or x's."""
+    if weight_scales and x_scale is None:
+        bn, bk = (int(v) for v in block_shape)
+        return [ref_fp8_weight_only(x, w, s, bn, bk, b, out_dtype or x.dtype)
+                for w, s, b in zip(weights, weight_scales, biases)]
     if weight_scales:
         bn, bk = (int(v) for v in block_shape)
         return [ref_fp8_block_gemm(x, x_scale, w, s, bn, bk, b, out_dtype)
@@ -139,6 +157,16 @@ def reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype
         y = x32 @ w.float().t()
         outs.append((y if b is None else y + b.float()).to(x.dtype))
     return outs
+
+
+def ref_fp8_weight_only(x, w, w_scale, block_n, block_k, bias, out_dtype) -> torch.Tensor:
+    """x @ dequant(w)^T (+ bias) in fp32, one rounding to out_dtype: the FP8 weight-only linear's oracle."""
+    n, k = w.shape
+    s = w_scale.float().repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+    out = x.float() @ (w.float() * s).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 def gemv_unsupported_reason(x: torch.Tensor, weights: Sequence[torch.Tensor], weight_scales: Sequence[torch.Tensor],
@@ -227,7 +255,7 @@ def _decide(x, weights, weight_scales, block_shape, out_dtype, backend, capturin
     """(backend name, the warning that says why it is upstream or None) for one key."""
     mode = "capture" if capturing else "eager"
     m = x.numel() // max(x.shape[-1], 1)
-    dtype = out_dtype if weight_scales else x.dtype
+    dtype = (out_dtype or x.dtype) if weight_scales else x.dtype
     quant = tuple(block_shape) if weight_scales else None
     key = dense_key(x.device, [w.shape[0] for w in weights], x.shape[-1], dtype, quant, mode)
     name, source = requested(m, backend, key)
@@ -272,7 +300,7 @@ def _dense_linear_op(
 @_dense_linear_op.register_fake
 def _(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, backend):
     check_args(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype, backend)
-    dtype = out_dtype if weight_scales else x.dtype
+    dtype = (out_dtype or x.dtype) if weight_scales else x.dtype
     return [x.new_empty((*x.shape[:-1], w.shape[0]), dtype=dtype) for w in weights]
 
 
@@ -341,10 +369,12 @@ def check_norm_args(
     biases: Sequence[torch.Tensor | None],
     backend: str,
     op: str = "rms_norm_dense_linear",
+    weight_scales: Sequence[torch.Tensor] = (),
+    block_shape: Sequence[int] | None = None,
 ) -> None:
-    """ValueError naming what is wrong with a rms_norm_dense_linear call (or `op`'s): dense_linear's float-form
-    checks, then the norm's arguments."""
-    check_args(x, weights, biases, None, [], None, None, backend, op=op)
+    """ValueError naming what is wrong with a rms_norm_dense_linear call (or `op`'s): dense_linear's checks for a
+    float x (the float form, or the FP8 weight-only form with weight_scales), then the norm's arguments."""
+    check_args(x, weights, biases, None, list(weight_scales), block_shape, None, backend, op=op)
     k = x.shape[-1]
     if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype or
                                     norm_weight.device != x.device):
@@ -362,19 +392,23 @@ def _rms_norm_dense_linear_op(
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
     backend: str,
+    weight_scales: list[torch.Tensor],
+    block_shape: list[int] | None,
 ) -> list[torch.Tensor]:
     if x.numel() == 0:
         return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
     # dense_linear's key and policy: the norm changes neither M nor the weights the choice is made for
-    name = _chosen("rms_norm_dense_linear", x, weights, [], None, None, backend)
+    name = _chosen("rms_norm_dense_linear", x, weights, weight_scales, block_shape, None, backend)
     if name == GEMV and x.is_cuda:
-        return _kernel(x, weights, biases, None, [], None, None, norm_weight, norm_eps)
-    return RUNNERS[name](ref_rms_norm(x, norm_weight, norm_eps, False), weights, biases, None, [], None, None)
+        return _kernel(x, weights, biases, None, weight_scales, block_shape, None, norm_weight, norm_eps)
+    return RUNNERS[name](ref_rms_norm(x, norm_weight, norm_eps, False), weights, biases, None, weight_scales,
+                         block_shape, None)
 
 
 @_rms_norm_dense_linear_op.register_fake
-def _(x, norm_weight, norm_eps, weights, biases, backend):
-    check_norm_args(x, norm_weight, norm_eps, weights, biases, backend)
+def _(x, norm_weight, norm_eps, weights, biases, backend, weight_scales, block_shape):
+    check_norm_args(x, norm_weight, norm_eps, weights, biases, backend, weight_scales=weight_scales,
+                    block_shape=block_shape)
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
@@ -386,12 +420,21 @@ def rms_norm_dense_linear(
     biases: Sequence[torch.Tensor | None] | None = None,
     *,
     backend: str = "auto",
+    weight_scales: Sequence[torch.Tensor] | None = None,
+    block_shape: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """[rms_norm(x) @ w_i^T + b_i for each weight] through `moefx::rms_norm_dense_linear` (module docstring);
-    inference only."""
+    with weight_scales and block_shape, FP8 weights dequantized per block (the weight-only form); inference only."""
     biases = list(biases) if biases is not None else [None] * len(weights)
-    check_norm_args(x, norm_weight, float(norm_eps), weights, biases, backend)
-    return torch.ops.moefx.rms_norm_dense_linear(x, norm_weight, float(norm_eps), list(weights), biases, backend)
+    scales, bs = _fp8_args(weight_scales, block_shape)
+    check_norm_args(x, norm_weight, float(norm_eps), weights, biases, backend, weight_scales=scales, block_shape=bs)
+    return torch.ops.moefx.rms_norm_dense_linear(x, norm_weight, float(norm_eps), list(weights), biases, backend,
+                                                 scales, bs)
+
+
+def _fp8_args(weight_scales: Sequence[torch.Tensor] | None, block_shape: Sequence[int] | None
+              ) -> tuple[list[torch.Tensor], list[int] | None]:
+    return list(weight_scales or []), [int(b) for b in block_shape] if block_shape is not None else None
 
 
 def check_add_norm_args(
@@ -402,13 +445,16 @@ def check_add_norm_args(
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None],
     backend: str,
+    weight_scales: Sequence[torch.Tensor] = (),
+    block_shape: Sequence[int] | None = None,
 ) -> None:
     """ValueError naming what is wrong with an add_rms_norm_dense_linear call: the residual, then the norm form's
     checks."""
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         raise ValueError(f"add_rms_norm_dense_linear residual is {list(residual.shape)}/{residual.dtype} on "
                          f"{residual.device}; expected x's {list(x.shape)}/{x.dtype} on {x.device}")
-    check_norm_args(x, norm_weight, norm_eps, weights, biases, backend, op="add_rms_norm_dense_linear")
+    check_norm_args(x, norm_weight, norm_eps, weights, biases, backend, op="add_rms_norm_dense_linear",
+                    weight_scales=weight_scales, block_shape=block_shape)
 
 
 @torch.library.custom_op("moefx::add_rms_norm_dense_linear", mutates_args=(), tags=(torch.Tag.flexible_layout,))
@@ -420,19 +466,21 @@ def _add_rms_norm_dense_linear_op(
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
     backend: str,
+    weight_scales: list[torch.Tensor],
+    block_shape: list[int] | None,
 ) -> list[torch.Tensor]:
     # dense_linear's key and policy, as rms_norm_dense_linear's
-    name = _chosen("add_rms_norm_dense_linear", x, weights, [], None, None, backend)
+    name = _chosen("add_rms_norm_dense_linear", x, weights, weight_scales, block_shape, None, backend)
     if name == GEMV and x.is_cuda and x.numel():
-        return _kernel(x, weights, biases, None, [], None, None, norm_weight, norm_eps, residual)
+        return _kernel(x, weights, biases, None, weight_scales, block_shape, None, norm_weight, norm_eps, residual)
     h = residual + x  # transformers' order (the sum is the same either way)
     normed = ref_rms_norm(h, norm_weight, norm_eps, False)
-    return [*RUNNERS[name](normed, weights, biases, None, [], None, None), h, normed]
+    return [*RUNNERS[name](normed, weights, biases, None, weight_scales, block_shape, None), h, normed]
 
 
 @_add_rms_norm_dense_linear_op.register_fake
-def _(x, residual, norm_weight, norm_eps, weights, biases, backend):
-    check_add_norm_args(x, residual, norm_weight, norm_eps, weights, biases, backend)
+def _(x, residual, norm_weight, norm_eps, weights, biases, backend, weight_scales, block_shape):
+    check_add_norm_args(x, residual, norm_weight, norm_eps, weights, biases, backend, weight_scales, block_shape)
     return [*(x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights), torch.empty_like(x), torch.empty_like(x)]
 
 
@@ -445,10 +493,14 @@ def add_rms_norm_dense_linear(
     biases: Sequence[torch.Tensor | None] | None = None,
     *,
     backend: str = "auto",
+    weight_scales: Sequence[torch.Tensor] | None = None,
+    block_shape: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """[rms_norm(h) @ w_i^T + b_i for each weight] + [h, rms_norm(h)] with h = residual + x, through
-    `moefx::add_rms_norm_dense_linear` (module docstring); inference only."""
+    `moefx::add_rms_norm_dense_linear` (module docstring); FP8 weight-only with weight_scales and block_shape, as
+    rms_norm_dense_linear; inference only."""
     biases = list(biases) if biases is not None else [None] * len(weights)
-    check_add_norm_args(x, residual, norm_weight, float(norm_eps), weights, biases, backend)
+    scales, bs = _fp8_args(weight_scales, block_shape)
+    check_add_norm_args(x, residual, norm_weight, float(norm_eps), weights, biases, backend, scales, bs)
     return torch.ops.moefx.add_rms_norm_dense_linear(x, residual, norm_weight, float(norm_eps), list(weights), biases,
-                                                     backend)
+                                                     backend, scales, bs)

@@ -45,7 +45,7 @@ def _add_rms_norm_route_op(
     if name == GEMV and x.is_cuda and x.dim() == 2 and x.shape[0]:  # (_kernel selects x's device)
         return dense._kernel(x, [weight], [None], None, [], None, None, norm_weight, norm_eps, residual, route)
     logits, h, normed = torch.ops.moefx.add_rms_norm_dense_linear(x, residual, norm_weight, norm_eps, [weight],
-                                                                  [None], backend)
+                                                                  [None], backend, [], None)
     return [logits, h, normed, *torch.ops.moefx.fused_topk(logits, *route)]
 
 

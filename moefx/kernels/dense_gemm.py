@@ -15,19 +15,23 @@ to the tile's counter (acq_rel, GPU scope); the slice that arrives last sums the
 the bias, writes Y once and resets the counter to zero. One launch, deterministic, and capturable: the counters
 live in a per-device buffer that every tile leaves at zero, allocated outside CUDA-graph capture (a call being
 captured before the buffer exists runs SPLIT_K = 1).
-FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block, e4m3 activations with per-token-
-group scales, the `moefx::fp8_block_gemm` contract): a program's rows lie inside one SBN row block, so the weight
-scale and the activation scale multiply the activations K-wise (DOT=False) or each per-K-block dot (DOT=True,
-BLOCK_K <= SBK); accumulation stays fp32 and Y is rounded once, as `ref_fp8_block_gemm` does.
-NORM (float form only, `moefx::rms_norm_dense_linear`): X is the RMSNorm's input, so the norm costs no kernel of its
-own. A program needs the variance of its whole rows though it may own one K slice, so it first reads its rows over
-all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so they are in flight together) for
-rstd = rsqrt(mean(x^2) + eps) in fp32; each X chunk is then replaced by (x * rstd) rounded to X's dtype, times the
-norm weight and rounded again when there is one (transformers' Qwen3/Llama RMSNorm: the weight applied after the
-downcast), before the product. RESID (with NORM, `moefx::add_rms_norm_dense_linear`): the norm's input is a residual
-add, X + R rounded to X's dtype, computed where X is read; the programs of the first N tile write the sum (the
-layer's next residual) and the normed rows (the experts' input) over their K slices, so a decoder layer's
-post-attention add and norm cost no kernel of their own either.
+FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block), in two forms: W8A8 (XQ: e4m3
+activations with per-token-group scales, the `moefx::fp8_block_gemm` contract) and weight-only (float X, no x_scale).
+A program's rows lie inside one SBN row block. DOT=False loads its weight tile as [BLOCK_N, BLOCK_K // SUB_K, SUB_K]
+(SUB_K = min(BLOCK_K, SBK): one quant block per middle index), converts each weight once to fp32, sums the products
+within each quant block, and multiplies those partial sums by the block's weight scale (times the row's activation
+scale, W8A8): a few scale loads per step instead of one per X element. DOT=True (BLOCK_K <= SBK) scales each
+per-K-block dot; the weight-only form converts the weights to X's dtype first (exact). Accumulation stays fp32 and Y
+is rounded once, as `ref_fp8_block_gemm` / `ref_fp8_weight_only` do.
+NORM (float X: the float or the FP8 weight-only form, `moefx::rms_norm_dense_linear`): X is the RMSNorm's input, so
+the norm costs no kernel of its own. A program needs the variance of its whole rows though it may own one K slice,
+so it first reads its rows over all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so
+they are in flight together) for rstd = rsqrt(mean(x^2) + eps) in fp32; each X chunk is then replaced by (x * rstd)
+rounded to X's dtype, times the norm weight and rounded again when there is one (transformers' Qwen3/Llama RMSNorm:
+the weight applied after the downcast), before the product. RESID (with NORM, `moefx::add_rms_norm_dense_linear`):
+the norm's input is a residual add, X + R rounded to X's dtype, computed where X is read; the programs of the first
+N tile write the sum (the layer's next residual) and the normed rows (the experts' input) over their K slices, so a
+decoder layer's post-attention add and norm cost no kernel of their own either.
 Launch contract (the dense op relies on it): fixed-shape work only, no host sync; buffers are sized from shapes.
 PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads,
 then lets its own dependent launch.
@@ -77,7 +81,8 @@ def _dense_tile(
     x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
     N: tl.constexpr, K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
-    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr, XQ: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
@@ -92,6 +97,10 @@ def _dense_tile(
     x_off = offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]  # X's, R's and RESID's outputs
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     s_row = (pid_n * BLOCK_N) // SBN  # FP8: the weight-scale row of this program's rows
+    if FP8 and not DOT:  # K offsets of a step as [quant block, element within it] (SUB_K = min(BLOCK_K, SBK))
+        offs_kb = tl.arange(0, BLOCK_K // SUB_K)
+        k3 = offs_kb[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
+        w3_ptrs = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + (k_lo + k3)[None, :, :]
     # RESID: X, the residual and both outputs share X's row stride; the first N tile of the first weight writes the
     # sum and the normed rows over its K slice (every slice and M tile of it: all of them, once)
     writes = (tile0 == 0) & (pid_n == 0)
@@ -129,8 +138,10 @@ def _dense_tile(
             if RESID:
                 if writes:
                     tl.store(xo_ptr + x_off + kk, x, mask=xk_mask)
-        w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
+            w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            if FP8 and not XQ:
+                w = w.to(x_ptr.dtype.element_ty)  # exact: every e4m3 value is a bf16/fp16/fp32 value
             if IEEE:
                 part = tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
@@ -140,20 +151,33 @@ def _dense_tile(
                 # (K_PER_SPLIT rounds up; its x and w are masked to 0): it reads the last block's scales, not the
                 # memory past the scale tensors, where a NaN would make 0 * NaN
                 kb = tl.minimum((k_lo + kk) // SBK, (K - 1) // SBK)
-                a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_mask, other=0.0)
                 w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk)
-                acc += part * (a_s * w_s)[:, None]
+                if XQ:
+                    a_s = tl.load(xs_ptr + offs_m * stride_xsm + kb * stride_xsk, mask=m_mask, other=0.0)
+                    acc += part * (a_s * w_s)[:, None]
+                else:
+                    acc += part * w_s
             else:
                 acc += part
-        else:
-            xf = x.to(tl.float32)
-            if FP8:
-                kb = (k_lo + kk + offs_k) // SBK
+        elif FP8:
+            # the weight tile as [BLOCK_N, quant blocks, SUB_K]: each product is summed within its quant block
+            # first, and the scales multiply those NB partial sums, not every element
+            k3_mask = k3 < K - (k_lo + kk)
+            w = tl.load(w3_ptrs + kk, mask=n_mask[:, None, None] & k3_mask[None, :, :], other=0.0,
+                        eviction_policy="evict_first")
+            x3 = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // SUB_K, SUB_K])
+            part = tl.sum(x3[:, None, :, :] * w.to(tl.float32)[None, :, :, :], axis=3)  # [BM, BN, NB]
+            kb = tl.minimum((k_lo + kk) // SBK + offs_kb, (K - 1) // SBK)  # past K: the last block (0 * scale)
+            w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk)
+            if XQ:
                 a_s = tl.load(xs_ptr + offs_m[:, None] * stride_xsm + kb[None, :] * stride_xsk,
-                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk, mask=k_mask, other=0.0)
-                xf = xf * a_s * w_s[None, :]
-            acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                              mask=m_mask[:, None], other=0.0)
+                acc += tl.sum(part * (a_s[:, None, :] * w_s[None, None, :]), axis=2)
+            else:
+                acc += tl.sum(part * w_s[None, None, :], axis=2)
+        else:
+            w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT_K == 1:
@@ -222,7 +246,7 @@ def _dense_kernel(
     T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NUM_W: tl.constexpr,
     HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
     K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
-    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    FP8: tl.constexpr, XQ: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB_K: tl.constexpr,
     NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
@@ -239,7 +263,7 @@ def _dense_kernel(
                     x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
                     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
-                    N0, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                    N0, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                     BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         if ROUTE:  # one weight, the router: its N tiles are T1
             _route_tail(stored, pid_m, y0_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, M, scaling, T1, BLOCK_M, SLOT,
@@ -250,7 +274,7 @@ def _dense_kernel(
                         x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                         w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
                         M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
-                        N1, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB1, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                        N1, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB1, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                         BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         elif NUM_W > 2:
             if pid < T3:
@@ -258,14 +282,14 @@ def _dense_kernel(
                             x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                             w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
-                            N2, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB2, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                            N2, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB2, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
             elif NUM_W > 3:
                 _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
                             x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                             w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
-                            N3, K, N_TOTAL, M_TILES, FP8, SBN, SBK, HB3, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                            N3, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB3, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
 
 
@@ -298,11 +322,22 @@ DEFAULT_TILES: dict[str, tuple[tuple[float, DenseConfig], ...]] = {
         (4, DenseConfig(block_n=4, block_k=512)),
         (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
     ),
+    # FP8 weights, float X (no x_scale): the automatic CUDA-core tiles at every M the dense pass runs it (<= 4), their
+    # rows counted in FP8 bytes; the tensor-core tile past that converts the weights to X's dtype before the dot
+    "fp8_weight_only": (
+        (4, DenseConfig(block_n=0, block_k=0)),
+        (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
+    ),
 }
 
 
-def default_config(m: int, fp8: bool) -> DenseConfig:
-    for max_m, cfg in DEFAULT_TILES["fp8" if fp8 else "bf16"]:
+def tile_kind(fp8: bool, weight_only: bool = False) -> str:
+    """The DEFAULT_TILES key of a call: float weights, FP8 weights with FP8 X (W8A8), or FP8 weights with float X."""
+    return ("fp8_weight_only" if weight_only else "fp8") if fp8 else "bf16"
+
+
+def default_config(m: int, fp8: bool, weight_only: bool = False) -> DenseConfig:
+    for max_m, cfg in DEFAULT_TILES[tile_kind(fp8, weight_only)]:
         if m <= max_m:
             return cfg
     raise ValueError(f"dense DEFAULT_TILES has no row for M={m} (last bound must be inf)")
@@ -333,7 +368,11 @@ def plan_launch(
     """Resolve the automatic fields of `cfg` for M=m, weights of ns rows each and K=k (FP8 when block_shape)."""
     bk = cfg.block_k or min(MAX_AUTO_BLOCK_K, triton.next_power_of_2(k))
     weight_bytes = 1 if block_shape is not None else 2  # the automatic rows count 2 bytes for every float dtype
-    bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // (bk * weight_bytes))
+    bm = cfg.block_m or min(triton.next_power_of_2(max(m, 1)), MAX_AUTO_BLOCK_M[cfg.dot])
+    # FP8 on the CUDA cores holds the [BLOCK_M, rows, K] product as quant-block partial sums: its automatic rows
+    # shrink with BLOCK_M, so a thread keeps AUTO_THREAD_BYTES of products, not BLOCK_M times that (spills at M=4)
+    per_row = bk * weight_bytes * (bm if block_shape is not None and not cfg.dot else 1)
+    bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // per_row)
     _pow2(bn, "block_n")
     _pow2(bk, "block_k", 16)
     if block_shape is not None:
@@ -344,7 +383,6 @@ def plan_launch(
     if cfg.dot:
         bn = max(bn, 16)
     bk = min(bk, max(16, triton.next_power_of_2(k)))
-    bm = cfg.block_m or min(triton.next_power_of_2(max(m, 1)), MAX_AUTO_BLOCK_M[cfg.dot])
     if cfg.dot:
         bm = max(bm, 16)
     _pow2(bm, "block_m")
@@ -398,19 +436,25 @@ def dense_gemv(
     residual: torch.Tensor | None = None,
     route: tuple | None = None,
 ) -> list[torch.Tensor]:
-    """Y_i = X W_i^T + b_i for X [M, K] (fp8 with x_scale [M, ceil(K/SBK)] when weight_scales are given).
+    """Y_i = X W_i^T + b_i for X [M, K]; with weight_scales, W_i is FP8 and dequantized per block: X fp8 with
+    x_scale [M, ceil(K/SBK)] (W8A8), or X float with no x_scale (weight-only: Y = X dequant(W)^T in fp32).
 
     Weights [N_i, K] must be contiguous in K. Outputs are [M, N_i] in out_dtype (default: X's dtype). `config`
-    overrides DEFAULT_TILES. `norm_eps` given (float form only): X is first RMSNorm-ed row by row with that eps and,
-    when given, `norm_weight` [K] in X's dtype (the NORM prologue, module docstring). `residual` [M, K] in X's dtype
-    (with norm_eps only): the norm's input is H = X + residual, rounded to X's dtype, and the outputs are
-    [Y_0, ..., H, the normed H]. `route` (one weight, the router; fused_topk's arguments after the logits: top_k,
-    kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, weights_dtype): the logits are also
-    routed (the ROUTE epilogue, in the same launch where the counters allow), their weights and ids appended."""
+    overrides DEFAULT_TILES. `norm_eps` given (float X: the float or the weight-only form): X is first RMSNorm-ed
+    row by row with that eps and, when given, `norm_weight` [K] in X's dtype (the NORM prologue, module docstring).
+    `residual` [M, K] in X's dtype (with norm_eps only): the norm's input is H = X + residual, rounded to X's dtype,
+    and the outputs are [Y_0, ..., H, the normed H]. `route` (one weight, the router; fused_topk's arguments after
+    the logits: top_k, kind, renormalize, correction_bias, n_group, topk_group, routed_scaling_factor, weights_dtype):
+    the logits are also routed (the ROUTE epilogue, in the same launch where the counters allow), their weights and
+    ids appended."""
     m, k = x.shape
     fp8 = weight_scales is not None
-    if norm_eps is not None and fp8:
-        raise ValueError("dense_gemv: the RMSNorm prologue (norm_eps) takes the float form only, not FP8")
+    xq = fp8 and x_scale is not None
+    if fp8 and not xq and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dense_gemv: FP8 weights without x_scale (weight-only) need a float X; got {x.dtype}")
+    if norm_eps is not None and xq:
+        raise ValueError("dense_gemv: the RMSNorm prologue (norm_eps) takes a float X (the float or the FP8 "
+                         "weight-only form), not an FP8 X with x_scale")
     if norm_weight is not None and norm_eps is None:
         raise ValueError("dense_gemv: norm_weight needs norm_eps (the RMSNorm prologue is on when norm_eps is given)")
     if residual is not None and (norm_eps is None or residual.shape != x.shape or residual.dtype != x.dtype):
@@ -435,7 +479,7 @@ def dense_gemv(
         x = x.contiguous()
     if residual is not None and residual.stride() != x.stride():
         residual = residual.contiguous()
-    cfg = config or default_config(m, fp8)
+    cfg = config or default_config(m, fp8, weight_only=fp8 and not xq)
     sms = _sm_count(x.device)
     for g0 in range(0, len(weights), MAX_WEIGHTS):
         sl = slice(g0, g0 + MAX_WEIGHTS)
@@ -453,6 +497,7 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     """Launch one group; whether the ROUTE epilogue ran in it (False without `route`)."""
     m, k = x.shape
     fp8 = weight_scales is not None
+    xq = fp8 and x_scale is not None
     ns = tuple(int(w.shape[0]) for w in weights)
     lp = plan_launch(cfg, m, ns, k, block_shape if fp8 else None, sms)
     counters = None
@@ -471,8 +516,8 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     bs = [b if b is not None else outs[0] for b in biases] + [outs[0]] * pad
     ys = list(outs) + [outs[0]] * pad
     scales = list(weight_scales) + [weight_scales[0]] * pad if fp8 else [outs[0]] * MAX_WEIGHTS
-    xs = x_scale if fp8 else x
-    xs_strides = (x_scale.stride(0), x_scale.stride(1)) if fp8 else (0, 0)
+    xs = x_scale if xq else x
+    xs_strides = (x_scale.stride(0), x_scale.stride(1)) if xq else (0, 0)
     wsn = [s.stride(0) for s in scales] if fp8 else [0] * MAX_WEIGHTS
     wsk = scales[0].stride(1) if fp8 else 0
     if fp8 and any(s.stride(1) != wsk for s in scales):
@@ -485,7 +530,7 @@ def _launch_group(x, weights, biases, x_scale, weight_scales, block_shape, outs,
     route_key = (route[0], route[1], route[2], route[3] is not None, route[4], route[5]) if routing else None
     grid, kw = _group_launch(cfg, lp, ns, tuple(b is not None for b in biases), block_shape if fp8 else None, k,
                              x.dtype == torch.float32, norm, norm_weight is not None, residual is not None, route_key,
-                             step_pdl(x.device))
+                             step_pdl(x.device), xq)
     r, h, xo = (residual, *sums) if residual is not None else (x, x, x)
     rb, rw, ri = ((route[3] if route[3] is not None else outs[0]), *routed) if routing else (x, x, x)
     _dense_kernel[grid](
@@ -515,9 +560,9 @@ def norm_block(lp: Launch, k: int, dot: bool) -> int:
 def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: tuple[bool, ...],
                   block_shape: tuple[int, int] | None, k: int, ieee: bool, norm: bool,
                   has_norm_w: bool, resid: bool, route: tuple | None,
-                  pdl: bool = False) -> tuple[tuple[int, int, int], dict]:
+                  pdl: bool = False, xq: bool = True) -> tuple[tuple[int, int, int], dict]:
     """The grid and the constexpr/launch arguments of one group's launch (`pdl`: a programmatic dependent of the
-    kernel before it, kernels/pdl.py)."""
+    kernel before it, kernels/pdl.py; `xq`: with block_shape, X is FP8 with x_scale, else float X, weight-only)."""
     pad = MAX_WEIGHTS - len(ns)
     nn = list(ns) + [1] * pad
     hb = list(has_bias) + [False] * pad
@@ -529,7 +574,8 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
     kw = dict(
         N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(ns),
         HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
-        K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, SBN=sbn, SBK=sbk, NORM=norm,
+        K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, XQ=block_shape is not None and xq,
+        SBN=sbn, SBK=sbk, SUB_K=min(lp.block_k, sbk), NORM=norm,
         HAS_NORM_W=has_norm_w, NORM_BLOCK=norm_block(lp, k, cfg.dot) if norm else 1, RESID=resid,
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -17,8 +17,10 @@ fp32 graph the weight orders are one computation), of its input or of a residual
 norm's y and those reshapes have no other reader (DCE then drops the norm); the residual form's readers of y and of
 the sum are moved to the call's outputs, which it places right after y. Left alone with the reason: a plain norm
 with other readers, the fp32-sum residual form (vLLM's), a weight applied in fp32 to a bf16/fp16 input (one
-rounding, not the op's two), calls the prologue would not speed up (`_not_gemv`). FP8 calls are not looked at: the
-activation quant sits between norm and linear, and fuse_norm_quant fuses the two.
+rounding, not the op's two), calls the prologue would not speed up (`_not_gemv`). FP8 weight-only
+calls (float x, no x_scale: what fp8_weight_only writes at decode M) fuse the same way, their weight scales and
+block shape carried into the fused op; W8A8 FP8 calls are not looked at: the activation quant sits between norm
+and linear, and fuse_norm_quant fuses the two.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def _late_problem(match: qp.ProducerMatch, y: torch.fx.Node, views: list[torch.f
     return None
 
 
-def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
+def _not_gemv(x: torch.fx.Node, weights: list, backend: str, scales: list, block: list | None) -> str | None:
     """Why the prologue would not pay off for this call in a captured step (None: it would).
 
     Off the gemv kernel the fused op computes the norm as separate torch ops, several kernels where inductor makes
@@ -116,8 +118,16 @@ def _not_gemv(x: torch.fx.Node, weights: list, backend: str) -> str | None:
 
     if default_config(m, False).dot:
         return f"M={m} runs the tensor-core tiles, where the prologue costs more than the norm kernel it saves"
-    name = select_backend(xv, ws, [], None, None, backend, capturing=True)
+    sv = [meta_val(s) for s in scales]
+    name = select_backend(xv, ws, sv, block, None, backend, capturing=True)
     return None if name == GEMV else f"the dense policy runs M={m} {name}, not the gemv kernel with the norm prologue"
+
+
+def _out_dtype_problem(x: torch.fx.Node, out_dtype: torch.dtype | None) -> str | None:
+    """The fused ops write x's dtype: an FP8 weight-only call that writes another stays as it is."""
+    if out_dtype is not None and out_dtype != dtype_of(x):
+        return f"the call writes {out_dtype} for a {dtype_of(x)} input (the fused ops write the input's dtype)"
+    return None
 
 
 class FuseNormLinear(MoefxPass):
@@ -129,8 +139,8 @@ class FuseNormLinear(MoefxPass):
         for node in list(graph.nodes):
             if not is_call(node, lf.DENSE):
                 continue
-            x, weights, biases, _, scales, _, _, backend = node.args
-            if scales:  # FP8: the activation quant sits between norm and linear, fuse_norm_quant's to fuse
+            x, weights, biases, x_scale, scales, block, out_dtype, backend = node.args
+            if x_scale is not None:  # W8A8: the activation quant sits between norm and linear, fuse_norm_quant's
                 continue
             y, views = _behind_views(x)
             try:
@@ -141,28 +151,31 @@ class FuseNormLinear(MoefxPass):
                 ctx.skip(f"RMSNorm before the dense_linear at {source_of(node)} left alone: {r.reason}")
                 continue
             what = match.label.split(" (")[0]
-            why = _problem(match, y, views, node) or _not_gemv(x, weights, backend)
+            why = _problem(match, y, views, node) or _out_dtype_problem(x, out_dtype) or \
+                _not_gemv(x, weights, backend, scales, block)
             if why:
                 ctx.skip(f"{what} at {source_of(y)} not fused into the dense_linear at {source_of(node)}: {why}")
                 continue
+            fp8 = (list(scales), list(block) if block is not None else None)
             if _residual(match):
-                self._rewrite_residual(graph, node, match, y, views, weights, biases, backend)
+                self._rewrite_residual(graph, node, match, y, views, weights, biases, backend, fp8)
             else:
-                self._rewrite(graph, node, match, views, weights, biases, backend)
+                self._rewrite(graph, node, match, views, weights, biases, backend, fp8)
             op = "add_rms_norm_dense_linear" if _residual(match) else "rms_norm_dense_linear"
-            ctx.note(f"{what} at {source_of(y)} into the dense_linear at {source_of(node)} (moefx::{op})")
+            form = " with FP8 weight-only weights" if scales else ""
+            ctx.note(f"{what} at {source_of(y)} into the dense_linear at {source_of(node)} (moefx::{op}{form})")
             done += 1
         return done
 
     @staticmethod
     def _rewrite_residual(graph: torch.fx.Graph, node: torch.fx.Node, match: qp.ProducerMatch, y: torch.fx.Node,
-                          views: list[torch.fx.Node], weights: list, biases: list, backend: str) -> None:
+                          views: list[torch.fx.Node], weights: list, biases: list, backend: str, fp8: tuple) -> None:
         a, b, weight, eps = match.args[:4]
         total = match.residual[0]  # the sum node (the norm's input)
         n = len(weights)
         with graph.inserting_before(y.next):  # what it reads is defined by y (_late_problem); its readers follow
             residual, x = (_as_rows(graph, t, views) for t in (a, b))  # transformers' `residual + hidden_states`
-            fused = call(graph, ADD_NORM_DENSE, (x, residual, weight, eps, list(weights), list(biases), backend))
+            fused = call(graph, ADD_NORM_DENSE, (x, residual, weight, eps, list(weights), list(biases), backend, *fp8))
             fused.meta["stack_trace"] = node.meta.get("stack_trace")
             got = [call(graph, operator.getitem, (fused, i)) for i in range(n + 2)]
             h, normed = got[n:]
@@ -176,11 +189,11 @@ class FuseNormLinear(MoefxPass):
 
     @staticmethod
     def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, match: qp.ProducerMatch, views: list[torch.fx.Node],
-                 weights: list, biases: list, backend: str) -> None:
+                 weights: list, biases: list, backend: str, fp8: tuple) -> None:
         x, weight, eps, _ = match.args
         with graph.inserting_before(node):  # the norm's input and weight and the views' sizes are defined by here
             fused = call(graph, NORM_DENSE, (_as_rows(graph, x, views), weight, eps, list(weights), list(biases),
-                                             backend))
+                                             backend, *fp8))
             fused.meta["stack_trace"] = node.meta.get("stack_trace")
         node.replace_all_uses_with(fused)
         graph.erase_node(node)  # the norm and its views have no reader left: the manager's dead-code pass drops them

@@ -44,7 +44,9 @@ def _routing_args(topk: torch.fx.Node) -> list | None:
 
 
 def _problem(dense: torch.fx.Node, route: list) -> str | None:
-    x, residual, norm_weight, eps, weights, biases, backend = dense.args
+    x, residual, norm_weight, eps, weights, biases, backend, scales, _ = dense.args
+    if scales:
+        return "the router call has FP8 weights (the routing epilogue takes a float router)"
     missing = triton_missing()
     if missing:
         return missing
@@ -82,7 +84,7 @@ class FuseRouterTopk(MoefxPass):
             if why:
                 ctx.skip(f"routing at {source_of(topk)} not fused into the router at {source_of(dense)}: {why}")
                 continue
-            x, residual, norm_weight, eps, weights, _, backend = dense.args
+            x, residual, norm_weight, eps, weights, _, backend = dense.args[:7]
             with graph.inserting_before(dense):
                 fused = call(graph, ROUTE, (x, residual, norm_weight, eps, weights[0], *route, backend))
                 fused.meta["stack_trace"] = dense.meta.get("stack_trace")

@@ -23,6 +23,7 @@ from moefx.log import get_logger
 from moefx.passes.base import MoefxPass, PassContext, registry
 from moefx.passes.dense_linears import DenseLinears
 from moefx.passes.eliminate_noops import EliminateNoops
+from moefx.passes.fp8_weight_only import Fp8WeightOnly
 from moefx.passes.fuse_act_quant import FuseActQuant
 from moefx.passes.fuse_moe_residual import FuseMoeResidual
 from moefx.passes.fuse_moe_routing import FuseMoeRouting
@@ -43,6 +44,7 @@ PIPELINE: tuple[type[MoefxPass], ...] = (
     RewriteSamplerSyncs,
     LastTokenLogits,
     FuseMoeRouting,
+    Fp8WeightOnly,  # before the quant fusions: the activation quants it leaves dead are not fused into a producer
     # the two quant fusions, in the order they are asked who made a quant's input (`QuantFusionPass.owner`)
     FuseNormQuant,
     FuseActQuant,

@@ -86,6 +86,7 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
             "dense_linears": dense,
             "fuse_norm_linear": dense,
             "fuse_router_topk": dense,
+            "fp8_weight_only": dense,
         },
         moe_family=True,
         causal_lm=ms.is_causal_lm,
