@@ -1,18 +1,25 @@
 """Decoder layer calls as opaque ops of the traced step, each running one body the engine compiled apart.
 
 With config `layer_regions: frames` (the default where torch traces every nested region call again, < 2.12),
-a compiled engine binds `LayerFrames`: while its prefill or decode step is traced, each decoder layer call
-becomes one `moefx::layer_prefill` or `moefx::layer_decode` op with the layer's tensors as arguments and the
-layer index as a constant. Dynamo never traces the layer there, so the step is traced once whatever the depth
-and stays one graph (a graph break would do as much, but transformers calls its layers in a loop, and dynamo
+a compiled engine binds `LayerFrames`: while its prefill or decode step is traced, the decoder layer calls become
+one `moefx::layer_stack_prefill` or `moefx::layer_stack_decode` op for the whole stack. The first layer's call is
+held back (it returns its hidden states unchanged), so is every later call with the same arguments, and the last
+layer's call runs every layer's body in layer order inside the op. The decode op declares every layer's keys and
+values mutated, so AOTAutograd functionalizes the cache writes once per step, not once per layer (that per-layer
+work was most of the decode step's cold compile growth with depth, docs/FINDINGS.md). Where the stack does not
+apply (`LayerFrames._why_no_stack`, or a later call whose arguments differ: the held layers then run their own ops),
+each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the layer's tensors as
+arguments and the layer index as a constant. Dynamo never traces a layer, so the step is traced once whatever
+the depth and stays one graph (a graph break would do as much, but transformers calls its layers in a loop, and dynamo
 drops a frame whose loop breaks to eager: its mask, rotary and glue code would then be compiled frame by frame,
 and they hit dynamo's recompile limit once two engines share a process). At run time the op calls the engine's
 compiled body for its kind (`layer[prefill]`, `layer[decode]`), traced once and reused by every layer whose
 guards pass, as PyTorch's regional-compilation recipe does.
 
-What it costs: inductor fuses nothing across the op (a layer's last residual add and the next layer's input
-norm are two kernels, as with the nested region), and an uncaptured call pays the op's dispatch and the body's
-guard check per layer (replayed from a CUDA graph, neither is paid). A layer call with other arguments than
+What it costs: inductor fuses nothing across a layer boundary (a layer's last residual add and the next layer's
+input norm are two kernels, as with the nested region), and an uncaptured call pays the body's guard check per
+layer, and the op's dispatch per layer where the stack does not apply (a CUDA graph replay pays neither). A layer
+call with other arguments than
 transformers' decoder layers take (hidden states, the cache, attention_mask, position_ids, cache_position,
 position_embeddings, and flags that are plain Python literals) goes through the nested region instead.
 """
