@@ -18,7 +18,7 @@ import moefx
 from moefx.compile import backend as moefx_backend
 from moefx.compile import post_grad_only
 from moefx.engine.engine import DecodeLoop
-from moefx.engine.layers.regions import install_layer_regions, why_no_regions
+from moefx.engine.layers.regions import install_layer_regions, layer_frames, why_no_regions
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.sampling.sampler import SamplingParams
 
@@ -65,15 +65,19 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _run(layers: int, regions: str) -> tuple[tuple[int, int], torch.Tensor, list[torch.Tensor], torch.Tensor,
-                                             list[torch.Tensor], dict[str, int]]:
-    """One engine request with the layers compiled as `regions` ("all": one nested region, "frames", "none")."""
+def _run(layers: int, regions: str, stack_off: str | None = None,
+         steps: list[list[str]] | None = None) -> tuple[tuple[int, int], torch.Tensor, list[torch.Tensor],
+                                                        torch.Tensor, list[torch.Tensor], dict[str, int]]:
+    """One engine request with the layers compiled as `regions` ("all": one nested region, "frames", "none");
+    `stack_off` keeps the frames one op per layer call; `steps` gets the ops of one decode step run again after."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
     model = copy.deepcopy(stock)
     if regions != "none":
         said = install_layer_regions(model, frames=regions == "frames")[0]
         assert ("frames of their own" if regions == "frames" else "one nested region") in said, said
+    if stack_off is not None:
+        layer_frames(model).stack_off = stack_off
     recorder = _Recorder()
     engine = DecodeLoop(model, compile_kwargs={"backend": recorder})
     ids = _ids(2, 7, layers)
@@ -83,8 +87,18 @@ def _run(layers: int, regions: str) -> tuple[tuple[int, int], torch.Tensor, list
     # Each layer's keys and values are written in place: no whole-cache copy per layer and step.
     assert recorder.cache_copies(engine.slots.latest(2).cache.layers[0].keys.shape) == 0
     want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
+    if steps is not None:
+        steps.append(_step_ops(engine, ids))
     torch._dynamo.reset()
     return recorder.work(), got, got_logits, want, want_logits, dict(engine.stats.compiles)
+
+
+def _step_ops(engine: DecodeLoop, ids: torch.Tensor) -> list[str]:
+    """The ops, in order, one more request's decode steps run (the profiler's CPU events, the frame ops themselves
+    left out: what runs inside them and around them is compared)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.generate(ids, 2, GREEDY)
+    return [e.name for e in prof.events() if not e.name.startswith("moefx::")]
 
 
 @pytest.mark.compile
@@ -239,6 +253,128 @@ def test_layers_as_compiled_frames_compile_once_whatever_the_depth():
     assert compiles6 == compiles2 and work6[1] == work2[1], (compiles2, work2, compiles6, work6)
 
 
+@pytest.mark.compile
+def test_the_layer_stack_op_runs_what_the_per_layer_ops_ran():
+    """The stack form against one op per layer call, both compiled (post-grad graphs run as their ops): the same
+    tokens and bit-equal logits, and a request runs the same ops in the same order around and inside the frame ops
+    (on a GPU: the kernels the PDL chain and the CUDA graph see)."""
+    steps: list[list[str]] = []
+    _, got, got_logits, *_ = _run(3, "frames", steps=steps)
+    _, per_layer, per_layer_logits, *_ = _run(3, "frames", stack_off="one op per layer, for the comparison",
+                                              steps=steps)
+    assert torch.equal(got, per_layer)
+    assert all(torch.equal(a, b) for a, b in zip(got_logits, per_layer_logits))
+    assert steps[0] == steps[1], [(i, a, b) for i, (a, b) in enumerate(zip(*steps)) if a != b][:5]
+
+
+def _traced_steps(layers: int, change: Any = None) -> tuple[dict[str, torch.fx.GraphModule], Any, bool]:
+    """The dynamo graphs of one request's prefill and decode step with the layers as compiled frames (no AOTAutograd,
+    no inductor: the graphs run as traced), the frames, and whether the tokens equal eager's. `change(model)` may
+    alter the model after the frames are installed."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    if change is not None:
+        change(model)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    engine = DecodeLoop(model, compile_kwargs={"backend": record})
+    ids = _ids(2, 7, layers)
+    got = engine.generate(ids, 3, GREEDY)
+    same = torch.equal(got, DecodeLoop(stock).generate(ids, 3, GREEDY))
+    torch._dynamo.reset()
+    steps = {}
+    for gm in graphs:
+        targets = {str(n.target) for n in gm.graph.nodes}
+        for kind in ("prefill", "decode"):
+            if any(kind in t and "moefx" in t for t in targets):
+                steps.setdefault(kind, gm)
+    return steps, layer_frames(model), same
+
+
+def _nodes(gm: torch.fx.GraphModule, leave_out: tuple[str, ...] = ()) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")
+               and not any(name in str(n.target) for name in leave_out))
+
+
+def _frame_ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target).removesuffix(".default") for n in gm.graph.nodes
+            if n.op == "call_function" and "moefx.layer" in str(n.target)]
+
+
+def test_the_traced_steps_call_one_op_for_the_layer_stack_whatever_the_depth():
+    """`layer_regions: frames`: the decode step's dynamo graph holds as many nodes at 6 layers as at 2 (one
+    `layer_stack_decode` call, one write-position advance over every layer), so AOTAutograd functionalizes the
+    cache writes once, not per layer; the prefill's one `layer_stack_prefill` call, with only each layer's outputs
+    stored in the cache added per layer (their getitems and transformers' cache update). Tokens equal eager."""
+    runs = {layers: _traced_steps(layers) for layers in (2, 6)}
+    for layers, (steps, frames, same) in runs.items():
+        assert same and frames.unstacked == {}, (layers, frames.unstacked)
+        assert _frame_ops(steps["decode"]) == ["moefx.layer_stack_decode"], layers
+        assert _frame_ops(steps["prefill"]) == ["moefx.layer_stack_prefill"], layers
+    assert _nodes(runs[6][0]["decode"]) == _nodes(runs[2][0]["decode"])
+    stored = ("getitem", "method cat", "method tensor")
+    assert _nodes(runs[6][0]["prefill"], stored) == _nodes(runs[2][0]["prefill"], stored)
+    grows = _nodes(runs[6][0]["prefill"]) - _nodes(runs[2][0]["prefill"])
+    assert grows == 4 * 6, grows  # per layer: 2 getitems, and the cache's empty start and cat for keys and values
+
+
+def test_a_layer_call_with_other_arguments_runs_the_layers_one_op_each():
+    """A layer whose call differs from the first layer's (here: other rotary tensors of equal values) ends the
+    stack at that layer: the layers held so far run their own ops, then the rest; tokens equal eager and the
+    reason is kept."""
+    def other_rotary_for_layer_2(model: Any) -> None:
+        layer = model.model.layers[2]
+        forward = layer.forward
+
+        def changed(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            cos, sin = kwargs["position_embeddings"]
+            return forward(hidden_states, *args, **{**kwargs, "position_embeddings": (cos * 1, sin * 1)})
+        layer.forward = changed
+
+    steps, frames, same = _traced_steps(4, other_rotary_for_layer_2)
+    assert same
+    assert frames.unstacked == {kind: "decoder layer 2 got other arguments than layer 0"
+                                for kind in ("prefill", "decode")}
+    assert _frame_ops(steps["decode"]) == ["moefx.layer_decode"] * 4
+    assert _frame_ops(steps["prefill"]) == ["moefx.layer_prefill"] * 4
+
+
+def test_forward_hooks_on_a_layer_keep_one_op_per_layer_call():
+    """A forward hook on a decoder layer (transformers' output capture installs them) must see that layer's own
+    output, so the layers run one op each; the reason names the layer."""
+    seen: list[torch.Size] = []
+
+    def hook(model: Any) -> None:
+        model.model.layers[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+
+    steps, frames, same = _traced_steps(3, hook)
+    assert same and seen
+    assert frames.unstacked["decode"].startswith("forward hooks on decoder layers [1]"), frames.unstacked
+    assert _frame_ops(steps["decode"]) == ["moefx.layer_decode"] * 3
+
+
+def test_models_whose_loop_skips_layers_or_masks_per_type_never_stack():
+    """What the model's config says rules the stack out for good (the plan says why): a loop over fewer layers
+    than the stack holds, or layers of different attention types with masks of their own."""
+    short = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3)
+    short.config.num_hidden_layers = 2
+    assert "one op per layer call (the model calls 2 of its 3 decoder layers)" in install_layer_regions(
+        short, frames=True)[0]
+    mixed = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3)
+    mixed.config.layer_types = ["full_attention", "sliding_attention"]
+    said = install_layer_regions(mixed, frames=True)[0]
+    assert "layers of different attention types (full_attention, sliding_attention)" in said
+    assert layer_frames(mixed).stack_off is not None
+    plain = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3)
+    assert "one op for the whole stack" in install_layer_regions(plain, frames=True)[0]
+
+
 def test_frames_no_engine_bound_trace_the_nested_region():
     """Until a compiled engine binds the frames (an eager engine binds nothing), a compiled forward traces the
     layers through the nested region: one dynamo graph, no break at the layer calls."""
@@ -310,9 +446,9 @@ def test_frames_hand_calls_they_cannot_carry_to_the_nested_region():
     hidden, cos = torch.zeros(1, 1, 4), torch.zeros(1, 1, 2)
     static = (torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.zeros((), dtype=torch.long))
     known = {"position_embeddings": (cos, cos), "use_cache": True}
-    assert frames.decode(0, None, hidden, "cache", static, (), {**known, "extra_tensor": cos}) == "region"
-    assert frames.decode(0, None, hidden, "cache", static, ("positional",), known) == "region"
-    assert frames.decode(0, None, hidden, "cache", static, (), {**known, "flag": object()}) == "region"
+    assert frames.decode(None, 0, None, hidden, "cache", static, (), {**known, "extra_tensor": cos}) == "region"
+    assert frames.decode(None, 0, None, hidden, "cache", static, ("positional",), known) == "region"
+    assert frames.decode(None, 0, None, hidden, "cache", static, (), {**known, "flag": object()}) == "region"
     assert region.calls == ["decode"] * 3
 
 

@@ -63,14 +63,36 @@ def own_body() -> Callable[..., Any]:
     return types.FunctionType(code, layer_body.__globals__, layer_body.__name__, layer_body.__defaults__)
 
 
+def shared_kind(entry: Any, decode: bool) -> str | None:
+    """Which shared body takes a layer whose cache layer is `entry`: "decode" for an initialized StaticLayer (with
+    `decode`), "prefill" for an empty DynamicLayer, None for any other (the layer's own forward runs)."""
+    kind = type(entry).__name__
+    if decode and kind == "StaticLayer" and getattr(entry, "is_initialized", False):
+        return "decode"
+    if kind == "DynamicLayer" and not getattr(entry, "is_initialized", True):
+        return "prefill"
+    return None
+
+
+def records_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether autograd records this layer call (a training step through the compiled forward). The shared bodies
+    are for inference: a compiled frame is an op without a backward, and the nested region's backward gives other
+    gradients than the layer's own (torch 2.13, tests/test_forward_fast_path.py); such a call is inlined. dynamo
+    guards on the grad mode and the requires_grad flags it reads, so inference traces keep the shared bodies."""
+    if not torch.is_grad_enabled():
+        return False
+    return hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
+
+
 class LayerCalls:
     """A decoder layer call through a shared body (`body(kind)`): the decode step's body writes its cache layer in
-    place and returns the hidden states; the prefill's returns the new keys and values too, stored here."""
+    place and returns the hidden states; the prefill's returns the new keys and values too, stored here. Both get
+    the whole cache and the layer's index first (the compiled frames read the other layers' cache layers)."""
 
     def body(self, kind: str) -> Callable[..., Any]:
         raise NotImplementedError
 
-    def decode(self, index: int, *args: Any) -> torch.Tensor:
+    def decode(self, cache: Any, index: int, *args: Any) -> torch.Tensor:
         (out,) = self.body("decode")(*args)
         return out
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from moefx.engine.layers.frames import LayerFrames
-from moefx.engine.layers.layer_body import LayerCalls, own_body
+from moefx.engine.layers.layer_body import LayerCalls, own_body, records_grad, shared_kind
 
 _CACHE_NAMES = ("cache", "past_key_values")
 
@@ -73,20 +73,10 @@ def _region_forward(region: _Region, frames: LayerFrames | None, decode: bool, i
     """A decoder layer's forward: while compiling, through the shared compiled code (an engine's compiled frames
     where it bound them, else the nested region) when its cache layer is one the views reproduce; the layer's own
     forward otherwise."""
-    if not torch.compiler.is_compiling() or _records_grad(layer, hidden_states):
+    if not torch.compiler.is_compiling() or records_grad(layer, hidden_states):
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     shared = frames if frames is not None and frames.bound else region
     return _dispatch(shared, decode, index, layer, hidden_states, args, kwargs)
-
-
-def _records_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
-    """Whether autograd records this layer call (a training step through the compiled forward). The shared bodies
-    are for inference: a compiled frame is an op without a backward, and the nested region's backward gives other
-    gradients than the layer's own (torch 2.13, tests/test_forward_fast_path.py); such a call is inlined. dynamo
-    guards on the grad mode and the requires_grad flags it reads, so inference traces keep the shared bodies."""
-    if not torch.is_grad_enabled():
-        return False
-    return hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
 
 
 def _dispatch(shared: LayerCalls, decode: bool, index: int, layer: torch.nn.Module,
@@ -99,13 +89,13 @@ def _dispatch(shared: LayerCalls, decode: bool, index: int, layer: torch.nn.Modu
     layers = getattr(cache, "layers", None)
     if layers is None or index >= len(layers):
         return forward(layer, hidden_states, *args, **kwargs)
-    entry = layers[index]
-    kind = type(entry).__name__
+    kind = shared_kind(layers[index], decode)
     rest = {k: v for k, v in kwargs.items() if k != name}
-    if decode and kind == "StaticLayer" and getattr(entry, "is_initialized", False):
+    if kind == "decode":
+        entry = layers[index]
         static = (entry.keys, entry.values, entry.cumulative_length)
-        return shared.decode(index, layer, hidden_states, name, static, args, rest)
-    if kind == "DynamicLayer" and not getattr(entry, "is_initialized", True):
+        return shared.decode(cache, index, layer, hidden_states, name, static, args, rest)
+    if kind == "prefill":
         return shared.prefill(cache, index, layer, hidden_states, name, (), args, rest)
     return forward(layer, hidden_states, *args, **kwargs)
 
@@ -135,6 +125,19 @@ def why_no_regions(model: Any) -> str | None:
     return None
 
 
+def _why_no_stack(model: Any, layers: list[torch.nn.Module]) -> str | None:
+    """Why this model's decoder layer calls never run as one stack op (None: a step's calls may, `frames.py`): the
+    loop calls fewer layers than the stack holds, or gives layers of different attention types their own masks."""
+    config = getattr(model, "config", None)
+    count = getattr(config, "num_hidden_layers", len(layers))
+    if count != len(layers):
+        return f"the model calls {count} of its {len(layers)} decoder layers"
+    types = set(getattr(config, "layer_types", None) or ())
+    if len(types) > 1:
+        return f"layers of different attention types ({', '.join(sorted(map(str, types)))}) get masks of their own"
+    return None
+
+
 def install_layer_regions(model: Any, decode: bool = True, frames: bool = False) -> list[str]:
     """Route every decoder layer of `model` through one nested compile region (in the prefill, and with `decode`
     in the static-cache decode step too), or with `frames` through compiled frames of their own once an engine
@@ -144,17 +147,22 @@ def install_layer_regions(model: Any, decode: bool = True, frames: bool = False)
         return [f"decoder layers compiled inline: {why}"]
     layers = decoder_layers(model)
     region = _Region(len(layers))
-    hook = LayerFrames(layers, region) if frames else None
+    stack_off = _why_no_stack(model, layers)
+    hook = LayerFrames(layers, region, stack_off) if frames else None
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(_region_forward, region, hook, decode, index, layer)
     model._moefx_layer_frames = hook
     kinds = sorted({type(layer).__name__ for layer in layers})
     where = "prefill and decode step" if decode else "prefill only; the decode step inlines them"
     if frames:
+        stack = (f"one op per layer call ({stack_off})" if stack_off else
+                 "one op for the whole stack where every layer call of a step gets the same arguments (else one op "
+                 "per layer call, said once in a warning)")
         return [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as frames of their own ({where}): "
-                f"in the engine's traced steps each layer call is one op running a body compiled once per kind of "
-                f"call (prefill, decode); across a layer boundary a layer's last residual add and the next layer's "
-                f"input norm are two kernels; until a compiled engine binds them, one nested region is used"]
+                f"in the engine's traced steps the layers run as {stack}, each layer through a body compiled once "
+                f"per kind of call (prefill, decode); across a layer boundary a layer's last residual add and the "
+                f"next layer's input norm are two kernels; until a compiled engine binds them, one nested region is "
+                f"used"]
     notes = [f"decoder layers ({len(layers)} x {', '.join(kinds)}) compiled as one nested region per distinct "
              f"layer graph ({where}); across a region boundary a layer's last residual add and the next layer's "
              f"input norm are two kernels"]
