@@ -83,6 +83,25 @@ def test_greedy_after_the_padded_prefill_equals_transformers(model, masked):
     assert len(loop.slots.latest(2).prefill) == 2  # 5 -> 16, 17 -> 32; 40 at two rows exceeds the cap: unpadded
 
 
+def test_the_decode_writes_the_positions_the_slot_counts_and_no_further(model):
+    """A prompt that fills its bucket (bench/e2e.py's shapes do) asking one token leaves nothing past the bucket, so
+    the next request resets nothing; n tokens write n - 1 positions past the prompt, and no more (a sentinel past
+    them stays)."""
+    loop = DecodeLoop(model, prefill_capture_tokens=4096)
+    ids, _ = _request(16, False, 3)
+    loop.generate(ids, 1, GREEDY)
+    slot = loop.slots.latest(2)
+    assert slot.written == 16
+    for layer in slot.cache.layers:
+        layer.keys.fill_(7.0)
+        layer.values.fill_(7.0)
+    loop.generate(ids, 3, GREEDY)
+    assert slot.written == 18
+    for layer in slot.cache.layers:
+        for t in (layer.keys, layer.values):
+            assert bool((t[:, :, 18:] == 7).all()) and not bool((t[:, :, :18] == 7).any())
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["unpadded", "left-padded"])
 def test_a_bucket_longer_than_the_cache_and_shorter_requests_after_longer_ones(model, masked):
     """A bucket past the cache's length (the prompt copied into it from the host, not read from the slot in the

@@ -213,7 +213,8 @@ class DecodeLoop:
                    and request.logits_out is None)
         # prefill, and the first token's pick
         logits = self._prompt(slot, prompt, positions, masked, by_head, form, graphs, stand_in)
-        slot.written = max(slot.written, prompt + request.max_new_tokens)  # the decode's writes
+        # the decode's writes: step k writes the keys and values of position prompt + k - 1 (k = 1 .. n - 1)
+        slot.written = max(slot.written, prompt + request.max_new_tokens - 1)
         st = slot.state
         # decode
         produced = self._decode_tokens(slot, request, logits, form, masked, by_head, graphs, stand_in)
