@@ -276,8 +276,8 @@ class DecodeLoop:
         flags; padding rows count as finished); the prompt's positions [rows, T] when masked, else None (0 .. T-1
         in every row, made where needed). The EOS and pad ids and the sampling params are written only when they
         differ from what the slot holds (nothing else writes them), the mask is reset only after a request that
-        wrote one, and the cache is zeroed by the prefill only where needed (`Slot.prepare_write`): each write is
-        a launch before the prefill's."""
+        wrote one, and the cache is left to the prefill, reset only where needed (`Slot.prepare_write`): each
+        write is a launch before the prefill's."""
         input_ids, attention_mask = request.input_ids, request.attention_mask
         batch, prompt = input_ids.shape
         device = input_ids.device

@@ -7,8 +7,10 @@ before the first token is a replay, nothing run from Python.
 Why padding leaves the result unchanged: attention is causal, so a real position never sees the padded ones
 after it; the logits come from the last real position (`logits_to_keep` as a one-element index tensor on the
 device); the keys and values go to the slot's static cache through a device-side mask (positions at or past the
-prompt length keep what the cache held, zeros after its reset), and each static layer's write position is set
-to the real length. A left-padded request's mask is extended with ones over the padded tail (causal only there).
+prompt length get zeros, so the cache needs no reset where no earlier request wrote past the bucket:
+`Slot.prepare_write`), and each static layer's write position is set to the real length. The bucket's inputs
+that follow from the prompt length are derived in the graph from one length scalar. A left-padded request's
+mask is extended with ones over the padded tail (causal only there).
 The MoE op sees rows × bucket tokens: padded rows cost compute, not correctness.
 
 The forward runs over a DynamicCache, as the unpadded prefill does (attention over the prompt only); under a
