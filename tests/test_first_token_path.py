@@ -100,19 +100,23 @@ def test_a_repeated_call_reads_no_generation_config_and_a_change_reads_it_again(
     assert not model.moefx_generate.fallbacks
 
 
-def test_before_the_prefill_only_the_id_check_and_the_pad_check_read_the_device(models, monkeypatch):
+def test_before_the_prefill_one_host_read_checks_the_ids_and_the_padding(models, monkeypatch):
     _, model = models
     ids = _ids(2, 24, 1)
     model.generate(ids, **KWARGS)  # the slot and the call form's settings
     before, after = _reads(model, monkeypatch, ids, **KWARGS)
-    # the ids' min and max in one read; pad tokens in the prompt (the mask transformers would infer)
-    assert before == ["tolist", "__bool__"], before
+    # the ids' min and max, and pad tokens in the prompt (the mask transformers would infer): one read
+    assert before == ["tolist"], before
     assert after == [], after  # one token, no EOS: nothing waits for the prefill before generate() returns
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     model.generate(ids, attention_mask=mask, **KWARGS)  # a new call form: read by transformers' helpers once
     before, _ = _reads(model, monkeypatch, ids, attention_mask=mask, **KWARGS)
-    assert before == ["tolist", "tolist"], before  # a mask given: no pad check; the mask's two facts in one read
+    assert before == ["tolist"], before  # a mask given: the ids and the mask's two facts in one read
+    padded = ids.clone()
+    padded[0, :3] = 0  # pad tokens on the left: the mask inferred from them, in the same one read
+    before, _ = _reads(model, monkeypatch, padded, **KWARGS)
+    assert before == ["tolist"], before
     model.generate(ids, **dict(KWARGS, pad_token_id=None))
     before, _ = _reads(model, monkeypatch, ids, **dict(KWARGS, pad_token_id=None))
     assert before == ["tolist"], before

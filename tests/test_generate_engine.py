@@ -78,6 +78,9 @@ def test_left_padding_equals_transformers(models):
     right = mask.flip(-1)
     model.generate(ids, attention_mask=right, **kwargs)
     assert "right-padded" in model.moefx_generate.fallbacks[-1]
+    fallbacks = len(model.moefx_generate.fallbacks)
+    model.generate(ids.flip(-1), **kwargs)  # pad tokens at the end: the mask inferred from them is right-padded
+    assert len(model.moefx_generate.fallbacks) == fallbacks + 1 and "right-padded" in model.moefx_generate.fallbacks[-1]
 
 
 def test_batches_padded_to_the_bucket_give_the_same_tokens(models):

@@ -213,6 +213,8 @@ class DecodeLoop:
                    and request.logits_out is None)
         # prefill, and the first token's pick
         logits = self._prompt(slot, prompt, positions, masked, by_head, form, graphs, stand_in)
+        # the decode's writes: step k writes the keys and values of position prompt + k - 1 (k = 1 .. n - 1)
+        slot.written = max(slot.written, prompt + request.max_new_tokens - 1)
         st = slot.state
         # decode
         produced = self._decode_tokens(slot, request, logits, form, masked, by_head, graphs, stand_in)
@@ -269,12 +271,13 @@ class DecodeLoop:
         return slot
 
     @staticmethod
-    def _load(slot: Slot, request: Request) -> torch.Tensor:
+    def _load(slot: Slot, request: Request) -> torch.Tensor | None:
         """Write the request into the slot's buffers (prompt, mask, EOS and pad ids, sampling params, finished
-        flags; padding rows count as finished) and zero its cache; the prompt's positions [rows, T]. The EOS and
-        pad ids and the sampling params are written only when they differ from what the slot holds (nothing else
-        writes them), and the mask is reset only after a request that wrote one: each write is a launch before
-        the prefill's."""
+        flags; padding rows count as finished); the prompt's positions [rows, T] when masked, else None (0 .. T-1
+        in every row, made where needed). The EOS and pad ids and the sampling params are written only when they
+        differ from what the slot holds (nothing else writes them), the mask is reset only after a request that
+        wrote one, and the cache is left to the prefill, reset only where needed (`Slot.prepare_write`): each
+        write is a launch before the prefill's."""
         input_ids, attention_mask = request.input_ids, request.attention_mask
         batch, prompt = input_ids.shape
         device = input_ids.device
@@ -285,12 +288,11 @@ class DecodeLoop:
         if slot.masked:
             slot.mask.fill_(1)
         slot.masked = attention_mask is not None
+        positions = None
         if attention_mask is not None:
             mask = attention_mask.to(device=device, dtype=torch.long)
             slot.mask[:, :prompt].copy_(torch.cat([mask, mask[pad_rows]]) if pad_rows else mask)
             positions = (slot.mask[:, :prompt].cumsum(-1) - 1).clamp(min=0)
-        else:
-            positions = torch.arange(prompt, device=device).expand(rows, prompt)
         held = (tuple(request.eos), request.pad, tuple(request.params.values()))
         if slot.held != held:
             st["eos"].fill_(-1)
@@ -301,12 +303,10 @@ class DecodeLoop:
             for i, value in enumerate(request.params.values()):
                 st["sampling"][i].fill_(value)
             slot.held = held
-        st["finished"].fill_(False)
-        st["finished"][batch:] = True
-        slot.reset_cache()
+        torch.ge(slot.row_index, batch, out=st["finished"])  # padding rows finished, the rest not: one launch
         return positions
 
-    def _prompt(self, slot: Slot, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
+    def _prompt(self, slot: Slot, prompt: int, positions: torch.Tensor | None, masked: bool, by_head: bool,
                 form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor:
         """Prefill, and the first token picked (params of `form`) into the slot's state; the prefill's scores.
         With a cache of static layers the prompt runs over a DynamicCache, as in transformers' own loop (attention
@@ -318,6 +318,8 @@ class DecodeLoop:
             scores = self._bucketed.run(slot, prompt, positions, masked, by_head, form, graphs, stand_in)
             if scores is not None:
                 return scores
+        if positions is None:
+            positions = torch.arange(prompt, device=slot.mask.device).expand(slot.batch, prompt)
         logits = self._unpadded_prompt(slot, prompt, positions, masked, by_head)
         st = slot.state
         st["position_ids"].copy_(positions[:, -1:])
@@ -330,6 +332,10 @@ class DecodeLoop:
         """The prompt at its own length (the prefill step, its length dynamic); its last position's scores."""
         from transformers import DynamicCache
 
+        if slot.uncapturable is not None:
+            slot.reset_cache()
+        else:
+            slot.prepare_write(prompt)  # the prompt's keys and values are copied over [0, prompt)
         st = slot.state
         tokens = st["seq"][:, :prompt]
         cache_position = torch.arange(prompt, device=tokens.device)
@@ -405,7 +411,9 @@ class DecodeLoop:
         progress.info("capturing the decode step for batch %d (cache length %d)...", slot.batch, slot.max_len)
         start = time.perf_counter()
         # The warm-ups compile the functions and advance the state; the state and each layer's write position are
-        # put back afterwards. The KV rows they wrote sit at positions the real steps overwrite.
+        # put back afterwards. The KV rows they wrote sit at positions the real steps overwrite, or past the
+        # request's last one: the next request's prefill zeroes them (`Slot.prepare_write`).
+        slot.written = slot.max_len
         saved = {k: v.clone() for k, v in slot.state.items()}
         lengths = [layer.cumulative_length.clone() for layer in slot.cache.layers]
 

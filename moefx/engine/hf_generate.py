@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -313,10 +313,16 @@ def _call_form(kwargs: dict[str, Any], device: torch.device) -> tuple | None:
     return tuple(items)
 
 
-def read_request(model: Any, args: tuple, kwargs: dict[str, Any],
-                 memo: SettingsMemo | None = None) -> tuple[Request | None, str]:
+def _read_flags(*flags: torch.Tensor) -> list[bool]:
+    return [bool(v) for v in torch.stack(flags).tolist()] if flags else []
+
+
+def read_request(model: Any, args: tuple, kwargs: dict[str, Any], memo: SettingsMemo | None = None,
+                 read: Callable[..., list[bool]] = _read_flags) -> tuple[Request | None, str]:
     """The engine request for this generate() call, or (None, why the engine cannot run it). `memo` keeps the
-    settings read for repeated call forms (`SettingsMemo`)."""
+    settings read for repeated call forms (`SettingsMemo`). `read(*flags)` reads the device bools of the prompt's
+    checks (pad tokens in it, the mask's form) on the host, called once when the settings are read: the front
+    passes its id check, so one host read serves both."""
     kwargs = dict(kwargs)
     if len(args) > 2:
         return None, "positional arguments after generation_config"
@@ -333,8 +339,7 @@ def read_request(model: Any, args: tuple, kwargs: dict[str, Any],
             return None, f"argument {name!r}"
     criteria = list(kwargs.pop("stopping_criteria", None) or [])
     gen_config = kwargs.pop("generation_config", None)
-    read = memo.settings if memo is not None else read_settings
-    settings, why = read(model, gen_config, kwargs, inputs)
+    settings, why = (memo.settings if memo is not None else read_settings)(model, gen_config, kwargs, inputs)
     if settings is None:
         return None, why
     new = settings.max_new_tokens
@@ -344,12 +349,19 @@ def read_request(model: Any, args: tuple, kwargs: dict[str, Any],
         return None, f"max_new_tokens={new}"
     eos, pad = list(settings.eos), settings.pad
     attention_mask = kwargs.get("attention_mask")
-    if attention_mask is None and settings.pad_set and pad not in eos and bool((inputs == pad).any()):
-        attention_mask = inputs.ne(pad).long()  # what transformers infers from pad tokens in the prompt
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(inputs.shape):
+        return None, f"attention_mask of shape {tuple(attention_mask.shape)} for inputs {tuple(inputs.shape)}"
+    if attention_mask is None and settings.pad_set and pad not in eos:
+        # pad tokens in the prompt (transformers then infers a mask from them), and none in its last column
+        padded, last = read((inputs == pad).any(), (inputs[:, -1:] != pad).all())
+        every = not padded
+        if padded:
+            attention_mask = inputs.ne(pad).long()
+    elif attention_mask is not None:
+        every, last = read(attention_mask.all(), attention_mask[:, -1:].all())
+    else:
+        read()
     if attention_mask is not None:
-        if tuple(attention_mask.shape) != tuple(inputs.shape):
-            return None, f"attention_mask of shape {tuple(attention_mask.shape)} for inputs {tuple(inputs.shape)}"
-        every, last = (bool(v) for v in torch.stack([attention_mask.all(), attention_mask[:, -1].all()]).tolist())
         if every:
             attention_mask = None
         elif not last:
@@ -401,8 +413,15 @@ def install_generate(model: Any, engine: DecodeLoop) -> GenerateFront:
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
         prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        check_input_ids(model.config, prompt)  # either loop: a bad id is one clear line before anything runs
-        request, why = read_request(model, args, kwargs, front.memo)
+        checked = []
+
+        def read(*flags: torch.Tensor) -> list[bool]:  # the id check and the request's own checks: one host read
+            checked.append(True)
+            return check_input_ids(model.config, prompt, *flags)
+
+        request, why = read_request(model, args, kwargs, front.memo, read)
+        if not checked:
+            check_input_ids(model.config, prompt)  # either loop: a bad id is one clear line before anything runs
         if request is None:
             _fallback(front, why)
             if len(args) < 2 and "generation_config" not in kwargs:

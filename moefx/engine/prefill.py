@@ -7,8 +7,10 @@ before the first token is a replay, nothing run from Python.
 Why padding leaves the result unchanged: attention is causal, so a real position never sees the padded ones
 after it; the logits come from the last real position (`logits_to_keep` as a one-element index tensor on the
 device); the keys and values go to the slot's static cache through a device-side mask (positions at or past the
-prompt length keep what the cache held, zeros after its reset), and each static layer's write position is set
-to the real length. A left-padded request's mask is extended with ones over the padded tail (causal only there).
+prompt length get zeros, so the cache needs no reset where no earlier request wrote past the bucket:
+`Slot.prepare_write`), and each static layer's write position is set to the real length. The bucket's inputs
+that follow from the prompt length are derived in the graph from one length scalar. A left-padded request's
+mask is extended with ones over the padded tail (causal only there).
 The MoE op sees rows × bucket tokens: padded rows cost compute, not correctness.
 
 The forward runs over a DynamicCache, as the unpadded prefill does (attention over the prompt only); under a
@@ -71,7 +73,7 @@ class BucketedPrefill:
         self.max_tokens = max_tokens
         self._fn = steps.compile("prefill[padded]", steps.forward)
 
-    def run(self, slot: Any, prompt: int, positions: torch.Tensor, masked: bool, by_head: bool,
+    def run(self, slot: Any, prompt: int, positions: torch.Tensor | None, masked: bool, by_head: bool,
             form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
         """The first-token scores (logits, or tokens with `by_head`) of the padded prefill into `slot`'s static
         cache, the first token picked with params of `form` into the slot's state, or None when no bucket holds
@@ -84,7 +86,8 @@ class BucketedPrefill:
         run = slot.prefill.get(key)
         if run is None:
             run = slot.prefill[key] = _buffers(slot, bucket, masked)
-        _fill(run, slot, prompt, positions, masked)
+        slot.prepare_write(run.keep.shape[0])  # the prefill writes the whole of [0, n): zeros past the prompt
+        _fill(run, slot, prompt, positions)
         if graphs and form not in run.graphs:
             run.graphs[form] = self._capture(slot, run, key, form)
         graph, out = run.graphs.get(form, (None, None))
@@ -98,17 +101,30 @@ class BucketedPrefill:
     def _call(self, slot: Any, run: _Bucketed, by_head: bool, form: SamplingParams) -> torch.Tensor:
         from transformers import DynamicCache
 
+        # What follows from the prompt length alone is derived here, in the graph, not written from the host: the
+        # tokens (the slot's prompt, 0 over the padded tail), the last real position, the cache positions kept
+        layers = slot.cache.layers
+        zeros = {dtype: torch.zeros((), dtype=dtype, device=run.keep.device)
+                 for dtype in {run.tokens.dtype} | {t.dtype for layer in layers for t in (layer.keys, layer.values)}}
+        tail = run.cache_position >= run.length
+        bucket = run.tokens.shape[1]
+        if bucket <= slot.max_len:
+            torch.where(tail, zeros[run.tokens.dtype], slot.state["seq"][:, :bucket], out=run.tokens)
+        else:
+            run.tokens.masked_fill_(tail, 0)  # `_fill` copied the prompt
+        torch.logical_not(tail[: run.keep.shape[0]], out=run.keep)
+        torch.sub(run.length.view(1), 1, out=run.last)
         prompt_cache = DynamicCache(config=self.steps.model.config)
         scores = self._fn(run.tokens, run.positions, run.cache_position, run.mask, prompt_cache, by_head, run.last)
         n = run.keep.shape[0]
         keep = run.keep[None, None, :, None]
-        layers = slot.cache.layers
         with torch.no_grad():  # a cache write (where out= takes no autograd)
             for static, dynamic in zip(layers, prompt_cache.layers):
-                # written where they lie (out= the cache's own slice): one kernel per tensor, not a where and a copy
+                # written where they lie (out= the cache's own slice): one kernel per tensor, not a where and a copy;
+                # zeros past the prompt, so the cache needs no reset before (`Slot.prepare_write`)
                 for old, new in ((static.keys[:, :, :n], dynamic.keys[:, :, :n]),
                                  (static.values[:, :, :n], dynamic.values[:, :, :n])):
-                    torch.where(keep, new, old, out=old)
+                    torch.where(keep, new, zeros[old.dtype], out=old)
             torch._foreach_copy_([layer.cumulative_length for layer in layers], [run.length] * len(layers))
         self._pick_first(slot, run, scores, by_head, form)
         return scores
@@ -153,7 +169,7 @@ def _buffers(slot: Any, bucket: int, masked: bool) -> _Bucketed:
     long = {"dtype": torch.long, "device": device}
     run = _Bucketed(
         tokens=torch.zeros(slot.batch, bucket, **long),
-        positions=torch.zeros(slot.batch, bucket, **long),
+        positions=torch.arange(bucket, **long).repeat(slot.batch, 1),  # unpadded rows' positions, for any prompt
         cache_position=torch.arange(bucket, **long),
         mask=torch.ones(slot.batch, bucket, **long) if masked else None,
         last=torch.zeros(1, **long),
@@ -170,17 +186,18 @@ def _buffers(slot: Any, bucket: int, masked: bool) -> _Bucketed:
     return run
 
 
-def _fill(run: _Bucketed, slot: Any, prompt: int, positions: torch.Tensor, masked: bool) -> None:
-    """This request's prompt into the static inputs; the padded tail gets token 0 and the positions after the
-    last real one."""
-    bucket = run.tokens.shape[1]
-    run.tokens[:, :prompt].copy_(slot.state["seq"][:, :prompt])
-    run.tokens[:, prompt:].zero_()
-    run.positions[:, :prompt].copy_(positions)
-    run.positions[:, prompt:].copy_(positions[:, -1:] + run.cache_position[1: bucket - prompt + 1])
-    if masked:
+def _fill(run: _Bucketed, slot: Any, prompt: int, positions: torch.Tensor | None) -> None:
+    """This request's prompt into the static inputs: its length, its tokens when the bucket is longer than the
+    slot's cache (else `BucketedPrefill._call` reads them from the slot), and when left-padded its positions and
+    mask (the positions go on after the last real one, the mask is 1 over the tail). Unpadded rows' positions are
+    0 .. bucket-1 whatever the prompt (written once, `_buffers`); the rest `BucketedPrefill._call` derives from the
+    length."""
+    if run.tokens.shape[1] > slot.max_len:  # else `BucketedPrefill._call` reads the prompt from the slot
+        run.tokens[:, :prompt].copy_(slot.state["seq"][:, :prompt])
+    run.length.fill_(prompt)
+    if positions is not None:
+        bucket = run.tokens.shape[1]
+        run.positions[:, :prompt].copy_(positions)
+        run.positions[:, prompt:].copy_(positions[:, -1:] + run.cache_position[1: bucket - prompt + 1])
         run.mask[:, :prompt].copy_(slot.mask[:, :prompt])
         run.mask[:, prompt:].fill_(1)
-    run.last.fill_(prompt - 1)
-    run.length.fill_(prompt)
-    torch.lt(run.cache_position[: run.keep.shape[0]], prompt, out=run.keep)

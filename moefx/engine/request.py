@@ -61,24 +61,28 @@ def check_prompt(config: Any, batch: int, prompt: int, max_new_tokens: int) -> N
                          f"max_new_tokens <= {positions}")
 
 
-def check_input_ids(config: Any, input_ids: Any) -> None:
+def check_input_ids(config: Any, input_ids: Any, *flags: torch.Tensor) -> list[bool]:
     """ValueError for prompt ids no embedding can look up: a float or bool tensor, or an id outside
     [0, vocab_size). Checked before anything runs (one host read of the min and max), so a bad id is this line,
-    not an IndexError from deep inside the embedding or a device-side assert."""
+    not an IndexError from deep inside the embedding or a device-side assert. `flags` (device bools of the
+    caller's own checks) are read in the same read: their values, in order."""
     if not isinstance(input_ids, torch.Tensor):
-        return  # transformers' generate() says what it takes
+        return [bool(flag) for flag in flags]  # transformers' generate() says what it takes
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids must hold integer token ids (torch.long), got dtype "
                          f"{str(input_ids.dtype).replace('torch.', '')}; valid: input_ids.long() of ids in "
                          f"[0, vocab_size)")
     vocab = getattr(config, "vocab_size", None)
     if input_ids.numel() == 0 or not isinstance(vocab, int):
-        return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read of both (one sync on a device)
+        return [bool(v) for v in torch.stack(flags).tolist()] if flags else []
+    low, high = torch.aminmax(input_ids)
+    # one read of all (one sync on a device)
+    low, high, *values = torch.stack([low, high, *(flag.to(low.device, low.dtype) for flag in flags)]).tolist()
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary; valid: 0 <= id < "
                          f"vocab_size {vocab}")
+    return [bool(v) for v in values]
 
 
 class LateStop:

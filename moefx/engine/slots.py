@@ -67,6 +67,9 @@ class Slot:
     # whether it wrote a mask (zeros in `mask`)
     held: tuple | None = None
     masked: bool = False
+    # The cache's keys and values are zero at every position from `written` on (`prepare_write`)
+    written: int = 0
+    row_index: torch.Tensor | None = None  # [batch] long: 0 .. batch-1, to mark padding rows finished in one launch
 
     @classmethod
     def buffers(cls, rows: int, max_len: int, cache: Any, device: torch.device) -> Slot:
@@ -85,18 +88,28 @@ class Slot:
             "pad_finished": torch.zeros((), dtype=torch.bool, device=device),
             "sampling": torch.ones(4, dtype=torch.float32, device=device),  # SamplingParams.values()
         }
-        return cls(rows, max_len, cache, state, torch.ones(rows, max_len, **long))
+        return cls(rows, max_len, cache, state, torch.ones(rows, max_len, **long),
+                   row_index=torch.arange(rows, **long))
 
     def reset_cache(self) -> None:
         """Zero the cache before a request in two launches: transformers' `Cache.reset` launches three kernels per
         layer (keys, values, write position), host work outside the captured prefill that grows with depth."""
         layers = self.cache.layers
+        self.written = 0
         if self.uncapturable is not None or not all(layer.is_initialized for layer in layers):
             self.cache.reset()
             return
         # one list per dtype: a mixed list takes the foreach slow path, a launch per tensor (H200 profile, 48 layers)
         torch._foreach_zero_([t for layer in layers for t in (layer.keys, layer.values)])
         torch._foreach_zero_([layer.cumulative_length for layer in layers])
+
+    def prepare_write(self, n: int) -> None:
+        """Before a prefill that writes every position below `n` (the prompt, and zeros after it up to `n`): the
+        cache is zeroed only when an earlier request may have written past `n`. A request that fits in what the
+        last one wrote costs no reset launches, and the GPU does not zero a whole cache the prefill overwrites."""
+        if self.written > n:
+            self.reset_cache()
+        self.written = n
 
     def release(self) -> None:
         """Drop what the slot holds (the pool calls it on eviction), so its memory is free at once: the layers'
