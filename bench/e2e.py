@@ -9,7 +9,9 @@ then rewrites it in place):
   hf_static    model.generate(cache_implementation="static"): transformers compiles its own decode step
   moefx        moefx.optimize(model) (no config: the README path; `--max-batch-size` caps the capture sizes) then
                model.generate(): moefx's engine (static cache, compiled prefill and decode step from CUDA graphs)
-  moefx_fp8    a second model, moefx.quantize(model, "fp8_block128") then the same (`--fp8`)
+  moefx_fp8    a second model, moefx.quantize(model, "fp8_block128") then the same (`--fp8`); with `--fp8-forms`
+               one such arm per FP8 decode form (`moefx_fp8_w8a8`, `moefx_fp8_weight_only`: pass_config.fp8_weight_only
+               off / on), each on its own FP8 model built after the last one is freed
 Decode tok/s = B * (n2 - n1) / (t(n2) - t(n1)), t = median wall time of generate(max_new_tokens=n); the prefill
 cancels out. First call = the first generate() of the arm at that batch (compiles and captures included).
 Floor = weight bytes one decode step reads (every non-expert weight, in each layer the distinct experts the
@@ -122,6 +124,8 @@ def prefill_flops(model: torch.nn.Module, tokens: int, batch: int = 1) -> float:
 
 # --step-pdl settings: set_step_pdl's argument (moefx/kernels/pdl.py)
 STEP_PDL = {"off": False, "chain": True}
+# --fp8-forms: the FP8 decode form -> pass_config.fp8_weight_only (docs/DENSE.md)
+FP8_FORMS = {"w8a8": False, "weight_only": True}
 
 
 def greedy_kwargs(n: int) -> dict:
@@ -307,6 +311,9 @@ def main() -> int:
     ap.add_argument("--arms", default="hf_eager,hf_static,moefx")
     ap.add_argument("--fp8", action="store_true", help="add moefx_fp8")
     ap.add_argument("--fp8-batches", default="", help="batches of moefx_fp8 (default: --batches)")
+    ap.add_argument("--fp8-forms", default="", help="FP8 decode forms, one moefx_fp8_<form> arm each, in this order: "
+                    f"{','.join(FP8_FORMS)} ('': one moefx_fp8 arm with the plan's default); at 48 layers name one "
+                    "(each arm builds its bf16 model on the card before quantizing it)")
     ap.add_argument("--eager-batches", default="", help="batches of hf_eager (default: --batches)")
     ap.add_argument("--calibration", default="", help="extra calibration table for the moefx arms "
                     "(default: $OUT/dense_calibration.yaml when a dense stage wrote one)")
@@ -563,9 +570,9 @@ def main() -> int:
         set_step_pdl()
         engine.slots.drop_graphs()
 
-    def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int]) -> None:
+    def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int], arm_config: dict | None = None) -> None:
         print(name, flush=True)
-        optimize_s, opt = timed_call(lambda: moefx.optimize(mdl, config=config))
+        optimize_s, opt = timed_call(lambda: moefx.optimize(mdl, config={**config, **(arm_config or {})}))
         extra[f"{name}_optimize_s"] = round(optimize_s, 1)
         extra[f"{name}_plan"] = opt.moefx_plan.explain()
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
@@ -588,7 +595,7 @@ def main() -> int:
             # per depth (`profile_B1_48`: what the step table reads, and what keeps runs of two depths apart when
             # their results are merged); `profile_B1` as well for the bf16 arm, the key older runs wrote
             prof = profile_step(opt, inputs[min(arm_batches)])
-            key = "profile_B1" if name == "moefx" else "profile_fp8_B1"
+            key = {"moefx": "profile_B1", "moefx_fp8": "profile_fp8_B1"}.get(name, f"profile_{name}_B1")
             extra[f"{key}_{args.layers}"] = prof
             if name == "moefx":
                 extra[key] = prof
@@ -681,7 +688,7 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-        def fp8_arm() -> None:
+        def fp8_arm(name: str, arm_config: dict | None) -> None:
             fp8 = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
             fp8.generation_config.eos_token_id = None
             cuda = fp8.device.type == "cuda"
@@ -698,9 +705,20 @@ def main() -> int:
                       f"FP8 model {extra['moefx_fp8_model_gib']} GiB", flush=True)
             if scorer is not None:
                 scorer.fetch = fp8_block_weights(fp8, fp8.moefx_quantization.block_shape)
-            moefx_arm("moefx_fp8", fp8, "fp8_block128", fp8_batches)
+            moefx_arm(name, fp8, "fp8_block128", fp8_batches, arm_config)
 
-        guarded("moefx_fp8", fp8_arm)
+        forms = [f for f in args.fp8_forms.split(",") if f]
+        for form in forms:
+            if form not in FP8_FORMS:
+                raise SystemExit(f"--fp8-forms: {form!r} is not one of {list(FP8_FORMS)}")
+        for name, arm_config in ([(f"moefx_fp8_{f}", {"pass_config": {"fp8_weight_only": FP8_FORMS[f]}})
+                                  for f in forms] or [("moefx_fp8", None)]):
+            guarded(name, lambda: fp8_arm(name, arm_config))  # noqa: B023 (called at once)
+            if scorer is not None:
+                scorer.fetch = None
+            gc.collect()  # the last arm's model and engine go before the next is built
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     if args.train:
         for arm in args.train_arms.split(","):

@@ -104,9 +104,11 @@ STAGES: tuple[Stage, ...] = (
           "--eager-n 2,6 --tag _pdl8", "8 layers B=1/16, bf16 and FP8, every arm scored, the step's PDL chain off "
           "and on over the same compiled steps", section="e2e"),
     Stage("e2e-8-b1-fp8", 300, "python3 bench/e2e.py --layers 8 --batches 1 --eager-batches 1 "
-          "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1 --score-batches 1 --runs 3 --tag _b1_fp8",
-          "8 layers B=1, bf16 and FP8 in one process with the peer, every arm's tokens scored (transformers' eager "
-          "loop the scorer's reference)", section="e2e"),
+          "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1 --fp8-forms w8a8,weight_only --score-batches 1 "
+          "--runs 3 --tag _b1_fp8",
+          "8 layers B=1 in one process: bf16, FP8 in both decode forms (W8A8 and weight-only, each its own FP8 "
+          "model), the peer; every arm's tokens scored (transformers' eager loop the scorer's reference)",
+          section="e2e"),
     Stage("e2e-8-b1", 200, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --runs 3 --tag _b1",
           "8 layers B=1, the README path (no config) with the peer", section="e2e"),
     Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 --arms hf_eager,moefx "

@@ -39,6 +39,10 @@ E2E_ARMS = {
     "moefx": "`moefx.optimize(model)` + `generate()`: moefx's engine (static cache, compiled prefill and decode "
              "step, one CUDA graph per step)",
     "moefx_fp8": "the same model after `moefx.quantize(model, 'fp8_block128')`, then as `moefx`",
+    "moefx_fp8_w8a8": "as `moefx_fp8` with `pass_config.fp8_weight_only: false` (activations quantized to e4m3 at "
+                      "every M)",
+    "moefx_fp8_weight_only": "as `moefx_fp8` with `pass_config.fp8_weight_only: true` (at decode M <= 4 the float "
+                             "activations times the dequantized FP8 weights, no activation quant)",
 }
 # `<arm>_pdl_<setting>` rows (bench/e2e.py --step-pdl): the arm's model and compiled steps, graphs captured again with
 # the decode step's PDL chain (moefx/kernels/pdl.py) set so
