@@ -175,35 +175,35 @@ tests/test_last_token_logits.py tests/test_sampler_syncs.py tests/test_fusion_co
 tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py}
 }
 
+optional_stage() {  # wanted (1 or not), skip variable, what it tests, how to ask for it, stage function
+    # sets stage_rc (1: it failed), stage_result (the summary's words) and stage_s
+    local wanted=$1 skip=$2 what=$3 ask=$4 fn=$5 began=$SECONDS
+    stage_rc=0
+    if [ "$wanted" != "1" ]; then
+        stage_result="not run: $what NOT tested ($ask runs it)"
+    elif [ "${!skip:-0}" = "1" ]; then
+        stage_result="skipped ($skip=1): $what NOT tested"
+    else
+        "$fn" || stage_rc=1
+        stage_result=$([ "$stage_rc" -eq 0 ] && echo passed || echo FAILED)
+    fi
+    stage_s=$((SECONDS - began))
+}
+
 start=$SECONDS
 main_rc=0
 main_stage || main_rc=1
 main_s=$((SECONDS - start))
 
-vllm_rc=0
-if [ "$want_vllm" != "1" ]; then
-    vllm_result="not run: vLLM integration NOT tested (bash scripts/test.sh --vllm, or MOEFX_TEST_VLLM=1, runs it)"
-elif [ "${MOEFX_SKIP_VLLM:-0}" = "1" ]; then
-    vllm_result="skipped (MOEFX_SKIP_VLLM=1): vLLM integration NOT tested"
-else
-    vllm_stage || vllm_rc=1
-    vllm_result=$([ "$vllm_rc" -eq 0 ] && echo passed || echo FAILED)
-fi
-
-vllm_s=$((SECONDS - start - main_s))
-
-torch211_rc=0
-if [ "$want_torch211" != "1" ]; then
-    torch211_result="not run: torch 2.11 (the GPU machine's) NOT tested (bash scripts/test.sh --torch211 runs it)"
-elif [ "${MOEFX_SKIP_TORCH211:-0}" = "1" ]; then
-    torch211_result="skipped (MOEFX_SKIP_TORCH211=1): torch 2.11 NOT tested"
-else
-    torch211_stage || torch211_rc=1
-    torch211_result=$([ "$torch211_rc" -eq 0 ] && echo passed || echo FAILED)
-fi
+optional_stage "$want_vllm" MOEFX_SKIP_VLLM "vLLM integration" "bash scripts/test.sh --vllm, or MOEFX_TEST_VLLM=1," \
+    vllm_stage
+vllm_rc=$stage_rc vllm_result=$stage_result vllm_s=$stage_s
+optional_stage "$want_torch211" MOEFX_SKIP_TORCH211 "torch 2.11 (the GPU machine's)" "bash scripts/test.sh --torch211" \
+    torch211_stage
+torch211_rc=$stage_rc torch211_result=$stage_result torch211_s=$stage_s
 
 tier_name=$([ "$want_full" = "1" ] && echo "every test" || echo "without slow/compile tests: --full runs them")
 echo "== main stage ($tier_name): $([ "$main_rc" -eq 0 ] && echo passed || echo FAILED) (${main_s} s)"
-echo "== torch 2.11 stage: $torch211_result ($((SECONDS - start - main_s - vllm_s)) s)"
+echo "== torch 2.11 stage: $torch211_result (${torch211_s} s)"
 echo "== vLLM stage: $vllm_result (${vllm_s} s)"
 exit $((main_rc + 2 * vllm_rc + 8 * torch211_rc))

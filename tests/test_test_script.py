@@ -88,6 +88,16 @@ def _stub_venv(path: Path) -> Path:
     return path
 
 
+def _stubbed_run(tmp_path: Path, stage_venv: str, *args: str, **env: str) -> tuple[subprocess.CompletedProcess,
+                                                                                   list[str]]:
+    """scripts/test.sh over stub venvs (the main one and the optional stage's, named by `stage_venv`): its result
+    and the commands the stubs were run with."""
+    log = tmp_path / "log"
+    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")), stage_venv: str(_stub_venv(tmp_path / "stage"))}
+    out = _script(*args, VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path), **venvs, **env)
+    return out, log.read_text().splitlines() if log.exists() else []
+
+
 @pytest.mark.parametrize(("args", "env", "vllm_runs"), [
     ((), {}, False),
     (("--vllm",), {}, True),
@@ -95,11 +105,8 @@ def _stub_venv(path: Path) -> Path:
     (("--vllm",), {"MOEFX_SKIP_VLLM": "1"}, False),
 ])
 def test_vllm_stage_runs_only_when_asked(tmp_path, args, env, vllm_runs):
-    log = tmp_path / "log"
-    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")), "MOEFX_VLLM_VENV": str(_stub_venv(tmp_path / "vllm"))}
-    out = _script(*args, VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path), **venvs, **env)
+    out, calls = _stubbed_run(tmp_path, "MOEFX_VLLM_VENV", *args, **env)
     assert out.returncode == 0, out.stdout + out.stderr
-    calls = log.read_text().splitlines()
     assert sum("-m pytest" in c for c in calls) == 1 + vllm_runs
     assert not any("triton==" in c for c in calls)  # no pin unless MOEFX_TRITON names one
     summary = out.stdout.splitlines()[-1]
@@ -125,12 +132,9 @@ def test_triton_knob_and_failed_stages_set_the_exit_code(tmp_path):
     (("--torch211",), {"MOEFX_SKIP_TORCH211": "1"}, False),
 ])
 def test_torch211_stage_runs_only_when_asked_with_the_saved_trace_tests(tmp_path, args, env, runs):
-    log = tmp_path / "log"
-    venvs = {"MOEFX_VENV": str(_stub_venv(tmp_path / "main")),
-             "MOEFX_TORCH211_VENV": str(_stub_venv(tmp_path / "torch211"))}
-    out = _script(*args, VIRTUAL_ENV="", STUB_LOG=str(log), HOME=str(tmp_path), **venvs, **env)
+    out, calls = _stubbed_run(tmp_path, "MOEFX_TORCH211_VENV", *args, **env)
     assert out.returncode == 0, out.stdout + out.stderr
-    pytest_calls = [c for c in log.read_text().splitlines() if "-m pytest" in c]
+    pytest_calls = [c for c in calls if "-m pytest" in c]
     assert len(pytest_calls) == 1 + runs
     if runs:
         for test in ("tests/test_aot_steps.py", "tests/test_compile_cache.py", "tests/test_saved_traces_gpu.py"):

@@ -59,6 +59,7 @@ from moefx.backends.capture_mode import decides_as_captured
 from moefx.backends.common import FLOAT_DTYPES
 from moefx.backends.dense_policy import GEMV, dense_key, env_token, requested
 from moefx.backends.policy import UPSTREAM
+from moefx.backends.registry import dequant_block
 from moefx.config import DENSE_BACKENDS
 from moefx.kernels.availability import triton_missing
 from moefx.kernels.memo import ShapeMemo, on_device, tensor_meta
@@ -161,9 +162,7 @@ def reference(x, weights, biases, x_scale, weight_scales, block_shape, out_dtype
 
 def ref_fp8_weight_only(x, w, w_scale, block_n, block_k, bias, out_dtype) -> torch.Tensor:
     """x @ dequant(w)^T (+ bias) in fp32, one rounding to out_dtype: the FP8 weight-only linear's oracle."""
-    n, k = w.shape
-    s = w_scale.float().repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
-    out = x.float() @ (w.float() * s).t()
+    out = x.float() @ dequant_block(w, w_scale, (block_n, block_k)).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
