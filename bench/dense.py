@@ -300,22 +300,27 @@ def measure(prob: Problem, m: int, gen: torch.Generator, copy_bps: float) -> dic
     return dict(M=m, floor_us=floor, **per_call)
 
 
-def sweep(prob: Problem, gen: torch.Generator, budget_s: float) -> list[dict]:
-    """Graph-replay µs of candidate tiles at M = 1, 4, 16 (stops at the budget); the default first."""
+def sweep(prob: Problem, gen: torch.Generator, budget_s: float, weight_only: bool = False,
+          ms: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict]:
+    """Graph-replay µs of candidate tiles at each M (each M stops at its share of the budget); the default first.
+    `weight_only` (FP8 weights): X stays bf16 with no x_scale, the fp8_weight_only form."""
     cands = [K.DenseConfig(block_n=0, block_k=0)] + [
         K.DenseConfig(block_n=bn, block_k=bk, num_warps=w) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)
         for w in (2, 4, 8)]
     cands_dot = [K.DenseConfig(dot=True, block_n=bn, block_k=bk, num_stages=st, split_k=s)
                  for bn in (16, 32) for bk in (64, 128) for st in (3, 5) for s in (0, 1)]
-    out, start = [], time.time()
+    out = []
     n = len(prob.sets)
-    for m in (1, 4, 16):
+    for m in ms:
+        start = time.time()
         xs = [prob.x(m, gen) for _ in range(n)]
-        default = K.default_config(m, prob.fp8)
+        if weight_only:
+            xs = [(torch.randn(m, prob.k, device=prob.dev, generator=gen, dtype=prob.dtype), None) for _ in range(n)]
+        default = K.default_config(m, prob.fp8, weight_only)
         pool = [default] + [c for c in (cands if m <= 4 else []) + cands_dot if c != default]
         best = None
         for cfg in pool:
-            if time.time() - start > budget_s:
+            if time.time() - start > budget_s / len(ms):
                 break
 
             def fn(cfg=cfg, xs=xs):
@@ -342,6 +347,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run (no timing)")
     ap.add_argument("--sweep", action="store_true", help="only the tile sweep")
     ap.add_argument("--sweep-budget", type=float, default=60.0)
+    ap.add_argument("--sweep-ms", default="1,2,4,16", help="the sweep's M values")
+    ap.add_argument("--sweep-forms", default="bf16,fp8,fp8-wo", help="the sweep's forms (fp8-wo: weight-only)")
     ap.add_argument("--fp8-forms", action="store_true", help="time only the FP8 decode forms (after every check)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -370,12 +377,15 @@ def main() -> None:
     kinds = [(name, fp8) for name, (_, _, quant) in shapes.items() for fp8 in (False, True) if quant or not fp8]
     if args.sweep:
         result["sweep"] = {}
-        for name, fp8 in kinds:
+        forms = [(name, fp8, wo) for name, fp8 in kinds for wo in ((False, True) if fp8 else (False,))
+                 if (("fp8-wo" if wo else "fp8") if fp8 else "bf16") in args.sweep_forms.split(",")]
+        sweep_ms = tuple(int(m) for m in args.sweep_ms.split(","))
+        for name, fp8, wo in forms:
             ns, k, _ = shapes[name]
             prob = Problem(ns, k, fp8, dev, gen, sets=1)
             prob = Problem(ns, k, fp8, dev, gen, sets=rotation(prob.weight_bytes()))
-            label = f"{name} {'fp8' if fp8 else 'bf16'}"
-            result["sweep"][label] = rows = sweep(prob, gen, args.sweep_budget / len(kinds))
+            label = f"{name} {('fp8-wo' if wo else 'fp8') if fp8 else 'bf16'}"
+            result["sweep"][label] = rows = sweep(prob, gen, args.sweep_budget / len(forms), wo, sweep_ms)
             for r in rows:
                 print(f"sweep {label:12} M={r['M']:3d} default {r['default_us']:7.2f} best {r['best_us']:7.2f} "
                       f"{r['best']}", flush=True)

@@ -180,6 +180,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("dense-fp8", 150, "python3 bench/dense.py --fp8-forms",
           "FP8 decode forms: bf16 vs W8A8 (+ its activation quant) vs FP8 weight-only at M = 1, 2, 4, with floors"),
     Stage("dense-sweep", 240, "python3 bench/dense.py --sweep --sweep-budget 180", "dense-linear tile sweep"),
+    Stage("dense-sweep-fp8", 170, "python3 bench/dense.py --sweep --sweep-budget 130 --sweep-ms 2,4 "
+          "--sweep-forms fp8,fp8-wo --shapes qkv,o", "dense-linear tile sweep, both FP8 forms at M = 2, 4"),
     Stage("moe-sweep-wide", 280, 'python3 bench/moe.py --sweep-only --sweep-budget 230 '
           '--sweep-ms "grouped=16,256,1024,4096;gemv=1,4"', "MoE tile sweep, every kind and M"),
     Stage("tp-calibrate", 300, 'for t in 2 4; do python3 -m moefx.cli calibrate --model qwen3-30b-a3b --tp $t '

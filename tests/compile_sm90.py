@@ -163,7 +163,7 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     starts = [0, lp.tiles[0], lp.tiles[0] + lp.tiles[1], sum(lp.tiles)]
     consts = dict(N0=ns[0], N1=ns[1], N2=ns[2], N3=1, T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=3,
                   HB0=False, HB1=False, HB2=False, HB3=False, K=H, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=fp8,
-                  XQ=fp8 and not wo, SUB_K=min(lp.block_k, BLOCK_SHAPE[1]) if fp8 else 1,
+                  XQ=fp8 and not wo,
                   SBN=BLOCK_SHAPE[0] if fp8 else 1, SBK=BLOCK_SHAPE[1] if fp8 else 1, NORM=False, HAS_NORM_W=False,
                   NORM_BLOCK=1, RESID=False, BLOCK_M=lp.block_m,
                   BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,

@@ -17,12 +17,11 @@ live in a per-device buffer that every tile leaves at zero, allocated outside CU
 captured before the buffer exists runs SPLIT_K = 1).
 FP8 (block-quant e4m3 weights with `weight_scale_inv` per (SBN x SBK) block), in two forms: W8A8 (XQ: e4m3
 activations with per-token-group scales, the `moefx::fp8_block_gemm` contract) and weight-only (float X, no x_scale).
-A program's rows lie inside one SBN row block. DOT=False loads its weight tile as [BLOCK_N, BLOCK_K // SUB_K, SUB_K]
-(SUB_K = min(BLOCK_K, SBK): one quant block per middle index), converts each weight once to fp32, sums the products
-within each quant block, and multiplies those partial sums by the block's weight scale (times the row's activation
-scale, W8A8): a few scale loads per step instead of one per X element. DOT=True (BLOCK_K <= SBK) scales each
-per-K-block dot; the weight-only form converts the weights to X's dtype first (exact). Accumulation stays fp32 and Y
-is rounded once, as `ref_fp8_block_gemm` / `ref_fp8_weight_only` do.
+A program's rows lie inside one SBN row block. DOT=False multiplies each X element by its block's weight scale
+(and its activation scale, W8A8) before the plain product: the scale loads hit L1, and on the H100 this form is 2x
+faster at M=1 than summing each quant block's products first and scaling the partial sums (docs/FINDINGS.md).
+DOT=True (BLOCK_K <= SBK) scales each per-K-block dot; the weight-only form converts the weights to X's dtype first
+(exact). Accumulation stays fp32 and Y is rounded once, as `ref_fp8_block_gemm` / `ref_fp8_weight_only` do.
 NORM (float X: the float or the FP8 weight-only form, `moefx::rms_norm_dense_linear`): X is the RMSNorm's input, so
 the norm costs no kernel of its own. A program needs the variance of its whole rows though it may own one K slice,
 so it first reads its rows over all of K (L2-resident, BLOCK_M x K elements; in NORM_BLOCK-wide loads, unrolled so
@@ -81,8 +80,7 @@ def _dense_tile(
     x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn, stride_wsn, stride_wsk,
     N: tl.constexpr, K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
-    FP8: tl.constexpr, XQ: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr, XQ: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
@@ -97,10 +95,6 @@ def _dense_tile(
     x_off = offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]  # X's, R's and RESID's outputs
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
     s_row = (pid_n * BLOCK_N) // SBN  # FP8: the weight-scale row of this program's rows
-    if FP8 and not DOT:  # K offsets of a step as [quant block, element within it] (SUB_K = min(BLOCK_K, SBK))
-        offs_kb = tl.arange(0, BLOCK_K // SUB_K)
-        k3 = offs_kb[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]
-        w3_ptrs = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn + (k_lo + k3)[None, :, :]
     # RESID: X, the residual and both outputs share X's row stride; the first N tile of the first weight writes the
     # sum and the normed rows over its K slice (every slice and M tile of it: all of them, once)
     writes = (tile0 == 0) & (pid_n == 0)
@@ -138,8 +132,8 @@ def _dense_tile(
             if RESID:
                 if writes:
                     tl.store(xo_ptr + x_off + kk, x, mask=xk_mask)
+        w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         if DOT:
-            w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
             if FP8 and not XQ:
                 w = w.to(x_ptr.dtype.element_ty)  # exact: every e4m3 value is a bf16/fp16/fp32 value
             if IEEE:
@@ -159,25 +153,18 @@ def _dense_tile(
                     acc += part * w_s
             else:
                 acc += part
-        elif FP8:
-            # the weight tile as [BLOCK_N, quant blocks, SUB_K]: each product is summed within its quant block
-            # first, and the scales multiply those NB partial sums, not every element
-            k3_mask = k3 < K - (k_lo + kk)
-            w = tl.load(w3_ptrs + kk, mask=n_mask[:, None, None] & k3_mask[None, :, :], other=0.0,
-                        eviction_policy="evict_first")
-            x3 = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // SUB_K, SUB_K])
-            part = tl.sum(x3[:, None, :, :] * w.to(tl.float32)[None, :, :, :], axis=3)  # [BM, BN, NB]
-            kb = tl.minimum((k_lo + kk) // SBK + offs_kb, (K - 1) // SBK)  # past K: the last block (0 * scale)
-            w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk)
-            if XQ:
-                a_s = tl.load(xs_ptr + offs_m[:, None] * stride_xsm + kb[None, :] * stride_xsk,
-                              mask=m_mask[:, None], other=0.0)
-                acc += tl.sum(part * (a_s[:, None, :] * w_s[None, None, :]), axis=2)
-            else:
-                acc += tl.sum(part * w_s[None, None, :], axis=2)
         else:
-            w = tl.load(w_ptrs + kk, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            xf = x.to(tl.float32)
+            if FP8:  # each X element times its block's scales (L1-resident loads), then the plain product
+                kb = (k_lo + kk + offs_k) // SBK
+                w_s = tl.load(ws_ptr + s_row * stride_wsn + kb * stride_wsk, mask=k_mask, other=0.0)
+                if XQ:
+                    a_s = tl.load(xs_ptr + offs_m[:, None] * stride_xsm + kb[None, :] * stride_xsk,
+                                  mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    xf = xf * a_s * w_s[None, :]
+                else:
+                    xf = xf * w_s[None, :]
+            acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     if SPLIT_K == 1:
@@ -246,7 +233,7 @@ def _dense_kernel(
     T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NUM_W: tl.constexpr,
     HB0: tl.constexpr, HB1: tl.constexpr, HB2: tl.constexpr, HB3: tl.constexpr,
     K: tl.constexpr, N_TOTAL: tl.constexpr, M_TILES: tl.constexpr,
-    FP8: tl.constexpr, XQ: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB_K: tl.constexpr,
+    FP8: tl.constexpr, XQ: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
     NORM: tl.constexpr, HAS_NORM_W: tl.constexpr, NORM_BLOCK: tl.constexpr, RESID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
@@ -263,7 +250,7 @@ def _dense_kernel(
                     x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                     w0_ptr, ws0_ptr, b0_ptr, y0_ptr, part_ptr, cnt_ptr,
                     M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn0, stride_wsn0, stride_wsk,
-                    N0, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                    N0, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, HB0, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                     BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         if ROUTE:  # one weight, the router: its N tiles are T1
             _route_tail(stored, pid_m, y0_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, M, scaling, T1, BLOCK_M, SLOT,
@@ -274,7 +261,7 @@ def _dense_kernel(
                         x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                         w1_ptr, ws1_ptr, b1_ptr, y1_ptr, part_ptr, cnt_ptr,
                         M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn1, stride_wsn1, stride_wsk,
-                        N1, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB1, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                        N1, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, HB1, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                         BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         elif NUM_W > 2:
             if pid < T3:
@@ -282,14 +269,14 @@ def _dense_kernel(
                             x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                             w2_ptr, ws2_ptr, b2_ptr, y2_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn2, stride_wsn2, stride_wsk,
-                            N2, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB2, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                            N2, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, HB2, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
             elif NUM_W > 3:
                 _dense_tile(pid - T3, pid_k, pid_m, T3, N0 + N1 + N2,
                             x_ptr, xs_ptr, nw_ptr, r_ptr, h_ptr, xo_ptr,
                             w3_ptr, ws3_ptr, b3_ptr, y3_ptr, part_ptr, cnt_ptr,
                             M, eps, stride_xm, stride_xsm, stride_xsk, stride_wn3, stride_wsn3, stride_wsk,
-                            N3, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, SUB_K, HB3, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
+                            N3, K, N_TOTAL, M_TILES, FP8, XQ, SBN, SBK, HB3, NORM, HAS_NORM_W, NORM_BLOCK, RESID,
                             BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
 
 
@@ -369,9 +356,9 @@ def plan_launch(
     bk = cfg.block_k or min(MAX_AUTO_BLOCK_K, triton.next_power_of_2(k))
     weight_bytes = 1 if block_shape is not None else 2  # the automatic rows count 2 bytes for every float dtype
     bm = cfg.block_m or min(triton.next_power_of_2(max(m, 1)), MAX_AUTO_BLOCK_M[cfg.dot])
-    # FP8 on the CUDA cores holds the [BLOCK_M, rows, K] product as quant-block partial sums: its automatic rows
-    # shrink with BLOCK_M, so a thread keeps AUTO_THREAD_BYTES of products, not BLOCK_M times that (spills at M=4)
-    per_row = bk * weight_bytes * (bm if block_shape is not None and not cfg.dot else 1)
+    # past one row of X the fp32 [BLOCK_M, rows, K] product, not the weight, fills the registers: FP8 on the CUDA
+    # cores takes the float rows there (its doubled rows ran 2-3.5x slower than M=1 at M=2-4 on the H100)
+    per_row = bk * (2 if bm > 1 and not cfg.dot else weight_bytes)
     bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // per_row)
     _pow2(bn, "block_n")
     _pow2(bk, "block_k", 16)
@@ -575,7 +562,7 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
         N0=nn[0], N1=nn[1], N2=nn[2], N3=nn[3], T1=starts[1], T2=starts[2], T3=starts[3], NUM_W=len(ns),
         HB0=hb[0], HB1=hb[1], HB2=hb[2], HB3=hb[3],
         K=k, N_TOTAL=sum(ns), M_TILES=lp.m_tiles, FP8=block_shape is not None, XQ=block_shape is not None and xq,
-        SBN=sbn, SBK=sbk, SUB_K=min(lp.block_k, sbk), NORM=norm,
+        SBN=sbn, SBK=sbk, NORM=norm,
         HAS_NORM_W=has_norm_w, NORM_BLOCK=norm_block(lp, k, cfg.dot) if norm else 1, RESID=resid,
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
