@@ -110,7 +110,7 @@ class PassConfig:
     # Route the router's logits in its GEMV's last program (after fuse_norm_linear and fuse_moe_routing).
     fuse_router_topk: bool | None = None
     # At decode M (<= 4 rows) FP8 block linears read their float input (weight-only dequant, no activation quant);
-    # opt-in (None: off) until a GPU run measures it against the W8A8 form (docs/DENSE.md).
+    # None: on where the dense policy runs the GEMV (faster than the W8A8 form on the H100, docs/DENSE.md).
     fp8_weight_only: bool | None = None
     # Write each graph before/after the moefx passes into this folder (also MOEFX_DUMP_GRAPHS).
     dump_graph_dir: str | None = None

@@ -188,8 +188,30 @@ def test_plan_explains_each_projection_with_its_row(tmp_path, monkeypatch):
     assert "dense o eager M 1..inf = upstream  [no calibration row for eager]" in text
     assert "dense router key = NVIDIA H200 cap=9.0 sms=132 N=128 K=2048" in text
     assert plan.passes["fuse_sibling_linears"].enabled and plan.passes["dense_linears"].enabled  # a gemv row here
+    assert not plan.passes["fp8_weight_only"].enabled  # a bf16 model: no activation quant to drop
+    assert "no FP8 activation quant" in plan.passes["fp8_weight_only"].reason
     forced = resolve(ms, es, {"dense_backend": "upstream"})
     assert "dense o capture M 1..inf = upstream  [user config]" in forced.explain()
+
+
+def test_fp8_weight_only_is_on_for_an_fp8_model_where_the_gemv_runs(tmp_path, monkeypatch):
+    from moefx.backends import calibration
+    from moefx.models.catalog import catalog_config
+    from moefx.quantize import Fp8BlockConfig
+
+    monkeypatch.setattr(calibration, "PACKAGE_TABLES", tmp_path / "none")
+    calibration.invalidate()
+    config = {**catalog_config("qwen3-30b-a3b"), "quantization_config": Fp8BlockConfig().quantization_config()}
+    ms = ModelSignature.from_config(config)
+    es = ExecutionSignature.preset("h200", mode="capture")
+    assert not resolve(ms, es).passes["fp8_weight_only"].enabled  # no row yet: the dense passes are off too
+    table = tmp_path / "xdg" / "moefx" / "calibration" / "dense.yaml"
+    key = P.DenseKey("NVIDIA H200", (9, 0), 132, (4096, 512, 512), 2048, "bfloat16", (128, 128), "capture")
+    _write_row(table, key, "gemv@1-16,upstream@17-")
+    decision = resolve(ms, es).passes["fp8_weight_only"]
+    assert decision.enabled and "faster than W8A8" in decision.reason
+    off = resolve(ms, es, {"pass_config": {"fp8_weight_only": False}})
+    assert not off.passes["fp8_weight_only"].enabled and off.passes["dense_linears"].enabled
 
 
 def test_no_row_means_the_dense_passes_are_not_preferred(tmp_path, monkeypatch):
