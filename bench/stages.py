@@ -59,7 +59,7 @@ STAGES: tuple[Stage, ...] = (
           keeps=("offload.json",)),
     Stage("offload-profile", 360, "python3 bench/offload.py --profile --skip-peer --mode eager",
           "expert offload, per-kernel profile"),
-    Stage("gpu-tests", 240, "python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu tests; "
+    Stage("gpu-tests", 360, "python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu tests; "
           f"python3 -m pytest -q -n 4 -p no:cacheprovider {BACKEND_TESTS}", "the GPU tests and the backend tests"),
     Stage("calibrate", 480, "bash bench/calibrate_shipped.sh",
           "this GPU's shipped calibration rows: the five catalog shapes, bf16 and FP8 block-128, both modes"),
