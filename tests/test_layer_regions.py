@@ -468,3 +468,32 @@ def test_frames_handle_is_the_layers_kind_not_what_the_process_built_before():
     second = LayerFrames(model_b, None)
     assert second.handle == handle != first.handle
     assert LayerFrames(model_b, None).handle != second.handle
+
+
+def _decode_graph_symbols(layers: int, stack_off: str | None = None) -> int:
+    """The symbolic sizes among the decode step's dynamo graph inputs (the graph run as traced, no compile)."""
+    torch._dynamo.reset()
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
+    install_layer_regions(model, frames=True)
+    if stack_off is not None:
+        layer_frames(model).stack_off = stack_off
+    symbols: dict[str, int] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        decode_ops = (torch.ops.moefx.layer_stack_decode, torch.ops.moefx.layer_decode)
+        if any(n.target in decode_ops or getattr(n.target, "overloadpacket", None) in decode_ops
+               for n in gm.graph.nodes):  # the decode step (not a layer body, the prefill or the sampler)
+            symbols["decode"] = sum(isinstance(x, torch.SymInt) for x in example_inputs)
+        return gm.forward
+
+    DecodeLoop(model, compile_kwargs={"backend": backend}).generate(_ids(1, 5, layers), 3, GREEDY)
+    torch._dynamo.reset()
+    return symbols["decode"]
+
+
+def test_the_stacked_decode_step_shares_its_cache_sizes_across_layers():
+    """Each layer's cache tensors would bring their own symbolic sizes into the decode step (nothing relates them
+    once the layers are one opaque op), and AOTAutograd's and inductor's work grew with them (docs/FINDINGS.md):
+    the stack checks every layer's shapes against layer 0's, so the step's symbols do not grow with depth."""
+    assert _decode_graph_symbols(2) == _decode_graph_symbols(6)
+    assert _decode_graph_symbols(6, "one op per layer") > _decode_graph_symbols(6)

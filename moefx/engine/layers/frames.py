@@ -159,6 +159,8 @@ class LayerFrames(LayerCalls):
         kinds = [shared_kind(entry, True) for entry in entries]
         if any(k != kind for k in kinds):
             return f"cache layers the {kind} body does not take ({sorted({type(e).__name__ for e in entries})})"
+        if kind == "decode" and not _same_shapes(entries):
+            return "cache layers of different shapes"
         hooked = [i for i, layer in enumerate(self.layers) if layer._forward_hooks or layer._forward_pre_hooks]
         if hooked:
             return f"forward hooks on decoder layers {hooked} (they would see the stack's output)"
@@ -230,6 +232,15 @@ class LayerFrames(LayerCalls):
         argument name and the handle."""
         tensors = [k for k in (*_TENSORS, "position_embeddings") if k in rest]
         return ",".join(tensors), ";".join(f"{k}={rest[k]!r}" for k in _flags(rest)), name, self.handle
+
+
+def _same_shapes(entries: list[Any]) -> bool:
+    """Whether every layer's keys and values have layer 0's shapes. Traced, the comparison also tells dynamo that
+    their dynamic sizes are one size: each cache tensor otherwise brings its own symbols, which nothing in the graph
+    relates once the layers are one opaque op, and AOTAutograd's and inductor's symbolic work grew with them
+    (docs/FINDINGS.md)."""
+    first = entries[0]
+    return all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in entries[1:])
 
 
 @torch.compiler.assume_constant_result
