@@ -103,18 +103,85 @@ def test_op_on_cpu_is_sdpa_and_shapes_are_checked():
     assert splits_for(1, 4, 64) == 1 and splits_for(1, 4, 256) == 4 and splits_for(64, 4, 4352) == 2
 
 
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_SHAPES = ((1, 32, 4, 256, 128), (1, 32, 4, 290, 128), (16, 32, 4, 4352, 128), (3, 8, 8, 77, 64))
+
+
+def _gpu_inputs(batch, hq, hkv, length, d, dtype):
+    q, k, v = (t.to("cuda", dtype) for t in _inputs(batch, hq, hkv, length, d, seed=batch))
+    valid = torch.randint(1, length + 1, (batch,), device="cuda")
+    return q, k, v, torch.arange(length, device="cuda")[None, :] < valid[:, None]
+
+
+def _gpu_counters_at_zero() -> bool:
+    from moefx.kernels.decode_attn import _COUNTERS
+
+    torch.cuda.synchronize()
+    return all(int(c.count_nonzero()) == 0 for c in _COUNTERS.values())
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_the_gpu(dtype):
-    for batch, hq, hkv, length, d in ((1, 32, 4, 256, 128), (16, 32, 4, 4352, 128), (3, 8, 8, 77, 64)):
-        q, k, v = (t.to("cuda", dtype) for t in _inputs(batch, hq, hkv, length, d, seed=batch))
-        valid = torch.randint(1, length + 1, (batch,), device="cuda")
-        mask = torch.arange(length, device="cuda")[None, :] < valid[:, None]
+    """Against SDPA in fp32 (bf16: one rounding of the output and bf16 probabilities), the same bits on every call
+    whichever slice arrives last, and the counters left at zero."""
+    for batch, hq, hkv, length, d in GPU_SHAPES:
+        q, k, v, mask = _gpu_inputs(batch, hq, hkv, length, d, dtype)
         out = torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5)
         want = decode_attention_reference(q.float(), k.float(), v.float(), mask, d ** -0.5)
         err = ((out.float() - want).norm() / want.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), (batch, length, dtype, err)
+        for _ in range(20):
+            assert torch.equal(torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5), out), (batch, length)
+        assert _gpu_counters_at_zero()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_one_launch_per_call():
+    """At the batch-1 decode shape (4 slices of 64 positions) a call is one kernel: no combine launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, mask = _gpu_inputs(1, 32, 4, 256, 128, torch.bfloat16)
+    torch.ops.moefx.decode_attention(q, k, v, mask, 128 ** -0.5)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.moefx.decode_attention(q, k, v, mask, 128 ** -0.5)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["_decode_attn_kernel"], kernels
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_replays_from_a_cuda_graph(monkeypatch):
+    """Captured after an eager call (the counters exist): the replay of new inputs gives the eager call's bits and
+    leaves the counters at zero. Captured before any call on a device without counters: one slice per (sequence,
+    KV head), one warning, still within the bound."""
+    from moefx.kernels import decode_attn as K
+
+    q, k, v, mask = _gpu_inputs(1, 32, 4, 256, 128, torch.bfloat16)
+    scale = 128 ** -0.5
+    torch.ops.moefx.decode_attention(q, k, v, mask, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.moefx.decode_attention(q, k, v, mask, scale)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
+        graph.replay()
+        assert torch.equal(out, torch.ops.moefx.decode_attention(q, k, v, mask, scale)), seed
+    assert _gpu_counters_at_zero()
+
+    K.decode_attention_triton(q, k, v, mask, scale, torch.empty_like(q), 1)  # the one-slice kernel compiled eagerly
+    monkeypatch.setattr(K, "_COUNTERS", {})
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="captured before its slice counters"):
+        with torch.cuda.graph(graph):
+            out = torch.ops.moefx.decode_attention(q, k, v, mask, scale)
+    graph.replay()
+    want = decode_attention_reference(q.float(), k.float(), v.float(), mask, scale)
+    assert ((out.float() - want).norm() / want.norm()).item() < 1e-2 and not K._COUNTERS
 
 
 @pytest.mark.slow

@@ -6,12 +6,13 @@ group (Hq / Hkv heads, padded to 16 rows for `tl.dot`) and runs an online softma
 blocks the mask rules out entirely (the unwritten tail of a static cache). With one slice the program writes the
 output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program writes
 (weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
-(acq_rel, GPU scope); the program that arrives last reads every slice's partials back in slice order (unrolled, so
-their loads are in flight together), rescales them to the common max, sums them, writes the output and resets the
-counter to zero. The sum's order is the slices', never the arrival order, so the result is deterministic (and, on
-the interpreter, bit-equal to a second kernel combining the same partials); one launch saves that kernel's launch
-and boundary, about 1-1.5 us on the H100 even inside a CUDA graph. The counters live in a per-device buffer that
-every call leaves at zero, allocated outside CUDA-graph capture (a call captured before it exists runs one slice).
+(acq_rel, GPU scope); the program that arrives last reads every slice's partials back in slice order
+(COMBINE_UNROLL slices a step, their loads in flight together), rescales them to the common max, sums them, writes
+the output and resets the counter to zero. The sum's order is the slices', never the arrival order, so the result
+is deterministic (and, on the interpreter, bit-equal to a second kernel combining the same partials); one launch
+saves that kernel's launch and boundary, about 1-1.5 us on the H100 even inside a CUDA graph. The counters live in
+a per-device buffer that every call leaves at zero, allocated outside CUDA-graph capture (a call captured before it
+exists runs one slice).
 PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads
 (the counters too), then lets its own dependent launch.
 The launcher accepts CPU tensors too, so the kernel runs under TRITON_INTERPRET=1 in the tests.
@@ -30,7 +31,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefx.kernels.pdl import pdl_launch, step_pdl
 
 BLOCK_L = 64
-MAX_SPLITS = 64  # the combine is unrolled over the slices
+MAX_SPLITS = 64
+# Slices the combine reads per step, unrolled (their loads in flight together): unrolled over 32 the sm_90 build spills
+# registers (Qwen3-30B-A3B's attention, tests/compile_sm90.py); at batch 1 over 150-300 positions one step reads all
+COMBINE_UNROLL = 8
 COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_for asks for slices below 264 pairs
 
 
@@ -40,8 +44,8 @@ def _decode_attn_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb, stride_ml,
     stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, G_COMB: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the decode step's chain (kernels/pdl.py): q and the cache rows are the previous kernel's writes
         gdc_wait()
@@ -120,14 +124,16 @@ def _decode_attn_kernel(
             w = tl.where(m > float("-inf"), tl.exp(m - m_all[:, None]), 0.0)
             total = tl.sum(l_s * w, axis=1)
             out = tl.zeros([G_COMB, D], tl.float32)
-            for s in tl.static_range(SPLITS_PAD):  # unrolled: the slices' loads are in flight together
-                s_ok = c_ok & (tl.full([G_COMB], s, tl.int32) < splits)
-                s_slot = base + s * G_PAD + c_rows
-                m_s = tl.load(part_ptr + s_slot * width + D, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
-                acc_s = tl.load(part_ptr + s_slot[:, None] * width + dims[None, :], mask=s_ok[:, None], other=0.0,
-                                cache_modifier=".cg")
-                out += acc_s * w_s[:, None]
+            for c0 in range(0, splits, CHUNK):  # each chunk unrolled: its slices' loads are in flight together
+                for j in tl.static_range(CHUNK):
+                    s_slot = base + (c0 + j) * G_PAD + c_rows
+                    s_ok = c_ok & (tl.zeros([G_COMB], tl.int32) + c0 + j < splits)
+                    m_s = tl.load(part_ptr + s_slot * width + D, mask=s_ok, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
+                    acc_s = tl.load(part_ptr + s_slot[:, None] * width + dims[None, :], mask=s_ok[:, None],
+                                    other=0.0, cache_modifier=".cg")
+                    out += acc_s * w_s[:, None]
             # a row with every position masked: 0 / 0, as with one slice (padded rows divide by 1, never stored)
             out = out / tl.where(c_ok, total, 1.0)[:, None]
             c_heads = kvh * G + c_rows
@@ -206,5 +212,6 @@ def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits
     splits = -(-length // per_split)
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
               MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, SPLITS_PAD=triton.next_power_of_2(splits),
+              CHUNK=min(triton.next_power_of_2(splits), COMBINE_UNROLL),
               G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw)
