@@ -21,6 +21,7 @@ The launcher accepts CPU tensors too, so the kernel runs under TRITON_INTERPRET=
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -178,15 +179,15 @@ _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 def _counters(device: torch.device) -> torch.Tensor | None:
     """The device's slice counters (zeros), or None inside a CUDA-graph capture that would have to create them (with
-    one warning: that graph runs one slice per (sequence, KV head))."""
+    a warning, which Python's default filter shows once: that graph runs one slice per (sequence, KV head)). Warned
+    through `warnings`, not moefx.log: kernel modules import no other moefx package."""
     key = (device.type, device.index)
     buf = _COUNTERS.get(key)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            from moefx.log import warn_once
-
-            warn_once("moefx decode_attention: captured before its slice counters exist on this device, so the graph "
-                      "runs one slice per (sequence, KV head), slower; one call outside the capture creates them")
+            warnings.warn("moefx decode_attention: captured before its slice counters exist on this device, so the "
+                          "graph runs one slice per (sequence, KV head), slower; one call outside the capture creates "
+                          "them", stacklevel=3)
             return None
         buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return buf
