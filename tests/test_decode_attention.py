@@ -1,4 +1,6 @@
-"""moefx::decode_attention: the Triton kernels (interpreter, fp32) against torch SDPA over the expanded heads."""
+"""moefx::decode_attention: the Triton kernel (interpreter, fp32) against torch SDPA over the expanded heads; its
+slices' combine (the last program of each (sequence, KV head)) independent of the arrival order, its counters left at
+zero; on the GPU (marked gpu) in bf16, in one launch, deterministic and replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import torch
 
 from moefx.ops.decode_attention import decode_attention_reference, splits_for, unsupported_reason
 
-CASES = [  # batch, q heads, kv heads, positions, head dim, splits
+CASES = [  # batch, q heads, kv heads, positions (none a multiple of the 64-position block), head dim, splits
     (1, 8, 1, 7, 16, 1),
     (2, 8, 2, 130, 32, 1),
-    (3, 4, 4, 200, 16, 3),
+    (3, 4, 4, 200, 16, 3),  # one head per group
     (1, 16, 2, 300, 64, 4),
+    (2, 6, 2, 150, 16, 64),  # groups of 3 (padded to 4 rows in the combine); 64 asked, 3 slices of one block
+    (2, 16, 2, 1000, 32, 16),
 ]
 
 
@@ -27,7 +31,7 @@ def _inputs(batch, hq, hkv, length, d, seed):
 
 
 def _run(case, mask_kind):
-    from moefx.kernels.decode_attn import decode_attention_triton
+    from moefx.kernels import decode_attn as K
 
     batch, hq, hkv, length, d, splits = case
     q, k, v = _inputs(batch, hq, hkv, length, d, seed=length)
@@ -43,7 +47,9 @@ def _run(case, mask_kind):
         mask[:, 0] = 0.0
         mask = mask + torch.randn(batch, length, generator=g) * (mask == 0)
     out = torch.full_like(q, float("nan"))
-    decode_attention_triton(q, k, v, mask, d ** -0.5, out, splits)
+    K.decode_attention_triton(q, k, v, mask, d ** -0.5, out, splits)
+    counters = K._COUNTERS.get(("cpu", None))
+    assert counters is None or int(counters.count_nonzero()) == 0, (case, mask_kind)
     want = decode_attention_reference(q, k, v, mask, d ** -0.5)
     return out, want
 
@@ -56,10 +62,29 @@ def _check_cases() -> None:
             assert err < 1e-5, (case, mask_kind, err)
 
 
+def _check_arrival_order() -> None:
+    """The interpreter runs a grid's programs in order, so the last slice arrives last; with the slice index
+    reversed, slice 0 arrives last and combines: the output is the same bit for bit."""
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    from moefx.kernels.decode_attn import _COUNTERS
+
+    in_order = {(case, kind): _run(case, kind)[0] for case in CASES if case[-1] > 1 for kind in ("bool", "float")}
+    assert _COUNTERS, "no call took the several-slice path"
+    forward = builder.set_grid_idx
+    builder.set_grid_idx = lambda x, y, z: forward(x, builder.grid_dim[1] - 1 - y, z)
+    try:
+        for (case, kind), first in in_order.items():
+            assert torch.equal(_run(case, kind)[0], first), (case, kind)
+    finally:
+        del builder.set_grid_idx
+
+
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="needs triton")
 def test_kernels_match_sdpa_under_the_interpreter():
-    """One subprocess with TRITON_INTERPRET=1 (set before triton is imported) runs every case."""
-    code = "import tests.test_decode_attention as t; t._check_cases(); print('ok')"
+    """One subprocess with TRITON_INTERPRET=1 (set before triton is imported) runs every case, then the slices' combine
+    with the programs in reverse order."""
+    code = "import tests.test_decode_attention as t; t._check_cases(); t._check_arrival_order(); print('ok')"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,18 +103,85 @@ def test_op_on_cpu_is_sdpa_and_shapes_are_checked():
     assert splits_for(1, 4, 64) == 1 and splits_for(1, 4, 256) == 4 and splits_for(64, 4, 4352) == 2
 
 
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_SHAPES = ((1, 32, 4, 256, 128), (1, 32, 4, 290, 128), (16, 32, 4, 4352, 128), (3, 8, 8, 77, 64))
+
+
+def _gpu_inputs(batch, hq, hkv, length, d, dtype):
+    q, k, v = (t.to("cuda", dtype) for t in _inputs(batch, hq, hkv, length, d, seed=batch))
+    valid = torch.randint(1, length + 1, (batch,), device="cuda")
+    return q, k, v, torch.arange(length, device="cuda")[None, :] < valid[:, None]
+
+
+def _gpu_counters_at_zero() -> bool:
+    from moefx.kernels.decode_attn import _COUNTERS
+
+    torch.cuda.synchronize()
+    return all(int(c.count_nonzero()) == 0 for c in _COUNTERS.values())
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_the_gpu(dtype):
-    for batch, hq, hkv, length, d in ((1, 32, 4, 256, 128), (16, 32, 4, 4352, 128), (3, 8, 8, 77, 64)):
-        q, k, v = (t.to("cuda", dtype) for t in _inputs(batch, hq, hkv, length, d, seed=batch))
-        valid = torch.randint(1, length + 1, (batch,), device="cuda")
-        mask = torch.arange(length, device="cuda")[None, :] < valid[:, None]
+    """Against SDPA in fp32 (bf16: one rounding of the output and bf16 probabilities), the same bits on every call
+    whichever slice arrives last, and the counters left at zero."""
+    for batch, hq, hkv, length, d in GPU_SHAPES:
+        q, k, v, mask = _gpu_inputs(batch, hq, hkv, length, d, dtype)
         out = torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5)
         want = decode_attention_reference(q.float(), k.float(), v.float(), mask, d ** -0.5)
         err = ((out.float() - want).norm() / want.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), (batch, length, dtype, err)
+        for _ in range(20):
+            assert torch.equal(torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5), out), (batch, length)
+        assert _gpu_counters_at_zero()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_one_launch_per_call():
+    """At the batch-1 decode shape (4 slices of 64 positions) a call is one kernel: no combine launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, mask = _gpu_inputs(1, 32, 4, 256, 128, torch.bfloat16)
+    torch.ops.moefx.decode_attention(q, k, v, mask, 128 ** -0.5)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.moefx.decode_attention(q, k, v, mask, 128 ** -0.5)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["_decode_attn_kernel"], kernels
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_replays_from_a_cuda_graph(monkeypatch):
+    """Captured after an eager call (the counters exist): the replay of new inputs gives the eager call's bits and
+    leaves the counters at zero. Captured before any call on a device without counters: one slice per (sequence,
+    KV head), one warning, still within the bound."""
+    from moefx.kernels import decode_attn as K
+
+    q, k, v, mask = _gpu_inputs(1, 32, 4, 256, 128, torch.bfloat16)
+    scale = 128 ** -0.5
+    torch.ops.moefx.decode_attention(q, k, v, mask, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.moefx.decode_attention(q, k, v, mask, scale)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
+        graph.replay()
+        assert torch.equal(out, torch.ops.moefx.decode_attention(q, k, v, mask, scale)), seed
+    assert _gpu_counters_at_zero()
+
+    K.decode_attention_triton(q, k, v, mask, scale, torch.empty_like(q), 1)  # the one-slice kernel compiled eagerly
+    monkeypatch.setattr(K, "_COUNTERS", {})
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="captured before its slice counters"):
+        with torch.cuda.graph(graph):
+            out = torch.ops.moefx.decode_attention(q, k, v, mask, scale)
+    graph.replay()
+    want = decode_attention_reference(q.float(), k.float(), v.float(), mask, scale)
+    assert ((out.float() - want).norm() / want.norm()).item() < 1e-2 and not K._COUNTERS
 
 
 @pytest.mark.slow

@@ -1,18 +1,30 @@
-"""Triton kernels of `moefx::decode_attention`: one query position per sequence against a KV cache, GQA-aware.
+"""Triton kernel of `moefx::decode_attention`: one query position per sequence against a KV cache, GQA-aware.
 
 Each program takes one (sequence, KV head) and one slice of the key positions (a compile-time length: static cache
 lengths come in steps of 256, so the variants stay few), holds the query rows of that head's
 group (Hq / Hkv heads, padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping
 blocks the mask rules out entirely (the unwritten tail of a static cache). With one slice the program writes the
-output; with several it writes (max, sum, weighted values) per slice and a second kernel combines them.
-The launcher accepts CPU tensors too, so the kernels run under TRITON_INTERPRET=1 in the tests.
+output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program writes
+(weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
+(acq_rel, GPU scope); the program that arrives last reads every slice's partials back in slice order
+(COMBINE_UNROLL slices a step, their loads in flight together), rescales them to the common max, sums them, writes
+the output and resets the counter to zero. The sum's order is the slices', never the arrival order, so the result
+is deterministic (and, on the interpreter, bit-equal to a second kernel combining the same partials); one launch
+saves that kernel's launch and boundary, about 1-1.5 us on the H100 even inside a CUDA graph. The counters live in
+a per-device buffer that every call leaves at zero, allocated outside CUDA-graph capture (a call captured before it
+exists runs one slice).
+PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads
+(the counters too), then lets its own dependent launch.
+The launcher accepts CPU tensors too, so the kernel runs under TRITON_INTERPRET=1 in the tests.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -20,15 +32,21 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moefx.kernels.pdl import pdl_launch, step_pdl
 
 BLOCK_L = 64
+MAX_SPLITS = 64
+# Slices the combine reads per step, unrolled (their loads in flight together): unrolled over 32 the sm_90 build spills
+# registers (Qwen3-30B-A3B's attention, tests/compile_sm90.py); at batch 1 over 150-300 positions one step reads all
+COMBINE_UNROLL = 8
+COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_for asks for slices below 264 pairs
 
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb, stride_ml,
     stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the decode step's chain (kernels/pdl.py): q and the cache rows are the previous kernel's writes
         gdc_wait()
@@ -83,63 +101,96 @@ def _decode_attn_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
     if SPLIT:
-        slot = (pid * tl.num_programs(1) + split) * G_PAD + rows
+        # slot of (this sequence and KV head, slice s, row r): (pid * splits + s) * G_PAD + r, D + 2 floats each
+        splits = tl.num_programs(1)
         width = D + 2
-        tl.store(part_ptr + slot[:, None] * width + dims[None, :], acc)
-        tl.store(part_ptr + slot * width + D, m_i)
-        tl.store(part_ptr + slot * width + D + 1, l_i)
+        base = pid * splits * G_PAD
+        slot = base + split * G_PAD + rows
+        tl.store(part_ptr + slot[:, None] * width + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ptr + slot * width + D, m_i, mask=row_ok)
+        tl.store(part_ptr + slot * width + D + 1, l_i, mask=row_ok)
+        tl.debug_barrier()  # every thread's partial is issued before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:  # the last slice of this (sequence, KV head) to finish combines all of them
+            c_rows = tl.arange(0, G_COMB)
+            c_ok = c_rows < G
+            s_all = tl.arange(0, SPLITS_PAD)
+            s_live = s_all < splits
+            stat = (base + s_all[None, :] * G_PAD + c_rows[:, None]) * width + D  # [G_COMB, SPLITS_PAD]
+            stat_ok = c_ok[:, None] & s_live[None, :]
+            m = tl.load(part_ptr + stat, mask=stat_ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(part_ptr + stat + 1, mask=stat_ok, other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m, axis=1)
+            m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # rows with no kept position: every weight is 0
+            w = tl.where(m > float("-inf"), tl.exp(m - m_all[:, None]), 0.0)
+            total = tl.sum(l_s * w, axis=1)
+            out = tl.zeros([G_COMB, D], tl.float32)
+            for c0 in range(0, splits, CHUNK):  # each chunk unrolled: its slices' loads are in flight together
+                for j in tl.static_range(CHUNK):
+                    s_slot = base + (c0 + j) * G_PAD + c_rows
+                    s_ok = c_ok & (tl.zeros([G_COMB], tl.int32) + c0 + j < splits)
+                    m_s = tl.load(part_ptr + s_slot * width + D, mask=s_ok, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
+                    acc_s = tl.load(part_ptr + s_slot[:, None] * width + dims[None, :], mask=s_ok[:, None],
+                                    other=0.0, cache_modifier=".cg")
+                    out += acc_s * w_s[:, None]
+            # a row with every position masked: 0 / 0, as with one slice (padded rows divide by 1, never stored)
+            out = out / tl.where(c_ok, total, 1.0)[:, None]
+            c_heads = kvh * G + c_rows
+            tl.store(out_ptr + b * stride_ob + c_heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=c_ok[:, None])
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # the next call finds every counter at zero
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _combine_kernel(
-    part_ptr, out_ptr, kv_heads, splits, stride_ob, stride_oh,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:  # the partials are the attention kernel's writes
-        gdc_wait()
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    row = tl.program_id(1)
-    b = pid // kv_heads
-    head = (pid % kv_heads) * G + row
-    s = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, D)
-    ok = s < splits
-    width = D + 2
-    slot = (pid * splits + s) * G_PAD + row
-    m = tl.load(part_ptr + slot * width + D, mask=ok, other=float("-inf"))
-    l_s = tl.load(part_ptr + slot * width + D + 1, mask=ok, other=0.0)
-    acc = tl.load(part_ptr + slot[:, None] * width + dims[None, :], mask=ok[:, None], other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(ok & (m > float("-inf")), tl.exp(m - m_all), 0.0)
-    total = tl.sum(l_s * w, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-
-def decode_attention_triton(q, k, v, mask, scale: float, out, splits: int) -> None:
+def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                            out: torch.Tensor, splits: int) -> None:
     """out [B, Hq, 1, D] = softmax(q k^T * scale + mask) v for q [B, Hq, 1, D], k/v [B, Hkv, L, D], mask None or
-    [B, L] (bool: keep; float: added), last dims contiguous. `splits` slices of the key positions (1: one kernel)."""
-    import torch
-
+    [B, L] (bool: keep; float: added), last dims contiguous. `splits` slices of the key positions (at most
+    MAX_SPLITS; 1: no partials). One launch either way; several slices need the device's counters (module
+    docstring): a call captured in a CUDA graph before they exist, or with more (sequence, KV head) pairs than
+    COUNTER_SLOTS, runs one slice."""
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
-    p = _launch_plan(batch, hq, d, kv_heads, length, splits, mask_kind, q.dtype == torch.float32,
-                     step_pdl(q.device))
+    args = (batch, hq, d, kv_heads, length, min(splits, MAX_SPLITS), mask_kind, q.dtype == torch.float32,
+            step_pdl(q.device))
+    p = _launch_plan(*args)
+    counters = out
+    if p.splits > 1:
+        counters = _counters(q.device) if batch * kv_heads <= COUNTER_SLOTS else None
+        if counters is None:
+            p = _launch_plan(*args[:5], 1, *args[6:])
     part = (torch.empty(p.part_numel, dtype=torch.float32, device=q.device) if p.splits > 1 else out)
     mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
     _decode_attn_kernel[p.grid](
-        q, k, v, mask_args[0], out, part,
+        q, k, v, mask_args[0], out, part, counters,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask_args[1], mask_args[2], out.stride(0), out.stride(1), kv_heads, length, scale, **p.kw,
     )
-    if p.splits > 1:
-        _combine_kernel[p.combine_grid](part, out, kv_heads, p.splits, out.stride(0), out.stride(1), **p.combine_kw)
+
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's slice counters (zeros), or None inside a CUDA-graph capture that would have to create them (with
+    a warning, which Python's default filter shows once: that graph runs one slice per (sequence, KV head)). Warned
+    through `warnings`, not moefx.log: kernel modules import no other moefx package."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            warnings.warn("moefx decode_attention: captured before its slice counters exist on this device, so the "
+                          "graph runs one slice per (sequence, KV head), slower; one call outside the capture creates "
+                          "them", stacklevel=3)
+            return None
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
 
 
 @dataclass(frozen=True)
@@ -148,23 +199,20 @@ class _Plan:
     part_numel: int
     grid: tuple[int, int]
     kw: dict
-    combine_grid: tuple[int, int]
-    combine_kw: dict
 
 
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
                  ieee: bool, pdl: bool = False) -> _Plan:
-    """Slices, buffer size, grids and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: both
-    kernels as programmatic dependents, kernels/pdl.py)."""
+    """Slices, partials' size, grid and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: a
+    programmatic dependent of the kernel before it, kernels/pdl.py)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = -(-length // splits)
     per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
     splits = -(-length // per_split)
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
-              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    combine_kw = dict(G=g, G_PAD=g_pad, D=d, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl, num_warps=1,
-                      **pdl_launch(pdl))
-    return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw,
-                 (batch * kv_heads, g), combine_kw)
+              MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, SPLITS_PAD=triton.next_power_of_2(splits),
+              CHUNK=min(triton.next_power_of_2(splits), COMBINE_UNROLL),
+              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw)

@@ -11,7 +11,7 @@ Off under the Triton interpreter (the wait is inline PTX) and below capability 9
 Two uses:
 - inside one op (the MoE experts' stage 2 after stage 1, grouped GEMM 2 after GEMM 1): always on where supported;
 - between ops, the decode step's chain (`step_pdl`): the dense GEMV, q/k norm + RoPE + cache write, decode
-  attention and its combine, and the experts' first stage each launch as a programmatic dependent of the kernel
+  attention, and the experts' first stage each launch as a programmatic dependent of the kernel
   before them, wait before their first read, and let their own dependents launch once all their programs run.
   On the H100 (8 and 48 layers at Qwen3-30B-A3B widths, B=1, bf16 and FP8) the chain took the decode step 2-4%
   faster than the same graphs without it, tokens equal (docs/PERFORMANCE.md); loading the dense GEMV's weights

@@ -5,9 +5,9 @@
 
 What it replaces in a decode step (H200, Qwen3-30B-A3B widths, B=1, a 256-position static cache, compiled): the
 cuDNN SDPA kernel (7.9 us per layer) plus the kernels that expand K/V to every query head and lay the inputs out
-for it (about 6 us per layer). CUDA runs the Triton kernels of `moefx/kernels/decode_attn.py` (fp32 accumulation;
-bf16/fp16 probabilities for the value product, as flash attention does); the CPU, and shapes the kernel does not
-take, run the reference: torch's SDPA over the expanded heads.
+for it (about 6 us per layer). CUDA runs the Triton kernel of `moefx/kernels/decode_attn.py`, one launch per call
+(fp32 accumulation; bf16/fp16 probabilities for the value product, as flash attention does); the CPU, and shapes
+the kernel does not take, run the reference: torch's SDPA over the expanded heads.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # Key positions per program before they are split over several programs: one 64-position block, so no program
 # waits on a chain of blocks: at B=1 decode (32 q / 4 KV heads, head 128) 64 positions beat 128 and 256, and 32
-# gains nothing (docs/FINDINGS.md: 5.1 us per layer over a 256-position cache, against 7.5 at 128 and 8.7 at 256).
-# The combine kernel is one small launch.
+# gains nothing (docs/FINDINGS.md: 5.1 us per layer over a 256-position cache, against 7.5 at 128 and 8.7 at 256,
+# measured with a separate combine kernel). The combine runs in the last program of each (sequence, KV head)
+# (kernels/decode_attn.py), so fewer, longer slices would only save it loads: one [G, D] fp32 partial per slice,
+# all issued together (at 150-300 positions 3-5 of them, 4 KB each at G=8, from L2), where a longer slice adds a
+# block to the serial chain of every program. 64 stays until an H100 run of 64 against 128 with this kernel says
+# otherwise.
 SPLIT_POSITIONS = 64
 TARGET_PROGRAMS = 264  # two per SM on an H200: splitting further only adds combine work
 
