@@ -190,7 +190,8 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
         router = dict(N0=128, T1=rp.tiles[0], T2=rp.tiles[0], T3=rp.tiles[0], NUM_W=1, N_TOTAL=128,
                       M_TILES=rp.m_tiles, BLOCK_M=rp.block_m, BLOCK_N=rp.block_n, BLOCK_K=rp.block_k,
                       SPLIT_K=rp.split_k, K_PER_SPLIT=rp.k_per_split, NORM_BLOCK=dense.norm_block(rp, H, cfg.dot),
-                      ROUTE=True, **route_constexprs(128, 8, "softmax", True, False, 1, 1))
+                      ROUTE=True, ROUTE_ROWS=dense.route_chunk_rows(rp.block_m, 128, cfg.num_warps),
+                      **route_constexprs(128, 8, "softmax", True, False, 1, 1))
         rtypes = types | dict(part_ptr="*fp32" if rp.split_k > 1 else "*bf16", cnt_ptr="*i32")
         row["route_kernel"] = _compile(dense._dense_kernel, rtypes, consts | norm | {"RESID": True} | router | chain,
                                        cfg.num_warps, cfg.num_stages, divisible)

@@ -108,6 +108,36 @@ def test_route_epilogue_routes_the_logits_as_fused_topk(m, e, k, cfg, spec):
     assert torch.equal(again[4], ids)  # a second call finds the counters at zero
 
 
+@pytest.mark.parametrize("kind", ["softmax", "topk_softmax", "sigmoid"])
+@pytest.mark.parametrize("special", ["ties", "nan", "inf"])
+def test_route_epilogue_ties_nan_and_inf_as_the_routing_kernel(kind, special):
+    """Three rows routed together in one M tile with a padding row: exact ties (copies of one router row, so equal
+    logits), a NaN expert (every row's weights NaN but sigmoid's renormalized ones, ids NaN first) or an infinite one.
+    The ids equal the routing kernel's and the torch path's of the same logits, the weights the routing kernel's
+    (the sums are integer or in pick order: bit for bit on the GPU; within the interpreter's numpy exp here)."""
+    from moefx.backends.routing import fused_topk_torch
+    from moefx.kernels.moe_routing import fused_topk_triton
+
+    x, nw, (w,), _ = _case(3, (40,), 64, torch.float32, "cpu")
+    w[[7, 12, 30]] = w[3].clone()
+    if special == "nan":
+        w[20, 5] = float("nan")
+    elif special == "inf":
+        w[20] = 0.0
+        w[20, 5] = float("inf")  # +inf or -inf per row, by the sign of its normed x
+    r = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    route = (6, kind, True, None, 1, 1, 1.0, None)
+    cfg = K.DenseConfig(block_n=8, block_k=32, split_k=2)
+    logits, _, _, weights, ids = K.dense_gemv(x, [w], [None], config=cfg, norm_weight=nw, norm_eps=EPS, residual=r,
+                                              route=route)
+    assert K.plan_launch(cfg, 3, (40,), 64, None, K._sm_count(x.device)).block_m == 4
+    assert torch.equal(logits[:, 7], logits[:, 3]) and torch.equal(logits[:, 30], logits[:, 3])
+    ref_w, ref_ids = fused_topk_triton(logits, *route)
+    assert torch.equal(ids, ref_ids) and torch.equal(ids, fused_topk_torch(logits, 6, kind)[1])
+    assert torch.equal(weights.isnan(), ref_w.isnan())
+    torch.testing.assert_close(weights, ref_w, rtol=2e-7, atol=0, equal_nan=True)
+
+
 def test_a_router_wider_than_the_epilogue_is_routed_by_the_routing_kernel():
     """Past MAX_ROUTE_EXPERTS the launch has no ROUTE epilogue; the routing kernel runs after it, same outputs."""
     from moefx.backends.routing import fused_topk_torch

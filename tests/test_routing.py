@@ -121,6 +121,33 @@ def test_kernel_breaks_ties_to_the_lower_id_and_never_repeats_an_id(kind: str, e
     assert torch.equal(ids[0], torch.arange(k))
 
 
+@pytest.mark.parametrize("kind", ["softmax", "topk_softmax", "sigmoid"])
+def test_kernel_ranks_nan_and_infinities_as_torch(kind: str) -> None:
+    """NaN ranks above +inf and ties among NaNs go to the lower id (torch.sort's order); +inf, all -inf and NaN rows
+    give NaN weights exactly where the torch path does (softmax's max or its exps not finite), finite rows stay
+    finite. The kernel's ids equal the torch path's exactly."""
+    from moefx.kernels.moe_routing import fused_topk_triton
+
+    dev = kernel_device()
+    e, k = 24, 6
+    logits = torch.randint(-2, 3, (6, e), generator=torch.Generator().manual_seed(1)).float()
+    logits[0, [17, 3]] = float("nan")  # two NaNs: both first, the lower id first
+    logits[1, [9, 5]] = float("inf")
+    logits[1, 2] = float("nan")
+    logits[2] = float("-inf")
+    logits[2, 7] = 1.0  # one finite score, the rest -inf
+    logits[3] = float("-inf")  # no finite score
+    logits[4, [11, 0]] = float("inf")  # an infinite max
+    w, ids = fused_topk_triton(logits.to(dev), k, kind, True, None, 1, 1, 1.0)
+    rw, rids = fused_topk_torch(logits, k, kind)
+    ids, w = ids.cpu(), w.cpu()
+    assert torch.equal(ids, rids)
+    assert ids[0, :2].tolist() == [3, 17] and ids[1, 0] == 2 and ids[1, 1:3].tolist() == [5, 9]
+    assert torch.equal(w.isnan(), rw.isnan())
+    assert not w[5].isnan().any()
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def test_kernel_reads_strided_logits() -> None:
     from moefx.kernels.moe_routing import fused_topk_triton
 

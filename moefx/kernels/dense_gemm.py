@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefx.kernels.moe_routing import constexprs as route_constexprs
-from moefx.kernels.moe_routing import route_row
+from moefx.kernels.moe_routing import route_rows
 from moefx.kernels.pdl import pdl_launch, step_pdl
 from moefx.kernels.rounding import round_as
 from moefx.kernels.routing_limits import kernel_supports
@@ -59,7 +59,11 @@ MAX_WEIGHTS = 4  # weights per launch (q/k/v: 3, gate/up: 2); more are launched 
 MAX_AUTO_BLOCK_M = {False: 8, True: 64}
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (int32, 256 KiB)
 MAX_ROUTE_EXPERTS = 1024  # the ROUTE epilogue's last program holds a row of E scores in registers
-NO_ROUTE = dict(E=1, TOP_K=1, KIND=0, RENORM=False, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, BLOCK_E=1, K_BLOCK=1)
+# Scores the ROUTE epilogue routes at once (rows x the experts' power of two): 16 rows of 128 experts, 16 per thread
+# at 4 warps; a taller M tile is routed in chunks of rows (route_chunk_rows)
+ROUTE_TILE = 2048
+NO_ROUTE = dict(E=1, TOP_K=1, KIND=0, RENORM=False, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, BLOCK_E=1, K_BLOCK=1,
+                ROUTE_ROWS=1)
 # X elements per load of the NORM prologue on the CUDA cores (BLOCK_M rows x NORM_BLOCK columns): at M=1 one load
 # of the whole 2048-wide row, all in flight at once, where narrower loads wait on each other; tensor-core tiles
 # (BLOCK_M >= 16) load BLOCK_K columns at a time (wider loads were slower there in the H200 probe of
@@ -196,29 +200,32 @@ def _route_tail(
     TILES: tl.constexpr, BLOCK_M: tl.constexpr, SLOT: tl.constexpr,
     E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
+    ROUTE_ROWS: tl.constexpr,
 ):
     """ROUTE: each program that wrote a Y tile of the router's logits counts it for its M tile (acq_rel, GPU scope);
-    the program that writes the last one reads the tile's rows back (from L2) and routes them as fused_topk does,
-    then leaves the counter at zero."""
+    the program that writes the last one reads the tile's rows back (from L2) and routes them together, as fused_topk
+    does one row (`route_rows`: the same weights to the bit), ROUTE_ROWS rows at a time (route_chunk_rows), then
+    leaves the counter at zero."""
     if stored:
         tl.debug_barrier()  # every thread's logits are issued before the release below
         cnt = cnt_ptr + SLOT - pid_m
         done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if done == TILES - 1:
             cols = tl.arange(0, BLOCK_E)
-            valid = cols < E
-            k_offs = tl.arange(0, K_BLOCK)
-            k_valid = k_offs < TOP_K
-            for r in tl.static_range(BLOCK_M):
-                row = pid_m * BLOCK_M + r
-                if row < M:
-                    x = tl.load(y_ptr + row.to(tl.int64) * E + cols, mask=valid, other=float("-inf"),
-                                cache_modifier=".cg").to(tl.float32)
-                    top_w, top_i = route_row(x, valid, cols, rb_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP,
-                                             TOPK_GROUP, BLOCK_E, K_BLOCK)
-                    out = row.to(tl.int64) * TOP_K + k_offs
-                    tl.store(rw_ptr + out, (top_w * scaling).to(rw_ptr.dtype.element_ty), mask=k_valid)
-                    tl.store(ri_ptr + out, top_i.to(tl.int64), mask=k_valid)
+            k_offs = tl.arange(0, K_BLOCK)[None, :]
+            for r0 in tl.static_range(0, BLOCK_M, ROUTE_ROWS):
+                in_tile = r0 + tl.arange(0, ROUTE_ROWS)
+                rows = pid_m * BLOCK_M + in_tile
+                in_m = ((in_tile < BLOCK_M) & (rows < M))[:, None]  # rows past the tile: masked, routed and dropped
+                x = tl.load(y_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=in_m & (cols < E)[None, :],
+                            other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+                x = tl.where(in_m, x, 0.0)  # finite: a padding row's arithmetic stays quiet
+                top_w, top_i = route_rows(x, cols, rb_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP,
+                                          BLOCK_E, K_BLOCK)
+                out = rows[:, None].to(tl.int64) * TOP_K + k_offs
+                out_mask = in_m & (k_offs < TOP_K)
+                tl.store(rw_ptr + out, (top_w * scaling).to(rw_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(ri_ptr + out, top_i.to(tl.int64), mask=out_mask)
             tl.atomic_xchg(cnt, 0)
 
 
@@ -239,7 +246,7 @@ def _dense_kernel(
     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     ROUTE: tl.constexpr, SLOT: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr,
     RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr, ROUTE_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Tiles of weight i are T_i .. T_{i+1}-1 of axis 0 (T0 = 0): one branch per weight, pruned past NUM_W.
     pid = tl.program_id(0)
@@ -254,7 +261,7 @@ def _dense_kernel(
                     BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, K_PER_SPLIT, DOT, IEEE, PDL)
         if ROUTE:  # one weight, the router: its N tiles are T1
             _route_tail(stored, pid_m, y0_ptr, cnt_ptr, rb_ptr, rw_ptr, ri_ptr, M, scaling, T1, BLOCK_M, SLOT,
-                        E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_E, K_BLOCK)
+                        E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_E, K_BLOCK, ROUTE_ROWS)
     elif NUM_W > 1:
         if pid < T2:
             _dense_tile(pid - T1, pid_k, pid_m, T1, N0,
@@ -535,6 +542,15 @@ def route_supported(num_experts: int, n_group: int) -> bool:
     return num_experts <= MAX_ROUTE_EXPERTS and kernel_supports(num_experts, n_group) is None
 
 
+def route_chunk_rows(block_m: int, num_experts: int, num_warps: int) -> int:
+    """Rows the ROUTE epilogue routes together (its ROUTE_ROWS): the M tile's, at least `num_warps` (the compiler lays
+    a [num_warps, BLOCK_E] tile out one row per warp, so each pick's max stays inside a warp, with no shared-memory
+    round trip and barrier; the rows past the tile are masked, routed by warps that would otherwise wait) and at most
+    ROUTE_TILE scores (powers of two, so the chunks tile BLOCK_M)."""
+    block_e = triton.next_power_of_2(num_experts)
+    return min(max(block_m, num_warps), max(1, ROUTE_TILE // block_e))
+
+
 def norm_block(lp: Launch, k: int, dot: bool) -> int:
     """Columns per load of the NORM prologue: BLOCK_K on the tensor cores, else NORM_TILE elements over the tile's
     rows, at least BLOCK_K and at most K."""
@@ -567,7 +583,8 @@ def _group_launch(cfg: DenseConfig, lp: Launch, ns: tuple[int, ...], has_bias: t
         BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, BLOCK_K=lp.block_k, SPLIT_K=lp.split_k, K_PER_SPLIT=lp.k_per_split,
         DOT=cfg.dot, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ROUTE=route is not None, SLOT=COUNTER_SLOTS - 1,
-        **(route_constexprs(ns[0], *route) if route is not None else NO_ROUTE),
+        **(route_constexprs(ns[0], *route) | dict(ROUTE_ROWS=route_chunk_rows(lp.block_m, ns[0], cfg.num_warps))
+           if route is not None else NO_ROUTE),
         PDL=pdl, **pdl_launch(pdl),
     )
     return (starts[len(ns)], lp.split_k, lp.m_tiles), kw

@@ -1,6 +1,6 @@
 """Fused MoE routing in one Triton kernel: scores, (group) top-k, renormalize, scale; one row per program.
 
-Selection is by repeated argmax with ties to the lower id. "softmax" ranks the fp32 logits themselves
+Selection is by repeated maxima with ties to the lower id. "softmax" ranks the fp32 logits themselves
 (softmax is monotone in them, so this is eager's choice without depending on the exp implementation);
 "sigmoid" ranks sigmoid + bias as computed here, `1 / (1 + exp(-x))` in fp32 (Triton's `tl.sigmoid`, which
 is also what inductor emits). TOP_K is any k >= 1; the k slots live in a power-of-two block K_BLOCK.
@@ -15,69 +15,121 @@ import triton
 import triton.language as tl
 
 KIND_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
+# The softmax denominator is summed in int64 fixed point: each exp(x - max) in [0, 1] times 2^50, truncated, so a
+# row of up to 4096 (routing_limits.MAX_KERNEL_EXPERTS) terms stays below 2^62. Integer sums do not depend on the
+# order the reduction adds in, so every tile shape and kernel gets the same denominator to the bit; the terms lose
+# less than 2^-50 each against a sum >= 1 (the max's own term), far below fp32's 2^-24.
+FIXED_ONE = tl.constexpr(2.0**50)
+FIXED_ULP = tl.constexpr(2.0**-50)
+INT64_MIN = tl.constexpr(-(2**63))
 
 
 @triton.jit
-def route_row(
-    x, valid, cols, bias_ptr,
+def _sum_and_max(s_a, k_a, s_b, k_b):
+    return s_a + s_b, tl.maximum(k_a, k_b)
+
+
+@triton.jit
+def _unkey(packed):
+    """The fp32 value of a packed key's upper half (the order-preserving map is its own inverse; NaN's key gives a
+    NaN)."""
+    key = (packed >> 32).to(tl.int32)
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def route_rows(
+    x, cols, bias_ptr,
     E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
-    """One row's routing: x the fp32 logits [BLOCK_E] (-inf past E, `valid`), `cols` their ids; (weights before
-    the scaling factor, ids), each [K_BLOCK]. Also the dense kernel's ROUTE epilogue (kernels/dense_gemm.py)."""
+    """Route a tile of rows together: x the fp32 logits [ROWS, BLOCK_E] (-inf past E), `cols` their ids [BLOCK_E];
+    returns (weights before the scaling factor, ids), each [ROWS, K_BLOCK] (0 past TOP_K). Also the dense kernel's
+    ROUTE epilogue (kernels/dense_gemm.py).
+
+    Each pick is one block-wide max over a packed int64 key per expert: an order-preserving int32 image of the fp32
+    choice in the upper half (NaN highest, as torch.topk; padding and taken experts below -inf, so the k ids are
+    distinct even when -inf scores remain), BLOCK_E - 1 - id in the lower half (ties to the lower id). The max
+    yields the value and the id at once. softmax/topk_softmax recover the pick's logit from its key; the softmax
+    denominator (fixed point, FIXED_ONE) rides in the reduction of the second pick; sigmoid's score at pick j is a
+    masked sum (exact: one term) riding in the reduction of pick j + 1. The sums over the k picks (renormalize,
+    topk_softmax) add in pick order. Block-wide reductions per tile of rows: TOP_K (softmax, topk_softmax), TOP_K + 1
+    (sigmoid; plus the group stage's), against 2 * TOP_K (+ 2 for softmax) per row when each pick took an argmax and
+    a masked sum and the rows went one after another. Every sum is either integer or in a fixed order, so any tile
+    of rows gives the same weights to the bit."""
+    ROWS: tl.constexpr = x.shape[0]
+    valid = (cols < E)[None, :]
     if KIND == 2:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         choice = scores
         if HAS_BIAS:
-            choice = choice + tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            choice = choice + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)[None, :]
         choice = tl.where(valid, choice, float("-inf"))
         if N_GROUP > 1:
             gsize: tl.constexpr = BLOCK_E // N_GROUP
-            grouped = tl.reshape(choice, (N_GROUP, gsize))
-            first = tl.max(grouped, axis=1)
-            first_at = tl.argmax(grouped, axis=1, tie_break_left=True)
-            in_group = tl.arange(0, gsize)[None, :]
-            second = tl.max(tl.where(in_group == first_at[:, None], float("-inf"), grouped), axis=1)
+            grouped = tl.reshape(choice, (ROWS, N_GROUP, gsize))
+            first = tl.max(grouped, axis=2)
+            first_at = tl.argmax(grouped, axis=2, tie_break_left=True)
+            in_group = tl.arange(0, gsize)[None, None, :]
+            second = tl.max(tl.where(in_group == first_at[:, :, None], float("-inf"), grouped), axis=2)
             group_score = first + second
-            keep = tl.zeros((N_GROUP,), dtype=tl.int1)
-            g_cols = tl.arange(0, N_GROUP)
+            keep = tl.zeros((ROWS, N_GROUP), dtype=tl.int1)
+            g_cols = tl.arange(0, N_GROUP)[None, :]
             for _ in tl.static_range(TOPK_GROUP):
-                g = tl.argmax(tl.where(keep, float("-inf"), group_score), axis=0, tie_break_left=True)
-                keep = keep | (g_cols == g)
-            keep_cols = tl.reshape(tl.broadcast_to(keep[:, None], (N_GROUP, gsize)), (BLOCK_E,))
+                g = tl.argmax(tl.where(keep, float("-inf"), group_score), axis=1, tie_break_left=True)
+                keep = keep | (g_cols == g[:, None])
+            keep_cols = tl.reshape(tl.broadcast_to(keep[:, :, None], (ROWS, N_GROUP, gsize)), (ROWS, BLOCK_E))
             choice = tl.where(keep_cols, choice, float("-inf"))
-    elif KIND == 0:
-        ex = tl.exp(x - tl.max(x, axis=0))
-        scores = ex / tl.sum(ex, axis=0)
-        choice = x
     else:
-        scores = x
         choice = x
-    # Rank on an order-preserving int32 image of the fp32 choice: INT32_MIN (below -inf) marks padding and
-    # experts already taken, so the k ids are distinct even when -inf scores remain; NaN ranks highest, as in
-    # torch.topk.
     bits = choice.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = tl.where(choice != choice, 2147483647, key)
     key = tl.where(valid, key, -2147483648)
-    k_offs = tl.arange(0, K_BLOCK)
-    k_valid = k_offs < TOP_K
-    top_w = tl.zeros((K_BLOCK,), dtype=tl.float32)
-    top_i = tl.zeros((K_BLOCK,), dtype=tl.int32)
+    packed = (key.to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)[None, :]
+    k_offs = tl.arange(0, K_BLOCK)[None, :]
+    top_w = tl.zeros((ROWS, K_BLOCK), dtype=tl.float32)
+    top_i = tl.zeros((ROWS, K_BLOCK), dtype=tl.int32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)  # the picks' weights (topk_softmax: exps) summed in pick order
+    best = tl.max(packed, axis=1)
     for j in tl.static_range(TOP_K):
-        i = tl.argmax(key, axis=0, tie_break_left=True)
-        w = tl.sum(tl.where(cols == i, scores, 0.0), axis=0)
-        top_w = tl.where(k_offs == j, w, top_w)
-        top_i = tl.where(k_offs == j, i, top_i)
-        key = tl.where(cols == i, -2147483648, key)
-    if KIND == 1:
-        ex = tl.where(k_valid, tl.exp(top_w - tl.max(tl.where(k_valid, top_w, float("-inf")), axis=0)), 0.0)
-        top_w = ex / tl.sum(ex, axis=0)
-    elif RENORM:
-        denom = tl.sum(top_w, axis=0)
+        taken = packed == best[:, None]
+        packed = tl.where(taken, INT64_MIN, packed)
+        top_i = tl.where(k_offs == j, (BLOCK_E - 1 - best.to(tl.int32))[:, None], top_i)
         if KIND == 2:
-            denom += 1e-20  # routing.SIGMOID_RENORM_EPS
-        top_w = top_w / denom
+            if j + 1 < TOP_K:
+                w, best = tl.reduce((tl.where(taken, scores, 0.0), packed), 1, _sum_and_max)
+            else:
+                w = tl.sum(tl.where(taken, scores, 0.0), axis=1)
+        else:
+            v = _unkey(best)
+            if j == 0:
+                row_max = v  # tl.max(x) but for the sign of a zero max (exp(x - max) is the same) and NaN rows
+                if KIND == 0:
+                    ex = tl.exp(x - row_max[:, None])
+                    fixed = tl.where(ex == ex, ex * FIXED_ONE, 0.0).to(tl.int64)
+                    if j + 1 < TOP_K:
+                        fixed_sum, best = tl.reduce((fixed, packed), 1, _sum_and_max)
+                    else:
+                        fixed_sum = tl.sum(fixed, axis=1)
+                    # NaN where an exp(x - max) is: a NaN or +inf max (a -inf max makes every weight NaN itself)
+                    denom = tl.where(tl.abs(row_max) < float("inf"), fixed_sum.to(tl.float32) * FIXED_ULP,
+                                     float("nan"))
+                elif j + 1 < TOP_K:
+                    best = tl.max(packed, axis=1)
+            elif j + 1 < TOP_K:
+                best = tl.max(packed, axis=1)
+            w = tl.exp(v - row_max)
+            if KIND == 0:
+                w = w / denom
+        total += w
+        top_w = tl.where(k_offs == j, w[:, None], top_w)
+    if KIND == 1:
+        top_w = top_w / total[:, None]
+    elif RENORM:
+        if KIND == 2:
+            total += 1e-20  # routing.SIGMOID_RENORM_EPS
+        top_w = top_w / total[:, None]
     return top_w, top_i
 
 
@@ -91,9 +143,9 @@ def _fused_topk_kernel(
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
     x = tl.load(logits_ptr + row * stride_t + cols * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
-    top_w, top_i = route_row(x, valid, cols, bias_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP,
-                             BLOCK_E, K_BLOCK)
-    k_offs = tl.arange(0, K_BLOCK)
+    top_w, top_i = route_rows(x[None, :], cols, bias_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP,
+                              BLOCK_E, K_BLOCK)
+    k_offs = tl.arange(0, K_BLOCK)[None, :]
     k_valid = k_offs < TOP_K
     tl.store(w_ptr + row * TOP_K + k_offs, (top_w * scaling).to(w_ptr.dtype.element_ty), mask=k_valid)
     tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64), mask=k_valid)
