@@ -263,7 +263,7 @@ class DecodeLoop:
             self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
         cache.reset()
         slot.uncapturable = _uncapturable_cache(cache)
-        if slot.uncapturable is None:
+        if slot.uncapturable is None and self.steps.cache_buffers:
             stack_cache_layers(cache)
         if self.compiled:
             mark_slot_dynamic(slot)

@@ -54,10 +54,11 @@ def _uncapturable_cache(cache: Any) -> str | None:
 def stack_cache_layers(cache: Any) -> str | None:
     """Make the cache's StaticLayers' keys, values and write positions views of one buffer per kind ([layers, rows,
     KV heads, length, head dim], and [layers]), kept on the cache (`layer_body.KV_BUFFERS`): the decoder stack op
-    then takes three cache tensors whatever the depth (`moefx/engine/layers/frames.py`), and a reset is three
-    launches. Everything else reads each layer's own view as before. The layers' tensors are dropped before the
-    buffers are allocated (zeros, as the layers' were), so the cache is not held twice. None when done, else why
-    the layers keep their own tensors (they are left as they were)."""
+    then takes three cache tensors whatever the depth (`moefx/engine/layers/frames.py`; the engine makes them
+    where those frames are bound, `Steps.cache_buffers`), and a reset is three launches. Everything else reads
+    each layer's own view as before. The layers' tensors are dropped before the buffers are allocated (zeros, as
+    the layers' were), so the cache is not held twice. None when done, else why the layers keep their own tensors
+    (they are left as they were)."""
     layers = list(getattr(cache, "layers", None) or [])
     kinds = sorted({type(layer).__name__ for layer in layers})
     if kinds != ["StaticLayer"] or not all(getattr(layer, "is_initialized", False) for layer in layers):

@@ -135,6 +135,10 @@ class Steps:
         frames = layer_frames(model)
         if frames is not None and self.compiled:
             frames.bind(self.compile)
+        # The slots' caches as buffers (`stack_cache_layers`) only where the frames read the cache through them:
+        # elsewhere the traced step reads the layers' own tensors (the nested region, transformers' attention), and
+        # the buffers read beside them (`get_seq_length`) would be graph inputs aliasing mutated ones.
+        self.cache_buffers = frames is not None and self.compiled
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
                 attention_mask: torch.Tensor | None, cache: Any, by_head: bool = False,
