@@ -542,3 +542,29 @@ def test_a_cache_the_engine_did_not_make_runs_one_op_per_layer_and_says_why():
     cache.layers[1].cumulative_length.add_(5)
     assert keys[2].eq(1).all() and keys[:2].eq(0).all() and lengths.tolist() == [0, 5, 0]
     assert "only initialized StaticLayers" in stack_cache_layers(StaticCache(config=model.config, max_cache_len=16))
+
+
+def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length():
+    """The frames' slot cache as buffers through what else reads its layers: the padded prefill's KV handover
+    into the layers' views, a shorter request after a longer one (the cache reset through its buffers) and a
+    longer one after (a second slot); tokens equal eager's each time, and the layers stay views of the buffers."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
+                        prefill_capture_tokens=64)
+    eager = DecodeLoop(stock)
+    for batch, length, tokens in ((2, 12, 6), (2, 5, 3), (2, 9, 300)):
+        ids = _ids(batch, length, length)
+        assert torch.equal(engine.generate(ids, tokens, GREEDY), eager.generate(ids, tokens, GREEDY)), length
+    assert engine.stats.compiles.get("prefill[padded]") and layer_frames(model).unstacked == {}, engine.stats.compiles
+    assert len(engine.slots) == 2
+    for slot in (engine.slots.find(2, 256, torch.device("cpu"), 0), engine.slots.latest(2)):
+        keys, values, lengths = kv_buffers(slot.cache)
+        for i, layer in enumerate(slot.cache.layers):
+            assert layer.keys.data_ptr() == keys[i].data_ptr() and layer.values.data_ptr() == values[i].data_ptr()
+            assert layer.cumulative_length.data_ptr() == lengths[i].data_ptr()
+        slot.reset_cache()
+        assert not keys.any() and not values.any() and not lengths.any()
+    torch._dynamo.reset()
