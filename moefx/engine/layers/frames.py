@@ -10,9 +10,9 @@ slot's layers are views of them, `moefx/engine/slots.py`) and declares the two i
 step has three cache inputs and AOTAutograd functionalizes two mutations (per-layer cache inputs and their
 functionalization were most of the decode step's cold compile growth with depth, docs/FINDINGS.md). Where the
 stack does not apply (`LayerFrames._why_no_stack`, or a later call whose arguments differ: the held layers then
-run their own ops),
-each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the layer's tensors as
-arguments and the layer index as a constant. Dynamo never traces a layer, so the step is traced once whatever
+run their own ops), each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the
+layer's tensors (indexed from the buffers in the graph, where the cache has them) as arguments and the layer
+index as a constant. Dynamo never traces a layer, so the step is traced once whatever
 the depth and stays one graph (a graph break would do as much, but transformers calls its layers in a loop, and dynamo
 drops a frame whose loop breaks to eager: its mask, rotary and glue code would then be compiled frame by frame,
 and they hit dynamo's recompile limit once two engines share a process). At run time the op calls the engine's
