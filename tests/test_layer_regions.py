@@ -228,12 +228,13 @@ def test_models_without_the_known_layer_stack_stay_inline():
 @pytest.mark.compile
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
-    """fp32, 4 layers, mode capture: with the layers as one region the decode step is still captured once (no graph
-    break, no host sync) and the tokens equal transformers' eager ones, as with the layers inlined."""
+    """fp32, 4 layers, mode capture: with the layers as one region, or as compiled frames over the slot's cache
+    buffers, the decode step is still captured once (no graph break, no host sync) and the tokens equal
+    transformers' eager ones, as with the layers inlined."""
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=4), seed=2, device="cuda")
     ids = _ids(2, 7, 5).cuda()
     want = stock.generate(ids, max_new_tokens=10, do_sample=False)
-    for regions in ("all", "none"):
+    for regions in ("all", "none", "frames"):
         torch._dynamo.reset()
         model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 2, "moe_backend": "gemv",
                                                              "layer_regions": regions})
