@@ -18,6 +18,7 @@ import moefx
 from moefx.compile import backend as moefx_backend
 from moefx.compile import post_grad_only
 from moefx.engine.engine import DecodeLoop
+from moefx.engine.layers.layer_body import kv_buffers
 from moefx.engine.layers.regions import install_layer_regions, layer_frames, why_no_regions
 from moefx.models import build_model, tiny_qwen3_moe_config
 from moefx.sampling.sampler import SamplingParams
@@ -84,8 +85,13 @@ def _run(layers: int, regions: str, stack_off: str | None = None,
     got_logits: list[torch.Tensor] = []
     want_logits: list[torch.Tensor] = []
     got = engine.generate(ids, 4, GREEDY, logits_out=got_logits)
-    # Each layer's keys and values are written in place: no whole-cache copy per layer and step.
-    assert recorder.cache_copies(engine.slots.latest(2).cache.layers[0].keys.shape) == 0
+    # Each layer's keys and values are written in place: no whole-cache copy per layer and step, nor of the buffers
+    # the layers are views of (the frames' caches only: elsewhere the step reads the layers' own tensors).
+    cache = engine.slots.latest(2).cache
+    assert recorder.cache_copies(cache.layers[0].keys.shape) == 0
+    assert (kv_buffers(cache) is not None) is (regions == "frames")
+    if regions == "frames":
+        assert recorder.cache_copies(kv_buffers(cache)[0].shape) == 0
     want = DecodeLoop(stock).generate(ids, 4, GREEDY, logits_out=want_logits)
     if steps is not None:
         steps.append(_step_ops(engine, ids))
@@ -95,10 +101,12 @@ def _run(layers: int, regions: str, stack_off: str | None = None,
 
 def _step_ops(engine: DecodeLoop, ids: torch.Tensor) -> list[str]:
     """The ops, in order, one more request's decode steps run (the profiler's CPU events, the frame ops themselves
-    left out: what runs inside them and around them is compared)."""
+    left out: what runs inside them and around them is compared), views and size reads left out too: the stack op
+    takes a layer's cache tensors from the buffers inside it, one op per layer in the graph before it."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.generate(ids, 2, GREEDY)
-    return [e.name for e in prof.events() if not e.name.startswith("moefx::")]
+    views = ("aten::select", "aten::as_strided", "aten::sym_")
+    return [e.name for e in prof.events() if not e.name.startswith(("moefx::", *views))]
 
 
 @pytest.mark.compile
@@ -220,12 +228,13 @@ def test_models_without_the_known_layer_stack_stay_inline():
 @pytest.mark.compile
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_regions_on_cuda_keep_one_captured_decode_graph_and_the_tokens():
-    """fp32, 4 layers, mode capture: with the layers as one region the decode step is still captured once (no graph
-    break, no host sync) and the tokens equal transformers' eager ones, as with the layers inlined."""
+    """fp32, 4 layers, mode capture: with the layers as one region, or as compiled frames over the slot's cache
+    buffers, the decode step is still captured once (no graph break, no host sync) and the tokens equal
+    transformers' eager ones, as with the layers inlined."""
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=4), seed=2, device="cuda")
     ids = _ids(2, 7, 5).cuda()
     want = stock.generate(ids, max_new_tokens=10, do_sample=False)
-    for regions in ("all", "none"):
+    for regions in ("all", "none", "frames"):
         torch._dynamo.reset()
         model = moefx.optimize(copy.deepcopy(stock), config={"max_batch_size": 2, "moe_backend": "gemv",
                                                              "layer_regions": regions})
@@ -470,30 +479,93 @@ def test_frames_handle_is_the_layers_kind_not_what_the_process_built_before():
     assert LayerFrames(model_b, None).handle != second.handle
 
 
-def _decode_graph_symbols(layers: int, stack_off: str | None = None) -> int:
-    """The symbolic sizes among the decode step's dynamo graph inputs (the graph run as traced, no compile)."""
+def _decode_graph_inputs(layers: int, stack_off: str | None = None) -> tuple[int, int, list[str]]:
+    """The decode step's dynamo graph inputs (the graph run as traced, no compile): how many, how many of its
+    tensor inputs share storage with another (AOTAutograd builds synthetic bases for such inputs where one is
+    mutated), and its layer ops."""
     torch._dynamo.reset()
-    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
+    model = copy.deepcopy(stock)
     install_layer_regions(model, frames=True)
     if stack_off is not None:
         layer_frames(model).stack_off = stack_off
-    symbols: dict[str, int] = {}
+    seen: dict[str, Any] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        decode_ops = (torch.ops.moefx.layer_stack_decode, torch.ops.moefx.layer_decode)
-        if any(n.target in decode_ops or getattr(n.target, "overloadpacket", None) in decode_ops
-               for n in gm.graph.nodes):  # the decode step (not a layer body, the prefill or the sampler)
-            symbols["decode"] = sum(isinstance(x, torch.SymInt) for x in example_inputs)
+        ops = _frame_ops(gm)
+        if any("decode" in op for op in ops):  # the decode step (not a layer body, the prefill or the sampler)
+            storages = [x.untyped_storage().data_ptr() for x in example_inputs if isinstance(x, torch.Tensor)]
+            seen["decode"] = (len(example_inputs), len(storages) - len(set(storages)), ops)
         return gm.forward
 
-    DecodeLoop(model, compile_kwargs={"backend": backend}).generate(_ids(1, 5, layers), 3, GREEDY)
+    ids = _ids(1, 5, layers)
+    got = DecodeLoop(model, compile_kwargs={"backend": backend}).generate(ids, 3, GREEDY)
     torch._dynamo.reset()
-    return symbols["decode"]
+    assert torch.equal(got, DecodeLoop(stock).generate(ids, 3, GREEDY)), layers
+    return seen["decode"]
 
 
-def test_the_stacked_decode_step_shares_its_cache_sizes_across_layers():
-    """Each layer's cache tensors would bring their own symbolic sizes into the decode step (nothing relates them
-    once the layers are one opaque op), and AOTAutograd's and inductor's work grew with them (docs/FINDINGS.md):
-    the stack checks every layer's shapes against layer 0's, so the step's symbols do not grow with depth."""
-    assert _decode_graph_symbols(2) == _decode_graph_symbols(6)
-    assert _decode_graph_symbols(6, "one op per layer") > _decode_graph_symbols(6)
+def test_the_decode_step_takes_the_cache_as_buffers_whatever_the_depth():
+    """The slot's cache layers are views of one keys, one values and one write-position buffer, and the decode step
+    reads only those (the stack op takes them whole; one op per layer indexes them in the graph): its graph inputs
+    are as many at 6 layers as at 2, none aliases another, and AOTAutograd functionalizes two mutated tensors
+    whatever the depth (each layer's tensors as inputs were most of the cold decode step's growth with depth,
+    docs/FINDINGS.md). Tokens equal eager."""
+    for stack_off in (None, "one op per layer"):
+        (inputs2, shared2, ops2), (inputs6, shared6, ops6) = (_decode_graph_inputs(n, stack_off) for n in (2, 6))
+        assert inputs6 == inputs2 and shared2 == shared6 == 0, (stack_off, inputs2, inputs6, shared2, shared6)
+        assert ops6 == (["moefx.layer_stack_decode"] if stack_off is None else ["moefx.layer_decode"] * 6), ops6
+
+
+def test_a_cache_the_engine_did_not_make_runs_one_op_per_layer_and_says_why():
+    """A StaticCache whose layers hold tensors of their own (a user's, not the engine's slot) has no buffers for
+    the stack op: the frames say so and keep one op per layer; once its layers are views of buffers
+    (`stack_cache_layers`) the stack takes it, and the layers' tensors are the buffers' (written through)."""
+    from transformers import StaticCache
+
+    from moefx.engine.layers.frames import LayerFrames
+    from moefx.engine.slots import stack_cache_layers
+
+    model = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(_ids(2, 1, 0), past_key_values=cache, use_cache=True)
+    frames = LayerFrames(list(model.model.layers), None)
+    hidden, cos = torch.zeros(2, 1, model.config.hidden_size), torch.zeros(2, 1, 4)
+    rest = {"position_embeddings": (cos, cos), "attention_mask": None, "use_cache": True}
+    with torch.no_grad():
+        assert "not views of one buffer per kind" in frames._why_no_stack("decode", cache, hidden, (), rest)
+        assert stack_cache_layers(cache) is None
+        assert frames._why_no_stack("decode", cache, hidden, (), rest) is None
+    keys, values, lengths = kv_buffers(cache)
+    assert keys.shape == (3, *cache.layers[0].keys.shape) and lengths.shape == (3,)
+    cache.layers[2].keys.fill_(1.0)
+    cache.layers[1].cumulative_length.add_(5)
+    assert keys[2].eq(1).all() and keys[:2].eq(0).all() and lengths.tolist() == [0, 5, 0]
+    assert "only initialized StaticLayers" in stack_cache_layers(StaticCache(config=model.config, max_cache_len=16))
+
+
+def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length():
+    """The frames' slot cache as buffers through what else reads its layers: the padded prefill's KV handover
+    into the layers' views, a shorter request after a longer one (the cache reset through its buffers) and a
+    longer one after (a second slot); tokens equal eager's each time, and the layers stay views of the buffers."""
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
+                        prefill_capture_tokens=64)
+    eager = DecodeLoop(stock)
+    for batch, length, tokens in ((2, 12, 6), (2, 5, 3), (2, 9, 300)):
+        ids = _ids(batch, length, length)
+        assert torch.equal(engine.generate(ids, tokens, GREEDY), eager.generate(ids, tokens, GREEDY)), length
+    assert engine.stats.compiles.get("prefill[padded]") and layer_frames(model).unstacked == {}, engine.stats.compiles
+    assert len(engine.slots) == 2
+    for slot in (engine.slots.find(2, 256, torch.device("cpu"), 0), engine.slots.latest(2)):
+        keys, values, lengths = kv_buffers(slot.cache)
+        for i, layer in enumerate(slot.cache.layers):
+            assert layer.keys.data_ptr() == keys[i].data_ptr() and layer.values.data_ptr() == values[i].data_ptr()
+            assert layer.cumulative_length.data_ptr() == lengths[i].data_ptr()
+        slot.reset_cache()
+        assert not keys.any() and not values.any() and not lengths.any()
+    torch._dynamo.reset()

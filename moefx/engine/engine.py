@@ -41,7 +41,7 @@ from moefx.engine.graphs import Graphs
 from moefx.engine.memory import cache_bytes
 from moefx.engine.prefill import BucketedPrefill
 from moefx.engine.request import LateStop, Request, check_input_ids, check_prompt
-from moefx.engine.slots import Slot, SlotPool, _uncapturable_cache
+from moefx.engine.slots import Slot, SlotPool, _uncapturable_cache, stack_cache_layers
 from moefx.engine.steps import Steps, mark_slot_dynamic
 from moefx.log import progress_logger, warn_once
 from moefx.sampling.sampler import SamplingParams
@@ -263,6 +263,8 @@ class DecodeLoop:
             self._run(state["tokens"], state["position_ids"], state["cache_position"], None, cache)
         cache.reset()
         slot.uncapturable = _uncapturable_cache(cache)
+        if slot.uncapturable is None and self.steps.cache_buffers:
+            stack_cache_layers(cache)
         if self.compiled:
             mark_slot_dynamic(slot)
         held = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None),

@@ -9,6 +9,7 @@ the same batch bucket that is alive serves the request instead.
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from moefx.engine.layers.layer_body import KV_BUFFERS, kv_buffers
 from moefx.engine.memory import MemoryBudget
 from moefx.engine.request import MAX_EOS_IDS
 from moefx.log import get_logger
@@ -47,6 +49,47 @@ def _uncapturable_cache(cache: Any) -> str | None:
     if kinds != ["StaticLayer"]:
         return f"cache layers {kinds or 'unknown'} (only StaticLayer keeps all its state on the device)"
     return None
+
+
+def stack_cache_layers(cache: Any) -> str | None:
+    """Make the cache's StaticLayers' keys, values and write positions views of one buffer per kind ([layers, rows,
+    KV heads, length, head dim], and [layers]), kept on the cache (`layer_body.KV_BUFFERS`): the decoder stack op
+    then takes three cache tensors whatever the depth (`moefx/engine/layers/frames.py`; the engine makes them
+    where those frames are bound, `Steps.cache_buffers`), and a reset is three launches. Everything else reads
+    each layer's own view as before. The layers' tensors are dropped before the buffers are allocated (zeros, as
+    the layers' were), so the cache is not held twice. None when done, else why the layers keep their own tensors
+    (they are left as they were)."""
+    layers = list(getattr(cache, "layers", None) or [])
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    if kinds != ["StaticLayer"] or not all(getattr(layer, "is_initialized", False) for layer in layers):
+        return f"cache layers {kinds or 'unknown'} (only initialized StaticLayers share buffers)"
+    first = layers[0]
+    like = [(t.shape, t.dtype, t.device) for t in (first.keys, first.values, first.cumulative_length)]
+    if any([(t.shape, t.dtype, t.device) for t in (layer.keys, layer.values, layer.cumulative_length)] != like
+           for layer in layers[1:]):
+        return "cache layers of different shapes, dtypes or devices"
+    for layer in layers:
+        layer.keys = layer.values = None
+    (k_shape, k_dtype, device), (v_shape, v_dtype, _), (_, n_dtype, _) = like
+    n = len(layers)
+    buffers = (torch.zeros((n, *k_shape), dtype=k_dtype, device=device),
+               torch.zeros((n, *v_shape), dtype=v_dtype, device=device), torch.zeros(n, dtype=n_dtype, device=device))
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values, layer.cumulative_length = (t[i] for t in buffers)
+    # static addresses, as transformers' StaticLayer marks its own tensors (the captured steps read them in place)
+    for t in (*buffers, *(t for layer in layers for t in (layer.keys, layer.values, layer.cumulative_length))):
+        torch._dynamo.mark_static_address(t)
+    setattr(cache, KV_BUFFERS, buffers)
+    cache.get_seq_length = types.MethodType(get_seq_length, cache)
+    return None
+
+
+def get_seq_length(cache: Any, layer_idx: int = 0) -> Any:
+    """StaticCache.get_seq_length (a layer's write position) read from the write-position buffer: transformers'
+    mask reads layer 0's, and a traced step that took that layer's view next to the buffer would take two
+    aliasing inputs (`layer_body.static_tensors`)."""
+    lengths = kv_buffers(cache)[2]
+    return lengths[layer_idx] if layer_idx < lengths.shape[0] else 0
 
 
 @dataclass
@@ -92,10 +135,16 @@ class Slot:
                    row_index=torch.arange(rows, **long))
 
     def reset_cache(self) -> None:
-        """Zero the cache before a request in two launches: transformers' `Cache.reset` launches three kernels per
-        layer (keys, values, write position), host work outside the captured prefill that grows with depth."""
+        """Zero the cache before a request in three launches (its buffers, `stack_cache_layers`) or two (a foreach
+        per dtype over its layers): transformers' `Cache.reset` launches three kernels per layer (keys, values, write
+        position), host work outside the captured prefill that grows with depth."""
         layers = self.cache.layers
         self.written = 0
+        buffers = kv_buffers(self.cache)
+        if buffers is not None:  # the layers' tensors are views of these
+            for t in buffers:
+                t.zero_()
+            return
         if self.uncapturable is not None or not all(layer.is_initialized for layer in layers):
             self.cache.reset()
             return
@@ -115,9 +164,11 @@ class Slot:
         """Drop what the slot holds (the pool calls it on eviction), so its memory is free at once: the layers'
         `get_mask_sizes` override (`moefx/engine/steps.py`) is a bound method of its layer, a reference cycle that
         would otherwise keep the cache alive until Python's cyclic collector ran (a long request stream's peak
-        allocated memory doubled while evicted caches waited for it: docs/FINDINGS.md)."""
+        allocated memory doubled while evicted caches waited for it: docs/FINDINGS.md); likewise the cache's own
+        `get_seq_length` override (`stack_cache_layers`)."""
         for layer in getattr(self.cache, "layers", None) or []:
             vars(layer).pop("get_mask_sizes", None)
+        vars(self.cache).pop("get_seq_length", None)
         self.graphs.clear()
         self.prefill.clear()
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from moefx.engine.compile_cache.aot import AotFunction, AotSteps, why_no_aot
+from moefx.engine.layers.layer_body import kv_buffers
 from moefx.engine.layers.regions import layer_frames
 from moefx.log import progress_logger, warn_once
 from moefx.sampling.sampler import SamplingParams, sample
@@ -80,6 +81,10 @@ def mark_slot_dynamic(slot: Any) -> None:
     static_layers = slot.uncapturable is None  # every layer a StaticLayer: keys [rows, heads, length, dim]
     if static_layers:
         torch._dynamo.maybe_mark_dynamic(slot.mask, 1)
+    buffers = kv_buffers(slot.cache)
+    for t in buffers[:2] if buffers is not None else ():  # [layers, rows, heads, length, dim]
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+        torch._dynamo.maybe_mark_dynamic(t, 3)
     for layer in slot.cache.layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(t, torch.Tensor):
@@ -91,7 +96,9 @@ def mark_slot_dynamic(slot: Any) -> None:
 
 
 def get_mask_sizes(layer: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
-    """StaticLayer.get_mask_sizes (kv length, kv offset), the length read from the keys' (dynamic) shape."""
+    """StaticLayer.get_mask_sizes (kv length, kv offset), the length read from the keys' (dynamic) shape. Only the
+    size is read: dynamo then takes it as a symbolic input, not the keys, so a step that reads the cache's buffers
+    (`stack_cache_layers`) does not also take this layer's view of them."""
     return layer.keys.shape[2], 0
 
 
@@ -128,6 +135,10 @@ class Steps:
         frames = layer_frames(model)
         if frames is not None and self.compiled:
             frames.bind(self.compile)
+        # The slots' caches as buffers (`stack_cache_layers`) only where the frames read the cache through them:
+        # elsewhere the traced step reads the layers' own tensors (the nested region, transformers' attention), and
+        # the buffers read beside them (`get_seq_length`) would be graph inputs aliasing mutated ones.
+        self.cache_buffers = frames is not None and self.compiled
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
                 attention_mask: torch.Tensor | None, cache: Any, by_head: bool = False,

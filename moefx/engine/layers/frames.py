@@ -4,12 +4,15 @@ With config `layer_regions: frames` (the default where torch traces every nested
 a compiled engine binds `LayerFrames`: while its prefill or decode step is traced, the decoder layer calls become
 one `moefx::layer_stack_prefill` or `moefx::layer_stack_decode` op for the whole stack. The first layer's call is
 held back (it returns its hidden states unchanged), so is every later call with the same arguments, and the last
-layer's call runs every layer's body in layer order inside the op. The decode op declares every layer's keys and
-values mutated, so AOTAutograd functionalizes the cache writes once per step, not once per layer (that per-layer
-work was most of the decode step's cold compile growth with depth, docs/FINDINGS.md). Where the stack does not
-apply (`LayerFrames._why_no_stack`, or a later call whose arguments differ: the held layers then run their own ops),
-each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the layer's tensors as
-arguments and the layer index as a constant. Dynamo never traces a layer, so the step is traced once whatever
+layer's call runs every layer's body in layer order inside the op. The decode op takes the engine's cache as
+three tensors whatever the depth (every layer's keys, every layer's values, every layer's write position: the
+slot's layers are views of them, `moefx/engine/slots.py`) and declares the two it writes mutated, so the traced
+step has three cache inputs and AOTAutograd functionalizes two mutations (per-layer cache inputs and their
+functionalization were most of the decode step's cold compile growth with depth, docs/FINDINGS.md). Where the
+stack does not apply (`LayerFrames._why_no_stack`, or a later call whose arguments differ: the held layers then
+run their own ops), each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the
+layer's tensors (indexed from the buffers in the graph, where the cache has them) as arguments and the layer
+index as a constant. Dynamo never traces a layer, so the step is traced once whatever
 the depth and stays one graph (a graph break would do as much, but transformers calls its layers in a loop, and dynamo
 drops a frame whose loop breaks to eager: its mask, rotary and glue code would then be compiled frame by frame,
 and they hit dynamo's recompile limit once two engines share a process). At run time the op calls the engine's
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from moefx.engine.layers.layer_body import LayerCalls, own_body, records_grad, shared_kind
+from moefx.engine.layers.layer_body import LayerCalls, kv_buffers, own_body, records_grad, shared_kind, static_tensors
 from moefx.log import warn_once
 
 _TENSORS = ("attention_mask", "position_ids", "cache_position")
@@ -52,10 +55,11 @@ _LIB = torch.library.Library("moefx", "FRAGMENT")  # other moefx files define mo
 _LIB.define(f"layer_decode(Tensor hidden, Tensor(a!) keys, Tensor(b!) values, Tensor length, {_TENSOR_ARGS}, "
             f"{_CONSTANTS}) -> Tensor", tags=(torch.Tag.flexible_layout,))
 _LIB.define(f"layer_prefill(Tensor hidden, {_TENSOR_ARGS}, {_CONSTANTS}) -> (Tensor, Tensor, Tensor)")
-# The whole stack as one op (the same bodies in layer order): one op call whatever the depth, so AOTAutograd
-# functionalizes the decode step's cache writes once (one auto_functionalized node over every layer's keys and
-# values), not once per layer. Same layout tags as the per-layer ops, for the same reasons.
-_LIB.define(f"layer_stack_decode(Tensor hidden, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor[] lengths, "
+# The whole stack as one op (the same bodies in layer order): one op call whatever the depth. The decode op takes
+# the cache's buffers ([layers, ...] each; layer i's tensors are their index i), so the traced step has three cache
+# inputs and AOTAutograd functionalizes two mutated tensors, not two per layer. Same layout tags as the per-layer
+# ops, for the same reasons.
+_LIB.define(f"layer_stack_decode(Tensor hidden, Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
             f"{_TENSOR_ARGS}, {_STACK_CONSTANTS}) -> Tensor", tags=(torch.Tag.flexible_layout,))
 _LIB.define(f"layer_stack_prefill(Tensor hidden, {_TENSOR_ARGS}, {_STACK_CONSTANTS}) -> (Tensor, Tensor[], Tensor[])")
 
@@ -70,6 +74,7 @@ class LayerFrames(LayerCalls):
         self._compile: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None
         self._fns: dict[str, Callable[..., Any]] = {}
         self._lengths: list[torch.Tensor] = []  # the write positions this step's ops have not advanced yet
+        self._all_lengths: torch.Tensor | None = None  # this step's cache's write-position buffer, if it has one
         self._held: list[Any] = []  # while a trace holds the layer calls back for one stack op: its first call
         self.unstacked: dict[str, str] = {}  # kind of step -> why its last trace ran one op per layer
         self.handle = _handle(layers)
@@ -98,7 +103,8 @@ class LayerFrames(LayerCalls):
     def decode(self, cache: Any, index: int, layer: torch.nn.Module, hidden: torch.Tensor, name: str,
                static: tuple[torch.Tensor, ...], args: tuple, rest: dict[str, Any]) -> torch.Tensor:
         if index == 0:
-            self._lengths = []
+            buffers = kv_buffers(cache)
+            self._lengths, self._all_lengths = [], buffers[2] if buffers is not None else None
         taken, hidden = self._stacked("decode", cache, index, hidden, name, args, rest)
         if taken:
             return hidden
@@ -159,8 +165,9 @@ class LayerFrames(LayerCalls):
         kinds = [shared_kind(entry, True) for entry in entries]
         if any(k != kind for k in kinds):
             return f"cache layers the {kind} body does not take ({sorted({type(e).__name__ for e in entries})})"
-        if kind == "decode" and not _same_shapes(entries):
-            return "cache layers of different shapes"
+        if kind == "decode" and kv_buffers(cache) is None:
+            return ("cache layers that are not views of one buffer per kind (a cache the engine did not make, or "
+                    "layers of different shapes)")
         hooked = [i for i, layer in enumerate(self.layers) if layer._forward_hooks or layer._forward_pre_hooks]
         if hooked:
             return f"forward hooks on decoder layers {hooked} (they would see the stack's output)"
@@ -175,13 +182,9 @@ class LayerFrames(LayerCalls):
         tensors = _op_arguments(rest)
         constants = self._constants(rest, name)
         if kind == "decode":
-            entries = cache.layers
-            lengths = [entry.cumulative_length for entry in entries]
-            out = torch.ops.moefx.layer_stack_decode(hidden, [entry.keys for entry in entries],
-                                                     [entry.values for entry in entries], lengths, *tensors,
-                                                     *constants)
-            self._lengths = lengths
-            self._advance(hidden.shape[-2])
+            keys, values, lengths = kv_buffers(cache)
+            out = torch.ops.moefx.layer_stack_decode(hidden, keys, values, lengths, *tensors, *constants)
+            lengths.add_(hidden.shape[-2])  # after the op, as the per-layer ops' advance (`_decode_layer`)
             return out
         out, keys, values = torch.ops.moefx.layer_stack_prefill(hidden, *tensors, *constants)
         for index, (k, v) in enumerate(zip(keys, values)):
@@ -193,9 +196,7 @@ class LayerFrames(LayerCalls):
         """Layer `index` through its own op (a held call, run when the stack was given up)."""
         layer = self.layers[index]
         if kind == "decode":
-            entry = cache.layers[index]
-            static = (entry.keys, entry.values, entry.cumulative_length)
-            return self._decode_layer(index, layer, hidden, name, static, (), rest)
+            return self._decode_layer(index, layer, hidden, name, static_tensors(cache, index), (), rest)
         return self._prefill_layer(cache, index, layer, hidden, name, (), rest)
 
     def _decode_layer(self, index: int, layer: torch.nn.Module, hidden: torch.Tensor, name: str,
@@ -213,8 +214,12 @@ class LayerFrames(LayerCalls):
         return out
 
     def _advance(self, tokens: int) -> None:
-        """Advance the write positions of the layers whose ops ran since the step's first layer (one foreach)."""
-        if self._lengths:
+        """Advance the write positions of the layers whose ops ran since the step's first layer: one add over the
+        cache's write-position buffer where every layer's op ran (an add per view of it would be functionalized into
+        a scatter per layer), else one foreach."""
+        if len(self._lengths) == len(self.layers) and self._all_lengths is not None:
+            self._all_lengths.add_(tokens)
+        elif self._lengths:
             torch._foreach_add_(self._lengths, tokens)
         self._lengths = []
 
@@ -232,15 +237,6 @@ class LayerFrames(LayerCalls):
         argument name and the handle."""
         tensors = [k for k in (*_TENSORS, "position_embeddings") if k in rest]
         return ",".join(tensors), ";".join(f"{k}={rest[k]!r}" for k in _flags(rest)), name, self.handle
-
-
-def _same_shapes(entries: list[Any]) -> bool:
-    """Whether every layer's keys and values have layer 0's shapes. Traced, the comparison also tells dynamo that
-    their dynamic sizes are one size: each cache tensor otherwise brings its own symbols, which nothing in the graph
-    relates once the layers are one opaque op, and AOTAutograd's and inductor's symbolic work grew with them
-    (docs/FINDINGS.md)."""
-    first = entries[0]
-    return all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in entries[1:])
 
 
 @torch.compiler.assume_constant_result
@@ -340,14 +336,15 @@ def _layer_decode(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 
 @torch.library.impl(_LIB, "layer_stack_decode", "CompositeExplicitAutograd")
-def _layer_stack_decode(hidden: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                        lengths: list[torch.Tensor], mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+def _layer_stack_decode(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                        mask: torch.Tensor | None, position_ids: torch.Tensor | None,
                         cache_position: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, names: str,
                         constants: str, cache_name: str, handle: int) -> torch.Tensor:
     frames, kwargs = _call(handle, names, constants, (mask, position_ids, cache_position, cos, sin))
     with _below_autograd():
-        for index, static in enumerate(zip(keys, values, lengths)):
-            hidden = _decode_body(frames, index, hidden, static, cache_name, kwargs)
+        for index in range(len(frames.layers)):
+            hidden = _decode_body(frames, index, hidden, (keys[index], values[index], lengths[index]), cache_name,
+                                  kwargs)
     return hidden
 
 

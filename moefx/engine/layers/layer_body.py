@@ -56,6 +56,29 @@ def layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, st
     return out, keys, values
 
 
+# The attribute of a cache whose StaticLayers' keys, values and write positions are views of one tensor per kind
+# (`stack_cache_layers`, moefx/engine/slots.py): (keys [layers, rows, KV heads, length, head dim], values likewise,
+# write positions [layers]).
+KV_BUFFERS = "moefx_kv_buffers"
+
+
+def kv_buffers(cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The cache's (keys, values, write positions) buffers its layers are views of, or None (a cache the engine did
+    not make, or one whose layers could not share them)."""
+    return getattr(cache, KV_BUFFERS, None)
+
+
+def static_tensors(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer `index`'s keys, values and write position, taken from the cache's buffers where it has them: a traced
+    step that reads the buffers must not also read a layer's own view of them (graph inputs that alias, one of them
+    mutated, make AOTAutograd build synthetic bases), so it indexes them in the graph."""
+    buffers = kv_buffers(cache)
+    if buffers is not None:
+        return buffers[0][index], buffers[1][index], buffers[2][index]
+    entry = cache.layers[index]
+    return entry.keys, entry.values, entry.cumulative_length
+
+
 def own_body() -> Callable[..., Any]:
     """`layer_body` with a code object of its own: dynamo keys compiled code and region reuse by code object, so
     two models (each with its own reuse limit, its own backend) do not share entries."""

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from moefx.engine.layers.frames import LayerFrames
-from moefx.engine.layers.layer_body import LayerCalls, own_body, records_grad, shared_kind
+from moefx.engine.layers.layer_body import LayerCalls, own_body, records_grad, shared_kind, static_tensors
 
 _CACHE_NAMES = ("cache", "past_key_values")
 
@@ -92,8 +92,7 @@ def _dispatch(shared: LayerCalls, decode: bool, index: int, layer: torch.nn.Modu
     kind = shared_kind(layers[index], decode)
     rest = {k: v for k, v in kwargs.items() if k != name}
     if kind == "decode":
-        entry = layers[index]
-        static = (entry.keys, entry.values, entry.cumulative_length)
+        static = static_tensors(cache, index)
         return shared.decode(cache, index, layer, hidden_states, name, static, args, rest)
     if kind == "prefill":
         return shared.prefill(cache, index, layer, hidden_states, name, (), args, rest)
