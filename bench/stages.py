@@ -180,7 +180,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("dense", 180, "python3 bench/dense.py --ms 1,2,4,8,16,32,64",
           "dense-linear gemv vs cuBLAS, the floors and the decode-layer forms", section="dense", keeps=("dense.json",)),
     Stage("dense-fp8", 150, "python3 bench/dense.py --fp8-forms",
-          "FP8 decode forms: bf16 vs W8A8 (+ its activation quant) vs FP8 weight-only at M = 1, 2, 4, with floors"),
+          "FP8 decode forms: bf16 vs W8A8 (+ its activation quant) vs FP8 weight-only at M = 1, 2, 4, with floors",
+          section="dense", keeps=("dense.json",)),
     Stage("dense-sweep", 240, "python3 bench/dense.py --sweep --sweep-budget 180", "dense-linear tile sweep"),
     Stage("dense-sweep-fp8", 170, "python3 bench/dense.py --sweep --sweep-budget 130 --sweep-ms 2,4 "
           "--sweep-forms fp8,fp8-wo --shapes qkv,o", "dense-linear tile sweep, both FP8 forms at M = 2, 4"),
