@@ -479,10 +479,10 @@ def test_frames_handle_is_the_layers_kind_not_what_the_process_built_before():
     assert LayerFrames(model_b, None).handle != second.handle
 
 
-def _decode_graph_inputs(layers: int, stack_off: str | None = None) -> tuple[int, int, list[str]]:
+def _decode_graph_inputs(layers: int, stack_off: str | None = None) -> tuple[int, int, list[str], list[str]]:
     """The decode step's dynamo graph inputs (the graph run as traced, no compile): how many, how many of its
     tensor inputs share storage with another (AOTAutograd builds synthetic bases for such inputs where one is
-    mutated), and its layer ops."""
+    mutated), its layer ops, and the inputs read from a cache layer's own tensors (their sources)."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=3).eval()
     model = copy.deepcopy(stock)
@@ -495,7 +495,9 @@ def _decode_graph_inputs(layers: int, stack_off: str | None = None) -> tuple[int
         ops = _frame_ops(gm)
         if any("decode" in op for op in ops):  # the decode step (not a layer body, the prefill or the sampler)
             storages = [x.untyped_storage().data_ptr() for x in example_inputs if isinstance(x, torch.Tensor)]
-            seen["decode"] = (len(example_inputs), len(storages) - len(set(storages)), ops)
+            sources = [getattr(n.meta.get("grapharg"), "source", None) for n in gm.graph.find_nodes(op="placeholder")]
+            layer_reads = [s.name for s in sources if s is not None and ".layers[" in s.name]
+            seen["decode"] = (len(example_inputs), len(storages) - len(set(storages)), ops, layer_reads)
         return gm.forward
 
     ids = _ids(1, 5, layers)
@@ -510,10 +512,14 @@ def test_the_decode_step_takes_the_cache_as_buffers_whatever_the_depth():
     reads only those (the stack op takes them whole; one op per layer indexes them in the graph): its graph inputs
     are as many at 6 layers as at 2, none aliases another, and AOTAutograd functionalizes two mutated tensors
     whatever the depth (each layer's tensors as inputs were most of the cold decode step's growth with depth,
-    docs/FINDINGS.md). Tokens equal eager."""
+    docs/FINDINGS.md). Not even a layer's size is read: the mask's length comes from the keys buffer (a layer
+    view's size made dynamo fakeify its base with symbols no input carries, and CUDA's guard on one failed
+    the decode compile on torch 2.11, `slots.get_mask_sizes`). Tokens equal eager."""
     for stack_off in (None, "one op per layer"):
-        (inputs2, shared2, ops2), (inputs6, shared6, ops6) = (_decode_graph_inputs(n, stack_off) for n in (2, 6))
+        (inputs2, shared2, ops2, reads2), (inputs6, shared6, ops6, reads6) = (
+            _decode_graph_inputs(n, stack_off) for n in (2, 6))
         assert inputs6 == inputs2 and shared2 == shared6 == 0, (stack_off, inputs2, inputs6, shared2, shared6)
+        assert reads2 == reads6 == [], (reads2, reads6)
         assert ops6 == (["moefx.layer_stack_decode"] if stack_off is None else ["moefx.layer_decode"] * 6), ops6
 
 

@@ -81,6 +81,7 @@ def stack_cache_layers(cache: Any) -> str | None:
         torch._dynamo.mark_static_address(t)
     setattr(cache, KV_BUFFERS, buffers)
     cache.get_seq_length = types.MethodType(get_seq_length, cache)
+    cache.get_mask_sizes = types.MethodType(get_mask_sizes, cache)
     return None
 
 
@@ -90,6 +91,14 @@ def get_seq_length(cache: Any, layer_idx: int = 0) -> Any:
     aliasing inputs (`layer_body.static_tensors`)."""
     lengths = kv_buffers(cache)[2]
     return lengths[layer_idx] if layer_idx < lengths.shape[0] else 0
+
+
+def get_mask_sizes(cache: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """StaticCache.get_mask_sizes (kv length, kv offset), the length read from the keys buffer's (dynamic) shape.
+    Reading it from a layer's view would make the traced step fakeify that view and its base apart from the buffer
+    input: the base's sizes are symbols no graph input carries, and on CUDA inductor's 32-bit indexing guard on one
+    of them fails dynamo's guard building (`sources must not be empty for symbol`; torch 2.11, H100)."""
+    return kv_buffers(cache)[0].shape[3], 0
 
 
 @dataclass
@@ -165,10 +174,11 @@ class Slot:
         `get_mask_sizes` override (`moefx/engine/steps.py`) is a bound method of its layer, a reference cycle that
         would otherwise keep the cache alive until Python's cyclic collector ran (a long request stream's peak
         allocated memory doubled while evicted caches waited for it: docs/FINDINGS.md); likewise the cache's own
-        `get_seq_length` override (`stack_cache_layers`)."""
+        `get_seq_length` and `get_mask_sizes` overrides (`stack_cache_layers`)."""
         for layer in getattr(self.cache, "layers", None) or []:
             vars(layer).pop("get_mask_sizes", None)
-        vars(self.cache).pop("get_seq_length", None)
+        for name in ("get_seq_length", "get_mask_sizes"):
+            vars(self.cache).pop(name, None)
         self.graphs.clear()
         self.prefill.clear()
 
