@@ -2,7 +2,7 @@
 
 Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head dim 128, bf16) over a static cache as the engine holds
 it: `cache` positions allocated, the first `written` kept by a bool mask (the unwritten tail is skipped block by
-block). Per shape: the kernel with the slices the op picks (`splits_for`), the kernel asked for 1, 2, 4, 8 and 16
+block). Per shape: the kernel with the slices the op picks (`splits_for`), the kernel asked for 1, 2, 4, 8, 16 and 32
 slices (which slice length pays at these lengths; a slice keeps whole 64-position blocks, so short caches run
 fewer), and the peer, torch's SDPA over the KV heads expanded to every query head (what the op replaces in a
 compiled step, the expansion included). Correctness first, on this device: every arm against an fp32 SDPA of the
@@ -37,7 +37,7 @@ HEADS, KV_HEADS, DIM = 32, 4, 128
 # contexts, and batch 16
 SHAPES = ((1, 256, 160), (1, 512, 300), (1, 1024, 1000), (1, 4096, 4000), (16, 512, 300))
 QUICK_SHAPES = ((1, 128, 70), (2, 64, 64))
-SPLITS = (1, 2, 4, 8, 16)
+SPLITS = (1, 2, 4, 8, 16, 32)
 L2_BYTES = 60 << 20
 CALLS = 64
 BOUND = 1e-2

@@ -54,7 +54,7 @@ STAGES: tuple[Stage, ...] = (
           "16/512/8192", section="fusions", keeps=("fusions.json",)),
     Stage("routing", 180, "python3 bench/routing.py", "fused MoE routing vs inductor's softmax+topk"),
     Stage("attention", 150, "python3 bench/attention.py",
-          "decode attention in one launch: the op's slices, 1-16 slices and torch's SDPA, with floors"),
+          "decode attention in one launch: the op's slices, 1-32 slices and torch's SDPA, with floors"),
     Stage("sampler", 200, "python3 bench/sampler.py", "the sync-free decode loop and sampler", section="sampler",
           keeps=("sampler.json",)),
     Stage("offload", 420, "python3 bench/offload.py --probe", "expert offload to host memory", section="offload",

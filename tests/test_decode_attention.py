@@ -101,6 +101,7 @@ def test_op_on_cpu_is_sdpa_and_shapes_are_checked():
                                             torch.randn(2, 2, 4, 24), None)
     assert "mask" in unsupported_reason(q, k, v, torch.ones(2, 39, dtype=torch.bool))
     assert splits_for(1, 4, 64) == 1 and splits_for(1, 4, 256) == 4 and splits_for(64, 4, 4352) == 2
+    assert splits_for(1, 4, 1024) == 16 and splits_for(1, 4, 4096) == 16  # MAX_SPLITS (the H100's 4096-long cache)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -26,10 +26,14 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 # measured with a separate combine kernel). The combine runs in the last program of each (sequence, KV head)
 # (kernels/decode_attn.py), so fewer, longer slices would only save it loads: one [G, D] fp32 partial per slice,
 # all issued together (at 150-300 positions 3-5 of them, 4 KB each at G=8, from L2), where a longer slice adds a
-# block to the serial chain of every program. 64 stays until an H100 run of 64 against 128 with this kernel says
-# otherwise.
+# block to the serial chain of every program. On the H100 with this kernel (B=1, 160 of 256 positions written):
+# 64-position slices 5.10 us, 128 7.34, one program per KV head 8.34.
 SPLIT_POSITIONS = 64
 TARGET_PROGRAMS = 264  # two per SM on an H200: splitting further only adds combine work
+# At most this many slices: the last program of each (sequence, KV head) reads every slice's partials, 8 a step, so
+# past 16 the combine's chain outgrows what the extra programs save. H100, B=1, a 4096-long cache (`bench/attention.py`,
+# docs/FINDINGS.md): 64 slices 25.18 us, 16 slices 19.73, 8 slices 27.28; at 1024 16 slices 10.10, 8 slices 9.73.
+MAX_SPLITS = 16
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
@@ -59,11 +63,12 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def splits_for(batch: int, kv_heads: int, length: int) -> int:
-    """Slices of the key positions: SPLIT_POSITIONS each, fewer where the sequences and heads already fill the GPU."""
+    """Slices of the key positions: SPLIT_POSITIONS each, fewer where the sequences and heads already fill the GPU,
+    and at most MAX_SPLITS (longer slices past that)."""
     if length <= SPLIT_POSITIONS:
         return 1
     want = -(-TARGET_PROGRAMS // (batch * kv_heads))
-    return min(want, -(-length // SPLIT_POSITIONS), 64)
+    return min(want, -(-length // SPLIT_POSITIONS), MAX_SPLITS)
 
 
 _CHECKED = ShapeMemo()
