@@ -62,6 +62,7 @@ def child(args: argparse.Namespace) -> dict:
     from moefx.models import build_model, qwen3_moe_config, tiny_qwen3_moe_config
 
     triton_before = _TritonEntries(triton_cache) if args.device == "cuda" else None
+    triton_times = _TritonTimes.install() if args.device == "cuda" else None
     cfg = tiny_qwen3_moe_config(num_hidden_layers=args.layers) if args.tiny else qwen3_moe_config(args.layers)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing="balanced").eval()
@@ -84,6 +85,9 @@ def child(args: argparse.Namespace) -> dict:
             row["hf_static"] = hf
             built = time.perf_counter()
     before = _compile_counts(counters)
+    phases_before = _phase_totals()
+    if triton_times is not None:
+        triton_times.mark()
     if args.child != "hf_static":
         config: dict = {}
         if args.max_batch_size:
@@ -103,12 +107,14 @@ def child(args: argparse.Namespace) -> dict:
                    traces_loaded=engine.aot_steps.loaded() if engine.aot_steps is not None else None)
         if triton_before is not None:
             row.update(triton_before.since(triton_cache))
+        if triton_times is not None:
+            row.update(triton_times.of(triton_cache.moefx_kernel_names()))
         row["tokens"] = out[:, args.prompt:].tolist()
     done = time.perf_counter()
     counts = _compile_counts(counters)
     row.update(first_call_s=round(done - built, 2), ready_s=round(done - START - hf_s, 2),
                build_s=round(built - START - hf_s, 2),
-               **{k: counts[k] - before[k] for k in counts}, phase_s=_phases())
+               **{k: counts[k] - before[k] for k in counts}, phase_s=_phases(phases_before))
     return row
 
 
@@ -163,15 +169,82 @@ class _TritonEntries:
                 "triton_entries_restored": len(self.restored)}
 
 
-def _phases(top: int = 16) -> dict[str, float]:
-    """The longest compile phases of this process (dynamo's own timers, summed over its compiles): where the
-    first call's seconds went."""
+def _phase_totals() -> dict[str, float]:
+    """Seconds per compile phase so far in this process (dynamo's own timers, summed over its compiles)."""
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:  # a torch without dynamo's timers
         return {}
-    total = {name: sum(times) for name, times in compilation_time_metrics.items()}
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+def _phases(before: dict[str, float], top: int = 16) -> dict[str, float]:
+    """The longest compile phases since `before` (the saving process's moefx row less transformers' compile):
+    where the first call's seconds went."""
+    total = {name: s - before.get(name, 0.0) for name, s in _phase_totals().items()}
     return {name: round(s, 2) for name, s in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
+
+
+class _TritonTimes:
+    """Seconds Triton spent compiling in this process: `compile` per kernel name (its compilation listener, where
+    this Triton has one), compiles (cache misses) apart from loads of a binary its cache folder holds (hits), and
+    the C builds of its launcher stubs (`triton.runtime.build._build`, where it builds them). Inductor's kernels
+    compiled in its worker processes are not seen here; moefx's own kernels compile in this process, at their first
+    launch."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, bool], float] = {}
+        self.builds: list[float] = []
+        self.builds_from = 0  # `mark`: the C builds before it are not the row's (transformers' compile ran first)
+
+    def mark(self) -> None:
+        self.builds_from = len(self.builds)
+
+    @classmethod
+    def install(cls) -> _TritonTimes | None:
+        try:
+            from triton import knobs
+            from triton.runtime import build
+        except ImportError:  # no Triton, or one without knobs
+            return None
+        compilation = getattr(knobs, "compilation", None)
+        if compilation is None or not hasattr(compilation, "listener"):
+            return None
+        record = cls()
+        chained = compilation.listener
+
+        def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+            name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
+            key = (name, bool(cache_hit))
+            spent = getattr(times, "total", None)  # microseconds
+            if isinstance(spent, (int, float)):
+                record.seconds[key] = record.seconds.get(key, 0.0) + spent / 1e6
+            if chained is not None:
+                chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+        compilation.listener = listener
+        c_build = getattr(build, "_build", None)
+        if c_build is not None:
+            def timed_build(*args: Any, **kwargs: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return c_build(*args, **kwargs)
+                finally:
+                    record.builds.append(time.perf_counter() - t)
+
+            build._build = timed_build
+        return record
+
+    def of(self, names: set[str]) -> dict[str, Any]:
+        """moefx's kernels (`names`): compile and cache-load seconds, the five slowest compiles, and the launcher
+        stubs' C builds since `mark` (count, seconds)."""
+        mine = {key: s for key, s in self.seconds.items() if key[0] in names}
+        slowest = sorted(((k[0], round(s, 2)) for k, s in mine.items() if not k[1]), key=lambda x: -x[1])[:5]
+        return {"moefx_triton_compile_s": round(sum(s for k, s in mine.items() if not k[1]), 2),
+                "moefx_triton_load_s": round(sum(s for k, s in mine.items() if k[1]), 2),
+                "moefx_triton_slowest": slowest,
+                "triton_c_builds": len(self.builds) - self.builds_from,
+                "triton_c_build_s": round(sum(self.builds[self.builds_from:]), 2)}
 
 
 def _run_arm(arm: str, args: argparse.Namespace, tmp: Path) -> dict:

@@ -21,7 +21,7 @@ def render_coldstart(r: dict[str, Any]) -> str:
                          ratio(first, peer) if x["arm"] != "hf_static" and peer and first else "–",
                          f"{x.get('fxgraph_cache_miss', '–')} / {x.get('fxgraph_cache_hit', '–')}, "
                          f"{x.get('aot_autograd_cache_miss', '–')}",
-                         _or_dash(x.get("moefx_triton_compiles")), _decode_captures(x),
+                         _triton(x), _decode_captures(x),
                          {True: "yes", False: "**no**"}.get(x.get("same_tokens_as_cold"), "–"),
                          x.get("error") or ("in the saving process" if x.get("in_process") else "")))
     body = table(["layers", "B", "arm", "first call s", "of it after optimize s", "ready s", "× peer",
@@ -40,8 +40,10 @@ def render_coldstart(r: dict[str, Any]) -> str:
              "transformers' run in the saving process. Compiles: inductor's FX graph cache misses and hits, and "
              "AOTAutograd's cache misses (the only count where a saved-trace compile bundles inductor's output). "
              "moefx Triton first-launch compiles: moefx's own kernels Triton compiled in the process (neither in "
-             "its Triton folder nor written there from the file). A decode capture's seconds: its first run "
-             "(compiles or loads), the check run (host syncs as errors) and the capture (`moefx/engine/graphs.py`).")
+             "its Triton folder nor written there from the file), with the seconds Triton's compile took for them "
+             "and its launcher stubs' C builds (count, seconds) where the run timed them. A decode capture's "
+             "seconds: its first run (compiles or loads), the check run (host syncs as errors) and the capture "
+             "(`moefx/engine/graphs.py`).")
     return section(
         "Cold start", r,
         what=f"Qwen3-30B-A3B widths, bf16, a {runs_[0]['prompt']}-token prompt, greedy (`bench/coldstart.py`).",
@@ -65,3 +67,12 @@ def _decode_captures(row: dict[str, Any]) -> str:
 
 
 SECTIONS = (Section("coldstart", render_coldstart),)
+
+
+def _triton(x: dict[str, Any]) -> str:
+    """moefx's first-launch Triton compiles, and where timed their seconds and the launcher stubs' C builds."""
+    count = _or_dash(x.get("moefx_triton_compiles"))
+    if x.get("moefx_triton_compile_s") is None:
+        return count
+    return (f"{count} ({num(x['moefx_triton_compile_s'], 1)} s; {x.get('triton_c_builds', 0)} C builds "
+            f"{num(x.get('triton_c_build_s'), 1)} s)")
