@@ -30,9 +30,9 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 # 64-position slices 5.10 us, 128 7.34, one program per KV head 8.34.
 SPLIT_POSITIONS = 64
 TARGET_PROGRAMS = 264  # two per SM on an H200: splitting further only adds combine work
-# At most this many slices: the last program of each (sequence, KV head) reads every slice's partials, 8 a step, so
-# past 16 the combine's chain outgrows what the extra programs save. H100, B=1, a 4096-long cache (`bench/attention.py`,
-# docs/FINDINGS.md): 64 slices 25.18 us, 16 slices 19.73, 8 slices 27.28; at 1024 16 slices 10.10, 8 slices 9.73.
+# At most this many slices (the last program of each (sequence, KV head) reads every slice's partials, 8 a step).
+# H100, B=1, a 4096-long cache (`bench/attention.py`, docs/FINDINGS.md): 64 slices 25.18 us, 16 slices 19.73,
+# 8 slices 27.28; at 1024 16 slices 10.10, 8 slices 9.73. 32 was not timed.
 MAX_SPLITS = 16
 
 
