@@ -575,3 +575,53 @@ def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(
         slot.reset_cache()
         assert not keys.any() and not values.any() and not lengths.any()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("stack_off", [None, "one op per layer"], ids=["stack", "per-layer"])
+def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_bodies(monkeypatch, stack_off):
+    """The frames' padded prefill over the buffered cache: the stack op's layer bodies write the prompt's keys and
+    values into the slot's buffers (`layer_stack_prefill_into`), in place (no whole-buffer copy in the post-grad
+    graphs) and nothing follows the forward: the prompt cache it got stays empty (at 48 layers the copies after it
+    were 96 kernels). One op per layer keeps the copies after the forward. Either way the first token's logits and
+    the cache equal the unpadded eager prefill's, zeros past the prompt."""
+    from transformers import DynamicCache
+
+    made: list[Any] = []
+    init = DynamicCache.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    if stack_off is not None:
+        layer_frames(model).stack_off = stack_off
+    recorder = _Recorder()
+    engine = DecodeLoop(model, compile_kwargs={"backend": recorder}, prefill_capture_tokens=64)
+    eager = DecodeLoop(stock)
+    ids = _ids(2, 9, 0)
+    got_logits: list[torch.Tensor] = []
+    want_logits: list[torch.Tensor] = []
+    engine.generate(ids, 1, GREEDY)  # compiles and allocates the slot
+    monkeypatch.setattr(DynamicCache, "__init__", spy)
+    engine.generate(ids, 1, GREEDY, logits_out=got_logits)
+    monkeypatch.setattr(DynamicCache, "__init__", init)
+    eager.generate(ids, 1, GREEDY, logits_out=want_logits)
+    torch.testing.assert_close(got_logits[0], want_logits[0], rtol=1e-5, atol=1e-5)
+    ops = {str(n.target) for g in recorder.graphs for n in g.graph.nodes if n.op == "call_function"}
+    frame_ops = sorted(o for o in ops if "moefx.layer" in o)
+    assert ("moefx.layer_stack_prefill_into.default" in ops) is (stack_off is None), frame_ops
+    assert [layer.is_initialized for layer in made[0].layers] == [stack_off is not None] * 3
+    slot, ref = engine.slots.latest(2), eager.slots.latest(2)
+    assert recorder.cache_copies(kv_buffers(slot.cache)[0].shape) == 0
+    assert recorder.cache_copies(slot.cache.layers[0].keys.shape) == 0
+    for layer, other in zip(slot.cache.layers, ref.cache.layers):
+        for name in ("keys", "values"):
+            mine, theirs = getattr(layer, name), getattr(other, name)
+            torch.testing.assert_close(mine[:, :, :9], theirs[:, :, :9], rtol=1e-5, atol=1e-5)
+            assert not mine[:, :, 9:].any(), name
+        assert int(layer.cumulative_length) == 9
+    torch._dynamo.reset()

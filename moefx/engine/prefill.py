@@ -8,7 +8,11 @@ Why padding leaves the result unchanged: attention is causal, so a real position
 after it; the logits come from the last real position (`logits_to_keep` as a one-element index tensor on the
 device); the keys and values go to the slot's static cache through a device-side mask (positions at or past the
 prompt length get zeros, so the cache needs no reset where no earlier request wrote past the bucket:
-`Slot.prepare_write`), and each static layer's write position is set to the real length. The bucket's inputs
+`Slot.prepare_write`), and each static layer's write position is set to the real length. Where the decoder
+layers run as the compiled frames' stack op over the slot's cache buffers, the layer bodies write them there as
+they compute them (`layer_body.PREFILL_INTO`: no copy after the forward, which at 48 layers was 96 kernels, and
+inductor stores the keys from the kernel that applies their norm and rotary embedding); elsewhere the forward
+fills a DynamicCache and one masked copy per tensor follows it. The bucket's inputs
 that follow from the prompt length are derived in the graph from one length scalar. A left-padded request's
 mask is extended with ones over the padded tail (causal only there).
 The MoE op sees rows × bucket tokens: padded rows cost compute, not correctness.
@@ -33,6 +37,7 @@ import torch
 
 from moefx.backends.capture_mode import as_captured
 from moefx.engine.graphs import Graphs
+from moefx.engine.layers.layer_body import PREFILL_INTO, kv_buffers
 from moefx.engine.steps import Steps
 from moefx.log import get_logger
 from moefx.sampling.sampler import SamplingParams
@@ -72,6 +77,9 @@ class BucketedPrefill:
         self.buckets = tuple(sorted(buckets))
         self.max_tokens = max_tokens
         self._fn = steps.compile("prefill[padded]", steps.forward)
+        # The compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`); False: the
+        # copies after the forward instead (bench/e2e.py's `moefx_ttft_copy` arm, the before of a before/after).
+        self.write_in_layers = True
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor | None, masked: bool, by_head: bool,
             form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
@@ -115,11 +123,17 @@ class BucketedPrefill:
         torch.logical_not(tail[: run.keep.shape[0]], out=run.keep)
         torch.sub(run.length.view(1), 1, out=run.last)
         prompt_cache = DynamicCache(config=self.steps.model.config)
+        buffers = kv_buffers(slot.cache)
+        if self.write_in_layers and buffers is not None and bucket <= slot.max_len:
+            # the compiled frames' layer bodies write the prompt into the slot's cache themselves (`PREFILL_INTO`)
+            setattr(prompt_cache, PREFILL_INTO, (buffers[0], buffers[1], run.keep))
         scores = self._fn(run.tokens, run.positions, run.cache_position, run.mask, prompt_cache, by_head, run.last)
         n = run.keep.shape[0]
         keep = run.keep[None, None, :, None]
         with torch.no_grad():  # a cache write (where out= takes no autograd)
             for static, dynamic in zip(layers, prompt_cache.layers):
+                if not dynamic.is_initialized:  # written in the forward (`PREFILL_INTO`)
+                    continue
                 # written where they lie (out= the cache's own slice): one kernel per tensor, not a where and a copy;
                 # zeros past the prompt, so the cache needs no reset before (`Slot.prepare_write`)
                 for old, new in ((static.keys[:, :, :n], dynamic.keys[:, :, :n]),

@@ -8,7 +8,9 @@ layer's call runs every layer's body in layer order inside the op. The decode op
 three tensors whatever the depth (every layer's keys, every layer's values, every layer's write position: the
 slot's layers are views of them, `moefx/engine/slots.py`) and declares the two it writes mutated, so the traced
 step has three cache inputs and AOTAutograd functionalizes two mutations (per-layer cache inputs and their
-functionalization were most of the decode step's cold compile growth with depth, docs/FINDINGS.md). Where the
+functionalization were most of the decode step's cold compile growth with depth, docs/FINDINGS.md). A padded
+prefill over those buffers (`layer_body.PREFILL_INTO`) is one `moefx::layer_stack_prefill_into` op that likewise
+takes the keys and values buffers and writes each layer's prompt into them inside its body. Where the
 stack does not apply (`LayerFrames._why_no_stack`, or a later call whose arguments differ: the held layers then
 run their own ops), each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the
 layer's tensors (indexed from the buffers in the graph, where the cache has them) as arguments and the layer
@@ -38,7 +40,15 @@ from typing import Any
 
 import torch
 
-from moefx.engine.layers.layer_body import LayerCalls, kv_buffers, own_body, records_grad, shared_kind, static_tensors
+from moefx.engine.layers.layer_body import (
+    LayerCalls,
+    kv_buffers,
+    own_body,
+    prefill_into,
+    records_grad,
+    shared_kind,
+    static_tensors,
+)
 from moefx.log import warn_once
 
 _TENSORS = ("attention_mask", "position_ids", "cache_position")
@@ -62,6 +72,11 @@ _LIB.define(f"layer_prefill(Tensor hidden, {_TENSOR_ARGS}, {_CONSTANTS}) -> (Ten
 _LIB.define(f"layer_stack_decode(Tensor hidden, Tensor(a!) keys, Tensor(b!) values, Tensor lengths, "
             f"{_TENSOR_ARGS}, {_STACK_CONSTANTS}) -> Tensor", tags=(torch.Tag.flexible_layout,))
 _LIB.define(f"layer_stack_prefill(Tensor hidden, {_TENSOR_ARGS}, {_STACK_CONSTANTS}) -> (Tensor, Tensor[], Tensor[])")
+# A padded prefill into a static cache's buffers (`layer_body.PREFILL_INTO`): each layer body writes its keys and
+# values into its index of the buffers where they are computed, so no copy of them follows the step (at 48 layers
+# the copies were 96 kernels after the forward, moefx/engine/prefill.py). Exact strides, as the prefill op's.
+_LIB.define(f"layer_stack_prefill_into(Tensor hidden, Tensor(a!) keys, Tensor(b!) values, Tensor keep, "
+            f"{_TENSOR_ARGS}, {_STACK_CONSTANTS}) -> Tensor")
 
 
 class LayerFrames(LayerCalls):
@@ -186,6 +201,9 @@ class LayerFrames(LayerCalls):
             out = torch.ops.moefx.layer_stack_decode(hidden, keys, values, lengths, *tensors, *constants)
             lengths.add_(hidden.shape[-2])  # after the op, as the per-layer ops' advance (`_decode_layer`)
             return out
+        into = prefill_into(cache)
+        if into is not None:
+            return torch.ops.moefx.layer_stack_prefill_into(hidden, *into, *tensors, *constants)
         out, keys, values = torch.ops.moefx.layer_stack_prefill(hidden, *tensors, *constants)
         for index, (k, v) in enumerate(zip(keys, values)):
             cache.update(k, v, index)
@@ -378,6 +396,20 @@ def _layer_stack_prefill(hidden: torch.Tensor, mask: torch.Tensor | None, positi
     return hidden, keys, values
 
 
+@torch.library.impl(_LIB, "layer_stack_prefill_into", "CompositeExplicitAutograd")
+def _layer_stack_prefill_into(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
+                              mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                              cache_position: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, names: str,
+                              constants: str, cache_name: str, handle: int) -> torch.Tensor:
+    frames, kwargs = _call(handle, names, constants, (mask, position_ids, cache_position, cos, sin))
+    body = frames.body("prefill_into")
+    with _below_autograd():
+        for index, layer in enumerate(frames.layers):
+            (out,) = body(layer, hidden, cache_name, (keys[index], values[index], keep), (), kwargs, True, True)
+            hidden = _as_declared(out, hidden.shape, hidden.dtype)
+    return hidden
+
+
 def _prefill_body(frames: LayerFrames, index: int, hidden: torch.Tensor, cache_name: str,
                   kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer `index`'s prefill body: its output and the new keys and values, as declared."""
@@ -419,6 +451,11 @@ def _layer_prefill_fake(hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor,
 
 @torch.library.register_fake("moefx::layer_stack_decode", lib=_LIB)
 def _layer_stack_decode_fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("moefx::layer_stack_prefill_into", lib=_LIB)
+def _layer_stack_prefill_into_fake(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
 

@@ -3,8 +3,10 @@
 Dynamo specializes each decoder layer of a transformers model on its `layer_idx` (the attention calls
 `cache.update(k, v, self.layer_idx)`), so every layer is traced again. `layer_body` runs the layer's own forward
 against a view that ignores the index: a StaticLayer's tensors (the engine's decode step; written in place, as
-transformers' StaticLayer does) or an empty DynamicLayer (the prefill; the new keys and values are returned, to be
-stored outside). The nested region (`regions.py`) and the compiled frames (`frames.py`) both call it.
+transformers' StaticLayer does), an empty DynamicLayer (the prefill; the new keys and values are returned, to be
+stored outside), or a static cache's keys and values for a padded prefill to write its prompt into (`into`: the
+write is part of the compiled body, so inductor stores the keys where their norm and rotary kernel computes them,
+and attention reads them there). The nested region (`regions.py`) and the compiled frames (`frames.py`) call it.
 """
 
 from __future__ import annotations
@@ -44,11 +46,34 @@ class _EmptyLayerView:
         return key_states, value_states
 
 
+class _PrefillIntoView:
+    """A static layer's keys and values [rows, KV heads, length, head dim] as the cache of a prefill over a prompt
+    padded to n <= length positions, `keep` [n] bool the real ones: the new states go to positions [0, n), zeros
+    where `keep` is False (the cache is zero past what a prefill writes, `Slot.prepare_write`), and attention reads
+    them from there (causal: a real position never sees the zeroed padding after it)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
+        self.keys, self.values, self.keep = keys, values, keep
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.keep.shape[0]
+        keep = self.keep[:, None]  # broadcast over [rows, KV heads, n, head dim]
+        for static, new in ((self.keys, key_states), (self.values, value_states)):
+            static[:, :, :n].copy_(torch.where(keep, new, 0))
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+
 def layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, static: tuple[torch.Tensor, ...],
-               args: tuple, kwargs: dict[str, Any], advance: bool = True) -> tuple[torch.Tensor, ...]:
+               args: tuple, kwargs: dict[str, Any], advance: bool = True,
+               into: bool = False) -> tuple[torch.Tensor, ...]:
     """The layer's own forward over a one-layer view of its cache; `advance=False` leaves a static layer's write
-    position for the caller to advance."""
-    view: Any = _StaticLayerView(*static, advance) if static else _EmptyLayerView()
+    position for the caller to advance; `into`: `static` is (keys, values, keep) for a padded prefill to write
+    its prompt into (`_PrefillIntoView`), and only the output is returned."""
+    if into:
+        view: Any = _PrefillIntoView(*static)
+    else:
+        view = _StaticLayerView(*static, advance) if static else _EmptyLayerView()
     out = type(layer).forward(layer, hidden, *args, **{cache_name: view}, **kwargs)
     if static:
         return (out,)
@@ -60,12 +85,21 @@ def layer_body(layer: torch.nn.Module, hidden: torch.Tensor, cache_name: str, st
 # (`stack_cache_layers`, moefx/engine/slots.py): (keys [layers, rows, KV heads, length, head dim], values likewise,
 # write positions [layers]).
 KV_BUFFERS = "moefx_kv_buffers"
+# The attribute of a prefill's (empty) cache that names where the prompt's keys and values go instead: (the keys
+# buffer, the values buffer, keep [n] bool), the buffers as `KV_BUFFERS` (moefx/engine/prefill.py). The compiled
+# frames' stack op writes them in its layer bodies; every other path ignores it and fills the cache as usual.
+PREFILL_INTO = "moefx_prefill_into"
 
 
 def kv_buffers(cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The cache's (keys, values, write positions) buffers its layers are views of, or None (a cache the engine did
     not make, or one whose layers could not share them)."""
     return getattr(cache, KV_BUFFERS, None)
+
+
+def prefill_into(cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Where a prefill over `cache` may write the prompt's keys and values (`PREFILL_INTO`), or None."""
+    return getattr(cache, PREFILL_INTO, None)
 
 
 def static_tensors(cache: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
