@@ -355,14 +355,29 @@ def _layer_decode(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 @torch.library.impl(_LIB, "layer_stack_decode", "CompositeExplicitAutograd")
 def _layer_stack_decode(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                        mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                        cache_position: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, names: str,
-                        constants: str, cache_name: str, handle: int) -> torch.Tensor:
-    frames, kwargs = _call(handle, names, constants, (mask, position_ids, cache_position, cos, sin))
+                        *args: Any) -> torch.Tensor:
+    """The stack op's arguments after the cache's: `_TENSOR_ARGS`, then `_STACK_CONSTANTS`."""
+    return _stack_bodies("decode", hidden, lambda i: (keys[i], values[i], lengths[i]), args, False)
+
+
+@torch.library.impl(_LIB, "layer_stack_prefill_into", "CompositeExplicitAutograd")
+def _layer_stack_prefill_into(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
+                              *args: Any) -> torch.Tensor:
+    """As `_layer_stack_decode`; each body writes its layer's prompt into the buffers (`layer_body.into`)."""
+    return _stack_bodies("prefill_into", hidden, lambda i: (keys[i], values[i], keep), args, True, True)
+
+
+def _stack_bodies(kind: str, hidden: torch.Tensor, static: Callable[[int], tuple[torch.Tensor, ...]], args: tuple,
+                  *flags: bool) -> torch.Tensor:
+    """Every layer's `kind` body in layer order over `static(index)` and `flags` (`layer_body`'s advance, into),
+    each output checked as declared; `args` are a stack op's tensor arguments and constants."""
+    *tensors, names, constants, cache_name, handle = args
+    frames, kwargs = _call(handle, names, constants, tuple(tensors))
+    body = frames.body(kind)
     with _below_autograd():
-        for index in range(len(frames.layers)):
-            hidden = _decode_body(frames, index, hidden, (keys[index], values[index], lengths[index]), cache_name,
-                                  kwargs)
+        for index, layer in enumerate(frames.layers):
+            (out,) = body(layer, hidden, cache_name, static(index), (), kwargs, *flags)
+            hidden = _as_declared(out, hidden.shape, hidden.dtype)
     return hidden
 
 
@@ -394,20 +409,6 @@ def _layer_stack_prefill(hidden: torch.Tensor, mask: torch.Tensor | None, positi
             keys.append(k)
             values.append(v)
     return hidden, keys, values
-
-
-@torch.library.impl(_LIB, "layer_stack_prefill_into", "CompositeExplicitAutograd")
-def _layer_stack_prefill_into(hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
-                              mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                              cache_position: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, names: str,
-                              constants: str, cache_name: str, handle: int) -> torch.Tensor:
-    frames, kwargs = _call(handle, names, constants, (mask, position_ids, cache_position, cos, sin))
-    body = frames.body("prefill_into")
-    with _below_autograd():
-        for index, layer in enumerate(frames.layers):
-            (out,) = body(layer, hidden, cache_name, (keys[index], values[index], keep), (), kwargs, True, True)
-            hidden = _as_declared(out, hidden.shape, hidden.dtype)
-    return hidden
 
 
 def _prefill_body(frames: LayerFrames, index: int, hidden: torch.Tensor, cache_name: str,
