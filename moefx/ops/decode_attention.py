@@ -8,6 +8,12 @@ cuDNN SDPA kernel (7.9 us per layer) plus the kernels that expand K/V to every q
 for it (about 6 us per layer). CUDA runs the Triton kernel of `moefx/kernels/decode_attn.py`, one launch per call
 (fp32 accumulation; bf16/fp16 probabilities for the value product, as flash attention does); the CPU, and shapes
 the kernel does not take, run the reference: torch's SDPA over the expanded heads.
+
+`moefx::decode_attention_rope` is `moefx::qk_norm_rope_cache` (moefx/ops/rope_cache.py) and this op in one: the
+same kernel takes q, k and v as projected, normalizes and rotates each program's query rows itself, and the program
+whose slice holds the step's position writes the new key and value into the cache first, so a decode step's
+attention is one kernel per layer, not two (the `fuse_qk_norm_rope` pass emits it with `pass_config`
+`fuse_rope_attention`). Rounding is the two ops' (the norm's variance summed in another order).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 
 from moefx.kernels.availability import triton_available
 from moefx.kernels.memo import ShapeMemo, tensor_meta
+from moefx.ops import rope_cache as _rope_cache
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -98,3 +105,57 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 @decode_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def rope_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                            k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                            values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> str | None:
+    """Why the one-launch kernel cannot take `decode_attention_rope`'s inputs (None: it can): both halves' own
+    conditions, for one query position."""
+    if q.dim() != 4 or q.shape[1] != 1:
+        return f"q of shape {tuple(q.shape)} (need [B, 1, Hq, D]: one query position)"
+    why = _rope_cache.unsupported_reason(q, k, v, q_weight, k_weight, cos, sin, keys, values, positions)
+    if why is not None:
+        return why
+    return unsupported_reason(q.transpose(1, 2), keys, values, mask)
+
+
+def decode_attention_rope_reference(q, k, v, q_weight, k_weight, eps: float, cos, sin, keys, values, positions,
+                                    mask, scale: float) -> torch.Tensor:
+    """The two ops it replaces, in order: moefx::qk_norm_rope_cache's reference (writes the caches), then the
+    attention over them."""
+    q_out = _rope_cache.qk_norm_rope_cache_reference(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values,
+                                                     positions)
+    return decode_attention_reference(q_out, keys, values, mask, scale)
+
+
+_CHECKED_ROPE = ShapeMemo()
+
+
+@torch.library.custom_op("moefx::decode_attention_rope", mutates_args=("keys", "values"))
+def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                          keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """moefx::qk_norm_rope_cache and moefx::decode_attention as one op (one kernel launch on CUDA): q [B, 1, Hq, D],
+    k/v [B, 1, Hkv, D] as projected; writes the step's key and value into keys/values [B, Hkv, L, D] at
+    `positions` and returns the attention [B, Hq, 1, D] over them."""
+    args = (q, k, v, q_weight, k_weight, cos, sin, keys, values, positions, mask)
+    key = tuple(None if t is None else tensor_meta(t) for t in args)
+    use = _CHECKED_ROPE.get(key)
+    if use is None:
+        use = _CHECKED_ROPE.put(key, q.is_cuda and triton_available() and rope_unsupported_reason(*args) is None)
+    if use:
+        from moefx.kernels.decode_attn import decode_attention_rope_triton
+
+        out = torch.empty(q.shape[0], q.shape[2], 1, q.shape[3], dtype=q.dtype, device=q.device)
+        decode_attention_rope_triton(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, mask, scale,
+                                     out, splits_for(q.shape[0], keys.shape[1], keys.shape[2]))
+        return out
+    return decode_attention_rope_reference(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, mask,
+                                           scale)
+
+
+@decode_attention_rope.register_fake
+def _(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, mask, scale) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[2], 1, q.shape[3])
