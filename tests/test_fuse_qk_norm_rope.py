@@ -83,9 +83,15 @@ def test_q_k_norm_rope_and_cache_write_become_one_op(dtype, monkeypatch):
     assert count_ops(gm.graph, torch.ops.prims.iota.default) == 0  # the op reads the write position itself
     assert count_ops(gm.graph, aten.rsqrt.default) == rsqrt_before - 2  # the input norm stays
     assert run.notes and "qk_norm_rope_cache" in run.notes[0]
+    assert_same_on_fresh_inputs(gm, unfused, state, half, dtype)
+
+
+def assert_same_on_fresh_inputs(gm: torch.fx.GraphModule, reference: torch.fx.GraphModule, state: dict,
+                                half: _AttentionHalf, dtype: torch.dtype) -> None:
+    """`gm` against `reference` on two fresh input sets: output, keys, values and length bit for bit, keys written."""
     for seed in (1, 2):
         inputs = _inputs(half, dtype, seed)
-        got, want = _run(gm, state, inputs), _run(unfused, state, inputs)
+        got, want = _run(gm, state, inputs), _run(reference, state, inputs)
         for g, w in zip(got, want):  # output, keys, values, length
             assert torch.equal(g, w), seed
         assert not torch.equal(got[1], inputs[3])  # the keys were written
@@ -108,23 +114,28 @@ def test_inductor_writes_the_cache_in_place(monkeypatch):
     """Through inductor with the pass: the compiled call equals eager (output and written cache), and the
     functionalized op is re-inplaced (no copy of the cache: a copy would leave the cache unwritten or cost a
     kernel per layer)."""
+    code, matches = compiled_like_eager(_half(torch.float32, monkeypatch), {"fuse_qk_norm_rope": True})
+    assert matches.get("fuse_qk_norm_rope") == 1
+    assert "qk_norm_rope_cache" in code
+
+
+def compiled_like_eager(half: _AttentionHalf, passes: dict[str, bool]) -> tuple[str, dict[str, int]]:
+    """`half` through inductor with these pass toggles against eager on fresh inputs (output and both caches, the
+    cache written, not copied): the generated code and the first compile report's matches."""
     from torch._inductor.utils import run_and_get_code
 
-    half = _half(torch.float32, monkeypatch)
-    cfg = {"pass_config": {"fuse_qk_norm_rope": True}}
     torch._dynamo.reset()
     moefx.clear_compile_reports()
-    compiled = torch.compile(half, backend=moefx.backend(cfg), fullgraph=True)
+    compiled = torch.compile(half, backend=moefx.backend({"pass_config": passes}), fullgraph=True)
     inputs = _inputs(half, torch.float32, 1)
     eager_in = tuple(t.clone() for t in inputs)
     with torch.no_grad():
         want = half(*eager_in)
         got, (code,) = run_and_get_code(compiled, *inputs)
-    assert moefx.compile_reports()[0].matches.get("fuse_qk_norm_rope") == 1
-    assert "qk_norm_rope_cache" in code
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(inputs[3], eager_in[3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(inputs[4], eager_in[4], rtol=0, atol=0)
+    return code, moefx.compile_reports()[0].matches
 
 
 def test_the_plan_prefers_it_on_cuda_only():
