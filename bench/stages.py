@@ -106,7 +106,7 @@ STAGES: tuple[Stage, ...] = (
           "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1,16 --step-pdl off,chain --profile --runs 3 "
           "--eager-n 2,6 --tag _pdl8", "8 layers B=1/16, bf16 and FP8, every arm scored, the step's PDL chain off "
           "and on over the same compiled steps", section="e2e"),
-    Stage("e2e-8-rope", 300, "python3 bench/e2e.py --layers 8 --batches 1,16 --eager-batches 1 "
+    Stage("e2e-8-rope", 360, "python3 bench/e2e.py --layers 8 --batches 1,16 --eager-batches 1 "
           "--arms hf_eager,hf_static,moefx --rope-attention --score-batches 1,16 --runs 3 --profile --tag _rope8",
           "8 layers B=1/16 bf16 in one process: the q/k norm + RoPE + cache write as its own kernel (moefx) and in "
           "the attention's launch (moefx_rope_attention, a second model of the same weights), the peer; every arm "
