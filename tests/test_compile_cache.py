@@ -224,6 +224,11 @@ from torch._dynamo.utils import counters
 from moefx.models.spec import build_model_from_spec
 if os.environ.get("FAKE_MOEFX_VERSION"):
     moefx.__version__ = os.environ["FAKE_MOEFX_VERSION"]
+if os.environ.get("PADDED"):  # the padded prefill, which only a CUDA engine that captures takes, on this CPU engine
+    import moefx.engine.engine as engine_module
+    _init = engine_module.DecodeLoop.__init__
+    engine_module.DecodeLoop.__init__ = lambda self, *a, **k: _init(
+        self, *a, **{**k, "prefill_capture_tokens": int(os.environ["PADDED"])})
 model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", "1")), torch.device("cpu"),
                                 torch.float32)
 prompts = [torch.randint(1, 200, (batch, 6), generator=torch.Generator().manual_seed(batch)) for batch in (1, 2)]
@@ -340,6 +345,20 @@ def test_layer_frames_a_new_process_traces_nothing(tmp_path):
     assert warm["fx_miss"] == 0 and warm["aot_miss"] == 0, warm
     torch.testing.assert_close(torch.tensor(warm["forward"]), torch.tensor(cold["forward"]), rtol=1e-5, atol=1e-5)
     assert "moefx: compiling" not in warm_err and "saved trace" not in warm_err
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_layer_frames_padded_prefill_a_new_process_traces_nothing(tmp_path):
+    """The padded prefill over the frames' buffered cache (its layer bodies write the prompt into the cache,
+    `moefx::layer_stack_prefill_into`): saved with the other steps and loaded by a new process that traces nothing,
+    with the cold process's tokens (transformers' own, `_run`)."""
+    cold, _ = _run(tmp_path, "inductor-cold", REGIONS="frames", LAYERS="2", PADDED="64")
+    assert cold["compiles"].get("prefill[padded]") and cold["compiles"].get("layer[prefill_into]"), cold["compiles"]
+    warm, warm_err = _run(tmp_path, "inductor-warm", REGIONS="frames", LAYERS="2", PADDED="64")
+    assert warm["traced"] == 0 and warm["compiles"] == {} and warm["traces_loaded"] == cold["traced"], warm
+    assert warm["fx_miss"] == 0 and warm["aot_miss"] == 0 and warm["tokens"] == cold["tokens"], warm
+    assert "moefx: compiling" not in warm_err
 
 
 # torch 2.11 (the GPU machine's) has torch._dynamo.aot_compile but torch.compile's result has no aot_compile: the
