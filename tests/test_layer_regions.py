@@ -577,13 +577,14 @@ def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("stack_off", [None, "one op per layer"], ids=["stack", "per-layer"])
-def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_bodies(monkeypatch, stack_off):
+@pytest.mark.parametrize("form", ["stack", "per-layer", "copy"])
+def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_bodies(monkeypatch, form):
     """The frames' padded prefill over the buffered cache: the stack op's layer bodies write the prompt's keys and
     values into the slot's buffers (`layer_stack_prefill_into`), in place (no whole-buffer copy in the post-grad
     graphs) and nothing follows the forward: the prompt cache it got stays empty (at 48 layers the copies after it
-    were 96 kernels). One op per layer keeps the copies after the forward. Either way the first token's logits and
-    the cache equal the unpadded eager prefill's, zeros past the prompt."""
+    were 96 kernels). One op per layer, or the stack with `write_in_layers` off (bench/e2e.py's before arm), keeps
+    the copies after the forward. Each way the first token's logits and the cache equal the unpadded eager
+    prefill's, zeros past the prompt."""
     from transformers import DynamicCache
 
     made: list[Any] = []
@@ -597,10 +598,11 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
     model = copy.deepcopy(stock)
     install_layer_regions(model, frames=True)
-    if stack_off is not None:
-        layer_frames(model).stack_off = stack_off
+    if form == "per-layer":
+        layer_frames(model).stack_off = "one op per layer"
     recorder = _Recorder()
     engine = DecodeLoop(model, compile_kwargs={"backend": recorder}, prefill_capture_tokens=64)
+    engine._bucketed.write_in_layers = form != "copy"
     eager = DecodeLoop(stock)
     ids = _ids(2, 9, 0)
     got_logits: list[torch.Tensor] = []
@@ -613,8 +615,8 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
     torch.testing.assert_close(got_logits[0], want_logits[0], rtol=1e-5, atol=1e-5)
     ops = {str(n.target) for g in recorder.graphs for n in g.graph.nodes if n.op == "call_function"}
     frame_ops = sorted(o for o in ops if "moefx.layer" in o)
-    assert ("moefx.layer_stack_prefill_into.default" in ops) is (stack_off is None), frame_ops
-    assert [layer.is_initialized for layer in made[0].layers] == [stack_off is not None] * 3
+    assert ("moefx.layer_stack_prefill_into.default" in ops) is (form == "stack"), frame_ops
+    assert [layer.is_initialized for layer in made[0].layers] == [form != "stack"] * 3
     slot, ref = engine.slots.latest(2), eager.slots.latest(2)
     assert recorder.cache_copies(kv_buffers(slot.cache)[0].shape) == 0
     assert recorder.cache_copies(slot.cache.layers[0].keys.shape) == 0
