@@ -18,6 +18,8 @@ attention is one kernel per layer, not two (the `fuse_qk_norm_rope` pass emits i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -81,19 +83,20 @@ def splits_for(batch: int, kv_heads: int, length: int) -> int:
 _CHECKED = ShapeMemo()
 
 
-def _use_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether the Triton kernels take this call: decided from metadata only, once per key (kernels/memo.py)."""
-    key = (tensor_meta(q), tensor_meta(k), tensor_meta(v), None if mask is None else tensor_meta(mask))
+def _use_kernel(why: Callable[..., str | None], *args: torch.Tensor | None) -> bool:
+    """Whether the Triton kernel takes this call of an op whose inputs `why` checks: decided from metadata only,
+    once per key (kernels/memo.py)."""
+    key = (why.__name__, *(None if t is None else tensor_meta(t) for t in args))
     found = _CHECKED.get(key)
     if found is None:
-        found = _CHECKED.put(key, q.is_cuda and triton_available() and unsupported_reason(q, k, v, mask) is None)
+        found = _CHECKED.put(key, args[0].is_cuda and triton_available() and why(*args) is None)
     return found
 
 
 @torch.library.custom_op("moefx::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
-    if _use_kernel(q, k, v, mask):
+    if _use_kernel(unsupported_reason, q, k, v, mask):
         from moefx.kernels.decode_attn import decode_attention_triton
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -129,9 +132,6 @@ def decode_attention_rope_reference(q, k, v, q_weight, k_weight, eps: float, cos
     return decode_attention_reference(q_out, keys, values, mask, scale)
 
 
-_CHECKED_ROPE = ShapeMemo()
-
-
 @torch.library.custom_op("moefx::decode_attention_rope", mutates_args=("keys", "values"))
 def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                           k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -140,12 +140,7 @@ def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w
     """moefx::qk_norm_rope_cache and moefx::decode_attention as one op (one kernel launch on CUDA): q [B, 1, Hq, D],
     k/v [B, 1, Hkv, D] as projected; writes the step's key and value into keys/values [B, Hkv, L, D] at
     `positions` and returns the attention [B, Hq, 1, D] over them."""
-    args = (q, k, v, q_weight, k_weight, cos, sin, keys, values, positions, mask)
-    key = tuple(None if t is None else tensor_meta(t) for t in args)
-    use = _CHECKED_ROPE.get(key)
-    if use is None:
-        use = _CHECKED_ROPE.put(key, q.is_cuda and triton_available() and rope_unsupported_reason(*args) is None)
-    if use:
+    if _use_kernel(rope_unsupported_reason, q, k, v, q_weight, k_weight, cos, sin, keys, values, positions, mask):
         from moefx.kernels.decode_attn import decode_attention_rope_triton
 
         out = torch.empty(q.shape[0], q.shape[2], 1, q.shape[3], dtype=q.dtype, device=q.device)
