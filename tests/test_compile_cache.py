@@ -224,11 +224,16 @@ from torch._dynamo.utils import counters
 from moefx.models.spec import build_model_from_spec
 if os.environ.get("FAKE_MOEFX_VERSION"):
     moefx.__version__ = os.environ["FAKE_MOEFX_VERSION"]
-if os.environ.get("PADDED"):  # the padded prefill, which only a CUDA engine that captures takes, on this CPU engine
-    import moefx.engine.engine as engine_module
+if os.environ.get("PADDED"):  # the padded prefill, which only a CUDA engine that captures takes, on this CPU engine,
+    import moefx.engine.engine as engine_module  # its layer bodies writing the prompt into the cache
+
     _init = engine_module.DecodeLoop.__init__
-    engine_module.DecodeLoop.__init__ = lambda self, *a, **k: _init(
-        self, *a, **{**k, "prefill_capture_tokens": int(os.environ["PADDED"])})
+
+    def _padded_init(self, *a, **k):
+        _init(self, *a, **{**k, "prefill_capture_tokens": int(os.environ["PADDED"])})
+        self._bucketed.write_in_layers = True
+
+    engine_module.DecodeLoop.__init__ = _padded_init
 model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", "1")), torch.device("cpu"),
                                 torch.float32)
 prompts = [torch.randint(1, 200, (batch, 6), generator=torch.Generator().manual_seed(batch)) for batch in (1, 2)]

@@ -551,16 +551,19 @@ def test_a_cache_the_engine_did_not_make_runs_one_op_per_layer_and_says_why():
     assert "only initialized StaticLayers" in stack_cache_layers(StaticCache(config=model.config, max_cache_len=16))
 
 
-def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length():
+@pytest.mark.parametrize("in_layers", [False, True], ids=["copies", "in-layers"])
+def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(in_layers):
     """The frames' slot cache as buffers through what else reads its layers: the padded prefill's KV handover
-    into the layers' views, a shorter request after a longer one (the cache reset through its buffers) and a
-    longer one after (a second slot); tokens equal eager's each time, and the layers stay views of the buffers."""
+    into the layers' views (or its layer bodies' writes, `write_in_layers`), a shorter request after a longer one
+    (the cache reset through its buffers) and a longer one after (a second slot); tokens equal eager's each time, and
+    the layers stay views of the buffers."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
     model = copy.deepcopy(stock)
     install_layer_regions(model, frames=True)
     engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
                         prefill_capture_tokens=64)
+    engine._bucketed.write_in_layers = in_layers
     eager = DecodeLoop(stock)
     for batch, length, tokens in ((2, 12, 6), (2, 5, 3), (2, 9, 300)):
         ids = _ids(batch, length, length)
@@ -582,8 +585,8 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
     """The frames' padded prefill over the buffered cache: the stack op's layer bodies write the prompt's keys and
     values into the slot's buffers (`layer_stack_prefill_into`), in place (no whole-buffer copy in the post-grad
     graphs) and nothing follows the forward: the prompt cache it got stays empty (at 48 layers the copies after it
-    were 96 kernels). One op per layer, or the stack with `write_in_layers` off (bench/e2e.py's before arm), keeps
-    the copies after the forward. Each way the first token's logits and the cache equal the unpadded eager
+    were 96 kernels). One op per layer, or the stack with `write_in_layers` off (the default until it is timed on a
+    GPU), keeps the copies after the forward. Each way the first token's logits and the cache equal the unpadded eager
     prefill's, zeros past the prompt."""
     from transformers import DynamicCache
 
@@ -602,7 +605,7 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
         layer_frames(model).stack_off = "one op per layer"
     recorder = _Recorder()
     engine = DecodeLoop(model, compile_kwargs={"backend": recorder}, prefill_capture_tokens=64)
-    engine._bucketed.write_in_layers = form != "copy"
+    engine._bucketed.write_in_layers = form != "copy"  # per-layer: on, and not taken
     eager = DecodeLoop(stock)
     ids = _ids(2, 9, 0)
     got_logits: list[torch.Tensor] = []

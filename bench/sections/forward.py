@@ -14,9 +14,9 @@ FORWARD_ARMS = {
     "moefx_forward": "`model(input_ids=ids, logits_to_keep=1)` after `moefx.optimize(model)`: the engine's padded "
                      "prefill, replayed from a CUDA graph per bucket key (moefx/engine/forward.py)",
     "moefx_ttft": "`generate(ids, max_new_tokens=1)` on the same optimized model (the engine's time to first token)",
-    "moefx_ttft_copy": "as `moefx_ttft`, the prompt's keys and values copied into the cache after the padded "
-                       "prefill's forward instead of written by its layer bodies (the before of that change, its "
-                       "graphs captured again in the same process)",
+    "moefx_ttft_in_layers": "as `moefx_ttft`, the prompt's keys and values written into the cache by the padded "
+                            "prefill's layer bodies instead of copied there after its forward (off by default; its "
+                            "graphs captured again in the same process)",
 }
 TRAIN_ARMS = {
     "hf_compiled": "`torch.compile(model.forward, dynamic=True)`, then `loss.backward()` and an AdamW step (the peer)",

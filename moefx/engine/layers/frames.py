@@ -9,8 +9,9 @@ three tensors whatever the depth (every layer's keys, every layer's values, ever
 slot's layers are views of them, `moefx/engine/slots.py`) and declares the two it writes mutated, so the traced
 step has three cache inputs and AOTAutograd functionalizes two mutations (per-layer cache inputs and their
 functionalization were most of the decode step's cold compile growth with depth, docs/FINDINGS.md). A padded
-prefill over those buffers (`layer_body.PREFILL_INTO`) is one `moefx::layer_stack_prefill_into` op that likewise
-takes the keys and values buffers and writes each layer's prompt into them inside its body. Where the
+prefill whose cache names those buffers (`layer_body.PREFILL_INTO`, moefx/engine/prefill.py) is one
+`moefx::layer_stack_prefill_into` op that likewise takes the keys and values buffers and writes each layer's prompt
+into them inside its body. Where the
 stack does not apply (`LayerFrames._why_no_stack`, or a later call whose arguments differ: the held layers then
 run their own ops), each decoder layer call is one `moefx::layer_prefill` or `moefx::layer_decode` op with the
 layer's tensors (indexed from the buffers in the graph, where the cache has them) as arguments and the layer
