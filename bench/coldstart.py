@@ -15,6 +15,8 @@ arm is meant to reuse is reused:
                empty: every hit comes from moefx's compile cache)
   moefx_restart  as moefx_warm, with the Triton cache moefx_cold left (a restart on the same machine, where
                ~/.triton/cache survives)
+  moefx_restart_serial  as moefx_restart, with TORCHINDUCTOR_COMPILE_THREADS=1: inductor loads its kernels in the
+               process instead of through its worker pool (is the pool part of the restart's kernel loading?)
   hf_static    transformers' static-cache generate alone in a process of its own (not in the default arms)
 First call = optimize (moefx arms) + the first generate() (compiles and captures included); ready = from the
 process's start (imports, model build) to the first call's return, less transformers' run in the saving process.
@@ -46,8 +48,9 @@ from typing import Any
 
 START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("hf_static", "moefx_cold", "moefx_warm", "moefx_restart")
-DEFAULT_ARMS = ("moefx_cold", "moefx_warm", "moefx_restart")
+ARMS = ("hf_static", "moefx_cold", "moefx_warm", "moefx_restart", "moefx_restart_serial")
+DEFAULT_ARMS = ("moefx_cold", "moefx_warm", "moefx_restart", "moefx_restart_serial")
+RESTARTS = ("moefx_restart", "moefx_restart_serial")  # the arms that find the Triton folder moefx_cold left
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -248,8 +251,9 @@ class _TritonTimes:
 
 
 def _run_arm(arm: str, args: argparse.Namespace, tmp: Path) -> dict:
-    triton = "moefx_cold" if arm == "moefx_restart" else arm
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    triton = "moefx_cold" if arm in RESTARTS else arm
+    serial = {"TORCHINDUCTOR_COMPILE_THREADS": "1"} if arm == "moefx_restart_serial" else {}
+    env = {**os.environ, **serial, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{arm}"), "TRITON_CACHE_DIR": str(tmp / f"triton-{triton}"),
            "MOEFX_COMPILE_CACHE": str(tmp / "moefx-compile")}
     cmd = [sys.executable, __file__, "--child", arm, "--layers", str(args.layers), "--batch", str(args.batch),
@@ -301,7 +305,7 @@ def main() -> int:
     cold = by_arm.get("moefx_cold", {})
     if "hf_static" not in by_arm and "hf_static" in cold:  # the peer, from the saving process
         rows.insert(0, {"arm": "hf_static", "in_process": "moefx_cold", **cold.pop("hf_static")})
-    for warm in (by_arm.get("moefx_warm", {}), by_arm.get("moefx_restart", {})):
+    for warm in (by_arm.get(arm, {}) for arm in ("moefx_warm", *RESTARTS)):
         if "tokens" in cold and "tokens" in warm:
             warm["same_tokens_as_cold"] = warm["tokens"] == cold["tokens"]
     import torch
