@@ -72,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
 from bench.harness import ceilings, median_wall_s, results_dir, sync, timed_call, wall_s, write_json
-from bench.scorer import Fp32Scorer, fp8_block_weights
+from bench.scorer import Fp32Scorer, float_weights, fp8_block_weights
 from bench.sections.e2e import DecodeRow
 from moefx.config import LAYER_REGIONS
 from moefx.integrations.transformers import is_experts_module
@@ -701,13 +701,26 @@ def main() -> int:
     if "moefx" in arms:
         guarded("moefx", lambda: moefx_arm("moefx", model, "bf16", batches))
     if args.rope_attention:
+        # Where a second model does not fit beside the first (48 layers on an 80 GB card), the first goes before the
+        # second is built, and the scorer reads the second's weights (the same, from the same seed).
+        alone = not _fits_twice(model)
+        extra["moefx_rope_attention_after_first_freed"] = alone
+        if alone:
+            if scorer is not None:
+                scorer.fetch = None
+            model = stock_generate = None
+            _free_device_memory()
 
         def rope_arm() -> None:
             second = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
             second.generation_config.eos_token_id = None
+            if alone and scorer is not None:
+                scorer.fetch = float_weights(second)
             moefx_arm("moefx_rope_attention", second, "bf16", batches, {"pass_config": {"fuse_rope_attention": True}})
 
         guarded("moefx_rope_attention", rope_arm)
+        if alone and scorer is not None:
+            scorer.fetch = None
         gc.collect()  # its model and engine go before the FP8 arms build theirs
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -806,6 +819,21 @@ def main() -> int:
 
 def _label(key: int | tuple[int, int]) -> str:
     return f"decode B={key}" if isinstance(key, int) else f"prompt {key[0]}x{key[1]}"
+
+
+def _fits_twice(model: torch.nn.Module) -> bool:
+    """Whether one more model of `model`'s size (and 4 GiB for its engine) fits in the device's free memory."""
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(param.device)
+    return free > sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * 2**30
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _peak_gib(t: torch.Tensor) -> float:

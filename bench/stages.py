@@ -111,6 +111,11 @@ STAGES: tuple[Stage, ...] = (
           "8 layers B=1/16 bf16 in one process: the q/k norm + RoPE + cache write as its own kernel (moefx) and in "
           "the attention's launch (moefx_rope_attention, a second model of the same weights), the peer; every arm "
           "scored", section="e2e"),
+    Stage("e2e-48-rope", 400, "python3 bench/e2e.py --layers 48 --batches 1 --arms hf_static,moefx --rope-attention "
+          '--score-batches "" --runs 2 --profile --tag _rope48', "48 layers B=1 bf16 in one process: the peer, the "
+          "q/k norm + RoPE + cache write as its own kernel (moefx), then in the attention's launch "
+          "(moefx_rope_attention: its model built after the first is freed), each arm's decode step profile",
+          section="e2e"),
     Stage("e2e-8-b1-fp8", 300, "python3 bench/e2e.py --layers 8 --batches 1 --eager-batches 1 "
           "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1 --fp8-forms w8a8,weight_only --score-batches 1 "
           "--runs 3 --tag _b1_fp8",
