@@ -9,10 +9,6 @@ compiled step, the expansion included). Correctness first, on this device: every
 same inputs (relative error <= 1e-2, bf16 output). Timings are CUDA-graph replays of 64 calls cycling through input
 sets larger than the L2 (48 layers evict a layer's cache), median of 7.
 floor = max(one replayed launch, (the kept keys and values + q + out) / the copy rate).
-The q/k norm + RoPE + cache write in front (`rope_rows`, the same shapes, the step writing position `written` - 1):
-`moefx::qk_norm_rope_cache` then the attention (two kernels, what `fuse_qk_norm_rope` leaves) against
-`moefx::decode_attention_rope` (one launch, `pass_config.fuse_rope_attention`), q/k/v as one projection's output,
-both checked against an fp32 run of the two ops' reference (output and written cache rows).
 
     python bench/attention.py          # on the GPU: ~40 s; table last, JSON to $OUT/attention.json
     python bench/attention.py --quick  # CPU smoke run (TRITON_INTERPRET=1, small shapes, checks only)
@@ -33,9 +29,8 @@ if __name__ == "__main__" and ("--quick" in sys.argv or not torch.cuda.is_availa
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before moefx's kernels are defined: the smoke run interprets them
 
 from bench.harness import copy_ceiling_Bps, relerr, time_rotated, write_json
-from moefx.kernels.decode_attn import decode_attention_rope_triton, decode_attention_triton
-from moefx.kernels.norm_rope_cache import qk_norm_rope_cache_triton
-from moefx.ops.decode_attention import decode_attention_reference, decode_attention_rope_reference, splits_for
+from moefx.kernels.decode_attn import decode_attention_triton
+from moefx.ops.decode_attention import decode_attention_reference, splits_for
 
 HEADS, KV_HEADS, DIM = 32, 4, 128
 # (batch, cache positions, written positions): decode at batch 1 in a 256- and a 512-position bucket, longer
@@ -99,65 +94,6 @@ def run_shape(batch: int, cache: int, written: int, dev: str, quick: bool, copy_
     return row
 
 
-ROPE_ARMS = {"norm + RoPE + cache write, then attention (two kernels)": False,
-             "one launch (decode_attention_rope)": True}
-
-
-def rope_inputs(batch: int, cache: int, written: int, dev: str, dtype: torch.dtype, gen: torch.Generator,
-                heads: int = HEADS, kv_heads: int = KV_HEADS, dim: int = DIM) -> list:
-    """The fused op's arguments: q/k/v views of one projection output, norm weights, cos/sin, the caches, the step's
-    position (`written` - 1, kept by the mask), the mask and the scale."""
-    qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * dim, device=dev, dtype=dtype, generator=gen)
-    q = qkv[..., : heads * dim].view(batch, 1, heads, dim)
-    k = qkv[..., heads * dim: (heads + kv_heads) * dim].view(batch, 1, kv_heads, dim)
-    v = qkv[..., (heads + kv_heads) * dim:].view(batch, 1, kv_heads, dim)
-    weights = [1 + 0.1 * torch.randn(dim, device=dev, dtype=dtype, generator=gen) for _ in range(2)]
-    angles = torch.rand(1, 1, dim, device=dev, generator=gen) * 6.3
-    _, keys, values, mask = inputs(batch, cache, written, dev, dtype, gen, heads, kv_heads, dim)
-    pos = torch.tensor([written - 1], device=dev)
-    return [q, k, v, *weights, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype), keys, values, pos, mask,
-            dim ** -0.5]
-
-
-def rope_call(fused: bool, args: list, out: torch.Tensor, q_out: torch.Tensor) -> torch.Tensor:
-    splits = splits_for(out.shape[0], args[8].shape[1], args[8].shape[2])
-    if fused:
-        decode_attention_rope_triton(*args, out, splits)
-        return out
-    qk_norm_rope_cache_triton(*args[:11], q_out)
-    decode_attention_triton(q_out, args[8], args[9], args[11], args[12], out, splits)
-    return out
-
-
-def run_rope_shape(batch: int, cache: int, written: int, dev: str, quick: bool) -> dict:
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    gen = torch.Generator(device=dev).manual_seed(batch * 104729 + cache)
-    dims = dict(heads=8, kv_heads=2, dim=32) if quick else {}
-    args = rope_inputs(batch, cache, written, dev, dtype, gen, **dims)
-    ref = [a.clone().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    want = decode_attention_rope_reference(*ref)
-    row: dict = {"batch": batch, "cache": cache, "written": written, "checks": {}, "us": {}}
-    q = args[0]
-    shape = (batch, q.shape[2], 1, q.shape[3])
-    for name, fused in ROPE_ARMS.items():
-        mine = list(args)
-        mine[8:10] = [t.clone() for t in args[8:10]]
-        got = rope_call(fused, mine, torch.empty(shape, device=dev, dtype=dtype),
-                        torch.empty(shape, device=dev, dtype=dtype))
-        at = written - 1
-        err = max(relerr(got.float(), want), relerr(mine[8][:, :, at].float(), ref[8][:, :, at]),
-                  relerr(mine[9][:, :, at].float(), ref[9][:, :, at]))
-        row["checks"][name] = {"relerr": err, "ok": err <= BOUND}
-    if dev != "cuda":
-        return row
-    per_set = sum(t.nbytes for t in args if isinstance(t, torch.Tensor)) * 2
-    sets = [rope_inputs(batch, cache, written, dev, dtype, gen) for _ in range(max(2, -(-2 * L2_BYTES // per_set)))]
-    outs = [(torch.empty(shape, device=dev, dtype=dtype), torch.empty(shape, device=dev, dtype=dtype)) for _ in sets]
-    for name, fused in ROPE_ARMS.items():
-        row["us"][name] = time_rotated(lambda a, o, f=fused: rope_call(f, a, *o), list(zip(sets, outs)), CALLS)
-    return row
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke run (interpreted kernel, checks only)")
@@ -177,15 +113,7 @@ def main() -> None:
         for name, c in row["checks"].items():
             print(f"check B={row['batch']} cache={row['cache']} written={row['written']} {name:40} "
                   f"relerr {c['relerr']:.1e} (bound {BOUND:.0e}) {'ok' if c['ok'] else 'FAIL'}", flush=True)
-    result["rope_rows"] = []
-    for shape in QUICK_SHAPES if dev == "cpu" else SHAPES:
-        row = run_rope_shape(*shape, dev, dev == "cpu")
-        result["rope_rows"].append(row)
-        for name, c in row["checks"].items():
-            print(f"check B={row['batch']} cache={row['cache']} written={row['written']} {name:40} "
-                  f"relerr {c['relerr']:.1e} (bound {BOUND:.0e}) {'ok' if c['ok'] else 'FAIL'}", flush=True)
-    bad = [name for key in ("rows", "rope_rows") for r in result[key] for name, c in r["checks"].items()
-           if not c["ok"]]
+    bad = [name for r in result["rows"] for name, c in r["checks"].items() if not c["ok"]]
     write_json("attention.json", result)
     if bad:
         print(f"correctness: {len(bad)} arms out of bound: {bad}")
@@ -197,10 +125,6 @@ def main() -> None:
             cells = "  ".join(f"{name}: {us:.2f}" for name, us in r["us"].items())
             print(f"B={r['batch']:2d} cache {r['cache']:4d} written {r['written']:4d} floor {r['floor_us']:.2f} | "
                   f"{cells}")
-        print("\nwith the q/k norm + RoPE + cache write in front (µs per call, the same protocol)")
-        for r in result["rope_rows"]:
-            cells = "  ".join(f"{name}: {us:.2f}" for name, us in r["us"].items())
-            print(f"B={r['batch']:2d} cache {r['cache']:4d} written {r['written']:4d} | {cells}")
 
 
 if __name__ == "__main__":

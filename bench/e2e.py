@@ -9,8 +9,6 @@ then rewrites it in place):
   hf_static    model.generate(cache_implementation="static"): transformers compiles its own decode step
   moefx        moefx.optimize(model) (no config: the README path; `--max-batch-size` caps the capture sizes) then
                model.generate(): moefx's engine (static cache, compiled prefill and decode step from CUDA graphs)
-  moefx_rope_attention  a second bf16 model (same seed) with pass_config.fuse_rope_attention on, the same way
-               (`--rope-attention`: the q/k norm + RoPE + cache write in the attention kernel's launch)
   moefx_fp8    a second model, moefx.quantize(model, "fp8_block128") then the same (`--fp8`); with `--fp8-forms`
                one such arm per FP8 decode form (`moefx_fp8_w8a8`, `moefx_fp8_weight_only`: pass_config.fp8_weight_only
                off / on), each on its own FP8 model built after the last one is freed
@@ -72,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moefx
 from bench.harness import ceilings, median_wall_s, results_dir, sync, timed_call, wall_s, write_json
-from bench.scorer import Fp32Scorer, float_weights, fp8_block_weights
+from bench.scorer import Fp32Scorer, fp8_block_weights
 from bench.sections.e2e import DecodeRow
 from moefx.config import LAYER_REGIONS
 from moefx.integrations.transformers import is_experts_module
@@ -319,9 +317,6 @@ def main() -> int:
     ap.add_argument("--fp8-forms", default="", help="FP8 decode forms, one moefx_fp8_<form> arm each, in this order: "
                     f"{','.join(FP8_FORMS)} ('': one moefx_fp8 arm with the plan's default); at 48 layers name one "
                     "(each arm builds its bf16 model on the card before quantizing it)")
-    ap.add_argument("--rope-attention", action="store_true", help="one more bf16 arm, moefx_rope_attention: a second "
-                    "model (same seed) optimized with pass_config.fuse_rope_attention on, after the moefx arm while "
-                    "the first model is held (two models must fit: 8 layers)")
     ap.add_argument("--eager-batches", default="", help="batches of hf_eager (default: --batches)")
     ap.add_argument("--calibration", default="", help="extra calibration table for the moefx arms "
                     "(default: $OUT/dense_calibration.yaml when a dense stage wrote one)")
@@ -700,30 +695,6 @@ def main() -> int:
     save()
     if "moefx" in arms:
         guarded("moefx", lambda: moefx_arm("moefx", model, "bf16", batches))
-    if args.rope_attention:
-        # Where a second model does not fit beside the first (48 layers on an 80 GB card), the first goes before the
-        # second is built, and the scorer reads the second's weights (the same, from the same seed).
-        alone = not _fits_twice(model)
-        extra["moefx_rope_attention_after_first_freed"] = alone
-        if alone:
-            if scorer is not None:
-                scorer.fetch = None
-            model = stock_generate = None
-            _free_device_memory()
-
-        def rope_arm() -> None:
-            second = build_model(cfg, seed=0, dtype=dtype, device=args.device, routing=args.routing).eval()
-            second.generation_config.eos_token_id = None
-            if alone and scorer is not None:
-                scorer.fetch = float_weights(second)
-            moefx_arm("moefx_rope_attention", second, "bf16", batches, {"pass_config": {"fuse_rope_attention": True}})
-
-        guarded("moefx_rope_attention", rope_arm)
-        if alone and scorer is not None:
-            scorer.fetch = None
-        gc.collect()  # its model and engine go before the FP8 arms build theirs
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     if args.fp8:
         # Nothing may keep the bf16 model alive while the FP8 one is built (two 48-layer models do not fit 80 GB):
         # the scorer's weights and transformers' bound generate() go with it.
@@ -819,21 +790,6 @@ def main() -> int:
 
 def _label(key: int | tuple[int, int]) -> str:
     return f"decode B={key}" if isinstance(key, int) else f"prompt {key[0]}x{key[1]}"
-
-
-def _fits_twice(model: torch.nn.Module) -> bool:
-    """Whether one more model of `model`'s size (and 4 GiB for its engine) fits in the device's free memory."""
-    param = next(model.parameters())
-    if param.device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(param.device)
-    return free > sum(p.numel() * p.element_size() for p in model.parameters()) + 4 * 2**30
-
-
-def _free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _peak_gib(t: torch.Tensor) -> float:

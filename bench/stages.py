@@ -53,9 +53,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("fusions", 170, "python3 bench/fusions.py", "fused activation quantization: 10 variant classes x M "
           "16/512/8192", section="fusions", keeps=("fusions.json",)),
     Stage("routing", 180, "python3 bench/routing.py", "fused MoE routing vs inductor's softmax+topk"),
-    Stage("attention", 180, "python3 bench/attention.py",
-          "decode attention in one launch: the op's slices, 1-32 slices and torch's SDPA, with floors; the q/k norm + "
-          "RoPE + cache write in front as two kernels and in the attention's one launch"),
+    Stage("attention", 150, "python3 bench/attention.py",
+          "decode attention in one launch: the op's slices, 1-32 slices and torch's SDPA, with floors"),
     Stage("sampler", 200, "python3 bench/sampler.py", "the sync-free decode loop and sampler", section="sampler",
           keeps=("sampler.json",)),
     Stage("offload", 420, "python3 bench/offload.py --probe", "expert offload to host memory", section="offload",
@@ -106,16 +105,6 @@ STAGES: tuple[Stage, ...] = (
           "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1,16 --step-pdl off,chain --profile --runs 3 "
           "--eager-n 2,6 --tag _pdl8", "8 layers B=1/16, bf16 and FP8, every arm scored, the step's PDL chain off "
           "and on over the same compiled steps", section="e2e"),
-    Stage("e2e-8-rope", 360, "python3 bench/e2e.py --layers 8 --batches 1,16 --eager-batches 1 "
-          "--arms hf_eager,hf_static,moefx --rope-attention --score-batches 1,16 --runs 3 --profile --tag _rope8",
-          "8 layers B=1/16 bf16 in one process: the q/k norm + RoPE + cache write as its own kernel (moefx) and in "
-          "the attention's launch (moefx_rope_attention, a second model of the same weights), the peer; every arm "
-          "scored", section="e2e"),
-    Stage("e2e-48-rope", 400, "python3 bench/e2e.py --layers 48 --batches 1 --arms hf_static,moefx --rope-attention "
-          '--score-batches "" --runs 2 --profile --tag _rope48', "48 layers B=1 bf16 in one process: the peer, the "
-          "q/k norm + RoPE + cache write as its own kernel (moefx), then in the attention's launch "
-          "(moefx_rope_attention: its model built after the first is freed), each arm's decode step profile",
-          section="e2e"),
     Stage("e2e-8-b1-fp8", 300, "python3 bench/e2e.py --layers 8 --batches 1 --eager-batches 1 "
           "--arms hf_eager,hf_static,moefx --fp8 --fp8-batches 1 --fp8-forms w8a8,weight_only --score-batches 1 "
           "--runs 3 --tag _b1_fp8",

@@ -102,8 +102,6 @@ class PassConfig:
     fuse_moe_routing: bool | None = None
     fuse_moe_residual: bool | None = None
     fuse_qk_norm_rope: bool | None = None
-    # Fold fuse_qk_norm_rope's call into the decode attention kernel (one kernel per layer less).
-    fuse_rope_attention: bool | None = None
     fuse_sibling_linears: bool | None = None
     # Send the remaining single linears to moefx::dense_linear too, so the dense policy picks per call.
     dense_linears: bool | None = None

@@ -172,7 +172,7 @@ transformers.__version__)" || return 1
 tests/test_aot_steps.py tests/test_compile_cache.py tests/test_saved_traces_gpu.py tests/test_config.py \
 tests/test_eliminate_noops.py tests/test_pass_manager.py tests/test_fuse_act_quant.py tests/test_fuse_norm_quant.py \
 tests/test_last_token_logits.py tests/test_sampler_syncs.py tests/test_fusion_corpus.py tests/test_fuse_moe_routing.py \
-tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py tests/test_fuse_rope_attention.py}
+tests/test_fuse_norm_linear.py tests/test_fuse_qk_norm_rope.py}
 }
 
 optional_stage() {  # wanted (1 or not), skip variable, what it tests, how to ask for it, stage function

@@ -119,27 +119,24 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0
 def compile_decode_attention() -> list[dict]:
     """moefx::decode_attention's kernel at Qwen3-30B-A3B's attention (8 query heads per KV head, head_dim 128, bf16,
     a bool mask): one slice ("gemm1" and "gemm2" alike), and several slices with their combine unrolled over 4
-    (batch 1, a 256-position cache) and over 64 slices (the most); the same with the q/k norm, RoPE and cache write in
-    front (moefx::decode_attention_rope); and moefx::qk_norm_rope_cache's kernel."""
+    (batch 1, a 256-position cache) and over the kernel's MAX_SPLITS slices (the most); and
+    moefx::qk_norm_rope_cache's kernel in front."""
     from moefx.kernels import decode_attn as ta
 
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr="*i1", out_ptr="*bf16", part_ptr="*fp32",
-                 cnt_ptr="*i32", kn_ptr="*bf16", vn_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16",
-                 sin_ptr="*bf16", pos_ptr="*i64", scale="fp32", eps="fp32")
+                 cnt_ptr="*i32", scale="fp32")
     rows = []
 
-    def attention(split: bool, splits_pad: int, rope: bool = False) -> dict:
+    def attention(split: bool, splits_pad: int) -> dict:
         consts = dict(PER_SPLIT=64 if split else 512, G=8, G_PAD=16, D=128, BLOCK=ta.BLOCK_L, MASK=True,
                       MASK_BOOL=True, SPLIT=split, SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, ta.COMBINE_UNROLL),
-                      G_COMB=8, IEEE=False, PDL=True, ROPE=rope, HAS_W=rope)
+                      G_COMB=8, IEEE=False, PDL=True)
         return _compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES)
 
     one = attention(False, 1)
     rows.append(dict(kind="decode_attention", max_rows="split=False", gemm1=one, gemm2=one))
     rows.append(dict(kind="decode_attention", max_rows="split=True (4, 64 slices)", gemm1=attention(True, 4),
                      gemm2=attention(True, ta.MAX_SPLITS)))
-    rows.append(dict(kind="decode_attention_rope", max_rows="split=True (4 slices), split=False",
-                     gemm1=attention(True, 4, rope=True), gemm2=attention(False, 1, rope=True)))
     from moefx.kernels import norm_rope_cache as rc
 
     bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "keys_ptr",

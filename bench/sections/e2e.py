@@ -38,8 +38,6 @@ E2E_ARMS = {
     "hf_static": "transformers `generate()` with its static cache and auto-compile (the peer)",
     "moefx": "`moefx.optimize(model)` + `generate()`: moefx's engine (static cache, compiled prefill and decode "
              "step, one CUDA graph per step)",
-    "moefx_rope_attention": "as `moefx` on a second model of the same weights with `pass_config.fuse_rope_attention: "
-                            "true` (the q/k norm + RoPE + cache write in the decode attention kernel's launch)",
     "moefx_fp8": "the same model after `moefx.quantize(model, 'fp8_block128')`, then as `moefx`",
     "moefx_fp8_w8a8": "as `moefx_fp8` with `pass_config.fp8_weight_only: false` (activations quantized to e4m3 at "
                       "every M)",

@@ -15,10 +15,6 @@ a per-device buffer that every call leaves at zero, allocated outside CUDA-graph
 exists runs one slice).
 PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads
 (the counters too), then lets its own dependent launch.
-With `ROPE` (moefx::decode_attention_rope) the kernel takes q, k and v as projected: each program applies the heads'
-RMSNorm and RoPE to its query rows (rounded as moefx::qk_norm_rope_cache rounds them), and the program whose slice
-holds the step's position does the same for the new key and writes it and the value row into the cache before its
-loop reads them back (a barrier between), so no other kernel runs between the projections and the attention.
 The launcher accepts CPU tensors too, so the kernel runs under TRITON_INTERPRET=1 in the tests.
 """
 
@@ -34,7 +30,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moefx.kernels.pdl import pdl_launch, step_pdl
-from moefx.kernels.rounding import round_as
 
 BLOCK_L = 64
 MAX_SPLITS = 64
@@ -45,27 +40,13 @@ COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_
 
 
 @triton.jit
-def _norm_rope(x, xp, rstd, w, wp, c, sn, sign, DT: tl.constexpr, HAS_W: tl.constexpr):
-    """rope(rms_norm(x)) as moefx::qk_norm_rope_cache rounds it (kernels/norm_rope_cache.py): `xp` is x with its
-    halves swapped (rotate_half's source), `w`/`wp` the norm weight in both orders, `sign` -1 over the first half."""
-    x = round_as(x * rstd, DT)
-    xp = round_as(xp * rstd, DT)
-    if HAS_W:
-        x = round_as(x * w, DT)
-        xp = round_as(xp * wp, DT)
-    return round_as(round_as(x * c, DT) + round_as(sign * xp * sn, DT), DT)
-
-
-@triton.jit
 def _decode_attn_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, cnt_ptr,
-    kn_ptr, vn_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_mb, stride_ml,
-    stride_ob, stride_oh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sb, kv_heads, length,
-    scale, eps,
+    stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr, HAS_W: tl.constexpr,
+    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the decode step's chain (kernels/pdl.py): q and the cache rows are the previous kernel's writes
         gdc_wait()
@@ -78,41 +59,14 @@ def _decode_attn_kernel(
     dims = tl.arange(0, D)
     row_ok = rows < G
     heads = kvh * G + rows
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
     start = split * PER_SPLIT
     stop = tl.minimum(start + PER_SPLIT, length)
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    if ROPE:  # q, k, v as projected: the heads' RMSNorm and RoPE here, the new key and value into the cache
-        dt = q_ptr.dtype.element_ty
-        perm = (dims + D // 2) % D
-        sign = tl.where(dims < D // 2, -1.0, 1.0)
-        c = tl.load(cos_ptr + b * stride_cb + dims).to(tl.float32)
-        sn = tl.load(sin_ptr + b * stride_sb + dims).to(tl.float32)
-        q_w, q_wp, k_w, k_wp = c, c, c, c
-        if HAS_W:
-            q_w, q_wp = tl.load(qw_ptr + dims).to(tl.float32), tl.load(qw_ptr + perm).to(tl.float32)
-            k_w, k_wp = tl.load(kw_ptr + dims).to(tl.float32), tl.load(kw_ptr + perm).to(tl.float32)
-        x = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        xp = tl.load(q_rows + perm[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-        q = _norm_rope(x, xp, rstd[:, None], q_w[None, :], q_wp[None, :], c[None, :], sn[None, :], sign[None, :], dt,
-                       HAS_W).to(dt)
-        at = tl.load(pos_ptr)
-        if (at >= start) & (at < stop):  # this slice holds the step's position: it writes the new key and value
-            k_row = kn_ptr + b * stride_knb + kvh * stride_knh
-            kx = tl.load(k_row + dims).to(tl.float32)
-            kxp = tl.load(k_row + perm).to(tl.float32)
-            k_rstd = tl.rsqrt(tl.sum(kx * kx, axis=0) / D + eps)
-            k_new = _norm_rope(kx, kxp, k_rstd, k_w, k_wp, c, sn, sign, dt, HAS_W)
-            tl.store(k_base + at * stride_kl + dims, k_new.to(dt))
-            tl.store(v_base + at * stride_vl + dims, tl.load(vn_ptr + b * stride_vnb + kvh * stride_vnh + dims))
-            tl.debug_barrier()  # the program's threads read those rows back below
-    else:
-        q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
     for offset in range(0, PER_SPLIT, BLOCK):
         pos = start + offset + tl.arange(0, BLOCK)
         ok = pos < stop
@@ -200,28 +154,11 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     MAX_SPLITS; 1: no partials). One launch either way; several slices need the device's counters (module
     docstring): a call captured in a CUDA graph before they exist, or with more (sequence, KV head) pairs than
     COUNTER_SLOTS, runs one slice."""
-    _launch(q, (q.stride(0), q.stride(1)), k, v, mask, scale, out, splits, None)
-
-
-def decode_attention_rope_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                                 k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                                 keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                                 mask: torch.Tensor | None, scale: float, out: torch.Tensor, splits: int) -> None:
-    """moefx::decode_attention_rope (moefx/ops/decode_attention.py) in the same one launch: q [B, 1, Hq, D], k/v
-    [B, 1, Hkv, D] as projected, q_weight/k_weight [D] or None, cos/sin [B or 1, 1, D], keys/values [B, Hkv, L, D]
-    (the step's key and value written at `positions`' one position), out [B, Hq, 1, D]."""
-    rope = (k, v, q_weight, k_weight, cos, sin, positions, eps)
-    _launch(q, (q.stride(0), q.stride(2)), keys, values, mask, scale, out, splits, rope)
-
-
-def _launch(q: torch.Tensor, q_strides: tuple[int, int], k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, out: torch.Tensor, splits: int, rope: tuple | None) -> None:
-    batch, hq, d = q.shape[0], out.shape[1], q.shape[3]
+    batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
-    has_w = rope is not None and rope[2] is not None
     args = (batch, hq, d, kv_heads, length, min(splits, MAX_SPLITS), mask_kind, q.dtype == torch.float32,
-            step_pdl(q.device), rope is not None, has_w)
+            step_pdl(q.device))
     p = _launch_plan(*args)
     counters = out
     if p.splits > 1:
@@ -230,17 +167,10 @@ def _launch(q: torch.Tensor, q_strides: tuple[int, int], k: torch.Tensor, v: tor
             p = _launch_plan(*args[:5], 1, *args[6:])
     part = (torch.empty(p.part_numel, dtype=torch.float32, device=q.device) if p.splits > 1 else out)
     mask_args = (mask, mask.stride(0), mask.stride(1)) if mask is not None else (q, 0, 0)
-    if rope is None:
-        rope_ptrs, rope_strides, eps = (q,) * 7, (0,) * 6, 0.0
-    else:
-        k_new, v_new, q_weight, k_weight, cos, sin, positions, eps = rope
-        rope_ptrs = (k_new, v_new, q_weight if has_w else q, k_weight if has_w else q, cos, sin, positions)
-        rope_strides = (k_new.stride(0), k_new.stride(2), v_new.stride(0), v_new.stride(2),
-                        0 if cos.shape[0] == 1 else cos.stride(0), 0 if sin.shape[0] == 1 else sin.stride(0))
     _decode_attn_kernel[p.grid](
-        q, k, v, mask_args[0], out, part, counters, *rope_ptrs,
-        *q_strides, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask_args[1], mask_args[2], out.stride(0), out.stride(1), *rope_strides, kv_heads, length, scale, eps, **p.kw,
+        q, k, v, mask_args[0], out, part, counters,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask_args[1], mask_args[2], out.stride(0), out.stride(1), kv_heads, length, scale, **p.kw,
     )
 
 
@@ -273,10 +203,9 @@ class _Plan:
 
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
-                 ieee: bool, pdl: bool = False, rope: bool = False, has_w: bool = False) -> _Plan:
+                 ieee: bool, pdl: bool = False) -> _Plan:
     """Slices, partials' size, grid and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: a
-    programmatic dependent of the kernel before it, kernels/pdl.py; `rope`: q/k norm and RoPE and the cache write
-    in front, `has_w` with norm weights)."""
+    programmatic dependent of the kernel before it, kernels/pdl.py)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = -(-length // splits)
@@ -285,6 +214,5 @@ def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
               MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, SPLITS_PAD=triton.next_power_of_2(splits),
               CHUNK=min(triton.next_power_of_2(splits), COMBINE_UNROLL),
-              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, ROPE=rope, HAS_W=has_w, num_warps=4,
-              **pdl_launch(pdl))
+              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw)

@@ -8,24 +8,15 @@ cuDNN SDPA kernel (7.9 us per layer) plus the kernels that expand K/V to every q
 for it (about 6 us per layer). CUDA runs the Triton kernel of `moefx/kernels/decode_attn.py`, one launch per call
 (fp32 accumulation; bf16/fp16 probabilities for the value product, as flash attention does); the CPU, and shapes
 the kernel does not take, run the reference: torch's SDPA over the expanded heads.
-
-`moefx::decode_attention_rope` is `moefx::qk_norm_rope_cache` (moefx/ops/rope_cache.py) and this op in one: the
-same kernel takes q, k and v as projected, normalizes and rotates each program's query rows itself, and the program
-whose slice holds the step's position writes the new key and value into the cache first, so a decode step's
-attention is one kernel per layer, not two (the `fuse_qk_norm_rope` pass emits it with `pass_config`
-`fuse_rope_attention`). Rounding is the two ops' (the norm's variance summed in another order).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from moefx.kernels.availability import triton_available
 from moefx.kernels.memo import ShapeMemo, tensor_meta
-from moefx.ops import rope_cache as _rope_cache
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -40,9 +31,9 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 SPLIT_POSITIONS = 64
 TARGET_PROGRAMS = 264  # two per SM on an H200: splitting further only adds combine work
 # At most this many slices (the last program of each (sequence, KV head) reads every slice's partials, 8 a step).
-# H100, B=1, a 4096-long cache (`bench/attention.py`, docs/FINDINGS.md): 64 slices 25.18 us, 16 slices 19.73,
-# 8 slices 27.28; at 1024 16 slices 10.10, 8 slices 9.73. 32 was not timed.
-MAX_SPLITS = 16
+# H100, B=1 (`bench/attention.py`, docs/FINDINGS.md), a 4096-long cache: 64 slices 25.18 us, 32 17.35, 16 20.54,
+# 8 27.18; at 1024 (16 slices taken) 32 10.22, 16 10.24, 8 9.86; at 256 and 512 the op takes fewer either way.
+MAX_SPLITS = 32
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
@@ -83,20 +74,19 @@ def splits_for(batch: int, kv_heads: int, length: int) -> int:
 _CHECKED = ShapeMemo()
 
 
-def _use_kernel(why: Callable[..., str | None], *args: torch.Tensor | None) -> bool:
-    """Whether the Triton kernel takes this call of an op whose inputs `why` checks: decided from metadata only,
-    once per key (kernels/memo.py)."""
-    key = (why.__name__, *(None if t is None else tensor_meta(t) for t in args))
+def _use_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the Triton kernels take this call: decided from metadata only, once per key (kernels/memo.py)."""
+    key = (tensor_meta(q), tensor_meta(k), tensor_meta(v), None if mask is None else tensor_meta(mask))
     found = _CHECKED.get(key)
     if found is None:
-        found = _CHECKED.put(key, args[0].is_cuda and triton_available() and why(*args) is None)
+        found = _CHECKED.put(key, q.is_cuda and triton_available() and unsupported_reason(q, k, v, mask) is None)
     return found
 
 
 @torch.library.custom_op("moefx::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
-    if _use_kernel(unsupported_reason, q, k, v, mask):
+    if _use_kernel(q, k, v, mask):
         from moefx.kernels.decode_attn import decode_attention_triton
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -108,49 +98,3 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 @decode_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-def rope_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                            k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                            values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> str | None:
-    """Why the one-launch kernel cannot take `decode_attention_rope`'s inputs (None: it can): both halves' own
-    conditions, for one query position."""
-    if q.dim() != 4 or q.shape[1] != 1:
-        return f"q of shape {tuple(q.shape)} (need [B, 1, Hq, D]: one query position)"
-    why = _rope_cache.unsupported_reason(q, k, v, q_weight, k_weight, cos, sin, keys, values, positions)
-    if why is not None:
-        return why
-    return unsupported_reason(q.transpose(1, 2), keys, values, mask)
-
-
-def decode_attention_rope_reference(q, k, v, q_weight, k_weight, eps: float, cos, sin, keys, values, positions,
-                                    mask, scale: float) -> torch.Tensor:
-    """The two ops it replaces, in order: moefx::qk_norm_rope_cache's reference (writes the caches), then the
-    attention over them."""
-    q_out = _rope_cache.qk_norm_rope_cache_reference(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values,
-                                                     positions)
-    return decode_attention_reference(q_out, keys, values, mask, scale)
-
-
-@torch.library.custom_op("moefx::decode_attention_rope", mutates_args=("keys", "values"))
-def decode_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                          k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                          keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                          scale: float) -> torch.Tensor:
-    """moefx::qk_norm_rope_cache and moefx::decode_attention as one op (one kernel launch on CUDA): q [B, 1, Hq, D],
-    k/v [B, 1, Hkv, D] as projected; writes the step's key and value into keys/values [B, Hkv, L, D] at
-    `positions` and returns the attention [B, Hq, 1, D] over them."""
-    if _use_kernel(rope_unsupported_reason, q, k, v, q_weight, k_weight, cos, sin, keys, values, positions, mask):
-        from moefx.kernels.decode_attn import decode_attention_rope_triton
-
-        out = torch.empty(q.shape[0], q.shape[2], 1, q.shape[3], dtype=q.dtype, device=q.device)
-        decode_attention_rope_triton(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, mask, scale,
-                                     out, splits_for(q.shape[0], keys.shape[1], keys.shape[2]))
-        return out
-    return decode_attention_rope_reference(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, mask,
-                                           scale)
-
-
-@decode_attention_rope.register_fake
-def _(q, k, v, q_weight, k_weight, eps, cos, sin, keys, values, positions, mask, scale) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[2], 1, q.shape[3])

@@ -30,7 +30,6 @@ from moefx.passes.fuse_moe_routing import FuseMoeRouting
 from moefx.passes.fuse_norm_linear import FuseNormLinear
 from moefx.passes.fuse_norm_quant import FuseNormQuant
 from moefx.passes.fuse_qk_norm_rope import FuseQkNormRope
-from moefx.passes.fuse_rope_attention import FuseRopeAttention
 from moefx.passes.fuse_router_topk import FuseRouterTopk
 from moefx.passes.fuse_sibling_linears import FuseSiblingLinears
 from moefx.passes.last_token_logits import LastTokenLogits
@@ -55,7 +54,6 @@ PIPELINE: tuple[type[MoefxPass], ...] = (
     FuseNormLinear,  # after fuse_sibling_linears and dense_linears, which write the dense_linear calls it reads
     FuseRouterTopk,  # after fuse_norm_linear, which writes the router calls it reads
     FuseQkNormRope,  # after the dense-linear passes, which give q/k/v as moefx::dense_linear outputs
-    FuseRopeAttention,  # after fuse_qk_norm_rope, whose call it folds into the attention
 )
 PASS_REGISTRY: dict[str, type[MoefxPass]] = registry(PIPELINE)
 

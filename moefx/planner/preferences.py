@@ -93,8 +93,6 @@ def moe_causal_lm_fragment(provider: str, ms: ModelSignature, es: ExecutionSigna
                 ms, es, "the MoE block's residual add in the experts' down kernel (one kernel per layer less)"),
             "fuse_qk_norm_rope": causal_lm_preference(
                 ms, es, "q/k norm + RoPE + KV-cache write in one kernel (two kernels per layer less)"),
-            "fuse_rope_attention": (False, "not yet timed on a GPU against the two kernels it folds "
-                                    "(bench/attention.py, stage e2e-8-rope)"),
             "fuse_sibling_linears": dense,
             "dense_linears": dense,
             "fuse_norm_linear": dense,
