@@ -37,9 +37,9 @@ median of `--runs` after one warm-up call, then one profiled call, floors as for
 hf_compiled `torch.compile(model.forward, dynamic=True)` on the plain model (before `optimize`; the peer),
 moefx_forward `model(input_ids=ids, logits_to_keep=1)` after `optimize` (the engine's padded prefill,
 moefx/engine/forward.py), moefx_ttft `generate(ids, max_new_tokens=1)` on the same optimized model,
-moefx_ttft_copy the same with the prompt's keys and values copied into the cache after the padded prefill's forward
-instead of written there by its layer bodies (`BucketedPrefill.write_in_layers` off; its graphs captured again, then
-dropped: the before of that default, in the same process). The moefx
+moefx_ttft_in_layers the same with the prompt's keys and values written into the cache by the padded prefill's layer
+bodies instead of copied there after its forward (`BucketedPrefill.write_in_layers`, off by default; its graphs
+captured again, then dropped: the after of that change, in the same process). The moefx
 forward's logits are checked against the peer's (relative error, `extra.forward_logits_rel_err`) and the forward
 front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks). `--prefill-table`: each moefx forward
 row gets one more profiled call (`extra.prefill_profile_<layers>[arm][BxT]`: every kernel's time and count, the
@@ -631,19 +631,19 @@ def main() -> int:
         if "moefx_ttft" in fwd_arms:
             print("forward, moefx_ttft", flush=True)
             forward_rows("moefx_ttft", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
-        if "moefx_ttft_copy" in fwd_arms:
-            print("forward, moefx_ttft_copy", flush=True)
+        if "moefx_ttft_in_layers" in fwd_arms:
+            print("forward, moefx_ttft_in_layers", flush=True)
             engine = opt.moefx_generate.engine
             prefill = engine._bucketed
             if prefill is None:
-                print("  no padded prefill on this engine: moefx_ttft_copy not run", flush=True)
+                print("  no padded prefill on this engine: moefx_ttft_in_layers not run", flush=True)
                 return
-            prefill.write_in_layers = False
+            prefill.write_in_layers = True
             engine.slots.drop_graphs()
             try:
-                forward_rows("moefx_ttft_copy", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
+                forward_rows("moefx_ttft_in_layers", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
             finally:
-                prefill.write_in_layers = True
+                prefill.write_in_layers = False
                 engine.slots.drop_graphs()
 
     def train_row(arm: str) -> None:

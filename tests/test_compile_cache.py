@@ -231,6 +231,7 @@ if os.environ.get("PADDED"):  # the padded prefill, which only a CUDA engine tha
 
     def _padded_init(self, *a, **k):
         _init(self, *a, **{**k, "prefill_capture_tokens": int(os.environ["PADDED"])})
+        self._bucketed.write_in_layers = True
 
     engine_module.DecodeLoop.__init__ = _padded_init
 model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", "1")), torch.device("cpu"),

@@ -9,9 +9,9 @@ after it; the logits come from the last real position (`logits_to_keep` as a one
 device); the keys and values go to the slot's static cache through a device-side mask (positions at or past the
 prompt length get zeros, so the cache needs no reset where no earlier request wrote past the bucket:
 `Slot.prepare_write`), and each static layer's write position is set to the real length. The forward fills a
-DynamicCache and one masked copy per tensor follows it (96 kernels at 48 layers), except where the decoder layers
-run as the compiled frames' stack op over the slot's cache buffers (`write_in_layers`, the default): there the
-layer bodies write them into the buffers as they compute them (`layer_body.PREFILL_INTO`: inductor stores the keys
+DynamicCache and one masked copy per tensor follows it (96 kernels at 48 layers); with `write_in_layers` (off until
+timed on a GPU), where the decoder layers run as the compiled frames' stack op over the slot's cache buffers, the
+layer bodies write them there as they compute them instead (`layer_body.PREFILL_INTO`: inductor stores the keys
 from the kernel that applies their norm and rotary embedding, and no copy follows the forward). The bucket's inputs
 that follow from the prompt length are derived in the graph from one length scalar. A left-padded request's
 mask is extended with ones over the padded tail (causal only there).
@@ -78,11 +78,10 @@ class BucketedPrefill:
         self.max_tokens = max_tokens
         self._fn = steps.compile("prefill[padded]", steps.forward)
         # Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead of
-        # the copies after the forward. On the H100 at 48 layers (stage prefill-table-48, both in one process,
-        # docs/FINDINGS.md) generate(max_new_tokens=1) took 26.25 / 32.99 / 75.86 / 65.48 ms at 1x256 / 1x1024 /
-        # 1x4096 / 8x512 this way against 26.51 / 33.40 / 76.37 / 65.32 with the copies (bench/e2e.py's
-        # `moefx_ttft_copy` arm turns it off).
-        self.write_in_layers = True
+        # the copies after the forward: off until it is timed on a GPU against them (bench/e2e.py's
+        # `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage prefill-table-48); tests/test_layer_regions.py checks
+        # it on the CPU.
+        self.write_in_layers = False
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor | None, masked: bool, by_head: bool,
             form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
