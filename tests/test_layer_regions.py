@@ -630,3 +630,45 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
             assert not mine[:, :, 9:].any(), name
         assert int(layer.cumulative_length) == 9
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_turning_the_layer_bodies_write_on_after_a_prefill_takes_it(monkeypatch):
+    """`write_in_layers` changed on a live engine with saved traces (whose entries keep no guard on the cache's
+    attributes, so the copies' trace would serve a call that asks for the layer bodies' write): the next padded
+    prefill writes in the layer bodies, and turning it off again goes back to the copies; the logits equal the
+    eager prefill's each time."""
+    from transformers import DynamicCache
+
+    from moefx.engine.compile_cache.aot import why_no_aot
+
+    if why_no_aot():
+        pytest.skip(f"no saved traces on this torch: {why_no_aot()}")
+    made: list[Any] = []
+    init = DynamicCache.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    engine = DecodeLoop(model, compile_kwargs={"backend": moefx_backend({"mode": "compile"})},
+                        prefill_capture_tokens=64, saved_traces=True)
+    eager = DecodeLoop(stock)
+    ids = _ids(2, 9, 0)
+    want: list[torch.Tensor] = []
+    eager.generate(ids, 1, GREEDY, logits_out=want)
+    monkeypatch.setattr(DynamicCache, "__init__", spy)
+    for in_layers in (False, True, False):
+        engine._bucketed.write_in_layers = in_layers
+        made.clear()
+        got: list[torch.Tensor] = []
+        engine.generate(ids, 1, GREEDY, logits_out=got)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        prompt_caches = [c for c in made if c.layers]
+        assert prompt_caches and [layer.is_initialized for layer in prompt_caches[-1].layers] == [not in_layers] * 2
+    assert engine.steps.aot is not None and engine.steps.aot.functions["prefill[padded]"].entries
+    torch._dynamo.reset()

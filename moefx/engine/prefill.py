@@ -29,7 +29,7 @@ The buckets and the default cap are `PREFILL_BUCKETS` and `PREFILL_CAPTURE_TOKEN
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,11 +77,28 @@ class BucketedPrefill:
         self.buckets = tuple(sorted(buckets))
         self.max_tokens = max_tokens
         self._fn = steps.compile("prefill[padded]", steps.forward)
-        # Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead of
-        # the copies after the forward: off until it is timed on a GPU against them (bench/e2e.py's
-        # `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage prefill-table-48); tests/test_layer_regions.py checks
-        # it on the CPU.
-        self.write_in_layers = False
+        self._other: Callable[..., Any] | None = None  # the compiled function of the other `write_in_layers` setting
+        self._in_layers = False
+
+    @property
+    def write_in_layers(self) -> bool:
+        """Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead
+        of the copies after the forward: off until it is timed on a GPU against them (bench/e2e.py's
+        `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage prefill-table-48); tests/test_layer_regions.py checks
+        it on the CPU."""
+        return self._in_layers
+
+    @write_in_layers.setter
+    def write_in_layers(self, on: bool) -> None:
+        # Each setting has a compiled function of its own: a saved trace keeps no guard on the cache's attributes
+        # (compile_cache/aot.py `_keep`), so the copies' trace would serve a call with `PREFILL_INTO` set, as it did
+        # for the first H100 arm that turned this on (docs/FINDINGS.md). Captured graphs must be dropped too.
+        if bool(on) != self._in_layers:
+            if self._other is None:
+                name = "prefill[padded, in layers]" if on else "prefill[padded]"
+                self._other = self.steps.compile(name, self.steps.forward)
+            self._fn, self._other = self._other, self._fn
+            self._in_layers = bool(on)
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor | None, masked: bool, by_head: bool,
             form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
