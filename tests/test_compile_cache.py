@@ -359,7 +359,8 @@ def test_layer_frames_padded_prefill_a_new_process_traces_nothing(tmp_path):
     `moefx::layer_stack_prefill_into`): saved with the other steps and loaded by a new process that traces nothing,
     with the cold process's tokens (transformers' own, `_run`)."""
     cold, _ = _run(tmp_path, "inductor-cold", REGIONS="frames", LAYERS="2", PADDED="64")
-    assert cold["compiles"].get("prefill[padded]") and cold["compiles"].get("layer[prefill_into]"), cold["compiles"]
+    assert cold["compiles"].get("prefill[padded, in layers]") and cold["compiles"].get("layer[prefill_into]"), \
+        cold["compiles"]
     warm, warm_err = _run(tmp_path, "inductor-warm", REGIONS="frames", LAYERS="2", PADDED="64")
     assert warm["traced"] == 0 and warm["compiles"] == {} and warm["traces_loaded"] == cold["traced"], warm
     assert warm["fx_miss"] == 0 and warm["aot_miss"] == 0 and warm["tokens"] == cold["tokens"], warm

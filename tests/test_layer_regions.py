@@ -62,6 +62,21 @@ class _Recorder:
                    and n.args[0] is not n.args[1] and tuple(n.args[0].meta["val"].shape) == tuple(shape))
 
 
+def _dynamic_caches(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every transformers DynamicCache made from now on (the padded prefill's prompt caches among them)."""
+    from transformers import DynamicCache
+
+    made: list[Any] = []
+    init = DynamicCache.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(DynamicCache, "__init__", spy)
+    return made
+
+
 def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -568,7 +583,8 @@ def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(
     for batch, length, tokens in ((2, 12, 6), (2, 5, 3), (2, 9, 300)):
         ids = _ids(batch, length, length)
         assert torch.equal(engine.generate(ids, tokens, GREEDY), eager.generate(ids, tokens, GREEDY)), length
-    assert engine.stats.compiles.get("prefill[padded]") and layer_frames(model).unstacked == {}, engine.stats.compiles
+    padded = "prefill[padded, in layers]" if in_layers else "prefill[padded]"
+    assert engine.stats.compiles.get(padded) and layer_frames(model).unstacked == {}, engine.stats.compiles
     assert len(engine.slots) == 2
     for slot in (engine.slots.find(2, 256, torch.device("cpu"), 0), engine.slots.latest(2)):
         keys, values, lengths = kv_buffers(slot.cache)
@@ -588,15 +604,6 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
     were 96 kernels). One op per layer, or the stack with `write_in_layers` off (the default until it is timed on a
     GPU), keeps the copies after the forward. Each way the first token's logits and the cache equal the unpadded eager
     prefill's, zeros past the prompt."""
-    from transformers import DynamicCache
-
-    made: list[Any] = []
-    init = DynamicCache.__init__
-
-    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
     model = copy.deepcopy(stock)
@@ -611,9 +618,9 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
     got_logits: list[torch.Tensor] = []
     want_logits: list[torch.Tensor] = []
     engine.generate(ids, 1, GREEDY)  # compiles and allocates the slot
-    monkeypatch.setattr(DynamicCache, "__init__", spy)
+    made = _dynamic_caches(monkeypatch)
     engine.generate(ids, 1, GREEDY, logits_out=got_logits)
-    monkeypatch.setattr(DynamicCache, "__init__", init)
+    monkeypatch.undo()
     eager.generate(ids, 1, GREEDY, logits_out=want_logits)
     torch.testing.assert_close(got_logits[0], want_logits[0], rtol=1e-5, atol=1e-5)
     ops = {str(n.target) for g in recorder.graphs for n in g.graph.nodes if n.op == "call_function"}
@@ -638,19 +645,10 @@ def test_turning_the_layer_bodies_write_on_after_a_prefill_takes_it(monkeypatch)
     attributes, so the copies' trace would serve a call that asks for the layer bodies' write): the next padded
     prefill writes in the layer bodies, and turning it off again goes back to the copies; the logits equal the
     eager prefill's each time."""
-    from transformers import DynamicCache
-
     from moefx.engine.compile_cache.aot import why_no_aot
 
     if why_no_aot():
         pytest.skip(f"no saved traces on this torch: {why_no_aot()}")
-    made: list[Any] = []
-    init = DynamicCache.__init__
-
-    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=3).eval()
     model = copy.deepcopy(stock)
@@ -661,7 +659,7 @@ def test_turning_the_layer_bodies_write_on_after_a_prefill_takes_it(monkeypatch)
     ids = _ids(2, 9, 0)
     want: list[torch.Tensor] = []
     eager.generate(ids, 1, GREEDY, logits_out=want)
-    monkeypatch.setattr(DynamicCache, "__init__", spy)
+    made = _dynamic_caches(monkeypatch)
     for in_layers in (False, True, False):
         engine._bucketed.write_in_layers = in_layers
         made.clear()
@@ -670,5 +668,6 @@ def test_turning_the_layer_bodies_write_on_after_a_prefill_takes_it(monkeypatch)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         prompt_caches = [c for c in made if c.layers]
         assert prompt_caches and [layer.is_initialized for layer in prompt_caches[-1].layers] == [not in_layers] * 2
-    assert engine.steps.aot is not None and engine.steps.aot.functions["prefill[padded]"].entries
+    functions = engine.steps.aot.functions if engine.steps.aot is not None else {}
+    assert all(functions[name].entries for name in ("prefill[padded]", "prefill[padded, in layers]")), functions
     torch._dynamo.reset()
