@@ -56,7 +56,7 @@ def _reads(model, monkeypatch, *args, **kwargs) -> tuple[list[str], list[str]]:
     """The host reads of one generate() call: (before the prefill, after it)."""
     mode = _Reads()
     bucketed = model.moefx_generate.engine._bucketed
-    forward = bucketed.steps.forward  # what the eager engine's `_fn` is
+    forward = bucketed.steps.forward  # what the eager engine's compiled prefill is
 
     def launch(self, *a, **k):
         mode.launched = True
@@ -70,7 +70,7 @@ def _reads(model, monkeypatch, *args, **kwargs) -> tuple[list[str], list[str]]:
             mode.in_forward = False
 
     monkeypatch.setattr(BucketedPrefill, "_call", launch)
-    monkeypatch.setattr(bucketed, "_fn", model_call)
+    monkeypatch.setitem(bucketed._fns, False, model_call)
     with mode:
         model.generate(*args, **kwargs)
     return [name for name, after in mode.reads if not after], [name for name, after in mode.reads if after]

@@ -199,7 +199,7 @@ def _prefill_ops(layers: int, monkeypatch) -> tuple[list[str], list[str], list[s
     call = BucketedPrefill._call
     monkeypatch.setattr(BucketedPrefill, "_call", flagged(call, "around"))
     loop = DecodeLoop(build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=5), prefill_capture_tokens=64)
-    loop._bucketed._fn = flagged(loop._bucketed._fn, "forward")
+    loop._bucketed._fns[False] = flagged(loop._bucketed._fns[False], "forward")
     monkeypatch.setattr(BucketedPrefill, "_pick_first", flagged(BucketedPrefill._pick_first, "pick"))
     ids, _ = _request(9, False, 0)
     loop.generate(ids, 1, GREEDY)  # allocates the slot

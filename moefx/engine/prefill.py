@@ -76,29 +76,22 @@ class BucketedPrefill:
         self.steps, self.graphs = steps, graphs
         self.buckets = tuple(sorted(buckets))
         self.max_tokens = max_tokens
-        self._fn = steps.compile("prefill[padded]", steps.forward)
-        self._other: Callable[..., Any] | None = None  # the compiled function of the other `write_in_layers` setting
-        self._in_layers = False
+        self._fns: dict[bool, Callable[..., Any]] = {False: steps.compile("prefill[padded]", steps.forward)}
+        # Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead of
+        # the copies after the forward: off until it is timed on a GPU against them (bench/e2e.py's
+        # `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage prefill-table-48); tests/test_layer_regions.py checks
+        # it on the CPU.
+        self.write_in_layers = False
 
-    @property
-    def write_in_layers(self) -> bool:
-        """Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead
-        of the copies after the forward: off until it is timed on a GPU against them (bench/e2e.py's
-        `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage prefill-table-48); tests/test_layer_regions.py checks
-        it on the CPU."""
-        return self._in_layers
-
-    @write_in_layers.setter
-    def write_in_layers(self, on: bool) -> None:
-        # Each setting has a compiled function of its own: a saved trace keeps no guard on the cache's attributes
-        # (compile_cache/aot.py `_keep`), so the copies' trace would serve a call with `PREFILL_INTO` set, as it did
-        # for the first H100 arm that turned this on (docs/FINDINGS.md). Captured graphs must be dropped too.
-        if bool(on) != self._in_layers:
-            if self._other is None:
-                name = "prefill[padded, in layers]" if on else "prefill[padded]"
-                self._other = self.steps.compile(name, self.steps.forward)
-            self._fn, self._other = self._other, self._fn
-            self._in_layers = bool(on)
+    def _compiled(self, into: bool) -> Callable[..., Any]:
+        """The compiled padded prefill for calls whose cache carries `PREFILL_INTO` (`into`) or not: one function
+        each, since a saved trace keeps no guard on the cache's attributes (compile_cache/aot.py `_keep`), so one
+        made without it would serve a call with it (the first H100 arm that turned the write on ran the copies:
+        docs/FINDINGS.md), and one made with it would read the attribute from a cache that lacks it."""
+        fn = self._fns.get(into)
+        if fn is None:
+            fn = self._fns[into] = self.steps.compile("prefill[padded, in layers]", self.steps.forward)
+        return fn
 
     def run(self, slot: Any, prompt: int, positions: torch.Tensor | None, masked: bool, by_head: bool,
             form: SamplingParams, graphs: bool, stand_in: bool = False) -> torch.Tensor | None:
@@ -143,10 +136,11 @@ class BucketedPrefill:
         torch.sub(run.length.view(1), 1, out=run.last)
         prompt_cache = DynamicCache(config=self.steps.model.config)
         buffers = kv_buffers(slot.cache)
-        if self.write_in_layers and buffers is not None and bucket <= slot.max_len:
-            # the compiled frames' layer bodies write the prompt into the slot's cache themselves (`PREFILL_INTO`)
+        into = self.write_in_layers and buffers is not None and bucket <= slot.max_len
+        if into:  # the compiled frames' layer bodies write the prompt into the slot's cache themselves
             setattr(prompt_cache, PREFILL_INTO, (buffers[0], buffers[1], run.keep))
-        scores = self._fn(run.tokens, run.positions, run.cache_position, run.mask, prompt_cache, by_head, run.last)
+        scores = self._compiled(into)(run.tokens, run.positions, run.cache_position, run.mask, prompt_cache, by_head,
+                                      run.last)
         n = run.keep.shape[0]
         keep = run.keep[None, None, :, None]
         with torch.no_grad():  # a cache write (where out= takes no autograd)
