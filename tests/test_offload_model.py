@@ -148,9 +148,9 @@ def test_offloaded_decode_replays_from_cuda_graphs():
 
     model = build_model(tiny_qwen3_moe_config(), seed=0, dtype=torch.bfloat16, device="cuda")
     model = moefx.optimize(model, config={"offload": {"experts": "cpu"}, "mode": "eager"})
-    # Where the CPU/GPU split starts is measured at optimize (`measure_split_start`); on a busy machine (eight test
-    # processes on one GPU) it measured a split at M = 1 faster once, and a split call syncs, so nothing was captured.
-    # This test is about the queued calls: every decode size runs on the CPU alone, as where the split does not pay.
+    # Where the CPU/GPU split starts is measured at optimize (`measure_split_start`), so on a busy machine it can
+    # start at M = 1, and a split call syncs (nothing is captured). This test is about the queued calls: every
+    # decode size runs on the CPU alone, as where the split does not pay.
     runtime = next(m.moefx_offload.rt for m in model.modules() if hasattr(m, "moefx_offload"))
     runtime.split_min_tokens = DECODE_POOL_MAX_TOKENS + 1
     greedy = SamplingParams(temperature=0)

@@ -85,9 +85,9 @@ class BucketedPrefill:
 
     def _compiled(self, into: bool) -> Callable[..., Any]:
         """The compiled padded prefill for calls whose cache carries `PREFILL_INTO` (`into`) or not: one function
-        each, since a saved trace keeps no guard on the cache's attributes (compile_cache/aot.py `_keep`), so one
-        made without it would serve a call with it (the first H100 arm that turned the write on ran the copies:
-        docs/FINDINGS.md), and one made with it would read the attribute from a cache that lacks it."""
+        each, as the layer bodies have (`layer[prefill]`, `layer[prefill_into]`), since a saved trace keeps no guard
+        on the cache's attributes (compile_cache/aot.py `_keep`): a trace made without it would serve a call with it,
+        and one made with it would read the attribute from a cache that lacks it."""
         fn = self._fns.get(into)
         if fn is None:
             fn = self._fns[into] = self.steps.compile("prefill[padded, in layers]", self.steps.forward)
