@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:  # run as `python bench/report.py`: the bench pack
 
 from bench import stages as stage_table  # noqa: E402
 from bench.sections import (  # noqa: E402
+    attention,
     coldstart,
     dense,
     e2e,
@@ -56,7 +57,7 @@ NAME = re.compile(r"^(?P<stage>[a-z0-9-]+)_(?P<device>[a-z0-9-]+)_(?P<date>\d{4}
 STAMP = ("stage", "date", "device", "versions", "commit", "command")
 
 SECTIONS: dict[str, Section] = {s.stage: s for mod in (e2e, forward, stream, coldstart, moe, moe_backward, dense,
-                                                        fusions, sampler, offload) for s in mod.SECTIONS}
+                                                        attention, fusions, sampler, offload) for s in mod.SECTIONS}
 HEADLINES = (e2e.headline, moe.headline, fusions.headline, sampler.headline, offload.headline)  # README order
 
 
@@ -120,6 +121,7 @@ WORKLOADS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("End to end", ("e2e", "ttft", "forward", "coldstart", "stream")),
     ("MoE experts", ("moe", "moe-vllm-peer", "moe-bounds", "moe-backward")),
     ("Dense linears", ("dense",)),
+    ("Decode attention", ("attention",)),
     ("Fusions", ("fusions",)),
     ("Sampling", ("sampler",)),
     ("Offload", ("offload",)),
