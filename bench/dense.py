@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -304,9 +305,14 @@ def sweep(prob: Problem, gen: torch.Generator, budget_s: float, weight_only: boo
           ms: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict]:
     """Graph-replay µs of candidate tiles at each M (each M stops at its share of the budget); the default first.
     `weight_only` (FP8 weights): X stays bf16 with no x_scale, the fp8_weight_only form."""
-    cands = [K.DenseConfig(block_n=0, block_k=0)] + [
-        K.DenseConfig(block_n=bn, block_k=bk, num_warps=w) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)
-        for w in (2, 4, 8)]
+    # CUDA-core tiles nearest the automatic one first (bytes of weight per thread per step, then the longer K step),
+    # since each M stops at its share of the budget: the automatic tile's neighbours are the likeliest winners
+    wbytes = 1 if prob.fp8 else 2
+    cands = [K.DenseConfig(block_n=0, block_k=0)] + sorted(
+        (K.DenseConfig(block_n=bn, block_k=bk, num_warps=w) for bn in (1, 2, 4, 8, 16)
+         for bk in (512, 1024, 2048, 4096) for w in (2, 4, 8) if bk <= max(512, 1 << (prob.k - 1).bit_length())),
+        key=lambda c: (abs(math.log2(c.block_n * c.block_k * wbytes / (32 * c.num_warps) / K.AUTO_THREAD_BYTES)),
+                       -c.block_k))
     cands_dot = [K.DenseConfig(dot=True, block_n=bn, block_k=bk, num_stages=st, split_k=s)
                  for bn in (16, 32) for bk in (64, 128) for st in (3, 5) for s in (0, 1)]
     out = []

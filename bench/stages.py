@@ -187,6 +187,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("dense-sweep", 240, "python3 bench/dense.py --sweep --sweep-budget 180", "dense-linear tile sweep"),
     Stage("dense-sweep-fp8", 170, "python3 bench/dense.py --sweep --sweep-budget 130 --sweep-ms 2,4 "
           "--sweep-forms fp8,fp8-wo --shapes qkv,o", "dense-linear tile sweep, both FP8 forms at M = 2, 4"),
+    Stage("dense-sweep-m1", 200, "python3 bench/dense.py --sweep --sweep-budget 160 --sweep-ms 1 "
+          "--sweep-forms bf16,fp8-wo --shapes qkv,o", "dense-linear tile sweep at M = 1: bf16 and FP8 weight-only, "
+          "q/k/v and o_proj (the batch-1 decode step's projections)"),
     Stage("moe-sweep-wide", 280, 'python3 bench/moe.py --sweep-only --sweep-budget 230 '
           '--sweep-ms "grouped=16,256,1024,4096;gemv=1,4"', "MoE tile sweep, every kind and M"),
     Stage("tp-calibrate", 300, 'for t in 2 4; do python3 -m moefx.cli calibrate --model qwen3-30b-a3b --tp $t '
