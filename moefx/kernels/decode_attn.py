@@ -1,11 +1,12 @@
 """Triton kernel of `moefx::decode_attention`: one query position per sequence against a KV cache, GQA-aware.
 
 Each program takes one (sequence, KV head) and one slice of the key positions (a compile-time length: static cache
-lengths come in steps of 256, so the variants stay few), holds the query rows of that head's
-group (Hq / Hkv heads, padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping
-blocks the mask rules out entirely (the unwritten tail of a static cache). With one slice the program writes the
-output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program writes
-(weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
+lengths come in steps of 256, so the variants stay few), holds the query rows of that head's group (Hq / Hkv heads,
+padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping the blocks the mask rules out
+entirely (the unwritten tail of a static cache): their K and V loads, or (SPECULATE, short slices: SPECULATE_BLOCKS)
+only their arithmetic, K and V then being loaded with the mask rather than after it. With one slice the program
+writes the output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program
+writes (weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
 (acq_rel, GPU scope); the program that arrives last reads every slice's partials back in slice order
 (COMBINE_UNROLL slices a step, their loads in flight together, the first step's with every slice's max and sum),
 rescales them to the common max, sums them, writes the output and resets the counter to zero. The sum's order is the
@@ -37,6 +38,15 @@ MAX_SPLITS = 64
 # registers (Qwen3-30B-A3B's attention, tests/compile_sm90.py); at batch 1 over 150-300 positions one step reads all
 COMBINE_UNROLL = 8
 COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_for asks for slices below 264 pairs
+# Slices of at most this many blocks load each block's K and V together with its mask (SPECULATE), not after it: a
+# kept block then waits on one global-memory round trip instead of a chain of them (after the mask, the sm_90a build
+# issues V only once K sits in shared memory for its dot). Batch 1 over a 256-position cache takes about 5 us on the
+# H100 where its bytes take about 0.1: the time is such round trips, one after another.
+# The price is the K and V of blocks the mask drops whole (a static cache's unwritten tail), read for nothing: small
+# next to the round trip saved in the short slices of short caches, which are latency-bound; longer slices come from
+# long caches or from batches whose programs already fill the GPU, where bytes set the time, so they keep the loads
+# behind the mask.
+SPECULATE_BLOCKS = 2
 
 
 @triton.jit
@@ -46,7 +56,7 @@ def _decode_attn_kernel(
     stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SPECULATE: tl.constexpr,
 ):
     if PDL:  # the decode step's chain (kernels/pdl.py): q and the cache rows are the previous kernel's writes
         gdc_wait()
@@ -72,6 +82,10 @@ def _decode_attn_kernel(
         ok = pos < stop
         if MASK:
             mvals = tl.load(mask_ptr + b * stride_mb + pos * stride_ml, mask=ok, other=0)
+        if SPECULATE:  # K and V in flight with the mask: a kept block waits on one round trip, not on a chain of them
+            k_all = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=ok[:, None], other=0.0)
+            v_all = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=ok[:, None], other=0.0)
+        if MASK:
             if MASK_BOOL:
                 keep = ok & (mvals != 0)
                 bias = tl.zeros([BLOCK], tl.float32)
@@ -82,8 +96,14 @@ def _decode_attn_kernel(
             keep = ok
             bias = tl.zeros([BLOCK], tl.float32)
         if tl.max(keep.to(tl.int32), axis=0) > 0:
-            k = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=keep[:, None], other=0.0)
-            v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
+            if SPECULATE:
+                # positions the mask drops (a static cache's unwritten rows) may hold NaN or inf, and 0 * NaN is NaN:
+                # zeroed as the masked loads below zero them, so both forms compute the same bits
+                k = tl.where(keep[:, None], k_all, 0.0)
+                v = tl.where(keep[:, None], v_all, 0.0)
+            else:
+                k = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=keep[:, None], other=0.0)
+                v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -170,17 +190,18 @@ def _add_chunk(out, m_c, acc_c, m_all, CHUNK: tl.constexpr):
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                            out: torch.Tensor, splits: int) -> None:
+                            out: torch.Tensor, splits: int, speculate: bool | None = None) -> None:
     """out [B, Hq, 1, D] = softmax(q k^T * scale + mask) v for q [B, Hq, 1, D], k/v [B, Hkv, L, D], mask None or
     [B, L] (bool: keep; float: added), last dims contiguous. `splits` slices of the key positions (at most
     MAX_SPLITS; 1: no partials). One launch either way; several slices need the device's counters (module
     docstring): a call captured in a CUDA graph before they exist, or with more (sequence, KV head) pairs than
-    COUNTER_SLOTS, runs one slice."""
+    COUNTER_SLOTS, runs one slice. `speculate`: K and V loaded with the mask (True) or after it (False); None
+    decides by the slice length (SPECULATE_BLOCKS). Both forms give the same bits."""
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
     args = (batch, hq, d, kv_heads, length, min(splits, MAX_SPLITS), mask_kind, q.dtype == torch.float32,
-            step_pdl(q.device))
+            step_pdl(q.device), speculate)
     p = _launch_plan(*args)
     counters = out
     if p.splits > 1:
@@ -225,16 +246,19 @@ class _Plan:
 
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
-                 ieee: bool, pdl: bool = False) -> _Plan:
+                 ieee: bool, pdl: bool = False, speculate: bool | None = None) -> _Plan:
     """Slices, partials' size, grid and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: a
-    programmatic dependent of the kernel before it, kernels/pdl.py)."""
+    programmatic dependent of the kernel before it, kernels/pdl.py; `speculate` None: SPECULATE_BLOCKS decides)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = -(-length // splits)
     per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
     splits = -(-length // per_split)
+    if speculate is None:
+        speculate = per_split <= SPECULATE_BLOCKS * BLOCK_L
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
               MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, SPLITS_PAD=triton.next_power_of_2(splits),
               CHUNK=min(triton.next_power_of_2(splits), COMBINE_UNROLL),
-              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, SPECULATE=speculate, num_warps=4,
+              **pdl_launch(pdl))
     return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw)
