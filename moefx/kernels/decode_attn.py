@@ -244,6 +244,18 @@ class _Plan:
     kw: dict
 
 
+def speculates(length: int, splits: int) -> bool:
+    """Whether a call over `length` key positions asking for `splits` slices, and not saying how to load K and V,
+    loads them with the mask (SPECULATE_BLOCKS)."""
+    return _slice_positions(length, min(splits, MAX_SPLITS)) <= SPECULATE_BLOCKS * BLOCK_L
+
+
+def _slice_positions(length: int, splits: int) -> int:
+    """Key positions per slice: `splits` slices asked for, rounded up to whole blocks (so possibly fewer slices)."""
+    per_split = -(-length // splits)
+    return -(-per_split // BLOCK_L) * BLOCK_L
+
+
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
                  ieee: bool, pdl: bool = False, speculate: bool | None = None) -> _Plan:
@@ -251,11 +263,10 @@ def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits
     programmatic dependent of the kernel before it, kernels/pdl.py; `speculate` None: SPECULATE_BLOCKS decides)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
-    per_split = -(-length // splits)
-    per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
-    splits = -(-length // per_split)
+    per_split = _slice_positions(length, splits)
     if speculate is None:
-        speculate = per_split <= SPECULATE_BLOCKS * BLOCK_L
+        speculate = speculates(length, splits)
+    splits = -(-length // per_split)
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
               MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, SPLITS_PAD=triton.next_power_of_2(splits),
               CHUNK=min(triton.next_power_of_2(splits), COMBINE_UNROLL),
