@@ -4,13 +4,15 @@ Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head dim 128, bf16) over 
 it: `cache` positions allocated, the first `written` kept by a bool mask (the unwritten tail is skipped block by
 block). Per shape: the kernel with the slices the op picks (`splits_for`), the kernel asked for 1, 2, 4, 8, 16 and 32
 slices (which slice length pays at these lengths; a slice keeps whole 64-position blocks, so short caches run
-fewer), and the peer, torch's SDPA over the KV heads expanded to every query head (what the op replaces in a
-compiled step, the expansion included). Correctness first, on this device: every arm against an fp32 SDPA of the
-same inputs (relative error <= 1e-2, bf16 output). Timings are CUDA-graph replays of 64 calls cycling through input
-sets larger than the L2 (48 layers evict a layer's cache), median of 7.
+fewer), each of these also with the other form of its K/V loads (with the mask or after it, `SPECULATE` in
+moefx/kernels/decode_attn.py: the op's choice "moefx, speculative loads off", or "on" where its slices are too long
+for them, the others "..., speculative loads off/on"), and the peer, torch's SDPA over the KV heads expanded to every
+query head (what the op replaces in a compiled step, the expansion included). Correctness first, on this device:
+every arm against an fp32 SDPA of the same inputs (relative error <= 1e-2, bf16 output). Timings are CUDA-graph
+replays of 64 calls cycling through input sets larger than the L2 (48 layers evict a layer's cache), median of 7.
 floor = max(one replayed launch, (the kept keys and values + q + out) / the copy rate).
 
-    python bench/attention.py          # on the GPU: ~40 s; table last, JSON to $OUT/attention.json
+    python bench/attention.py          # on the GPU: about a minute; table last, JSON to $OUT/attention.json
     python bench/attention.py --quick  # CPU smoke run (TRITON_INTERPRET=1, small shapes, checks only)
 """
 
@@ -21,6 +23,7 @@ import datetime
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,7 +32,7 @@ if __name__ == "__main__" and ("--quick" in sys.argv or not torch.cuda.is_availa
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before moefx's kernels are defined: the smoke run interprets them
 
 from bench.harness import copy_ceiling_Bps, relerr, time_rotated, write_json
-from moefx.kernels.decode_attn import decode_attention_triton
+from moefx.kernels.decode_attn import decode_attention_triton, speculates
 from moefx.ops.decode_attention import decode_attention_reference, splits_for
 
 HEADS, KV_HEADS, DIM = 32, 4, 128
@@ -53,17 +56,32 @@ def inputs(batch: int, cache: int, written: int, dev: str, dtype: torch.dtype, g
     return q, k, v, mask
 
 
-def arms(batch: int, kv_heads: int, cache: int) -> dict[str, int | None]:
-    """Arm name -> the kernel's slice count (None: the peer)."""
+class Arm(NamedTuple):
+    """The kernel's slice count and K/V loads (speculate None: as the op runs it, by the slice length)."""
+
+    splits: int
+    speculate: bool | None = None
+
+
+def arms(batch: int, kv_heads: int, cache: int) -> dict[str, Arm | None]:
+    """Arm name -> the kernel's slices and K/V loads (None: the peer). Each slice count runs as the op would, then
+    with the other form of the K/V loads."""
     auto = splits_for(batch, kv_heads, cache)
-    return {f"moefx ({auto} slices, the op's choice)": auto,
-            **{f"moefx, {s} slices": s for s in SPLITS if s != auto}, "sdpa (peer)": None}
+    out: dict[str, Arm | None] = {}
+    for s in (auto, *(s for s in SPLITS if s != auto)):
+        name = f"moefx ({s} slices, the op's choice)" if s == auto else f"moefx, {s} slices"
+        other = not speculates(cache, s)
+        twin = "moefx" if s == auto else name
+        out[name] = Arm(s)
+        out[f"{twin}, speculative loads {'on' if other else 'off'}"] = Arm(s, other)
+    out["sdpa (peer)"] = None
+    return out
 
 
-def call(splits: int | None, q, k, v, mask, scale: float, out: torch.Tensor) -> torch.Tensor:
-    if splits is None:
+def call(arm: Arm | None, q, k, v, mask, scale: float, out: torch.Tensor) -> torch.Tensor:
+    if arm is None:
         return decode_attention_reference(q, k, v, mask, scale)
-    decode_attention_triton(q, k, v, mask, scale, out, splits)
+    decode_attention_triton(q, k, v, mask, scale, out, arm.splits, arm.speculate)
     return out
 
 
@@ -76,8 +94,8 @@ def run_shape(batch: int, cache: int, written: int, dev: str, quick: bool, copy_
     scale = q.shape[-1] ** -0.5
     want = decode_attention_reference(q.float(), k.float(), v.float(), mask, scale)
     row: dict = {"batch": batch, "cache": cache, "written": written, "checks": {}, "us": {}}
-    for name, splits in arms(batch, k.shape[1], cache).items():
-        got = call(splits, q, k, v, mask, scale, torch.empty_like(q))
+    for name, arm in arms(batch, k.shape[1], cache).items():
+        got = call(arm, q, k, v, mask, scale, torch.empty_like(q))
         err = relerr(got.float(), want)
         row["checks"][name] = {"relerr": err, "ok": err <= BOUND}
     if dev != "cuda":
@@ -86,9 +104,8 @@ def run_shape(batch: int, cache: int, written: int, dev: str, quick: bool, copy_
     sets = [inputs(batch, cache, written, dev, dtype, gen) for _ in range(max(2, -(-2 * L2_BYTES // per_set)))]
     outs = [torch.empty_like(s[0]) for s in sets]
     arg_sets = [(*s, o) for s, o in zip(sets, outs)]
-    for name, splits in arms(batch, KV_HEADS, cache).items():
-        row["us"][name] = time_rotated(lambda q, k, v, m, o, s=splits: call(s, q, k, v, m, scale, o), arg_sets,
-                                       CALLS)
+    for name, arm in arms(batch, KV_HEADS, cache).items():
+        row["us"][name] = time_rotated(lambda q, k, v, m, o, a=arm: call(a, q, k, v, m, scale, o), arg_sets, CALLS)
     kept = batch * KV_HEADS * written * DIM * 2 * 2 + 2 * q.nbytes
     row["floor_us"] = max(launch_us, kept / copy_bps * 1e6)
     return row

@@ -54,7 +54,8 @@ STAGES: tuple[Stage, ...] = (
           "16/512/8192", section="fusions", keeps=("fusions.json",)),
     Stage("routing", 180, "python3 bench/routing.py", "fused MoE routing vs inductor's softmax+topk"),
     Stage("attention", 150, "python3 bench/attention.py",
-          "decode attention in one launch: the op's slices, 1-32 slices and torch's SDPA, with floors",
+          "decode attention in one launch: the op's slices and 1-32 slices, each with both forms of the K/V loads, "
+          "and torch's SDPA, with floors",
           section="attention", keeps=("attention.json",)),
     Stage("sampler", 200, "python3 bench/sampler.py", "the sync-free decode loop and sampler", section="sampler",
           keeps=("sampler.json",)),

@@ -118,25 +118,34 @@ def compile_gemv(kind: str, cfg: gemv.GemvConfig, act: int = 0, limit: float = 0
 
 def compile_decode_attention() -> list[dict]:
     """moefx::decode_attention's kernel at Qwen3-30B-A3B's attention (8 query heads per KV head, head_dim 128, bf16,
-    a bool mask): one slice ("gemm1" and "gemm2" alike), and several slices with their combine unrolled over 4
-    (batch 1, a 256-position cache) and over the kernel's MAX_SPLITS slices (the most); and
-    moefx::qk_norm_rope_cache's kernel in front."""
+    a bool mask): one slice ("gemm1" and "gemm2" alike), and several slices of 64 positions with their combine
+    unrolled over 4 (batch 1, a 256-position cache) and over the kernel's MAX_SPLITS slices (the most); each with K and
+    V loaded after the mask (one slice of 512 positions) and with it (SPECULATE: one slice of the longest the launch
+    plan speculates over); and moefx::qk_norm_rope_cache's kernel in front."""
     from moefx.kernels import decode_attn as ta
 
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", mask_ptr="*i1", out_ptr="*bf16", part_ptr="*fp32",
                  cnt_ptr="*i32", scale="fp32")
+    # what the JIT sees at that shape over a static cache (lengths in steps of 256): the q/k/v/out strides, the mask's
+    # row stride and the length divisible by 16, the mask's position stride 1 (a constant); without them every
+    # element of a K or V block loads on its own, with its own address registers
+    divisible = re.compile(r"_ptr$|^stride_[qkvo]|^stride_mb$|^length$")
     rows = []
 
-    def attention(split: bool, splits_pad: int) -> dict:
-        consts = dict(PER_SPLIT=64 if split else 512, G=8, G_PAD=16, D=128, BLOCK=ta.BLOCK_L, MASK=True,
+    def attention(per_split: int, splits_pad: int, speculate: bool) -> dict:
+        split = splits_pad > 1
+        consts = dict(PER_SPLIT=per_split, G=8, G_PAD=16, D=128, BLOCK=ta.BLOCK_L, MASK=True,
                       MASK_BOOL=True, SPLIT=split, SPLITS_PAD=splits_pad, CHUNK=min(splits_pad, ta.COMBINE_UNROLL),
-                      G_COMB=8, IEEE=False, PDL=True)
-        return _compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES)
+                      G_COMB=8, IEEE=False, PDL=True, SPECULATE=speculate, stride_ml=1)
+        return _compile(ta._decode_attn_kernel, types, consts, 4, LAUNCH_DEFAULT_STAGES, divisible)
 
-    one = attention(False, 1)
-    rows.append(dict(kind="decode_attention", max_rows="split=False", gemm1=one, gemm2=one))
-    rows.append(dict(kind="decode_attention", max_rows="split=True (4, 64 slices)", gemm1=attention(True, 4),
-                     gemm2=attention(True, ta.MAX_SPLITS)))
+    for speculate, one_slice in ((False, 512), (True, ta.SPECULATE_BLOCKS * ta.BLOCK_L)):
+        form = ", speculative loads" if speculate else ""
+        one = attention(one_slice, 1, speculate)
+        rows.append(dict(kind="decode_attention", max_rows=f"split=False ({one_slice} positions){form}", gemm1=one,
+                         gemm2=one))
+        rows.append(dict(kind="decode_attention", max_rows=f"split=True (4, 64 slices){form}",
+                         gemm1=attention(64, 4, speculate), gemm2=attention(64, ta.MAX_SPLITS, speculate)))
     from moefx.kernels import norm_rope_cache as rc
 
     bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "keys_ptr",

@@ -21,13 +21,27 @@ def test_quick_rows_check_every_arm_and_pass() -> None:
     assert "sdpa (peer)" in row["checks"] and all(c["ok"] for c in row["checks"].values()), row["checks"]
 
 
+def test_every_slice_count_runs_both_forms_of_the_k_v_loads() -> None:
+    """Each slice count as the op runs it (speculate None) and forced into the other form; the op's choice's other
+    form is "moefx, speculative loads off" where short slices speculate, "on" where long ones do not."""
+    import attention
+
+    short = attention.arms(1, 4, 256)  # the op's 4 slices of 64 positions: speculative
+    assert short["moefx (4 slices, the op's choice)"] == (4, None)
+    assert short["moefx, speculative loads off"] == (4, False)
+    assert short["moefx, 1 slices"] == (1, None) and short["moefx, 1 slices, speculative loads on"] == (1, True)
+    forms = sorted((a.splits, a.speculate is None) for a in short.values() if a is not None)
+    assert forms == sorted((s, as_op) for s in attention.SPLITS for as_op in (True, False)), short
+    assert attention.arms(64, 4, 4352)["moefx, speculative loads on"] == (2, True)  # the op's 2 slices of 2176
+
+
 def test_an_arm_that_drops_the_mask_fails_its_check(monkeypatch) -> None:
     import attention
 
     real = attention.call
 
-    def unmasked(splits, q, k, v, mask, scale, out):
-        return real(splits, q, k, v, None if splits == 1 else mask, scale, out)
+    def unmasked(arm, q, k, v, mask, scale, out):
+        return real(arm, q, k, v, None if arm == (1, None) else mask, scale, out)
 
     monkeypatch.setattr(attention, "call", unmasked)
     row = attention.run_shape(*attention.QUICK_SHAPES[0], "cpu", True, None, 0.0)

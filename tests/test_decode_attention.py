@@ -1,6 +1,8 @@
 """moefx::decode_attention: the Triton kernel (interpreter, fp32) against torch SDPA over the expanded heads; its
 slices' combine (the last program of each (sequence, KV head)) independent of the arrival order, its counters left at
-zero; on the GPU (marked gpu) in bf16, in one launch, deterministic and replayed from a CUDA graph."""
+zero; its two forms of the K/V loads (with the mask or after it) bit-equal, NaN and inf in the positions the mask
+drops reaching neither; on the GPU (marked gpu) in bf16, in one launch, deterministic and replayed from a CUDA
+graph."""
 
 from __future__ import annotations
 
@@ -30,10 +32,8 @@ def _inputs(batch, hq, hkv, length, d, seed):
     return q, k, v
 
 
-def _run(case, mask_kind):
-    from moefx.kernels import decode_attn as K
-
-    batch, hq, hkv, length, d, splits = case
+def _case_inputs(case, mask_kind):
+    batch, hq, hkv, length, d, _ = case
     q, k, v = _inputs(batch, hq, hkv, length, d, seed=length)
     g = torch.Generator().manual_seed(1)
     if mask_kind == "none":
@@ -46,12 +46,24 @@ def _run(case, mask_kind):
         mask = torch.where(torch.rand(batch, length, generator=g) > 0.3, 0.0, float("-inf"))
         mask[:, 0] = 0.0
         mask = mask + torch.randn(batch, length, generator=g) * (mask == 0)
+    return q, k, v, mask
+
+
+def _kernel(case, q, k, v, mask, speculate=None):
+    """The kernel's output (`speculate` None: the launch plan's choice), its counters checked back at zero."""
+    from moefx.kernels import decode_attn as K
+
     out = torch.full_like(q, float("nan"))
-    K.decode_attention_triton(q, k, v, mask, d ** -0.5, out, splits)
+    K.decode_attention_triton(q, k, v, mask, q.shape[-1] ** -0.5, out, case[-1], speculate)
     counters = K._COUNTERS.get(("cpu", None))
-    assert counters is None or int(counters.count_nonzero()) == 0, (case, mask_kind)
-    want = decode_attention_reference(q, k, v, mask, d ** -0.5)
-    return out, want
+    assert counters is None or int(counters.count_nonzero()) == 0, case
+    return out
+
+
+def _run(case, mask_kind):
+    q, k, v, mask = _case_inputs(case, mask_kind)
+    out = _kernel(case, q, k, v, mask)
+    return out, decode_attention_reference(q, k, v, mask, q.shape[-1] ** -0.5)
 
 
 def _check_cases() -> None:
@@ -60,6 +72,39 @@ def _check_cases() -> None:
             out, want = _run(case, mask_kind)
             err = ((out - want).norm() / want.norm()).item()
             assert err < 1e-5, (case, mask_kind, err)
+
+
+def _poisoned(t: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """t [B, Hkv, L, D] with NaN, inf and -inf (in turn, by position) where `dropped` [B, L] is True: what an
+    unwritten cache row may hold."""
+    garbage = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.arange(t.shape[2]) % 3]
+    return torch.where(dropped[:, None, :, None], garbage[None, None, :, None], t)
+
+
+def _check_speculation() -> None:
+    """K and V loaded with the mask (SPECULATE) or after it give the same bits at every case and mask, and NaN or inf
+    at the positions the mask drops reach neither form's output (the reference sees finite values there); "tail"
+    keeps only the first 40 positions, so whole blocks and slices hold nothing else."""
+    for case in CASES:
+        for mask_kind in ("none", "bool", "float", "tail"):
+            if mask_kind == "tail":
+                q, k, v, _ = _case_inputs(case, "none")
+                mask = (torch.arange(case[3]) < 40)[None, :].expand(case[0], -1).contiguous()
+            else:
+                q, k, v, mask = _case_inputs(case, mask_kind)
+            off = _kernel(case, q, k, v, mask, speculate=False)
+            assert torch.equal(_kernel(case, q, k, v, mask, speculate=True), off), (case, mask_kind)
+            if mask is None:
+                continue
+            dropped = ~mask if mask.dtype == torch.bool else mask == float("-inf")
+            if not dropped.any():
+                continue
+            k_bad, v_bad = _poisoned(k, dropped), _poisoned(v, dropped)
+            want = decode_attention_reference(q, k, v, mask, q.shape[-1] ** -0.5)
+            for speculate in (False, True):
+                out = _kernel(case, q, k_bad, v_bad, mask, speculate)
+                err = ((out - want).norm() / want.norm()).item()
+                assert torch.equal(out, off) and err < 1e-5, (case, mask_kind, speculate, err)
 
 
 def _check_arrival_order() -> None:
@@ -80,15 +125,29 @@ def _check_arrival_order() -> None:
         del builder.set_grid_idx
 
 
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="needs triton")
-def test_kernels_match_sdpa_under_the_interpreter():
-    """One subprocess with TRITON_INTERPRET=1 (set before triton is imported) runs every case, then the slices' combine
-    with the programs in reverse order."""
-    code = "import tests.test_decode_attention as t; t._check_cases(); t._check_arrival_order(); print('ok')"
+def _interpreted(calls: str) -> None:
+    """`calls` (functions of this module) in one subprocess with TRITON_INTERPRET=1, set before triton is imported."""
+    code = f"import tests.test_decode_attention as t; {calls}; print('ok')"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
+
+
+needs_triton = pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="needs triton")
+
+
+@needs_triton
+def test_kernels_match_sdpa_under_the_interpreter():
+    """Every case, then the slices' combine with the programs in reverse order."""
+    _interpreted("t._check_cases(); t._check_arrival_order()")
+
+
+@needs_triton
+def test_speculative_loads_give_the_same_bits_under_the_interpreter():
+    """Both forms of the K/V loads bit-equal, NaN and inf in the dropped positions reaching neither
+    (_check_speculation)."""
+    _interpreted("t._check_speculation()")
 
 
 def test_op_on_cpu_is_sdpa_and_shapes_are_checked():
@@ -126,7 +185,11 @@ def _gpu_counters_at_zero() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_the_gpu(dtype):
     """Against SDPA in fp32 (bf16: one rounding of the output and bf16 probabilities), the same bits on every call
-    whichever slice arrives last, and the counters left at zero."""
+    whichever slice arrives last, the same bits from both forms of the K/V loads with NaN in the positions the mask
+    drops, and the counters left at zero."""
+    from moefx.kernels.decode_attn import decode_attention_triton
+    from moefx.ops.decode_attention import splits_for
+
     for batch, hq, hkv, length, d in GPU_SHAPES:
         q, k, v, mask = _gpu_inputs(batch, hq, hkv, length, d, dtype)
         out = torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5)
@@ -135,6 +198,12 @@ def test_kernel_on_the_gpu(dtype):
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), (batch, length, dtype, err)
         for _ in range(20):
             assert torch.equal(torch.ops.moefx.decode_attention(q, k, v, mask, d ** -0.5), out), (batch, length)
+        splits = splits_for(batch, hkv, length)
+        k_bad, v_bad = (t.masked_fill(~mask[:, None, :, None], float("nan")) for t in (k, v))
+        for speculate in (False, True):
+            got = torch.empty_like(q)
+            decode_attention_triton(q, k_bad, v_bad, mask, d ** -0.5, got, splits, speculate)
+            assert torch.equal(got, out), (batch, length, speculate)
         assert _gpu_counters_at_zero()
 
 
@@ -187,21 +256,25 @@ def test_gpu_replays_from_a_cuda_graph(monkeypatch):
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    """The kernels (and moefx::qk_norm_rope_cache's) compile for sm_90a (the H200) at Qwen3-30B-A3B's attention
-    shape, within shared memory and without spills (tests/compile_sm90.py; the interpreter never compiles)."""
+    """The kernels, both forms of the K/V loads (and moefx::qk_norm_rope_cache's), compile for sm_90a (the H200) at
+    Qwen3-30B-A3B's attention shape, within shared memory and without spills (tests/compile_sm90.py; the interpreter
+    never compiles)."""
     import json
 
     import triton.backends
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # this checkout's kernels, not those of the checkout the package is installed from
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_sm90.py")
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    script = os.path.join(root, "tests", "compile_sm90.py")
     done = subprocess.run([sys.executable, script, "attention"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     kernels = [r[g] for r in rows for g in ("gemm1", "gemm2")]
-    assert len(kernels) == 6 and all(0 <= k["smem"] <= 227 * 1024 and k["spill"] == 0 for k in kernels), rows
+    assert len(kernels) == 10 and all(0 <= k["smem"] <= 227 * 1024 and k["spill"] == 0 for k in kernels), rows
 
 
 def test_attention_function_feeds_the_op_what_sdpa_sees(monkeypatch):

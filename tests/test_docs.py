@@ -4,6 +4,7 @@ CHANGELOG's version is the one the package and `moefx --version` report."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -68,6 +69,31 @@ def test_e2e_renders_with_null_fields_and_new_arms():
     assert "| 8 | 1 | bf16 | `moefx_new_path` | 750.0 |" in page and "| 1.50 |" in page
     lines = report.headline({"e2e": r})
     assert any("`moefx_new_path`: 1.50× at 8 layers B=1" in line for line in lines)
+
+
+def test_attention_renders_the_other_k_v_loads_where_a_run_has_them():
+    """bench/attention.py times each slice count in both forms of the K/V loads: the op's slices in the other form get
+    a column ("on" or "off" per row), the forced slice counts' other forms stay in the data only."""
+    from bench.sections import attention as attention_section
+
+    r = copy.deepcopy(report.load_results(device="h100-80gb-hbm3")["attention"])  # the run's header, kept
+
+    def row(cache: int, choice: int, other: str | None) -> dict:
+        us = {f"moefx ({choice} slices, the op's choice)": 4.0, f"moefx, {choice} slices, speculative loads on": 9.0,
+              "moefx, 1 slices": 8.0, "moefx, 1 slices, speculative loads on": 7.0, "sdpa (peer)": 20.0}
+        if other:
+            us[f"moefx, speculative loads {other}"] = 5.0
+        return {"batch": 1, "cache": cache, "written": cache // 2, "checks": {}, "us": us, "floor_us": 1.0}
+
+    r["rows"] = [row(256, 4, "off"), row(8192, 32, "on"), row(512, 8, None)]
+    page = attention_section.render_attention(r)
+    head = ("| B | cache | written | the op's choice µs (slices) | the op's slices, other K/V loads µs (speculative) | "
+            "1 slice µs | SDPA µs (peer) |")
+    assert head in page and "| 1 | 256 | 128 | 4.00 (4) | 5.00 (off) | 8.00 | 20.00 |" in page
+    assert "| 4.00 (32) | 5.00 (on) |" in page and "| 4.00 (8) | – |" in page
+    assert "9.00" not in page and "7.00" not in page and "`SPECULATE_BLOCKS`" in page
+    r["rows"] = [{**x, "us": {k: v for k, v in x["us"].items() if "speculative" not in k}} for x in r["rows"]]
+    assert "other K/V loads" not in attention_section.render_attention(r)  # a run before them: the table as it was
 
 
 def test_coldstart_and_stream_runs_are_kept_with_their_stage_commands(tmp_path, monkeypatch):

@@ -1,18 +1,19 @@
 """Triton kernel of `moefx::decode_attention`: one query position per sequence against a KV cache, GQA-aware.
 
 Each program takes one (sequence, KV head) and one slice of the key positions (a compile-time length: static cache
-lengths come in steps of 256, so the variants stay few), holds the query rows of that head's
-group (Hq / Hkv heads, padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping
-blocks the mask rules out entirely (the unwritten tail of a static cache). With one slice the program writes the
-output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program writes
-(weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
+lengths come in steps of 256, so the variants stay few), holds the query rows of that head's group (Hq / Hkv heads,
+padded to 16 rows for `tl.dot`) and runs an online softmax over its positions, skipping the blocks the mask rules out
+entirely (the unwritten tail of a static cache): their K and V loads, or (SPECULATE, short slices: SPECULATE_BLOCKS)
+only their arithmetic, K and V then being loaded with the mask rather than after it. With one slice the program
+writes the output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program
+writes (weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
 (acq_rel, GPU scope); the program that arrives last reads every slice's partials back in slice order
-(COMBINE_UNROLL slices a step, their loads in flight together), rescales them to the common max, sums them, writes
-the output and resets the counter to zero. The sum's order is the slices', never the arrival order, so the result
-is deterministic (and, on the interpreter, bit-equal to a second kernel combining the same partials); one launch
-saves that kernel's launch and boundary, about 1-1.5 us on the H100 even inside a CUDA graph. The counters live in
-a per-device buffer that every call leaves at zero, allocated outside CUDA-graph capture (a call captured before it
-exists runs one slice).
+(COMBINE_UNROLL slices a step, their loads in flight together, the first step's with every slice's max and sum),
+rescales them to the common max, sums them, writes the output and resets the counter to zero. The sum's order is the
+slices', never the arrival order, so the result is deterministic (and, on the interpreter, bit-equal to a second
+kernel combining the same partials); one launch saves that kernel's launch and boundary, about 1-1.5 us on the H100
+even inside a CUDA graph. The counters live in a per-device buffer that every call leaves at zero, allocated outside
+CUDA-graph capture (a call captured before it exists runs one slice).
 PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads
 (the counters too), then lets its own dependent launch.
 The launcher accepts CPU tensors too, so the kernel runs under TRITON_INTERPRET=1 in the tests.
@@ -37,6 +38,15 @@ MAX_SPLITS = 64
 # registers (Qwen3-30B-A3B's attention, tests/compile_sm90.py); at batch 1 over 150-300 positions one step reads all
 COMBINE_UNROLL = 8
 COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_for asks for slices below 264 pairs
+# Slices of at most this many blocks load each block's K and V together with its mask (SPECULATE), not after it: a
+# kept block then waits on one global-memory round trip instead of a chain of them (after the mask, the sm_90a build
+# issues V only once K sits in shared memory for its dot). Batch 1 over a 256-position cache takes about 5 us on the
+# H100 where its bytes take about 0.1: the time is such round trips, one after another.
+# The price is the K and V of blocks the mask drops whole (a static cache's unwritten tail), read for nothing: small
+# next to the round trip saved in the short slices of short caches, which are latency-bound; longer slices come from
+# long caches or from batches whose programs already fill the GPU, where bytes set the time, so they keep the loads
+# behind the mask.
+SPECULATE_BLOCKS = 2
 
 
 @triton.jit
@@ -46,7 +56,7 @@ def _decode_attn_kernel(
     stride_ob, stride_oh, kv_heads, length, scale,
     PER_SPLIT: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    G_COMB: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SPECULATE: tl.constexpr,
 ):
     if PDL:  # the decode step's chain (kernels/pdl.py): q and the cache rows are the previous kernel's writes
         gdc_wait()
@@ -72,6 +82,10 @@ def _decode_attn_kernel(
         ok = pos < stop
         if MASK:
             mvals = tl.load(mask_ptr + b * stride_mb + pos * stride_ml, mask=ok, other=0)
+        if SPECULATE:  # K and V in flight with the mask: a kept block waits on one round trip, not on a chain of them
+            k_all = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=ok[:, None], other=0.0)
+            v_all = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=ok[:, None], other=0.0)
+        if MASK:
             if MASK_BOOL:
                 keep = ok & (mvals != 0)
                 bias = tl.zeros([BLOCK], tl.float32)
@@ -82,8 +96,14 @@ def _decode_attn_kernel(
             keep = ok
             bias = tl.zeros([BLOCK], tl.float32)
         if tl.max(keep.to(tl.int32), axis=0) > 0:
-            k = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=keep[:, None], other=0.0)
-            v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
+            if SPECULATE:
+                # positions the mask drops (a static cache's unwritten rows) may hold NaN or inf, and 0 * NaN is NaN:
+                # zeroed as the masked loads below zero them, so both forms compute the same bits
+                k = tl.where(keep[:, None], k_all, 0.0)
+                v = tl.where(keep[:, None], v_all, 0.0)
+            else:
+                k = tl.load(k_base + pos[:, None] * stride_kl + dims[None, :], mask=keep[:, None], other=0.0)
+                v = tl.load(v_base + pos[:, None] * stride_vl + dims[None, :], mask=keep[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -118,23 +138,19 @@ def _decode_attn_kernel(
             s_live = s_all < splits
             stat = (base + s_all[None, :] * G_PAD + c_rows[:, None]) * width + D  # [G_COMB, SPLITS_PAD]
             stat_ok = c_ok[:, None] & s_live[None, :]
+            # every slice's (max, sum) and the first chunk's partials are independent loads, issued together: one
+            # round trip reads all of what the combine needs up to COMBINE_UNROLL slices
             m = tl.load(part_ptr + stat, mask=stat_ok, other=float("-inf"), cache_modifier=".cg")
             l_s = tl.load(part_ptr + stat + 1, mask=stat_ok, other=0.0, cache_modifier=".cg")
+            m_first, acc_first = _chunk_partials(part_ptr, base, 0, splits, c_rows, c_ok, dims, G_PAD, D, CHUNK)
             m_all = tl.max(m, axis=1)
             m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # rows with no kept position: every weight is 0
             w = tl.where(m > float("-inf"), tl.exp(m - m_all[:, None]), 0.0)
             total = tl.sum(l_s * w, axis=1)
-            out = tl.zeros([G_COMB, D], tl.float32)
-            for c0 in range(0, splits, CHUNK):  # each chunk unrolled: its slices' loads are in flight together
-                for j in tl.static_range(CHUNK):
-                    s_slot = base + (c0 + j) * G_PAD + c_rows
-                    s_ok = c_ok & (tl.zeros([G_COMB], tl.int32) + c0 + j < splits)
-                    m_s = tl.load(part_ptr + s_slot * width + D, mask=s_ok, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
-                    acc_s = tl.load(part_ptr + s_slot[:, None] * width + dims[None, :], mask=s_ok[:, None],
-                                    other=0.0, cache_modifier=".cg")
-                    out += acc_s * w_s[:, None]
+            out = _add_chunk(tl.zeros([G_COMB, D], tl.float32), m_first, acc_first, m_all, CHUNK)
+            for c0 in range(CHUNK, splits, CHUNK):
+                m_c, acc_c = _chunk_partials(part_ptr, base, c0, splits, c_rows, c_ok, dims, G_PAD, D, CHUNK)
+                out = _add_chunk(out, m_c, acc_c, m_all, CHUNK)
             # a row with every position masked: 0 / 0, as with one slice (padded rows divide by 1, never stored)
             out = out / tl.where(c_ok, total, 1.0)[:, None]
             c_heads = kvh * G + c_rows
@@ -147,18 +163,45 @@ def _decode_attn_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _chunk_partials(part_ptr, base, c0, splits, c_rows, c_ok, dims, G_PAD: tl.constexpr, D: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Maxima and weighted values of slices c0 .. c0 + CHUNK - 1 (past the last slice: -inf and zeros), unrolled:
+    every load is issued before any is used."""
+    m_c = ()
+    acc_c = ()
+    for j in tl.static_range(CHUNK):
+        slot = base + (c0 + j) * G_PAD + c_rows
+        ok = c_ok & (tl.zeros_like(c_rows) + c0 + j < splits)
+        m_c = m_c + (tl.load(part_ptr + slot * (D + 2) + D, mask=ok, other=float("-inf"), cache_modifier=".cg"),)
+        acc_c = acc_c + (tl.load(part_ptr + slot[:, None] * (D + 2) + dims[None, :], mask=ok[:, None], other=0.0,
+                                 cache_modifier=".cg"),)
+    return m_c, acc_c
+
+
+@triton.jit
+def _add_chunk(out, m_c, acc_c, m_all, CHUNK: tl.constexpr):
+    """out plus a chunk's partials (`_chunk_partials`) rescaled to the common max, one slice after another: the sum's
+    order is the slices', whichever program combines."""
+    for j in tl.static_range(CHUNK):
+        w_s = tl.where(m_c[j] > float("-inf"), tl.exp(m_c[j] - m_all), 0.0)
+        out += acc_c[j] * w_s[:, None]
+    return out
+
+
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                            out: torch.Tensor, splits: int) -> None:
+                            out: torch.Tensor, splits: int, speculate: bool | None = None) -> None:
     """out [B, Hq, 1, D] = softmax(q k^T * scale + mask) v for q [B, Hq, 1, D], k/v [B, Hkv, L, D], mask None or
     [B, L] (bool: keep; float: added), last dims contiguous. `splits` slices of the key positions (at most
     MAX_SPLITS; 1: no partials). One launch either way; several slices need the device's counters (module
     docstring): a call captured in a CUDA graph before they exist, or with more (sequence, KV head) pairs than
-    COUNTER_SLOTS, runs one slice."""
+    COUNTER_SLOTS, runs one slice. `speculate`: K and V loaded with the mask (True) or after it (False); None
+    decides by the slice length (SPECULATE_BLOCKS). Both forms give the same bits."""
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
     args = (batch, hq, d, kv_heads, length, min(splits, MAX_SPLITS), mask_kind, q.dtype == torch.float32,
-            step_pdl(q.device))
+            step_pdl(q.device), speculate)
     p = _launch_plan(*args)
     counters = out
     if p.splits > 1:
@@ -201,18 +244,32 @@ class _Plan:
     kw: dict
 
 
+def speculates(length: int, splits: int) -> bool:
+    """Whether a call over `length` key positions asking for `splits` slices, and not saying how to load K and V,
+    loads them with the mask (SPECULATE_BLOCKS)."""
+    return _slice_positions(length, min(splits, MAX_SPLITS)) <= SPECULATE_BLOCKS * BLOCK_L
+
+
+def _slice_positions(length: int, splits: int) -> int:
+    """Key positions per slice: `splits` slices asked for, rounded up to whole blocks (so possibly fewer slices)."""
+    per_split = -(-length // splits)
+    return -(-per_split // BLOCK_L) * BLOCK_L
+
+
 @functools.lru_cache(maxsize=512)  # pure in its arguments (shapes); asked per call
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
-                 ieee: bool, pdl: bool = False) -> _Plan:
+                 ieee: bool, pdl: bool = False, speculate: bool | None = None) -> _Plan:
     """Slices, partials' size, grid and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: a
-    programmatic dependent of the kernel before it, kernels/pdl.py)."""
+    programmatic dependent of the kernel before it, kernels/pdl.py; `speculate` None: SPECULATE_BLOCKS decides)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
-    per_split = -(-length // splits)
-    per_split = -(-per_split // BLOCK_L) * BLOCK_L  # whole blocks per slice
+    per_split = _slice_positions(length, splits)
+    if speculate is None:
+        speculate = speculates(length, splits)
     splits = -(-length // per_split)
     kw = dict(PER_SPLIT=per_split, G=g, G_PAD=g_pad, D=d, BLOCK=BLOCK_L, MASK=mask_bool is not None,
               MASK_BOOL=bool(mask_bool), SPLIT=splits > 1, SPLITS_PAD=triton.next_power_of_2(splits),
               CHUNK=min(triton.next_power_of_2(splits), COMBINE_UNROLL),
-              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+              G_COMB=triton.next_power_of_2(g), IEEE=ieee, PDL=pdl, SPECULATE=speculate, num_warps=4,
+              **pdl_launch(pdl))
     return _Plan(splits, batch * kv_heads * splits * g_pad * (d + 2), (batch * kv_heads, splits), kw)
