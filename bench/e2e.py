@@ -61,6 +61,7 @@ import gc
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -125,8 +126,35 @@ def prefill_flops(model: torch.nn.Module, tokens: int, batch: int = 1) -> float:
     return batch * (2 * linear * tokens + causal)
 
 
-# --step-pdl settings: set_step_pdl's argument (moefx/kernels/pdl.py)
-STEP_PDL = {"off": False, "chain": True}
+def _step_pdl(on: bool) -> Callable[[], None]:
+    from moefx.kernels.pdl import set_step_pdl
+
+    set_step_pdl(on)
+    return set_step_pdl  # called with no argument: the default again
+
+
+def _attention_loads_after_mask() -> Callable[[], None]:
+    from moefx.kernels import decode_attn
+
+    before = decode_attn.SPECULATE_BLOCKS
+    decode_attn.SPECULATE_BLOCKS = 0
+    decode_attn._launch_plan.cache_clear()  # plans are kept per shape
+
+    def undo() -> None:
+        decode_attn.SPECULATE_BLOCKS = before
+        decode_attn._launch_plan.cache_clear()
+    return undo
+
+
+# Before/after of one kernel setting over an arm's own model and compiled steps (`--step-variants`, `--step-pdl`): a
+# setting the kernels' launchers read when the decode graphs are captured (custom ops launch from Python then), so
+# only the graphs are captured again. name -> (what it changes, apply() returning its undo); rows `<arm>_<name>`.
+STEP_VARIANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
+    "pdl_off": ("the decode step's PDL chain off (kernels/pdl.py)", lambda: _step_pdl(False)),
+    "pdl_chain": ("the decode step's PDL chain on (the default)", lambda: _step_pdl(True)),
+    "attn_loads_after_mask": ("decode attention loads each block's K and V after its mask, never with it "
+                              "(kernels/decode_attn.py SPECULATE_BLOCKS = 0)", _attention_loads_after_mask),
+}
 # --fp8-forms: the FP8 decode form -> pass_config.fp8_weight_only (docs/DENSE.md)
 FP8_FORMS = {"w8a8": False, "weight_only": True}
 
@@ -335,6 +363,9 @@ def main() -> int:
     ap.add_argument("--step-pdl", default="", help="before/after of the decode step's PDL chain on each moefx arm's "
                     "model, same process: a comma list of off, chain (the default); each recaptures the graphs and "
                     "times the arm's smallest batch (rows `<arm>_pdl_<setting>`; with --profile, each profiled)")
+    ap.add_argument("--step-variants", default="", help="before/after of kernel settings on each moefx arm's model, "
+                    "same process, as --step-pdl: a comma list of " + ", ".join(STEP_VARIANTS) + " (rows "
+                    "`<arm>_<variant>`)")
     ap.add_argument("--ttft", default="", help="B=1 prompt lengths of the TTFT rows, e.g. 256,1024,4096")
     ap.add_argument("--ttft-batch", default="", help="BxT TTFT rows, e.g. 8x512")
     ap.add_argument("--ttft-arms", default="hf_eager,hf_compiled,moefx")
@@ -364,6 +395,12 @@ def main() -> int:
     fp8_batches = [int(b) for b in args.fp8_batches.split(",")] if args.fp8_batches else batches
     eager_batches = [int(b) for b in args.eager_batches.split(",")] if args.eager_batches else batches
     score_batches = {int(b) for b in args.score_batches.split(",") if b}
+    step_variants = [f"pdl_{s}" for s in args.step_pdl.split(",") if s]
+    step_variants += [v for v in args.step_variants.split(",") if v]
+    unknown = [v for v in step_variants if v not in STEP_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--step-pdl / --step-variants: {unknown} not among {sorted(STEP_VARIANTS)} (--step-pdl takes "
+                         "off, chain)")
     calibration = args.calibration or str(out_dir / "dense_calibration.yaml")
     tables = [calibration] if Path(calibration).is_file() else []
     if tables:  # where `moefx calibrate` puts a user's rows: the plan then prefers what they enable, as for a user
@@ -548,30 +585,29 @@ def main() -> int:
     if args.mode:
         config["mode"] = args.mode
 
-    def step_pdl_rows(name: str, opt, dtype: str, b: int) -> None:
-        """Batch b's decode rate (and kernel profile) under each --step-pdl setting, on this arm's model and compiled
-        steps: only the captured graphs change (kernels/pdl.py). Each row says whether its greedy tokens equal the
-        default setting's (the chain changes when kernels start, not what they compute)."""
-        from moefx.kernels.pdl import set_step_pdl
-
+    def step_variant_rows(name: str, opt, dtype: str, b: int) -> None:
+        """Batch b's decode rate (and kernel profile) under each step variant (STEP_VARIANTS), on this arm's model and
+        compiled steps: only the captured graphs change. Each row says whether its greedy tokens equal the default's
+        (a PDL chain changes when kernels start, not what they compute; the attention's loads give the same bits)."""
         fn = lambda x, n: opt.generate(x, **greedy_kwargs(n))  # noqa: E731
         engine = opt.moefx_generate.engine
         base = fn(inputs[b], args.n2)
-        for setting in args.step_pdl.split(","):
-            if setting not in STEP_PDL:
-                raise SystemExit(f"--step-pdl: {setting!r} is not one of {sorted(STEP_PDL)}")
-            set_step_pdl(STEP_PDL[setting])
+        for variant in step_variants:
+            undo = STEP_VARIANTS[variant][1]()
             engine.slots.drop_graphs()
-            print(f"  step PDL: {setting}", flush=True)
-            row, new = decode_row(f"{name}_pdl_{setting}", fn, inputs[b], args.n1, args.n2, args.runs,
-                                  b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b), routing[b])
-            row["tokens_equal_default"] = bool(torch.equal(new, base[:, inputs[b].shape[1]:]))
-            decode.append(row)
-            if args.profile:
-                extra[f"profile_B{b}_{args.layers}_{name}_pdl_{setting}"] = profile_step(opt, inputs[b])
+            print(f"  step variant: {variant}", flush=True)
+            try:
+                row, new = decode_row(f"{name}_{variant}", fn, inputs[b], args.n1, args.n2, args.runs,
+                                      b / (step_bytes(opt, b, hits[b]) / hbm), args.layers, dtype, refs.get(b),
+                                      routing[b])
+                row["tokens_equal_default"] = bool(torch.equal(new, base[:, inputs[b].shape[1]:]))
+                decode.append(row)
+                if args.profile:
+                    extra[f"profile_B{b}_{args.layers}_{name}_{variant}"] = profile_step(opt, inputs[b])
+            finally:
+                undo()
+                engine.slots.drop_graphs()
             save()
-        set_step_pdl()
-        engine.slots.drop_graphs()
 
     def moefx_arm(name: str, mdl, dtype: str, arm_batches: list[int], arm_config: dict | None = None) -> None:
         print(name, flush=True)
@@ -602,8 +638,8 @@ def main() -> int:
             extra[f"{key}_{args.layers}"] = prof
             if name == "moefx":
                 extra[key] = prof
-        if args.step_pdl and arm_batches:
-            step_pdl_rows(name, opt, dtype, min(arm_batches))
+        if step_variants and arm_batches:
+            step_variant_rows(name, opt, dtype, min(arm_batches))
         if ptoks is not None and name == "moefx":
             prefill_row("moefx", lambda: opt.generate(ptoks, **greedy_kwargs(1)))
         if shapes and name == "moefx" and "moefx" in ttft_arms:

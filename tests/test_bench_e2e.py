@@ -69,3 +69,26 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
     assert set(table) == {"moefx_forward", "moefx_ttft"} and set(table["moefx_forward"]) == {"1x16", "2x8"}
     assert all(p["host_us"] > 0 and p["kernels"] == [] for shapes in table.values() for p in shapes.values())
     assert "Where the 2-layer prefill goes (`moefx_forward`" in page
+
+
+def test_step_variants_change_their_setting_and_their_undo_restores_it():
+    """Each before/after variant of bench/e2e.py's decode step changes what the kernels' launchers read, and its undo
+    leaves the defaults (a later arm of the same process must not run under an earlier arm's variant)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.e2e import STEP_VARIANTS
+    from moefx.kernels import decode_attn, pdl
+
+    def state():
+        return dict(pdl._STEP), decode_attn.SPECULATE_BLOCKS, decode_attn.speculates(256, 4)
+
+    default = state()
+    assert default[2] is True  # 4 slices of a 256-long cache: one block each, loaded with the mask by default
+    changed = {"pdl_off": lambda s: s[0] == {"chain": False}, "pdl_chain": lambda s: s[0] == {"chain": True},
+               "attn_loads_after_mask": lambda s: s[2] is False}
+    assert set(changed) == set(STEP_VARIANTS)
+    for name, (what, apply) in STEP_VARIANTS.items():
+        assert what
+        undo = apply()
+        assert changed[name](state()), name
+        undo()
+        assert state() == default, name
