@@ -116,9 +116,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("e2e-8-b1", 200, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --runs 3 --tag _b1",
           "8 layers B=1, the README path (no config) with the peer", section="e2e"),
     Stage("e2e-8-b1-attn", 260, "python3 bench/e2e.py --layers 8 --batches 1 --arms hf_static,moefx --runs 3 "
-          "--step-variants attn_loads_after_mask --tag _b1_attn", "8 layers B=1 with the peer, and the same compiled "
-          "steps with the decode attention's K/V loaded after the mask (before/after of SPECULATE, graphs captured "
-          "again)"),
+          "--step-variants attn_loads_after_mask,attn_loads_with_mask --tag _b1_attn",
+          "8 layers B=1 with the peer, and the same compiled steps with the decode attention's K/V loaded after the "
+          "mask and with it (SPECULATE, graphs captured again)"),
     Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 --arms hf_eager,moefx "
           "--fp8 --profile --step-pdl off --tag _fp8_b1", "48 layers B=1, bf16 then FP8 in one process: the FP8 "
           "model quantized in place from the bf16 one on the GPU (its peak memory kept), each arm's decode step "

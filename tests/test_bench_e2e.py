@@ -82,9 +82,9 @@ def test_step_variants_change_their_setting_and_their_undo_restores_it():
         return dict(pdl._STEP), decode_attn.SPECULATE_BLOCKS, decode_attn.speculates(256, 4)
 
     default = state()
-    assert default[2] is True  # 4 slices of a 256-long cache: one block each, loaded with the mask by default
+    # 4 slices of a 256-long cache: one block each
     changed = {"pdl_off": lambda s: s[0] == {"chain": False}, "pdl_chain": lambda s: s[0] == {"chain": True},
-               "attn_loads_after_mask": lambda s: s[2] is False}
+               "attn_loads_after_mask": lambda s: s[2] is False, "attn_loads_with_mask": lambda s: s[2] is True}
     assert set(changed) == set(STEP_VARIANTS)
     for name, (what, apply) in STEP_VARIANTS.items():
         assert what
