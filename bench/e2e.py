@@ -133,15 +133,15 @@ def _step_pdl(on: bool) -> Callable[[], None]:
     return set_step_pdl  # called with no argument: the default again
 
 
-def _attention_speculate_blocks(blocks: int) -> Callable[[], None]:
+def _attention_speculates(on: bool) -> Callable[[], None]:
     from moefx.kernels import decode_attn
 
-    before = decode_attn.SPECULATE_BLOCKS
-    decode_attn.SPECULATE_BLOCKS = blocks
+    before = decode_attn.SPECULATE_DEFAULT
+    decode_attn.SPECULATE_DEFAULT = on
     decode_attn._launch_plan.cache_clear()  # plans are kept per shape
 
     def undo() -> None:
-        decode_attn.SPECULATE_BLOCKS = before
+        decode_attn.SPECULATE_DEFAULT = before
         decode_attn._launch_plan.cache_clear()
     return undo
 
@@ -153,9 +153,9 @@ STEP_VARIANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
     "pdl_off": ("the decode step's PDL chain off (kernels/pdl.py)", lambda: _step_pdl(False)),
     "pdl_chain": ("the decode step's PDL chain on (the default)", lambda: _step_pdl(True)),
     "attn_loads_after_mask": ("decode attention loads each block's K and V after its mask, never with it "
-                              "(kernels/decode_attn.py SPECULATE_BLOCKS = 0)", lambda: _attention_speculate_blocks(0)),
-    "attn_loads_with_mask": ("decode attention loads K and V with the mask in slices of up to 2 blocks "
-                             "(SPECULATE_BLOCKS = 2)", lambda: _attention_speculate_blocks(2)),
+                              "(kernels/decode_attn.py SPECULATE_DEFAULT off)", lambda: _attention_speculates(False)),
+    "attn_loads_with_mask": ("decode attention loads K and V with the mask in slices of up to SPECULATE_BLOCKS "
+                             "blocks (SPECULATE_DEFAULT on)", lambda: _attention_speculates(True)),
 }
 # --fp8-forms: the FP8 decode form -> pass_config.fp8_weight_only (docs/DENSE.md)
 FP8_FORMS = {"w8a8": False, "weight_only": True}

@@ -21,17 +21,24 @@ def test_quick_rows_check_every_arm_and_pass() -> None:
     assert "sdpa (peer)" in row["checks"] and all(c["ok"] for c in row["checks"].values()), row["checks"]
 
 
-def test_every_slice_count_runs_both_forms_of_the_k_v_loads() -> None:
-    """Each slice count as the op runs it (speculate None) and forced into the other form; the op's choice's other
-    form is "moefx, speculative loads off" where short slices speculate, "on" where long ones do not."""
+def test_every_slice_count_runs_both_forms_of_the_k_v_loads(monkeypatch) -> None:
+    """Each slice count as the op runs it (speculate None) and forced into the other form: with the loads behind the
+    mask by default every twin is "speculative loads on"; with SPECULATE_DEFAULT on, short slices speculate and their
+    twin is "off", long ones do not and theirs is "on"."""
     import attention
 
-    short = attention.arms(1, 4, 256)  # the op's 4 slices of 64 positions: speculative
+    from moefx.kernels import decode_attn
+
+    short = attention.arms(1, 4, 256)  # the op's 4 slices of 64 positions
     assert short["moefx (4 slices, the op's choice)"] == (4, None)
-    assert short["moefx, speculative loads off"] == (4, False)
+    assert short["moefx, speculative loads on"] == (4, True)
     assert short["moefx, 1 slices"] == (1, None) and short["moefx, 1 slices, speculative loads on"] == (1, True)
     forms = sorted((a.splits, a.speculate is None) for a in short.values() if a is not None)
     assert forms == sorted((s, as_op) for s in attention.SPLITS for as_op in (True, False)), short
+    monkeypatch.setattr(decode_attn, "SPECULATE_DEFAULT", True)
+    short = attention.arms(1, 4, 256)
+    assert short["moefx, speculative loads off"] == (4, False)
+    assert short["moefx, 1 slices, speculative loads on"] == (1, True)  # one slice of 4 blocks: too long to speculate
     assert attention.arms(64, 4, 4352)["moefx, speculative loads on"] == (2, True)  # the op's 2 slices of 2176
 
 

@@ -79,7 +79,7 @@ def test_step_variants_change_their_setting_and_their_undo_restores_it():
     from moefx.kernels import decode_attn, pdl
 
     def state():
-        return dict(pdl._STEP), decode_attn.SPECULATE_BLOCKS, decode_attn.speculates(256, 4)
+        return dict(pdl._STEP), decode_attn.SPECULATE_DEFAULT, decode_attn.speculates(256, 4)
 
     default = state()
     # 4 slices of a 256-long cache: one block each

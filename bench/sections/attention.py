@@ -38,7 +38,8 @@ def render_attention(r: dict[str, Any]) -> str:
     if other_loads:
         body += (" The other K/V loads column runs the op's slices with the form of the K/V loads the op does not "
                  "take there (`SPECULATE`, moefx/kernels/decode_attn.py: on, loaded with the mask; off, after it); "
-                 "the op speculates where a slice is at most `SPECULATE_BLOCKS` blocks. The data also holds every "
+                 "with `SPECULATE_DEFAULT` on the op speculates where a slice is at most `SPECULATE_BLOCKS` blocks. "
+                 "The data also holds every "
                  "forced slice count in its other form.")
     return section("Decode attention (`moefx::decode_attention`)", r,
                    what="The decode step's attention in one kernel launch (moefx/kernels/decode_attn.py), µs per call.",

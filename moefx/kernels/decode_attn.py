@@ -38,15 +38,19 @@ MAX_SPLITS = 64
 # registers (Qwen3-30B-A3B's attention, tests/compile_sm90.py); at batch 1 over 150-300 positions one step reads all
 COMBINE_UNROLL = 8
 COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_for asks for slices below 264 pairs
-# Slices of at most this many blocks load each block's K and V together with its mask (SPECULATE), not after it: a
-# kept block then waits on one global-memory round trip instead of a chain of them (after the mask, the sm_90a build
-# issues V only once K sits in shared memory for its dot). Batch 1 over a 256-position cache takes about 5 us on the
-# H100 where its bytes take about 0.1: the time is such round trips, one after another.
+# With SPECULATE_DEFAULT on, slices of at most this many blocks load each block's K and V together with its mask
+# (SPECULATE), not after it: a kept block then waits on one global-memory round trip instead of a chain of them
+# (after the mask, the sm_90a build issues V only once K sits in shared memory for its dot). Batch 1 over a
+# 256-position cache takes about 5 us on the H100 where its bytes take about 0.1: the time is such round trips, one
+# after another.
 # The price is the K and V of blocks the mask drops whole (a static cache's unwritten tail), read for nothing: small
 # next to the round trip saved in the short slices of short caches, which are latency-bound; longer slices come from
 # long caches or from batches whose programs already fill the GPU, where bytes set the time, so they keep the loads
 # behind the mask.
 SPECULATE_BLOCKS = 2
+# Whether calls that do not say take the rule above: off until a GPU times the two forms against each other
+# (`bench/attention.py` runs both at every slice count; docs/FINDINGS.md, "Decode attention's loads")
+SPECULATE_DEFAULT = False
 
 
 @triton.jit
@@ -196,7 +200,7 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     MAX_SPLITS; 1: no partials). One launch either way; several slices need the device's counters (module
     docstring): a call captured in a CUDA graph before they exist, or with more (sequence, KV head) pairs than
     COUNTER_SLOTS, runs one slice. `speculate`: K and V loaded with the mask (True) or after it (False); None
-    decides by the slice length (SPECULATE_BLOCKS). Both forms give the same bits."""
+    decides (`speculates`). Both forms give the same bits."""
     batch, hq, _, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     mask_kind = None if mask is None else mask.dtype == torch.bool
@@ -246,8 +250,8 @@ class _Plan:
 
 def speculates(length: int, splits: int) -> bool:
     """Whether a call over `length` key positions asking for `splits` slices, and not saying how to load K and V,
-    loads them with the mask (SPECULATE_BLOCKS)."""
-    return _slice_positions(length, min(splits, MAX_SPLITS)) <= SPECULATE_BLOCKS * BLOCK_L
+    loads them with the mask (SPECULATE_DEFAULT, SPECULATE_BLOCKS)."""
+    return SPECULATE_DEFAULT and _slice_positions(length, min(splits, MAX_SPLITS)) <= SPECULATE_BLOCKS * BLOCK_L
 
 
 def _slice_positions(length: int, splits: int) -> int:
@@ -260,7 +264,7 @@ def _slice_positions(length: int, splits: int) -> int:
 def _launch_plan(batch: int, hq: int, d: int, kv_heads: int, length: int, splits: int, mask_bool: bool | None,
                  ieee: bool, pdl: bool = False, speculate: bool | None = None) -> _Plan:
     """Slices, partials' size, grid and constexpr arguments of one call shape (mask_bool None: no mask; `pdl`: a
-    programmatic dependent of the kernel before it, kernels/pdl.py; `speculate` None: SPECULATE_BLOCKS decides)."""
+    programmatic dependent of the kernel before it, kernels/pdl.py; `speculate` None: `speculates` decides)."""
     g = hq // kv_heads
     g_pad = max(16, triton.next_power_of_2(g))
     per_split = _slice_positions(length, splits)
