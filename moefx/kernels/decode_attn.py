@@ -8,12 +8,12 @@ only their arithmetic, K and V then being loaded with the mask rather than after
 writes the output. With several, one launch still does all of it, as the dense GEMV does its split-K: each program
 writes (weighted values, max, sum) of its slice to a workspace, then adds one to its (sequence, KV head)'s counter
 (acq_rel, GPU scope); the program that arrives last reads every slice's partials back in slice order
-(COMBINE_UNROLL slices a step, their loads in flight together, the first step's with every slice's max and sum),
-rescales them to the common max, sums them, writes the output and resets the counter to zero. The sum's order is the
-slices', never the arrival order, so the result is deterministic (and, on the interpreter, bit-equal to a second
-kernel combining the same partials); one launch saves that kernel's launch and boundary, about 1-1.5 us on the H100
-even inside a CUDA graph. The counters live in a per-device buffer that every call leaves at zero, allocated outside
-CUDA-graph capture (a call captured before it exists runs one slice).
+(COMBINE_UNROLL slices a step, their loads in flight together), rescales them to the common max, sums them, writes
+the output and resets the counter to zero. The sum's order is the slices', never the arrival order, so the result
+is deterministic (and, on the interpreter, bit-equal to a second kernel combining the same partials); one launch
+saves that kernel's launch and boundary, about 1-1.5 us on the H100 even inside a CUDA graph. The counters live in
+a per-device buffer that every call leaves at zero, allocated outside CUDA-graph capture (a call captured before it
+exists runs one slice).
 PDL (the decode step's chain, kernels/pdl.py): the kernel waits for the previous one before anything it reads
 (the counters too), then lets its own dependent launch.
 The launcher accepts CPU tensors too, so the kernel runs under TRITON_INTERPRET=1 in the tests.
@@ -142,19 +142,23 @@ def _decode_attn_kernel(
             s_live = s_all < splits
             stat = (base + s_all[None, :] * G_PAD + c_rows[:, None]) * width + D  # [G_COMB, SPLITS_PAD]
             stat_ok = c_ok[:, None] & s_live[None, :]
-            # every slice's (max, sum) and the first chunk's partials are independent loads, issued together: one
-            # round trip reads all of what the combine needs up to COMBINE_UNROLL slices
             m = tl.load(part_ptr + stat, mask=stat_ok, other=float("-inf"), cache_modifier=".cg")
             l_s = tl.load(part_ptr + stat + 1, mask=stat_ok, other=0.0, cache_modifier=".cg")
-            m_first, acc_first = _chunk_partials(part_ptr, base, 0, splits, c_rows, c_ok, dims, G_PAD, D, CHUNK)
             m_all = tl.max(m, axis=1)
             m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # rows with no kept position: every weight is 0
             w = tl.where(m > float("-inf"), tl.exp(m - m_all[:, None]), 0.0)
             total = tl.sum(l_s * w, axis=1)
-            out = _add_chunk(tl.zeros([G_COMB, D], tl.float32), m_first, acc_first, m_all, CHUNK)
-            for c0 in range(CHUNK, splits, CHUNK):
-                m_c, acc_c = _chunk_partials(part_ptr, base, c0, splits, c_rows, c_ok, dims, G_PAD, D, CHUNK)
-                out = _add_chunk(out, m_c, acc_c, m_all, CHUNK)
+            out = tl.zeros([G_COMB, D], tl.float32)
+            for c0 in range(0, splits, CHUNK):  # each chunk unrolled: its slices' loads are in flight together
+                for j in tl.static_range(CHUNK):
+                    s_slot = base + (c0 + j) * G_PAD + c_rows
+                    s_ok = c_ok & (tl.zeros([G_COMB], tl.int32) + c0 + j < splits)
+                    m_s = tl.load(part_ptr + s_slot * width + D, mask=s_ok, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_all), 0.0)
+                    acc_s = tl.load(part_ptr + s_slot[:, None] * width + dims[None, :], mask=s_ok[:, None],
+                                    other=0.0, cache_modifier=".cg")
+                    out += acc_s * w_s[:, None]
             # a row with every position masked: 0 / 0, as with one slice (padded rows divide by 1, never stored)
             out = out / tl.where(c_ok, total, 1.0)[:, None]
             c_heads = kvh * G + c_rows
@@ -165,32 +169,6 @@ def _decode_attn_kernel(
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _chunk_partials(part_ptr, base, c0, splits, c_rows, c_ok, dims, G_PAD: tl.constexpr, D: tl.constexpr,
-                    CHUNK: tl.constexpr):
-    """Maxima and weighted values of slices c0 .. c0 + CHUNK - 1 (past the last slice: -inf and zeros), unrolled:
-    every load is issued before any is used."""
-    m_c = ()
-    acc_c = ()
-    for j in tl.static_range(CHUNK):
-        slot = base + (c0 + j) * G_PAD + c_rows
-        ok = c_ok & (tl.zeros_like(c_rows) + c0 + j < splits)
-        m_c = m_c + (tl.load(part_ptr + slot * (D + 2) + D, mask=ok, other=float("-inf"), cache_modifier=".cg"),)
-        acc_c = acc_c + (tl.load(part_ptr + slot[:, None] * (D + 2) + dims[None, :], mask=ok[:, None], other=0.0,
-                                 cache_modifier=".cg"),)
-    return m_c, acc_c
-
-
-@triton.jit
-def _add_chunk(out, m_c, acc_c, m_all, CHUNK: tl.constexpr):
-    """out plus a chunk's partials (`_chunk_partials`) rescaled to the common max, one slice after another: the sum's
-    order is the slices', whichever program combines."""
-    for j in tl.static_range(CHUNK):
-        w_s = tl.where(m_c[j] > float("-inf"), tl.exp(m_c[j] - m_all), 0.0)
-        out += acc_c[j] * w_s[:, None]
-    return out
 
 
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
