@@ -5,11 +5,12 @@ it: `cache` positions allocated, the first `written` kept by a bool mask (the un
 block). Per shape: the kernel with the slices the op picks (`splits_for`), the kernel asked for 1, 2, 4, 8, 16 and 32
 slices (which slice length pays at these lengths; a slice keeps whole 64-position blocks, so short caches run
 fewer), each of these also with the other form of its K/V loads (with the mask or after it, `SPECULATE` in
-moefx/kernels/decode_attn.py: the op's choice "moefx, speculative loads off", or "on" where its slices are too long
-for them, the others "..., speculative loads off/on"), and the peer, torch's SDPA over the KV heads expanded to every
-query head (what the op replaces in a compiled step, the expansion included). Correctness first, on this device:
-every arm against an fp32 SDPA of the same inputs (relative error <= 1e-2, bf16 output). Timings are CUDA-graph
-replays of 64 calls cycling through input sets larger than the L2 (48 layers evict a layer's cache), median of 7.
+moefx/kernels/decode_attn.py: the twin of the op's choice is "moefx, speculative loads on" where the op loads after
+the mask, "off" where it speculates; the others "..., speculative loads on/off" alike), and the peer, torch's SDPA
+over the KV heads expanded to every query head (what the op replaces in a compiled step, the expansion included).
+Correctness first, on this device: every arm against an fp32 SDPA of the same inputs (relative error <= 1e-2, bf16
+output). Timings are CUDA-graph replays of 64 calls cycling through input sets larger than the L2 (48 layers evict a
+layer's cache), median of 7.
 floor = max(one replayed launch, (the kept keys and values + q + out) / the copy rate).
 
     python bench/attention.py          # on the GPU: about a minute; table last, JSON to $OUT/attention.json
