@@ -134,16 +134,10 @@ def _step_pdl(on: bool) -> Callable[[], None]:
 
 
 def _attention_speculates(on: bool) -> Callable[[], None]:
-    from moefx.kernels import decode_attn
+    from moefx.kernels.decode_attn import set_speculate_default
 
-    before = decode_attn.SPECULATE_DEFAULT
-    decode_attn.SPECULATE_DEFAULT = on
-    decode_attn._launch_plan.cache_clear()  # plans are kept per shape
-
-    def undo() -> None:
-        decode_attn.SPECULATE_DEFAULT = before
-        decode_attn._launch_plan.cache_clear()
-    return undo
+    set_speculate_default(on)
+    return set_speculate_default  # called with no argument: the default again
 
 
 # Before/after of one kernel setting over an arm's own model and compiled steps (`--step-variants`, `--step-pdl`): a

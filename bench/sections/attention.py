@@ -33,14 +33,13 @@ def render_attention(r: dict[str, Any]) -> str:
              "bf16), a bool mask over `cache` positions of which `written` are kept; CUDA-graph replay medians over "
              "caches rotated past L2, every arm checked against an fp32 reference first (relative error ≤ 1e-2; "
              "kept in the data). The op's choice is `splits_for` (moefx/ops/decode_attention.py) at the run's "
-             "commit (the same kernel in every column, the slice count forced). The op now takes up to 32 slices "
+             "commit (the same kernel in every column, the slice count forced). The op takes up to 32 slices "
              "(`MAX_SPLITS`), so at the 4096-long cache it runs the 32-slice column.")
     if other_loads:
         body += (" The other K/V loads column runs the op's slices with the form of the K/V loads the op does not "
                  "take there (`SPECULATE`, moefx/kernels/decode_attn.py: on, loaded with the mask; off, after it); "
                  "with `SPECULATE_DEFAULT` on the op speculates where a slice is at most `SPECULATE_BLOCKS` blocks. "
-                 "The data also holds every "
-                 "forced slice count in its other form.")
+                 "The data also holds every forced slice count in its other form.")
     return section("Decode attention (`moefx::decode_attention`)", r,
                    what="The decode step's attention in one kernel launch (moefx/kernels/decode_attn.py), µs per call.",
                    peer="torch's `scaled_dot_product_attention` over the K/V expanded to every query head, same run",

@@ -226,6 +226,13 @@ class _Plan:
     kw: dict
 
 
+def set_speculate_default(on: bool = False) -> None:
+    """SPECULATE_DEFAULT for the calls that follow (no argument: off, the default), the kept launch plans dropped."""
+    global SPECULATE_DEFAULT
+    SPECULATE_DEFAULT = on
+    _launch_plan.cache_clear()
+
+
 def speculates(length: int, splits: int) -> bool:
     """Whether a call over `length` key positions asking for `splits` slices, and not saying how to load K and V,
     loads them with the mask (SPECULATE_DEFAULT, SPECULATE_BLOCKS)."""
