@@ -168,13 +168,14 @@ def test_pass_leaves_no_activation_quant_at_decode_m(m):
     assert run.matches["fp8_weight_only"] == 6 and not any("fp8_weight_only" in s for s in run.skipped)
     assert count_ops(gm.graph, ops.quant.default) == 0 and count_ops(gm.graph, ops.fp8_block_gemm.default) == 0
     assert count_ops(gm.graph, ops.rms_norm_quant.default) == 0
-    # q/k/v and gate/up with their norms in the prologue (the sum is a graph output here, so the plain form), o_proj a
-    # weight-only call of its own
-    qkv, gate_up = gm.graph.find_nodes(op="call_function", target=NORM_DENSE)
+    # q/k/v with the input norm in the prologue, gate/up with the residual add and norm after the weight-only o_proj
+    # (its output carries a fake value, so the add is seen as the residual sum), o_proj a weight-only call of its own
+    (qkv,) = gm.graph.find_nodes(op="call_function", target=NORM_DENSE)
+    (gate_up,) = gm.graph.find_nodes(op="call_function", target=ADD_NORM_DENSE)
     (o,) = gm.graph.find_nodes(op="call_function", target=DENSE)
     assert len(qkv.args[3]) == 3 and len(qkv.args[6]) == 3 and qkv.args[7] == list(BLOCK)
-    assert len(gate_up.args[3]) == 2 and len(gate_up.args[6]) == 2
-    assert o.args[3] is None and len(o.args[4]) == 1 and count_ops(gm.graph, ADD_NORM_DENSE) == 0
+    assert len(gate_up.args[4]) == 2 and len(gate_up.args[7]) == 2
+    assert o.args[3] is None and len(o.args[4]) == 1
     assert sum("weight-only form at M=" in n for n in run.notes) == 6
     # fresh inputs: the rewritten graph is the float reference of the same layer
     for seed in (1, 2):
@@ -200,6 +201,35 @@ def test_pass_keeps_w8a8_past_m4_and_when_off():
     _, gm, _ = _trace(1)
     run = run_passes(gm, *PIPE[1:], config=CONFIG)  # the toggle off: the pass does not run
     assert count_ops(gm.graph, NORM_DENSE) == 0 and count_ops(gm.graph, ops.rms_norm_quant.default) == 1
+
+
+def test_pass_asks_the_policy_about_q_k_v_as_the_one_call_they_become(monkeypatch):
+    """Calibration rows are per fused shape: a policy with a row for q/k/v together and none for q alone (the H100's
+    tables) takes the weight-only form for all three when fuse_sibling_linears will fuse them, and for none when
+    it is off; o_proj and gate/up, which this policy runs upstream, keep W8A8 either way."""
+    from moefx.backends.dense_policy import GEMV, UPSTREAM
+    from moefx.passes import fp8_weight_only as P
+
+    asked = []
+
+    def policy(x, weights, scales, block, out_dtype, backend, capturing=None):
+        asked.append([int(w.shape[0]) for w in weights])
+        return GEMV if asked[-1] == [256, 128, 128] else UPSTREAM
+
+    monkeypatch.setattr(P, "select_backend", policy)
+    _, gm, _ = _trace(1)
+    run = run_passes(gm, *PIPE, config=CONFIG)
+    assert run.matches["fp8_weight_only"] == 3 and asked.count([256, 128, 128]) == 3, asked
+    assert sum("runs M=1 N=[256] upstream" in r for r in run.skipped) == 1, run.skipped  # o_proj
+    assert sum("runs M=1 N=[256, 256] upstream" in r for r in run.skipped) == 2, run.skipped  # gate, up
+    (qkv,) = gm.graph.find_nodes(op="call_function", target=NORM_DENSE)
+    assert len(qkv.args[3]) == 3 and len(qkv.args[6]) == 3  # one weight-only call, the input norm in its prologue
+    w8a8 = [n for n in gm.graph.find_nodes(op="call_function", target=DENSE) if n.args[3] is not None]
+    assert sorted(len(n.args[1]) for n in w8a8) == [1, 2]  # o_proj, and gate/up as one call, read FP8 activations
+    asked.clear()
+    _, gm, _ = _trace(1)
+    run = run_passes(gm, *(p for p in PIPE if p != "fuse_sibling_linears"), config=CONFIG)
+    assert run.matches["fp8_weight_only"] == 0 and all(len(a) == 1 for a in asked), asked
 
 
 def test_pass_uuid_changes_with_the_toggle():

@@ -15,9 +15,12 @@ is a change of rounding that the fp32 scorer judges, and `pass_config.fp8_weight
 Matched: a `moefx::fp8_block_gemm` whose activation and scale are outputs 0 and 1 of one `moefx::quant` of a float
 x with an FP8 scheme (what Fp8BlockLinear writes), at a static M of at most the rows the dense kernel's CUDA-core
 product serves (`default_config(m, False)` not a tensor-core tile: M <= 4, the limit fuse_norm_linear uses for the
-prologue forms), where the dense policy runs the gemv kernel for the call in a captured step. Left alone, with the
-reason in the compile report: a dynamic or larger M (prefill: W8A8 on the tensor cores), a call the policy runs
-upstream, an input that is not such a quant. Runs before the quant fusions, so the quant it makes dead is not fused
+prologue forms), where the dense policy runs the gemv kernel for the call in a captured step. With
+fuse_sibling_linears on, the policy is asked about the call the linear becomes with its siblings (q/k/v as one
+call): the calibration rows are per fused shape, and q_proj alone has none, so asking about it alone kept the
+model's q/k/v in W8A8 on the H100 (docs/FINDINGS.md). Left alone, with the reason in the compile report: a dynamic
+or larger M (prefill: W8A8 on the tensor cores), a call the policy runs upstream, an input that is not such a
+quant. Runs before the quant fusions, so the quant it makes dead is not fused
 into its producer first.
 """
 
@@ -47,11 +50,24 @@ def _quant_input(a: object, a_scale: object) -> torch.fx.Node | None:
     return quant.args[0] if isinstance(kind, str) and kind.startswith("fp8") else None
 
 
-def _problem(x: torch.fx.Node, w: torch.fx.Node, ws: torch.fx.Node, block: list[int],
+def _siblings(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple[list[torch.fx.Node], list[torch.fx.Node]]]:
+    """Each FP8 linear's weights and scales together with those of its siblings (the linears fuse_sibling_linears
+    will put into one call with it: same input, K, dtypes and block), in graph order."""
+    groups: dict[tuple, list[lf.Linear]] = {}
+    for node in graph.nodes:
+        found = lf.parse(node) if is_call(node, lf.FP8_GEMM) else None
+        if isinstance(found, lf.Linear):
+            groups.setdefault(found.group_key(), []).append(found)
+    return {m.node: ([w for s in members for w in s.weights], [w for s in members for w in s.weight_scales])
+            for members in groups.values() for m in members}
+
+
+def _problem(x: torch.fx.Node, weights: list[torch.fx.Node], scales: list[torch.fx.Node], block: list[int],
              out_dtype: torch.dtype | None, backend: str) -> str | None:
-    """Why the weight-only form is not taken for this call (None: it is)."""
-    xv, wv, sv = meta_val(x), meta_val(w), meta_val(ws)
-    if not all(isinstance(v, torch.Tensor) for v in (xv, wv, sv)):
+    """Why the weight-only form is not taken for this call, whose weights run in one dense call with `weights`
+    (None: it is)."""
+    xv, wv, sv = meta_val(x), [meta_val(w) for w in weights], [meta_val(s) for s in scales]
+    if not all(isinstance(v, torch.Tensor) for v in (xv, *wv, *sv)):
         return "the call's inputs have no fake values"
     if xv.dtype not in lf.FLOAT_DTYPES:
         return f"the quant's input is {xv.dtype}, not a float tensor"
@@ -65,8 +81,9 @@ def _problem(x: torch.fx.Node, w: torch.fx.Node, ws: torch.fx.Node, block: list[
     missing = triton_missing()
     if missing:
         return missing
-    name = select_backend(xv, [wv], [sv], block, out_dtype, backend, capturing=True)
-    return None if name == GEMV else f"the dense policy runs M={m} {name}, not the gemv kernel"
+    name = select_backend(xv, wv, sv, block, out_dtype, backend, capturing=True)
+    rows = [int(w.shape[0]) for w in wv]
+    return None if name == GEMV else f"the dense policy runs M={m} N={rows} {name}, not the gemv kernel"
 
 
 class Fp8WeightOnly(MoefxPass):
@@ -75,6 +92,8 @@ class Fp8WeightOnly(MoefxPass):
 
     def run(self, graph: torch.fx.Graph, ctx: PassContext) -> int:
         backend = ctx.config.dense_backend
+        # q/k/v are asked about as the one call they become: the policy's rows are per fused shape
+        siblings = _siblings(graph) if "fuse_sibling_linears" in ctx.enabled else {}
         done = 0
         for node in list(graph.nodes):
             if not is_call(node, lf.FP8_GEMM):
@@ -89,7 +108,8 @@ class Fp8WeightOnly(MoefxPass):
                          f"float tensor with an FP8 scheme")
                 continue
             block = [int(bn), int(bk)]
-            why = _problem(x, w, ws, block, out_dtype, backend)
+            weights, scales = siblings.get(node, ([w], [ws]))
+            why = _problem(x, weights, scales, block, out_dtype, backend)
             if why:
                 ctx.skip(f"FP8 linear at {where} keeps the W8A8 form: {why}")
                 continue

@@ -45,9 +45,11 @@ def _fake_mode(args: Any) -> Any:
 
     def visit(x: Any) -> Any:
         val = meta_val(x)
-        mode = getattr(val, "fake_mode", None)
-        if mode is not None:
-            found.append(mode)
+        # a multi-output op's value is a list of fake tensors: a getitem of it takes their mode
+        for v in val if isinstance(val, (list, tuple)) else (val,):
+            mode = getattr(v, "fake_mode", None)
+            if mode is not None:
+                found.append(mode)
         return x
 
     tree_map(visit, args)

@@ -20,6 +20,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from moefx.config import CompilationConfig
 from moefx.env import get_setting
 from moefx.log import get_logger
+from moefx.passes import base as _base
+from moefx.passes import fx as _fx
 from moefx.passes.base import MoefxPass, PassContext, registry
 from moefx.passes.dense_linears import DenseLinears
 from moefx.passes.eliminate_noops import EliminateNoops
@@ -124,7 +126,8 @@ class PassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         digest = hashlib.sha256(self.config.compute_hash().encode())
-        digest.update(Path(__file__).read_bytes())
+        for shared in (__file__, _fx.__file__, _base.__file__):  # this file and the helpers every pass builds on
+            digest.update(Path(shared).read_bytes())
         # Passes may read the plan (e.g. the model's quant scheme): a different plan is a different graph. Not its
         # serving hints, which no pass reads: without max_batch_size the capture cap comes from the free memory of
         # the process that plans, so two processes compiling the same graphs may differ there.
