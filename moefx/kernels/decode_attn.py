@@ -48,8 +48,10 @@ COUNTER_SLOTS = 4096  # (sequence, KV head) counters per device (int32): splits_
 # long caches or from batches whose programs already fill the GPU, where bytes set the time, so they keep the loads
 # behind the mask.
 SPECULATE_BLOCKS = 2
-# Whether calls that do not say take the rule above: off until a GPU times the two forms against each other
-# (`bench/attention.py` runs both at every slice count; docs/FINDINGS.md, "Decode attention's loads")
+# Whether calls that do not say take the rule above: off. On the H100 the speculated loads did not pay at the
+# engine's short caches (B=1 over 256 positions 5.22 against 5.16 us; 8 layers end to end 1399 against 1417 tok/s)
+# and lost at B=16 (13.09 against 12.13 us); they won 0.35-1.1 us at B=1 over 512-1024 positions
+# (docs/FINDINGS.md, "The attention loads timed").
 SPECULATE_DEFAULT = False
 
 
