@@ -140,6 +140,25 @@ def _attention_speculates(on: bool) -> Callable[[], None]:
     return set_speculate_default  # called with no argument: the default again
 
 
+def _dense_tile(kind: str, m: int, cfg: object) -> Callable[[], None]:
+    """DEFAULT_TILES[kind]'s row for M = m replaced by `cfg` (a dense launch reads the rows when it runs)."""
+    from moefx.kernels import dense_gemm
+
+    rows = dense_gemm.DEFAULT_TILES[kind]
+    dense_gemm.DEFAULT_TILES[kind] = tuple((bound, cfg if bound == m else row) for bound, row in rows)
+
+    def undo() -> None:
+        dense_gemm.DEFAULT_TILES[kind] = rows
+
+    return undo
+
+
+def _fp8_m1_automatic_tile() -> Callable[[], None]:
+    from moefx.kernels.dense_gemm import DenseConfig
+
+    return _dense_tile("fp8_weight_only", 1, DenseConfig(block_n=0, block_k=0))
+
+
 # Before/after of one kernel setting over an arm's own model and compiled steps (`--step-variants`, `--step-pdl`): a
 # setting the kernels' launchers read when the decode graphs are captured (custom ops launch from Python then), so
 # only the graphs are captured again. name -> (what it changes, apply() returning its undo); rows `<arm>_<name>`.
@@ -150,6 +169,9 @@ STEP_VARIANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
                               "(kernels/decode_attn.py SPECULATE_DEFAULT off)", lambda: _attention_speculates(False)),
     "attn_loads_with_mask": ("decode attention loads K and V with the mask in slices of up to SPECULATE_BLOCKS "
                              "blocks (SPECULATE_DEFAULT on)", lambda: _attention_speculates(True)),
+    "fp8_m1_auto_tile": ("the FP8 weight-only dense GEMV at M = 1 on the automatic tile (4 warps, 128 weight bytes a "
+                         "thread) instead of the swept row (kernels/dense_gemm.py DEFAULT_TILES)",
+                         _fp8_m1_automatic_tile),
 }
 # --fp8-forms: the FP8 decode form -> pass_config.fp8_weight_only (docs/DENSE.md)
 FP8_FORMS = {"w8a8": False, "weight_only": True}
