@@ -596,6 +596,28 @@ def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(
     torch._dynamo.reset()
 
 
+def test_buckets_past_the_in_layers_bound_copy_the_prompt_after_the_forward(monkeypatch):
+    """`write_in_layers` on: a prompt whose bucket is past IN_LAYERS_MAX_BUCKET takes the copies' prefill, one within
+    it the in-layers prefill, and both give eager's tokens."""
+    from moefx.engine import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "IN_LAYERS_MAX_BUCKET", 16)
+    torch._dynamo.reset()
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=4).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
+                        prefill_capture_tokens=64)
+    engine._bucketed.write_in_layers = True
+    eager = DecodeLoop(stock)
+    for length in (12, 20):  # buckets 16 and 32
+        ids = _ids(1, length, length)
+        assert torch.equal(engine.generate(ids, 4, GREEDY), eager.generate(ids, 4, GREEDY)), length
+    compiles = engine.stats.compiles
+    assert compiles.get("prefill[padded, in layers]") == 1 and compiles.get("prefill[padded]") == 1, compiles
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("form", ["stack", "per-layer", "copy"])
 def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_bodies(monkeypatch, form):
     """The frames' padded prefill over the buffered cache: the stack op's layer bodies write the prompt's keys and

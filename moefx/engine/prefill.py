@@ -10,8 +10,9 @@ device); the keys and values go to the slot's static cache through a device-side
 prompt length get zeros, so the cache needs no reset where no earlier request wrote past the bucket:
 `Slot.prepare_write`), and each static layer's write position is set to the real length. The forward fills a
 DynamicCache and one masked copy per tensor follows it (96 kernels at 48 layers); with `write_in_layers` (off until
-timed on a GPU), where the decoder layers run as the compiled frames' stack op over the slot's cache buffers, the
-layer bodies write them there as they compute them instead (`layer_body.PREFILL_INTO`: inductor stores the keys
+its rule by bucket length is timed on a GPU), for buckets up to IN_LAYERS_MAX_BUCKET, where the decoder layers run
+as the compiled frames' stack op over the slot's cache buffers, the layer bodies write them there as they compute
+them instead (`layer_body.PREFILL_INTO`: inductor stores the keys
 from the kernel that applies their norm and rotary embedding, and no copy follows the forward). The bucket's inputs
 that follow from the prompt length are derived in the graph from one length scalar. A left-padded request's
 mask is extended with ones over the padded tail (causal only there).
@@ -43,6 +44,12 @@ from moefx.log import get_logger
 from moefx.sampling.sampler import SamplingParams
 
 log = get_logger("moefx.engine")
+
+# With `write_in_layers` on, prompts of buckets up to this length are written into the cache in the layer bodies and
+# longer ones copied after the forward: on the H100 (48 layers, docs/FINDINGS.md) the writes in the layers took
+# 25.37 / 32.05 / 64.14 ms to the copies' 26.06 / 32.43 / 64.84 at 1 x 256, 1 x 1024 and 8 x 512, and 76.42 to
+# 75.36 at 1 x 4096.
+IN_LAYERS_MAX_BUCKET = 2048
 
 
 def pick_bucket(rows: int, prompt: int, buckets: Sequence[int], max_tokens: int) -> int | None:
@@ -78,9 +85,9 @@ class BucketedPrefill:
         self.max_tokens = max_tokens
         self._fns: dict[bool, Callable[..., Any]] = {False: steps.compile("prefill[padded]", steps.forward)}
         # Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead of
-        # the copies after the forward: off until it is timed on a GPU against them (bench/e2e.py's
-        # `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage prefill-table-48); tests/test_layer_regions.py checks
-        # it on the CPU.
+        # the copies after the forward, for buckets up to IN_LAYERS_MAX_BUCKET: off until that rule is timed on a GPU
+        # against the copies (bench/e2e.py's `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage
+        # prefill-table-48); tests/test_layer_regions.py checks it on the CPU.
         self.write_in_layers = False
 
     def _compiled(self, into: bool) -> Callable[..., Any]:
@@ -136,7 +143,7 @@ class BucketedPrefill:
         torch.sub(run.length.view(1), 1, out=run.last)
         prompt_cache = DynamicCache(config=self.steps.model.config)
         buffers = kv_buffers(slot.cache)
-        into = self.write_in_layers and buffers is not None and bucket <= slot.max_len
+        into = self.write_in_layers and buffers is not None and bucket <= min(slot.max_len, IN_LAYERS_MAX_BUCKET)
         if into:  # the compiled frames' layer bodies write the prompt into the slot's cache themselves
             setattr(prompt_cache, PREFILL_INTO, (buffers[0], buffers[1], run.keep))
         scores = self._compiled(into)(run.tokens, run.positions, run.cache_position, run.mask, prompt_cache, by_head,
