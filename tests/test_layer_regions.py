@@ -566,6 +566,19 @@ def test_a_cache_the_engine_did_not_make_runs_one_op_per_layer_and_says_why():
     assert "only initialized StaticLayers" in stack_cache_layers(StaticCache(config=model.config, max_cache_len=16))
 
 
+def _framed_engine(layers: int, seed: int, in_layers: bool) -> tuple[torch.nn.Module, DecodeLoop, DecodeLoop]:
+    """A tiny model with its layers as compiled frames on an engine whose padded prefill covers 64 tokens (the
+    backend runs each graph as traced), its prompt written in the layers or not, and an eager engine of the same
+    weights."""
+    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=layers), seed=seed).eval()
+    model = copy.deepcopy(stock)
+    install_layer_regions(model, frames=True)
+    engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
+                        prefill_capture_tokens=64)
+    engine._bucketed.write_in_layers = in_layers
+    return model, engine, DecodeLoop(stock)
+
+
 @pytest.mark.parametrize("in_layers", [False, True], ids=["copies", "in-layers"])
 def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(in_layers):
     """The frames' slot cache as buffers through what else reads its layers: the padded prefill's KV handover
@@ -573,13 +586,7 @@ def test_the_buffered_cache_takes_the_padded_prefill_a_reset_and_another_length(
     (the cache reset through its buffers) and a longer one after (a second slot); tokens equal eager's each time, and
     the layers stay views of the buffers."""
     torch._dynamo.reset()
-    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()
-    model = copy.deepcopy(stock)
-    install_layer_regions(model, frames=True)
-    engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
-                        prefill_capture_tokens=64)
-    engine._bucketed.write_in_layers = in_layers
-    eager = DecodeLoop(stock)
+    model, engine, eager = _framed_engine(3, 3, in_layers)
     for batch, length, tokens in ((2, 12, 6), (2, 5, 3), (2, 9, 300)):
         ids = _ids(batch, length, length)
         assert torch.equal(engine.generate(ids, tokens, GREEDY), eager.generate(ids, tokens, GREEDY)), length
@@ -603,13 +610,7 @@ def test_buckets_past_the_in_layers_bound_copy_the_prompt_after_the_forward(monk
 
     monkeypatch.setattr(prefill_module, "IN_LAYERS_MAX_BUCKET", 16)
     torch._dynamo.reset()
-    stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=2), seed=4).eval()
-    model = copy.deepcopy(stock)
-    install_layer_regions(model, frames=True)
-    engine = DecodeLoop(model, compile_kwargs={"backend": lambda gm, example_inputs: gm.forward},
-                        prefill_capture_tokens=64)
-    engine._bucketed.write_in_layers = True
-    eager = DecodeLoop(stock)
+    _, engine, eager = _framed_engine(2, 4, True)
     for length in (12, 20):  # buckets 16 and 32
         ids = _ids(1, length, length)
         assert torch.equal(engine.generate(ids, 4, GREEDY), eager.generate(ids, 4, GREEDY)), length
