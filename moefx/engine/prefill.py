@@ -12,10 +12,10 @@ prompt length get zeros, so the cache needs no reset where no earlier request wr
 DynamicCache and one masked copy per tensor follows it (96 kernels at 48 layers); with `write_in_layers` (off until
 its rule by bucket length is timed on a GPU), for buckets up to IN_LAYERS_MAX_BUCKET, where the decoder layers run
 as the compiled frames' stack op over the slot's cache buffers, the layer bodies write them there as they compute
-them instead (`layer_body.PREFILL_INTO`: inductor stores the keys
-from the kernel that applies their norm and rotary embedding, and no copy follows the forward). The bucket's inputs
-that follow from the prompt length are derived in the graph from one length scalar. A left-padded request's
-mask is extended with ones over the padded tail (causal only there).
+them instead (`layer_body.PREFILL_INTO`: inductor stores the keys from the kernel that applies their norm and rotary
+embedding, and no copy follows the forward). The bucket's inputs that follow from the prompt length are derived in
+the graph from one length scalar. A left-padded request's mask is extended with ones over the padded tail (causal
+only there).
 The MoE op sees rows × bucket tokens: padded rows cost compute, not correctness.
 
 The forward runs over a DynamicCache, as the unpadded prefill does (attention over the prompt only); under a

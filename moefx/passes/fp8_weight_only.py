@@ -20,8 +20,7 @@ fuse_sibling_linears on, the policy is asked about the call the linear becomes w
 call): the calibration rows are per fused shape, and q_proj alone has none, so asking about it alone kept the
 model's q/k/v in W8A8 on the H100 (docs/FINDINGS.md). Left alone, with the reason in the compile report: a dynamic
 or larger M (prefill: W8A8 on the tensor cores), a call the policy runs upstream, an input that is not such a
-quant. Runs before the quant fusions, so the quant it makes dead is not fused
-into its producer first.
+quant. Runs before the quant fusions, so the quant it makes dead is not fused into its producer first.
 """
 
 from __future__ import annotations
