@@ -140,23 +140,19 @@ def _attention_speculates(on: bool) -> Callable[[], None]:
     return set_speculate_default  # called with no argument: the default again
 
 
-def _dense_tile(kind: str, m: int, cfg: object) -> Callable[[], None]:
-    """DEFAULT_TILES[kind]'s row for M = m replaced by `cfg` (a dense launch reads the rows when it runs)."""
+def _fp8_m1_automatic_tile() -> Callable[[], None]:
+    """The FP8 weight-only M = 1 row of DEFAULT_TILES set to the automatic tile (a dense launch reads the rows when
+    it runs)."""
     from moefx.kernels import dense_gemm
 
-    rows = dense_gemm.DEFAULT_TILES[kind]
-    dense_gemm.DEFAULT_TILES[kind] = tuple((bound, cfg if bound == m else row) for bound, row in rows)
+    rows = dense_gemm.DEFAULT_TILES["fp8_weight_only"]
+    auto = dense_gemm.DenseConfig(block_n=0, block_k=0)
+    dense_gemm.DEFAULT_TILES["fp8_weight_only"] = tuple((m, auto if m == 1 else cfg) for m, cfg in rows)
 
     def undo() -> None:
-        dense_gemm.DEFAULT_TILES[kind] = rows
+        dense_gemm.DEFAULT_TILES["fp8_weight_only"] = rows
 
     return undo
-
-
-def _fp8_m1_automatic_tile() -> Callable[[], None]:
-    from moefx.kernels.dense_gemm import DenseConfig
-
-    return _dense_tile("fp8_weight_only", 1, DenseConfig(block_n=0, block_k=0))
 
 
 # Before/after of one kernel setting over an arm's own model and compiled steps (`--step-variants`, `--step-pdl`): a

@@ -200,8 +200,7 @@ def emit(graph: torch.fx.Graph, members: Sequence[Linear], backend: str, order: 
         fused.meta["stack_trace"] = first.node.meta.get("stack_trace")
         outs = []
         for i in range(len(weights)):
-            item = graph.call_function(operator.getitem, (fused, i))
-            item.meta["val"] = fused.meta["val"][i]
+            item = call(graph, operator.getitem, (fused, i))
             item.meta["stack_trace"] = fused.meta["stack_trace"]
             outs.append(item)
     i = 0

@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 from moefx.passes.base import MoefxPass, PassContext, log
-from moefx.passes.fx import LOW_DTYPES, dtype_of, is_call, location, source_line
+from moefx.passes.fx import LOW_DTYPES, call, dtype_of, is_call, location, source_line
 from moefx.passes.quant_patterns import (
     CAST,
     DEPENDENCY_FILES,
@@ -53,8 +53,6 @@ from moefx.passes.quant_patterns import (
     aten,
     dedupe_casts,
     describe,
-    insert_call,
-    insert_getitem,
     is_upcast,
     moefx_ops,
     norm_dims,
@@ -532,15 +530,15 @@ class QuantFusionPass(MoefxPass):
         last = max(inputs, key=lambda n: order[n])
         try:
             with graph.inserting_after(last):
-                fused = insert_call(graph, prod.op, (*prod.args, *scheme.args()))
+                fused = call(graph, prod.op, (*prod.args, *scheme.args()))
             with graph.inserting_after(fused):
-                q_out = insert_getitem(graph, fused, 0)
+                q_out = call(graph, operator.getitem, (fused, 0))
             with graph.inserting_after(q_out):
-                s_out = insert_getitem(graph, fused, 1)
+                s_out = call(graph, operator.getitem, (fused, 1))
             tail = s_out
             if prod.residual:
                 with graph.inserting_after(s_out):
-                    tail = insert_getitem(graph, fused, 2)
+                    tail = call(graph, operator.getitem, (fused, 2))
             res_out = tail
             repl: list[tuple[torch.fx.Node, torch.fx.Node]] = []
             with graph.inserting_after(tail):

@@ -555,28 +555,6 @@ class ProducerMatch:
 # ------------------------------------------------------------------------------------------- graph rewriting
 
 
-def fake_call(op: Any, args: tuple) -> Any:
-    """Run `op` on the fake values of `args` (fx nodes) to get the new node's meta value."""
-    vals = torch.fx.map_arg(args, val)
-    fake_mode = torch._guards.detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(vals)])
-    if fake_mode is None:
-        return op(*vals)
-    with fake_mode:
-        return op(*vals)
-
-
-def insert_call(graph: torch.fx.Graph, op: Any, args: tuple) -> torch.fx.Node:
-    node = graph.call_function(op, args)
-    node.meta["val"] = fake_call(op, args)
-    return node
-
-
-def insert_getitem(graph: torch.fx.Graph, node: torch.fx.Node, index: int) -> torch.fx.Node:
-    item = graph.call_function(operator.getitem, (node, index))
-    item.meta["val"] = node.meta["val"][index]
-    return item
-
-
 def reshaped(graph: torch.fx.Graph, src: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
     """`src` reshaped to `like`'s shape (same number of elements, flat order kept)."""
     want = shape_of(like)
@@ -586,7 +564,7 @@ def reshaped(graph: torch.fx.Graph, src: torch.fx.Node, like: torch.fx.Node) -> 
     if len(dyn) > 1:
         raise Reject(like, "more than one dynamic dimension in an output layout")
     sizes = [-1 if i in dyn else s for i, s in enumerate(want)]
-    return insert_call(graph, aten.reshape.default, (src, sizes))
+    return _fx.call(graph, aten.reshape.default, (src, sizes))
 
 
 def dedupe_casts(graph: torch.fx.Graph) -> None:

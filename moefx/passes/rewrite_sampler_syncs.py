@@ -227,8 +227,7 @@ def _rewrite_multinomial(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             new = call(graph, aten.argmax.default, (race, -1, True))
         else:
             top = call(graph, aten.topk.default, (race, num_samples, -1))
-            new = graph.call_function(operator.getitem, (top, 1))
-            new.meta["val"] = meta_val(top)[1] if meta_val(top) is not None else None
+            new = call(graph, operator.getitem, (top, 1))
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 
