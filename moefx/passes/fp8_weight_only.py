@@ -17,10 +17,10 @@ x with an FP8 scheme (what Fp8BlockLinear writes), at a static M of at most the 
 product serves (`default_config(m, False)` not a tensor-core tile: M <= 4, the limit fuse_norm_linear uses for the
 prologue forms), where the dense policy runs the gemv kernel for the call in a captured step. With
 fuse_sibling_linears on, the policy is asked about the call the linear becomes with its siblings (q/k/v as one
-call): the calibration rows are per fused shape, and q_proj alone has none, so asking about it alone kept the
-model's q/k/v in W8A8 on the H100 (docs/FINDINGS.md). Left alone, with the reason in the compile report: a dynamic
-or larger M (prefill: W8A8 on the tensor cores), a call the policy runs upstream, an input that is not such a
-quant. Runs before the quant fusions, so the quant it makes dead is not fused into its producer first.
+call): the calibration rows are per fused shape, and q_proj alone has none (docs/FINDINGS.md). Left alone, with
+the reason in the compile report: a dynamic or larger M (prefill: W8A8 on the tensor cores), a call the policy runs
+upstream, an input that is not such a quant. Runs before the quant fusions, so the quant it makes dead is not fused
+into its producer first.
 """
 
 from __future__ import annotations
