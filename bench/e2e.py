@@ -140,17 +140,16 @@ def _attention_speculates(on: bool) -> Callable[[], None]:
     return set_speculate_default  # called with no argument: the default again
 
 
-def _fp8_m1_automatic_tile() -> Callable[[], None]:
-    """The FP8 weight-only M = 1 row of DEFAULT_TILES set to the automatic tile (a dense launch reads the rows when
-    it runs)."""
+def _m1_automatic_tile(kind: str) -> Callable[[], None]:
+    """The M = 1 row of DEFAULT_TILES[kind] set to the automatic tile (a dense launch reads the rows when it runs)."""
     from moefx.kernels import dense_gemm
 
-    rows = dense_gemm.DEFAULT_TILES["fp8_weight_only"]
+    rows = dense_gemm.DEFAULT_TILES[kind]
     auto = dense_gemm.DenseConfig(block_n=0, block_k=0)
-    dense_gemm.DEFAULT_TILES["fp8_weight_only"] = tuple((m, auto if m == 1 else cfg) for m, cfg in rows)
+    dense_gemm.DEFAULT_TILES[kind] = tuple((m, auto if m == 1 else cfg) for m, cfg in rows)
 
     def undo() -> None:
-        dense_gemm.DEFAULT_TILES["fp8_weight_only"] = rows
+        dense_gemm.DEFAULT_TILES[kind] = rows
 
     return undo
 
@@ -167,7 +166,10 @@ STEP_VARIANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
                              "blocks (SPECULATE_DEFAULT on)", lambda: _attention_speculates(True)),
     "fp8_m1_auto_tile": ("the FP8 weight-only dense GEMV at M = 1 on the automatic tile (4 warps, 128 weight bytes a "
                          "thread) instead of the swept row (kernels/dense_gemm.py DEFAULT_TILES)",
-                         _fp8_m1_automatic_tile),
+                         lambda: _m1_automatic_tile("fp8_weight_only")),
+    "bf16_m1_auto_tile": ("the float dense GEMVs (q/k/v, o, the router) at M = 1 on the automatic tile (128 weight "
+                          "bytes a thread) instead of the swept row (kernels/dense_gemm.py DEFAULT_TILES)",
+                          lambda: _m1_automatic_tile("bf16")),
 }
 # --fp8-forms: the FP8 decode form -> pass_config.fp8_weight_only (docs/DENSE.md)
 FP8_FORMS = {"w8a8": False, "weight_only": True}

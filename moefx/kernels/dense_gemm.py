@@ -309,6 +309,9 @@ class DenseConfig:
 # wins. Adopting a `bench/dense.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, DenseConfig], ...]] = {
     "bf16": (
+        # M = 1: 64 weight bytes a thread (half the automatic 128): the q/k/v + norm shape's best tile in
+        # `dense-sweep-m1` on the H100 (8.74 against the automatic 9.14 us; docs/DENSE.md)
+        (1, DenseConfig(block_n=0, block_k=0, thread_bytes=64)),
         (4, DenseConfig(block_n=0, block_k=0)),
         (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
     ),
