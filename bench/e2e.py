@@ -38,8 +38,9 @@ hf_compiled `torch.compile(model.forward, dynamic=True)` on the plain model (bef
 moefx_forward `model(input_ids=ids, logits_to_keep=1)` after `optimize` (the engine's padded prefill,
 moefx/engine/forward.py), moefx_ttft `generate(ids, max_new_tokens=1)` on the same optimized model,
 moefx_ttft_in_layers the same with the prompt's keys and values written into the cache by the padded prefill's layer
-bodies instead of copied there after its forward (`BucketedPrefill.write_in_layers`, off by default; its graphs
-captured again, then dropped: the after of that change, in the same process). The moefx
+bodies (buckets up to IN_LAYERS_MAX_BUCKET) and moefx_ttft_copies with them copied there after its forward
+(`BucketedPrefill.write_in_layers` on / off, whichever the default is; their graphs captured again, then dropped:
+both sides of that setting in the same process). The moefx
 forward's logits are checked against the peer's (relative error, `extra.forward_logits_rel_err`) and the forward
 front's counts kept (`extra.moefx_forward`: calls on the fast path, fallbacks). `--prefill-table`: each moefx forward
 row gets one more profiled call (`extra.prefill_profile_<layers>[arm][BxT]`: every kernel's time and count, the
@@ -171,6 +172,9 @@ STEP_VARIANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
                           "bytes a thread) instead of the swept row (kernels/dense_gemm.py DEFAULT_TILES)",
                           lambda: _m1_automatic_tile("bf16")),
 }
+# The TTFT arms that set how the padded prefill puts the prompt's keys and values into the cache
+# (`BucketedPrefill.write_in_layers`, within IN_LAYERS_MAX_BUCKET), whatever the default: arm -> the setting
+KV_WRITE_ARMS = {"moefx_ttft_in_layers": True, "moefx_ttft_copies": False}
 # --fp8-forms: the FP8 decode form -> pass_config.fp8_weight_only (docs/DENSE.md)
 FP8_FORMS = {"w8a8": False, "weight_only": True}
 
@@ -683,19 +687,22 @@ def main() -> int:
         if "moefx_ttft" in fwd_arms:
             print("forward, moefx_ttft", flush=True)
             forward_rows("moefx_ttft", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
-        if "moefx_ttft_in_layers" in fwd_arms:
-            print("forward, moefx_ttft_in_layers", flush=True)
+        for arm, in_layers in KV_WRITE_ARMS.items():
+            if arm not in fwd_arms:
+                continue
+            print(f"forward, {arm}", flush=True)
             engine = opt.moefx_generate.engine
             prefill = engine._bucketed
             if prefill is None:
-                print("  no padded prefill on this engine: moefx_ttft_in_layers not run", flush=True)
-                return
-            prefill.write_in_layers = True
+                print(f"  no padded prefill on this engine: {arm} not run", flush=True)
+                continue
+            default = prefill.write_in_layers
+            prefill.write_in_layers = in_layers
             engine.slots.drop_graphs()
             try:
-                forward_rows("moefx_ttft_in_layers", lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
+                forward_rows(arm, lambda ids: lambda: opt.generate(ids, **greedy_kwargs(1)))
             finally:
-                prefill.write_in_layers = False
+                prefill.write_in_layers = default
                 engine.slots.drop_graphs()
 
     def train_row(arm: str) -> None:

@@ -48,7 +48,7 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
            "--batches", "", "--arms", "moefx", "--mode", "eager", "--runs", "1", "--forward", "16",
-           "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft", "--train", "--train-shape", "2x8",
+           "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft,moefx_ttft_copies", "--train", "--train-shape", "2x8",
            "--train-arms", "moefx", "--prefill-table", "--tag", "_forward"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,6 +56,8 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
     assert not r["extra"].get("errors")
     assert {(t["arm"], t["B"], t["tokens"]) for t in r["forward"]} == {
         (arm, b, t) for arm in ("moefx_forward", "moefx_ttft") for b, t in ((1, 16), (2, 8))}
+    # the eager CPU engine has no padded prefill: the arms that set its KV write say so instead of a row
+    assert "no padded prefill on this engine: moefx_ttft_copies not run" in proc.stdout
     (step,) = r["train"]
     assert step["arm"] == "moefx" and step["ms"] > 0 and step["loss"] > 0 and (step["B"], step["tokens"]) == (2, 8)
 

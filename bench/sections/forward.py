@@ -15,8 +15,10 @@ FORWARD_ARMS = {
                      "prefill, replayed from a CUDA graph per bucket key (moefx/engine/forward.py)",
     "moefx_ttft": "`generate(ids, max_new_tokens=1)` on the same optimized model (the engine's time to first token)",
     "moefx_ttft_in_layers": "as `moefx_ttft`, the prompt's keys and values written into the cache by the padded "
-                            "prefill's layer bodies instead of copied there after its forward (off by default; its "
-                            "graphs captured again in the same process)",
+                            "prefill's layer bodies instead of copied there after its forward (`write_in_layers` on, "
+                            "buckets up to `IN_LAYERS_MAX_BUCKET`; its graphs captured again in the same process)",
+    "moefx_ttft_copies": "as `moefx_ttft`, the prompt's keys and values copied into the cache after the padded "
+                         "prefill's forward (`write_in_layers` off; its graphs captured again in the same process)",
 }
 TRAIN_ARMS = {
     "hf_compiled": "`torch.compile(model.forward, dynamic=True)`, then `loss.backward()` and an AdamW step (the peer)",
