@@ -158,11 +158,11 @@ STAGES: tuple[Stage, ...] = (
           "--tag _forward48", "the optimized model's forward vs torch.compile(forward) and the engine's TTFT, 48 "
           "layers, B=1", section="forward"),
     Stage("prefill-table-48", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward '
-          "256,1024,4096 --forward-batch 8x512 --forward-arms moefx_forward,moefx_ttft,moefx_ttft_in_layers "
+          "256,1024,4096 --forward-batch 8x512 --forward-arms moefx_forward,moefx_ttft,moefx_ttft_copies "
           "--prefill-table --tag _forward48_table", "the prefill step table, 48 layers, 1 x 256/1024/4096 and "
           "8 x 512: the optimized forward's and the engine's TTFT kernels by kind against their floors, the gaps, the "
-          "host time before the first kernel; the TTFT with the prompt's KV written in the layer bodies instead of "
-          "copied after the forward (no torch.compile peer: forward-48 runs it)", section="forward"),
+          "host time before the first kernel; the TTFT with the prompt's KV copied after the forward instead of "
+          "written in the layer bodies (no torch.compile peer: forward-48 runs it)", section="forward"),
     Stage("forward-48-b8", 580, 'python3 bench/e2e.py --layers 48 --batches "" --arms moefx --forward-batch 8x512 '
           "--tag _forward48_b8", "the same at 48 layers, 8 x 512 (a process of its own: torch.compile's first "
           "compile there is its batch-8 compile)", section="forward"),

@@ -48,8 +48,8 @@ def test_e2e_tiny_cpu_writes_forward_and_training_rows(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "bench" / "e2e.py"), "--tiny", "--device", "cpu", "--layers", "2",
            "--batches", "", "--arms", "moefx", "--mode", "eager", "--runs", "1", "--forward", "16",
-           "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft,moefx_ttft_copies", "--train", "--train-shape", "2x8",
-           "--train-arms", "moefx", "--prefill-table", "--tag", "_forward"]
+           "--forward-batch", "2x8", "--forward-arms", "moefx_forward,moefx_ttft,moefx_ttft_copies", "--train",
+           "--train-shape", "2x8", "--train-arms", "moefx", "--prefill-table", "--tag", "_forward"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "e2e_2l_forward.json").read_text())

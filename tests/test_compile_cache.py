@@ -229,9 +229,8 @@ if os.environ.get("PADDED"):  # the padded prefill, which only a CUDA engine tha
 
     _init = engine_module.DecodeLoop.__init__
 
-    def _padded_init(self, *a, **k):
+    def _padded_init(self, *a, **k):  # the layer bodies write the prompt: `write_in_layers`, the default
         _init(self, *a, **{**k, "prefill_capture_tokens": int(os.environ["PADDED"])})
-        self._bucketed.write_in_layers = True
 
     engine_module.DecodeLoop.__init__ = _padded_init
 model, _ = build_model_from_spec("tiny-qwen3-moe", int(os.environ.get("LAYERS", "1")), torch.device("cpu"),

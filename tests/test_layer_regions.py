@@ -624,8 +624,8 @@ def test_the_padded_prefill_writes_the_prompt_into_the_buffers_inside_the_layer_
     """The frames' padded prefill over the buffered cache: the stack op's layer bodies write the prompt's keys and
     values into the slot's buffers (`layer_stack_prefill_into`), in place (no whole-buffer copy in the post-grad
     graphs) and nothing follows the forward: the prompt cache it got stays empty (at 48 layers the copies after it
-    were 96 kernels). One op per layer, or the stack with `write_in_layers` off (the default until it is timed on a
-    GPU), keeps the copies after the forward. Each way the first token's logits and the cache equal the unpadded eager
+    were 96 kernels). One op per layer, or the stack with `write_in_layers` off, keeps the copies after the
+    forward. Each way the first token's logits and the cache equal the unpadded eager
     prefill's, zeros past the prompt."""
     torch._dynamo.reset()
     stock = build_model(tiny_qwen3_moe_config(num_hidden_layers=3), seed=3).eval()

@@ -9,8 +9,8 @@ after it; the logits come from the last real position (`logits_to_keep` as a one
 device); the keys and values go to the slot's static cache through a device-side mask (positions at or past the
 prompt length get zeros, so the cache needs no reset where no earlier request wrote past the bucket:
 `Slot.prepare_write`), and each static layer's write position is set to the real length. The forward fills a
-DynamicCache and one masked copy per tensor follows it (96 kernels at 48 layers); with `write_in_layers` (off until
-its rule by bucket length is timed on a GPU), for buckets up to IN_LAYERS_MAX_BUCKET, where the decoder layers run
+DynamicCache and one masked copy per tensor follows it (96 kernels at 48 layers); with `write_in_layers` (the
+default), for buckets up to IN_LAYERS_MAX_BUCKET, where the decoder layers run
 as the compiled frames' stack op over the slot's cache buffers, the layer bodies write them there as they compute
 them instead (`layer_body.PREFILL_INTO`: inductor stores the keys from the kernel that applies their norm and rotary
 embedding, and no copy follows the forward). The bucket's inputs that follow from the prompt length are derived in
@@ -85,10 +85,10 @@ class BucketedPrefill:
         self.max_tokens = max_tokens
         self._fns: dict[bool, Callable[..., Any]] = {False: steps.compile("prefill[padded]", steps.forward)}
         # Whether the compiled frames' layer bodies write the prompt into the slot's cache (`PREFILL_INTO`) instead of
-        # the copies after the forward, for buckets up to IN_LAYERS_MAX_BUCKET: off until that rule is timed on a GPU
-        # against the copies (bench/e2e.py's `moefx_ttft_in_layers` arm beside `moefx_ttft`, stage
-        # prefill-table-48); tests/test_layer_regions.py checks it on the CPU.
-        self.write_in_layers = False
+        # the copies after the forward, for buckets up to IN_LAYERS_MAX_BUCKET (the numbers above it): on, so
+        # `generate()`'s first token adds the sampler, not 96 copy kernels, to the forward. bench/e2e.py's
+        # `moefx_ttft_copies` arm times the copies beside it (stage prefill-table-48).
+        self.write_in_layers = True
 
     def _compiled(self, into: bool) -> Callable[..., Any]:
         """The compiled padded prefill for calls whose cache carries `PREFILL_INTO` (`into`) or not: one function
