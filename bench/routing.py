@@ -7,9 +7,10 @@ Routers (transformers' own classes at real widths, bf16 hidden states, random we
 Correctness first, on this GPU, for every M: the op and the compiled-with-moefx router against the eager
 router (ids identical on every row without a tie at the k-th place -- eager's choice among equal values is
 unspecified, the op takes the lower id --, weights rtol 1e-5 / atol 1e-6 in fp32, one ulp after a bf16 cast),
-and the compile report must show the rewrite. Then, per M in 1, 16, 64, 1024, CUDA-graph replay medians
+and the compile report must show the rewrite. Then, per M in 1, 16, 64, 1024, 4096, CUDA-graph replay medians
 (7 replays of 64 calls) of:
-  routing only (the logits given): inductor's torch routing | the fused op
+  routing only (the logits given): inductor's torch routing | the fused op | its kernel at one row a program over
+    4 warps (the launch shape before `launch_shape`, for the before/after in one process)
   whole router (gate linear + routing): inductor | inductor + fuse_moe_routing | the gate GEMM alone
 Gate weights rotate through copies larger than the L2 (as in decode, where 48 layers evict them); logits of
 the routing-only rows rotate through 8 sets and sit in L2, as they do straight after the gate GEMM.
@@ -36,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moefx
 from bench.harness import copy_ceiling_Bps, time_rotated, time_wall, write_json
 from moefx.backends.routing import fused_topk
+from moefx.kernels.moe_routing import fused_topk_triton
 
-MS = (1, 16, 64, 1024)
+MS = (1, 16, 64, 1024, 4096)
 L2_BYTES = 60 << 20
 CALLS = 64
 DEVICE = "cuda"
@@ -144,6 +146,12 @@ def run_case(case: str, bw: float, launch: float) -> tuple[list[dict], list[dict
     def op(logits):
         return fused_topk(logits, k, **kw)
 
+    full = dict(renormalize=True, correction_bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0) | kw
+
+    def one_row(logits):  # the kernel at one row a program over 4 warps, its launch shape before launch_shape
+        return fused_topk_triton(logits, k, full["kind"], full["renormalize"], full["correction_bias"],
+                                 full["n_group"], full["topk_group"], full["routed_scaling_factor"], shape=(1, 4))
+
     def functional_router(x, w):
         return torch.func.functional_call(router, {"weight": w}, (x,))
 
@@ -163,6 +171,11 @@ def run_case(case: str, bw: float, launch: float) -> tuple[list[dict], list[dict
             w, ids = op(refs[m][0])
             checks.append(check(f"{case} op M={m}", refs[m][1:], (w.to(refs[m][1].dtype), ids), keys[m], unsorted))
             rows[m]["route_op_us"] = time_gpu(op, logit_sets[m])
+            if DEVICE == "cuda":
+                checks.append(check(f"{case} kernel one row a program M={m}", refs[m][1:],
+                                    tuple(v.to(r.dtype) for v, r in zip(one_row(refs[m][0]), refs[m][1:])), keys[m],
+                                    unsorted))
+                rows[m]["route_one_row_us"] = time_gpu(one_row, logit_sets[m])
             rows[m]["gate_gemm_us"] = time_gpu(lambda xx, w: torch.nn.functional.linear(xx.to(w.dtype), w),
                                                router_sets[m])
         for arm, fn, sets, fused in (("route_inductor_us", route_from_logits(case, router), logit_sets, False),
@@ -183,7 +196,8 @@ def run_case(case: str, bw: float, launch: float) -> tuple[list[dict], list[dict
         row["route_floor_us"] = max(launch, (logit_bytes + out_bytes) / bw * 1e6)
         row["router_floor_us"] = max(launch, (router.weight.nbytes + xs[m].nbytes + logit_bytes + out_bytes) / bw
                                      * 1e6)
-        print(f"  {case} M={m}: route {row['route_inductor_us']:.1f} -> op {row['route_op_us']:.1f} µs; "
+        print(f"  {case} M={m}: route {row['route_inductor_us']:.1f} -> op {row['route_op_us']:.1f} µs "
+              f"(one row a program {row.get('route_one_row_us', float('nan')):.1f}); "
               f"router {row['router_inductor_us']:.1f} -> {row['router_fused_us']:.1f} µs "
               f"(gate GEMM {row['gate_gemm_us']:.1f})", flush=True)
     rewrites = [r.matches.get("fuse_moe_routing") for r in moefx.compile_reports()]
@@ -224,11 +238,12 @@ def main() -> None:
     print(f"\nMoE routing on {meta['device']} (torch {meta['torch']}, transformers {meta['transformers']}), "
           f"µs per call, {'CUDA-graph replay medians' if DEVICE == 'cuda' else 'CPU wall clock'}; "
           f"{meta['seconds']:.0f} s")
-    print(f"{'case':<6} {'M':>5} | {'route:inductor':>14} {'fused':>6} {'op':>6} {'floor':>6} | "
+    print(f"{'case':<6} {'M':>5} | {'route:inductor':>14} {'fused':>6} {'op':>6} {'1 row':>6} {'floor':>6} | "
           f"{'router:inductor':>15} {'+moefx':>7} {'gate mm':>7} {'floor':>6} {'gain':>6}")
     for r in rows:
         print(f"{r['case']:<6} {r['M']:>5} | {r['route_inductor_us']:>14.1f} {r['route_fused_compiled_us']:>6.1f} "
-              f"{r['route_op_us']:>6.1f} {r['route_floor_us']:>6.1f} | {r['router_inductor_us']:>15.1f} "
+              f"{r['route_op_us']:>6.1f} {r.get('route_one_row_us', float('nan')):>6.1f} {r['route_floor_us']:>6.1f} | "
+              f"{r['router_inductor_us']:>15.1f} "
               f"{r['router_fused_us']:>7.1f} {r['gate_gemm_us']:>7.1f} {r['router_floor_us']:>6.1f} "
               f"{r['router_inductor_us'] / r['router_fused_us']:>5.2f}x")
 

@@ -8,7 +8,8 @@ the other gate epilogues hold grouped GEMM 1 and gemv stage 1 at the largest til
 without TRITON_INTERPRET (test_backends_grouped.py starts it so). It also reports whether ptxas had to serialize a
 kernel's wgmmas (C7514: accumulator registers touched while a wgmma it cannot prove finished may still write them).
 Usage: python tests/compile_sm90.py [bf16|fp8]   (or `dense`: the dense-linear kernel at its DEFAULT_TILES rows, both
-kinds, at the q/k/v shape with the SM count's split-K; or `attention`: moefx::decode_attention's kernels)
+kinds, at the q/k/v shape with the SM count's split-K; `attention`: moefx::decode_attention's kernels; `routing`:
+moefx::fused_topk's kernel)
 """
 
 from __future__ import annotations
@@ -208,6 +209,27 @@ def compile_dense(kind: str, max_m: float, cfg: dense.DenseConfig) -> dict:
     return row
 
 
+def compile_routing() -> list[dict]:
+    """moefx::fused_topk's kernel at `launch_shape` for a prefill (4096 rows) and a decode call (1 row): Qwen3-30B-A3B's
+    router (128 experts, top-8 softmax, renormalized, bf16 logits), DeepSeek-V3's (256 experts, sigmoid + bias, 8 groups
+    keep 4, fp32 logits) and a 2048-expert one (a row over 4 warps); contiguous logits, as the JIT specializes them."""
+    from moefx.kernels import moe_routing as mr
+
+    rows = []
+    for name, e, dtype, args in (("qwen3", 128, "*bf16", ("softmax", True, False, 1, 1)),
+                                 ("deepseek_v3", 256, "*fp32", ("sigmoid", True, True, 8, 4)),
+                                 ("2048 experts", 2048, "*bf16", ("softmax", True, False, 1, 1))):
+        types = dict(logits_ptr=dtype, bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", scaling="fp32")
+        for t in (4096, 1):
+            r, warps = mr.launch_shape(t, e)
+            consts = mr.constexprs(e, 8, *args) | dict(ROWS=r, stride_e=1)
+            kernel = _compile(mr._fused_topk_kernel, types, consts, warps, LAUNCH_DEFAULT_STAGES,
+                              re.compile(r"_ptr$|^stride_t$"))
+            rows.append(dict(kind=f"fused_topk {name}", max_rows=f"{r} rows, {warps} warps", gemm1=kernel,
+                             gemm2=kernel))
+    return rows
+
+
 def epilogue_variants() -> list[tuple[str, int, float]]:
     """(name, ACT id, LIMIT) of every GEMM-1 epilogue besides plain SiLU: the other activations, clamped SwiGLU."""
     return [(a.name, a.kernel_id, 0.0) for a in ACTIVATIONS.values() if a.kernel_id] + [("silu clamped", 0, 7.0)]
@@ -216,6 +238,9 @@ def epilogue_variants() -> list[tuple[str, int, float]]:
 def main() -> None:
     if sys.argv[1:] == ["attention"]:
         print(json.dumps(compile_decode_attention()))
+        return
+    if sys.argv[1:] == ["routing"]:
+        print(json.dumps(compile_routing()))
         return
     if sys.argv[1:] == ["dense"]:
         print(json.dumps([compile_dense(kind, max_m, cfg) for kind in dense.DEFAULT_TILES

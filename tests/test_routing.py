@@ -181,3 +181,50 @@ def test_op_registration() -> None:
     torch.library.opcheck(torch.ops.moefx.fused_topk.default,
                           (torch.randn(7, 32), 4, "sigmoid", True, bias, 4, 2, 2.5),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("e, kw", [(128, dict(kind="softmax")), (16, dict(kind="topk_softmax")),
+                                   (64, dict(kind="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5))])
+def test_every_launch_shape_gives_the_same_bits(e: int, kw: dict) -> None:
+    """Rows per program and warps per program (`launch_shape`'s choice, one row over 4 warps, 16 rows on one warp,
+    ...) change only how the rows are grouped: the weights and ids of 37 rows (a partial last program) are equal to
+    the bit, and equal the torch path's ids."""
+    from moefx.kernels.moe_routing import fused_topk_triton, launch_shape
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(e)
+    logits = torch.randn(37, e, generator=g).to(dev, torch.bfloat16)
+    bias = torch.randn(e, generator=g).to(dev) * 0.3 if kw["kind"] == "sigmoid" else None
+    args = (6, kw["kind"], True, bias, kw.get("n_group", 1), kw.get("topk_group", 1),
+            kw.get("routed_scaling_factor", 1.0))
+    assert launch_shape(37, e) == (512 // e, 1) and launch_shape(1, e) == (1, 1)
+    w, ids = fused_topk_triton(logits, *args)
+    for shape in ((1, 4), (16, 1), (2, 2), (64, 1)):
+        w2, ids2 = fused_topk_triton(logits, *args, shape=shape)
+        assert torch.equal(ids2, ids) and torch.equal(w2, w), shape
+    _, rids = fused_topk_torch(logits.cpu(), 6, correction_bias=None if bias is None else bias.cpu(), **kw)
+    assert torch.equal(ids.cpu(), rids)
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_topk_triton(logits, *args, shape=(3, 1))
+
+
+def test_kernel_builds_for_sm90_at_its_launch_shapes() -> None:
+    """moefx::fused_topk's kernel at `launch_shape` compiles for sm_90a within shared memory and without spills
+    (tests/compile_sm90.py routing: a prefill's and a decode call's shape, three routers)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton_backends = pytest.importorskip("triton.backends")
+    if "nvidia" not in triton_backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_sm90.py")
+    done = subprocess.run([sys.executable, str(script), "routing"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6 and {r["max_rows"] for r in rows} >= {"4 rows, 1 warps", "1 rows, 4 warps"}
+    assert all(0 <= r["gemm1"]["smem"] <= 227 * 1024 and r["gemm1"]["spill"] == 0 for r in rows), rows

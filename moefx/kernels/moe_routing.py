@@ -22,6 +22,11 @@ KIND_CODES = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
 FIXED_ONE = tl.constexpr(2.0**50)
 FIXED_ULP = tl.constexpr(2.0**-50)
 INT64_MIN = tl.constexpr(-(2**63))
+# Scores one warp routes (16 a thread). A program is one warp with as many rows as that holds (4 of 128 experts, 2 of
+# 256; wider routers one row over more warps): every pick's max then stays in the warp, shuffles without a barrier
+# (the sm_90a PTX at 128 experts: 1 barrier where one row over 4 warps has 23). That one-row, 4-warp program took
+# 98.7 us a layer for 4096 rows on the H100 (the 48-layer prefill step table, docs/PERFORMANCE.md).
+WARP_SCORES = 512
 
 
 @triton.jit
@@ -133,22 +138,34 @@ def route_rows(
     return top_w, top_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T only bounds masks: one compile serves every row count of a tile height
 def _fused_topk_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_t, stride_e, scaling,
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, T, stride_t, stride_e, scaling,
     E: tl.constexpr, TOP_K: tl.constexpr, KIND: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr, K_BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
-    valid = cols < E
-    x = tl.load(logits_ptr + row * stride_t + cols * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
-    top_w, top_i = route_rows(x[None, :], cols, bias_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP,
-                              BLOCK_E, K_BLOCK)
+    in_t = (rows < T)[:, None]
+    x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :] * stride_e, mask=in_t & (cols < E)[None, :],
+                other=float("-inf")).to(tl.float32)
+    x = tl.where(in_t, x, 0.0)  # rows past T: finite, routed and dropped
+    top_w, top_i = route_rows(x, cols, bias_ptr, E, TOP_K, KIND, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_E,
+                              K_BLOCK)
     k_offs = tl.arange(0, K_BLOCK)[None, :]
-    k_valid = k_offs < TOP_K
-    tl.store(w_ptr + row * TOP_K + k_offs, (top_w * scaling).to(w_ptr.dtype.element_ty), mask=k_valid)
-    tl.store(ids_ptr + row * TOP_K + k_offs, top_i.to(tl.int64), mask=k_valid)
+    out = rows[:, None] * TOP_K + k_offs
+    out_mask = in_t & (k_offs < TOP_K)
+    tl.store(w_ptr + out, (top_w * scaling).to(w_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(ids_ptr + out, top_i.to(tl.int64), mask=out_mask)
+
+
+def launch_shape(t: int, num_experts: int) -> tuple[int, int]:
+    """(rows a program routes, its warps) for t rows of `num_experts` scores: WARP_SCORES a warp, one warp holding as
+    many rows as fit (at most t's power of two: rows past t are masked), a row wider than that on more warps."""
+    block_e = triton.next_power_of_2(num_experts)
+    if block_e <= WARP_SCORES:
+        return min(WARP_SCORES // block_e, triton.next_power_of_2(max(t, 1))), 1
+    return 1, block_e // WARP_SCORES
 
 
 def fused_topk_triton(
@@ -161,18 +178,25 @@ def fused_topk_triton(
     topk_group: int,
     routed_scaling_factor: float,
     weights_dtype: torch.dtype | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch one program per row; outputs are allocated here (fixed sizes, so CUDA-graph capturable). Weights are
-    computed in fp32 and stored in `weights_dtype` (default fp32): one rounding, as a cast after the op."""
+    """Launch one program per `rows` rows over `warps` warps (`shape` = (rows, warps), powers of two; None:
+    `launch_shape`); outputs are allocated here (fixed sizes, so CUDA-graph capturable). Weights are computed in fp32
+    and stored in `weights_dtype` (default fp32): one rounding, as a cast after the op. Every shape gives the same
+    weights and ids to the bit."""
     t, e = router_logits.shape
     w = torch.empty(t, top_k, dtype=weights_dtype or torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     bias = correction_bias.contiguous() if correction_bias is not None else w
+    rows, warps = shape or launch_shape(t, e)
+    if any(v < 1 or v & (v - 1) for v in (rows, warps)):
+        raise ValueError(f"fused_topk_triton: shape={(rows, warps)} (rows, warps) must be powers of two >= 1")
     if t:
-        _fused_topk_kernel[(t,)](
-            router_logits, bias, w, ids, router_logits.stride(0), router_logits.stride(1),
+        _fused_topk_kernel[(triton.cdiv(t, rows),)](
+            router_logits, bias, w, ids, t, router_logits.stride(0), router_logits.stride(1),
             float(routed_scaling_factor),
-            **constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group),
+            **constexprs(e, top_k, kind, renormalize, correction_bias is not None, n_group, topk_group), ROWS=rows,
+            num_warps=warps,
         )
     return w, ids
 
