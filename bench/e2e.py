@@ -141,20 +141,6 @@ def _attention_speculates(on: bool) -> Callable[[], None]:
     return set_speculate_default  # called with no argument: the default again
 
 
-def _m1_automatic_tile(kind: str) -> Callable[[], None]:
-    """The M = 1 row of DEFAULT_TILES[kind] set to the automatic tile (a dense launch reads the rows when it runs)."""
-    from moefx.kernels import dense_gemm
-
-    rows = dense_gemm.DEFAULT_TILES[kind]
-    auto = dense_gemm.DenseConfig(block_n=0, block_k=0)
-    dense_gemm.DEFAULT_TILES[kind] = tuple((m, auto if m == 1 else cfg) for m, cfg in rows)
-
-    def undo() -> None:
-        dense_gemm.DEFAULT_TILES[kind] = rows
-
-    return undo
-
-
 # Before/after of one kernel setting over an arm's own model and compiled steps (`--step-variants`, `--step-pdl`): a
 # setting the kernels' launchers read when the decode graphs are captured (custom ops launch from Python then), so
 # only the graphs are captured again. name -> (what it changes, apply() returning its undo); rows `<arm>_<name>`.
@@ -165,12 +151,6 @@ STEP_VARIANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
                               "(kernels/decode_attn.py SPECULATE_DEFAULT off)", lambda: _attention_speculates(False)),
     "attn_loads_with_mask": ("decode attention loads K and V with the mask in slices of up to SPECULATE_BLOCKS "
                              "blocks (SPECULATE_DEFAULT on)", lambda: _attention_speculates(True)),
-    "fp8_m1_auto_tile": ("the FP8 weight-only dense GEMV at M = 1 on the automatic tile (4 warps, 128 weight bytes a "
-                         "thread) instead of the swept row (kernels/dense_gemm.py DEFAULT_TILES)",
-                         lambda: _m1_automatic_tile("fp8_weight_only")),
-    "bf16_m1_auto_tile": ("the float dense GEMVs (q/k/v, o, the router) at M = 1 on the automatic tile (128 weight "
-                          "bytes a thread) instead of the swept row (kernels/dense_gemm.py DEFAULT_TILES)",
-                          lambda: _m1_automatic_tile("bf16")),
 }
 # The TTFT arms that set how the padded prefill puts the prompt's keys and values into the cache
 # (`BucketedPrefill.write_in_layers`, within IN_LAYERS_MAX_BUCKET), whatever the default: arm -> the setting

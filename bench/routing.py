@@ -88,7 +88,8 @@ def route_from_logits(case: str, router: torch.nn.Module) -> Callable:
 
 
 def compiled(fn: Callable, fused: bool) -> Callable:
-    backend = moefx.backend({"pass_config": {"fuse_moe_routing": True}}) if fused else "inductor"
+    # no inductor CUDA graphs (mode capture's default on CUDA): time_gpu captures the calls in a graph of its own
+    backend = moefx.backend({"pass_config": {"fuse_moe_routing": True}}, cudagraphs=False) if fused else "inductor"
     c = torch.compile(fn, backend=backend)  # automatic dynamic: M=1 static, then one graph dynamic in M only
     return torch._dynamo.config.patch(specialize_float=True)(c)
 

@@ -120,11 +120,11 @@ STAGES: tuple[Stage, ...] = (
           "8 layers B=1 with the peer, and the same compiled steps with the decode attention's K/V loaded after the "
           "mask and with it (SPECULATE, graphs captured again)"),
     Stage("e2e-48-fp8", 560, "python3 bench/e2e.py --layers 48 --batches 1 --eager-batches 1 --arms hf_eager,moefx "
-          "--fp8 --profile --step-pdl off --step-variants fp8_m1_auto_tile,bf16_m1_auto_tile --tag _fp8_b1",
+          "--fp8 --profile --step-pdl off --tag _fp8_b1",
           "48 layers B=1, bf16 then FP8 in one process: the FP8 model quantized in place from the bf16 one on the "
           "GPU (its peak memory kept), each arm's decode step profile with and without the step's PDL chain (the "
-          "step tables) and with the dense GEMVs' automatic M = 1 tiles (FP8 weight-only, float) instead of the "
-          "swept ones, every arm's tokens scored by the fp32 forward with transformers' eager loop as the reference",
+          "step tables), every arm's tokens scored by the fp32 forward with transformers' eager loop as the "
+          "reference",
           section="e2e"),
     Stage("e2e-48a", 560, "python3 bench/e2e.py --layers 48 --batches 1,16 --eager-batches 1 --prefill 4096 "
           "--profile --tag _b1_16 --prefill-peers hf_eager", "48 layers B=1/16 and a 4096-token prefill",

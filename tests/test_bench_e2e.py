@@ -78,18 +78,15 @@ def test_step_variants_change_their_setting_and_their_undo_restores_it():
     leaves the defaults (a later arm of the same process must not run under an earlier arm's variant)."""
     sys.path.insert(0, str(ROOT))
     from bench.e2e import STEP_VARIANTS
-    from moefx.kernels import decode_attn, dense_gemm, pdl
+    from moefx.kernels import decode_attn, pdl
 
     def state():
-        return (dict(pdl._STEP), decode_attn.SPECULATE_DEFAULT, decode_attn.speculates(256, 4),
-                dense_gemm.default_config(1, True, weight_only=True), dense_gemm.default_config(1, False))
+        return dict(pdl._STEP), decode_attn.SPECULATE_DEFAULT, decode_attn.speculates(256, 4)
 
     default = state()
     # 4 slices of a 256-long cache: one block each
     changed = {"pdl_off": lambda s: s[0] == {"chain": False}, "pdl_chain": lambda s: s[0] == {"chain": True},
-               "attn_loads_after_mask": lambda s: s[2] is False, "attn_loads_with_mask": lambda s: s[2] is True,
-               "fp8_m1_auto_tile": lambda s: s[3] == dense_gemm.DenseConfig(block_n=0, block_k=0) and s[4] != s[3],
-               "bf16_m1_auto_tile": lambda s: s[4] == dense_gemm.DenseConfig(block_n=0, block_k=0) and s[3] != s[4]}
+               "attn_loads_after_mask": lambda s: s[2] is False, "attn_loads_with_mask": lambda s: s[2] is True}
     assert set(changed) == set(STEP_VARIANTS)
     for name, (what, apply) in STEP_VARIANTS.items():
         assert what

@@ -69,16 +69,6 @@ def test_weight_only_kernel_matches_the_float_reference(m, ns, k, cfg):
         assert relerr(o, r) < 1e-5
 
 
-def test_m1_row_halves_the_bytes_a_thread_streams():
-    """The M = 1 row launches 8 warps over the rows 4 warps take at 128 bytes a thread (dense-sweep-m1's best at
-    q/k/v and o_proj on the H100); M = 2 keeps the automatic tile."""
-    one, two = K.default_config(1, True, weight_only=True), K.default_config(2, True, weight_only=True)
-    assert (one.num_warps, one.thread_bytes, two.num_warps, two.thread_bytes) == (8, 64, 4, 0)
-    for ns, k, rows in (((4096, 512, 512), 2048, 8), ((2048,), 4096, 4)):
-        assert K.plan_launch(one, 1, ns, k, BLOCK, 132).block_n == rows
-        assert K.plan_launch(K.DenseConfig(block_n=0, block_k=0), 1, ns, k, BLOCK, 132).block_n == rows
-
-
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("m,k", [(1, 2048), (2, 4096), (4, 2048)])
 def test_weight_only_with_the_norm_prologue(m, k, split):

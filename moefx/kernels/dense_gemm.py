@@ -290,9 +290,9 @@ def _dense_kernel(
 @dataclass(frozen=True)
 class DenseConfig:
     """Launch tiles. block_m 0: next power of two of M up to MAX_AUTO_BLOCK_M (DOT=True: at least 16); block_k 0: all
-    of K in one step, up to MAX_AUTO_BLOCK_K; block_n 0: rows for `thread_bytes` (0: AUTO_THREAD_BYTES) weight bytes
-    per thread per step (CUDA-core product only); split_k 0: enough K slices that N tiles x slices reach
-    `programs_per_sm` x the SM count (each slice at least 2 x block_k long)."""
+    of K in one step, up to MAX_AUTO_BLOCK_K; block_n 0: rows for AUTO_THREAD_BYTES weight bytes per thread per step
+    (CUDA-core product only); split_k 0: enough K slices that N tiles x slices reach `programs_per_sm` x the SM count
+    (each slice at least 2 x block_k long)."""
 
     dot: bool = False
     block_m: int = 0
@@ -302,16 +302,12 @@ class DenseConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 2
-    thread_bytes: int = 0
 
 
 # Default tiles per weight kind ("bf16" serves every unquantized dtype): rows of (largest M, config), first match
 # wins. Adopting a `bench/dense.py --sweep` result is an edit of these rows.
 DEFAULT_TILES: dict[str, tuple[tuple[float, DenseConfig], ...]] = {
     "bf16": (
-        # M = 1: 64 weight bytes a thread (half the automatic 128): the q/k/v + norm shape's best tile in
-        # `dense-sweep-m1` on the H100 (8.74 against the automatic 9.14 us; docs/DENSE.md)
-        (1, DenseConfig(block_n=0, block_k=0, thread_bytes=64)),
         (4, DenseConfig(block_n=0, block_k=0)),
         (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
     ),
@@ -323,9 +319,6 @@ DEFAULT_TILES: dict[str, tuple[tuple[float, DenseConfig], ...]] = {
     # FP8 weights, float X (no x_scale): the automatic CUDA-core tiles at every M the dense pass runs it (<= 4), their
     # rows counted in FP8 bytes; the tensor-core tile past that converts the weights to X's dtype before the dot
     "fp8_weight_only": (
-        # M = 1: twice the threads over the same rows (64 bytes each), the best of `dense-sweep-m1` at both q/k/v +
-        # norm (6.94 against 8.05 us) and o_proj (6.09 against 6.59) on the H100 (docs/FINDINGS.md)
-        (1, DenseConfig(block_n=0, block_k=0, num_warps=8, thread_bytes=64)),
         (4, DenseConfig(block_n=0, block_k=0)),
         (math.inf, DenseConfig(dot=True, block_n=16, block_k=128, num_stages=4)),
     ),
@@ -373,7 +366,7 @@ def plan_launch(
     # past one row of X the fp32 [BLOCK_M, rows, K] product, not the weight, fills the registers: FP8 on the CUDA
     # cores takes the float rows there (its doubled rows ran 2-3.5x slower than M=1 at M=2-4 on the H100)
     per_row = bk * (2 if bm > 1 and not cfg.dot else weight_bytes)
-    bn = cfg.block_n or max(1, (cfg.thread_bytes or AUTO_THREAD_BYTES) * 32 * cfg.num_warps // per_row)
+    bn = cfg.block_n or max(1, AUTO_THREAD_BYTES * 32 * cfg.num_warps // per_row)
     _pow2(bn, "block_n")
     _pow2(bk, "block_k", 16)
     if block_shape is not None:

@@ -24,8 +24,8 @@ FIXED_ULP = tl.constexpr(2.0**-50)
 INT64_MIN = tl.constexpr(-(2**63))
 # Scores one warp routes (16 a thread). A program is one warp with as many rows as that holds (4 of 128 experts, 2 of
 # 256; wider routers one row over more warps): every pick's max then stays in the warp, shuffles without a barrier
-# (the sm_90a PTX at 128 experts: 1 barrier where one row over 4 warps has 23). That one-row, 4-warp program took
-# 98.7 us a layer for 4096 rows on the H100 (the 48-layer prefill step table, docs/PERFORMANCE.md).
+# (the sm_90a PTX at 128 experts: 1 barrier where one row over 4 warps has 23). For 4096 rows on the H100 the one-row,
+# 4-warp program took 98.7 us a layer, these 5.1 (the 48-layer prefill step tables, docs/FINDINGS.md).
 WARP_SCORES = 512
 
 
