@@ -1,8 +1,13 @@
-"""Shared inputs for the MoE backend tests: tiny shapes, fresh random data, the FP8 block quantizer."""
+"""Shared inputs for the MoE backend tests: tiny shapes, fresh random data, the FP8 block quantizer; the sm_90a
+build of the kernels (tests/compile_sm90.py) run from a test."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +26,24 @@ def kernel_device() -> str:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set")
     return "cpu"
+
+
+def compile_sm90(target: str) -> list[dict]:
+    """tests/compile_sm90.py TARGET's rows (each kernel's shared memory, registers, spills): this checkout's kernels
+    built for sm_90a without a GPU, in a process of its own without TRITON_INTERPRET. Skips where this Triton has no
+    NVIDIA backend."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # this checkout's kernels, not those of the checkout the package is installed from
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, str(root / "tests" / "compile_sm90.py"), target], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def quant_block(w: torch.Tensor, bs: tuple[int, int] = BS) -> tuple[torch.Tensor, torch.Tensor]:

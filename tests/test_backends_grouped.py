@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import BS, E, H, I, K, kernel_device, make_inputs, moe_call, reference_ref, relerr, unsupported
+from backends_util import (
+    BS,
+    E,
+    H,
+    I,
+    K,
+    compile_sm90,
+    kernel_device,
+    make_inputs,
+    moe_call,
+    reference_ref,
+    relerr,
+    unsupported,
+)
 
 from moefx.backends import BACKENDS
 from moefx.backends.common import qdq_rows
@@ -273,25 +286,11 @@ def test_default_tiles_compile_for_sm90(kind: str) -> None:
     """Every DEFAULT_TILES row's GEMM 1 and GEMM 2 (and the gemv stages at theirs) compile for sm_90a (the H200) as
     fused_moe and gemv_moe launch them, fit its shared memory, spill no registers and keep their wgmmas asynchronous:
     the GPU compiler sees branches the interpreter never runs (tests/compile_sm90.py)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton.backends
-
     from moefx.kernels import moe_gemv as gemv_kernels
     from moefx.kernels.activation import ACTIVATIONS
     from moefx.kernels.moe_grouped import DEFAULT_TILES
 
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_sm90.py")
-    done = subprocess.run([sys.executable, str(script), kind], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compile_sm90(kind)
     variants = sum(1 for a in ACTIVATIONS.values() if a.kernel_id) + 1  # the other activations, clamped SwiGLU
     assert len(rows) == len(DEFAULT_TILES[kind]) + len(gemv_kernels.DEFAULT_TILES[kind]) + variants
     h200_shared_memory = 227 * 1024

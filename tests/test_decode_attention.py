@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from backends_util import compile_sm90
 
 from moefx.ops.decode_attention import decode_attention_reference, splits_for, unsupported_reason
 
@@ -259,20 +260,7 @@ def test_kernels_compile_for_sm90():
     """The kernels, both forms of the K/V loads (and moefx::qk_norm_rope_cache's), compile for sm_90a (the H200) at
     Qwen3-30B-A3B's attention shape, within shared memory and without spills (tests/compile_sm90.py; the interpreter
     never compiles)."""
-    import json
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # this checkout's kernels, not those of the checkout the package is installed from
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    script = os.path.join(root, "tests", "compile_sm90.py")
-    done = subprocess.run([sys.executable, script, "attention"], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compile_sm90("attention")
     kernels = [r[g] for r in rows for g in ("gemm1", "gemm2")]
     assert len(kernels) == 10 and all(0 <= k["smem"] <= 227 * 1024 and k["spill"] == 0 for k in kernels), rows
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends_util import compile_sm90
 
 import moefx.ops  # noqa: F401  (moefx::quant)
 from moefx.backends.dense import reference
@@ -111,21 +112,7 @@ def test_plan_launch_splits_k_only_when_n_tiles_are_few():
 def test_default_tiles_compile_for_sm90():
     """Each dense DEFAULT_TILES row compiles for sm_90a (the H200) as dense_gemv launches it at the q/k/v shape, fits
     shared memory and spills nothing: the GPU compiler sees branches the interpreter never runs."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_sm90.py")
-    done = subprocess.run([sys.executable, str(script), "dense"], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compile_sm90("dense")
     assert len(rows) == sum(len(v) for v in K.DEFAULT_TILES.values())
     assert all(0 < r["kernel"]["smem"] <= 227 * 1024 and r["kernel"]["spill"] == 0 for r in rows), rows
     # the float rows with the RMSNorm prologue, with and without the residual add before it, and the router with both

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends_util import kernel_device
+from backends_util import compile_sm90, kernel_device
 
 from moefx.backends.routing import fused_topk, fused_topk_torch
 
@@ -208,23 +208,10 @@ def test_every_launch_shape_gives_the_same_bits(e: int, kw: dict) -> None:
         fused_topk_triton(logits, *args, shape=(3, 1))
 
 
+@pytest.mark.slow
 def test_kernel_builds_for_sm90_at_its_launch_shapes() -> None:
     """moefx::fused_topk's kernel at `launch_shape` compiles for sm_90a within shared memory and without spills
     (tests/compile_sm90.py routing: a prefill's and a decode call's shape, three routers)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    triton_backends = pytest.importorskip("triton.backends")
-    if "nvidia" not in triton_backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("compile_sm90.py")
-    done = subprocess.run([sys.executable, str(script), "routing"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compile_sm90("routing")
     assert len(rows) == 6 and {r["max_rows"] for r in rows} >= {"4 rows, 1 warps", "1 rows, 4 warps"}
     assert all(0 <= r["gemm1"]["smem"] <= 227 * 1024 and r["gemm1"]["spill"] == 0 for r in rows), rows
