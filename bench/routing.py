@@ -150,8 +150,7 @@ def run_case(case: str, bw: float, launch: float) -> tuple[list[dict], list[dict
     full = dict(renormalize=True, correction_bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0) | kw
 
     def one_row(logits):  # the kernel at one row a program over 4 warps, its launch shape before launch_shape
-        return fused_topk_triton(logits, k, full["kind"], full["renormalize"], full["correction_bias"],
-                                 full["n_group"], full["topk_group"], full["routed_scaling_factor"], shape=(1, 4))
+        return fused_topk_triton(logits, k, **full, shape=(1, 4))
 
     def functional_router(x, w):
         return torch.func.functional_call(router, {"weight": w}, (x,))
